@@ -1,0 +1,118 @@
+/// \file feature_map.hpp
+/// \brief The FeatureMap concept: what a type must provide to plug into every kernel.
+///
+/// A feature map \f$\varphi : \mathbb{R}^D \to \mathbb{R}^F\f$ turns the similarity of
+/// linear attention into a dot product, \f$\mathrm{sim}(q, k) = \varphi(q)^\top \varphi(k)\f$.
+/// It is a small value type (it may hold parameters, such as a projection matrix) with:
+///
+/// - **required** `Eigen::Index feature_dim(Eigen::Index D) const` — F for inputs of dimension D.
+/// - **required** a row-wise map, applied to queries and keys alike:
+///   \code
+///   template <class Derived>
+///   void map(const Eigen::MatrixBase<Derived>& x,                  // n x D, any layout
+///            linattn::MatrixRef<typename Derived::Scalar> phi) const;  // n x F, to fill
+///   \endcode
+///   Row i of `phi` must depend on row i of `x` only. Kernels call it on blocks of rows, so
+///   it must not allocate if the caller wants allocation-free kernels.
+/// - *optional* `backward(x, grad_phi, grad_x)`: the vector–Jacobian product
+///   \f$\nabla_x = J_\varphi(x)^\top \nabla_\varphi\f$ row by row (same shapes as `map`;
+///   `grad_x` is a MatrixRef), used by the gradients. Detected with has_backward_v.
+/// - *optional* `static constexpr bool normalizes_keys_per_feature = true`: declares the
+///   SoftmaxSplit semantics, where the key side is a softmax of each feature over the attended
+///   keys (§2 of the spec). The kernels then use the per-feature normalised algorithms; `map`
+///   is the query side.
+///
+/// A user map is checked at compile time by every kernel with a readable message:
+/// \code
+/// struct Relu {
+///   Eigen::Index feature_dim(Eigen::Index d) const { return d; }
+///   template <class Derived>
+///   void map(const Eigen::MatrixBase<Derived>& x,
+///            linattn::MatrixRef<typename Derived::Scalar> phi) const {
+///     phi = x.cwiseMax(typename Derived::Scalar(0));
+///   }
+/// };
+/// auto out = linattn::linear_attention(Q, K, V, Relu{});
+/// \endcode
+#pragma once
+
+#include <Eigen/Core>
+
+#include <type_traits>
+#include <utility>
+
+#include "common.hpp"
+
+namespace linattn {
+namespace detail {
+
+template <class Phi, class Scalar, class = void>
+struct has_feature_dim : std::false_type {};
+template <class Phi, class Scalar>
+struct has_feature_dim<
+    Phi, Scalar,
+    std::enable_if_t<std::is_convertible_v<
+        decltype(std::declval<const Phi&>().feature_dim(std::declval<Index>())), Index>>>
+    : std::true_type {};
+
+template <class Phi, class Scalar, class = void>
+struct has_map : std::false_type {};
+template <class Phi, class Scalar>
+struct has_map<Phi, Scalar,
+               std::void_t<decltype(std::declval<const Phi&>().map(
+                   std::declval<const Matrix<Scalar>&>(), std::declval<MatrixRef<Scalar>>()))>>
+    : std::true_type {};
+
+template <class Phi, class Scalar, class = void>
+struct has_backward : std::false_type {};
+template <class Phi, class Scalar>
+struct has_backward<Phi, Scalar,
+                    std::void_t<decltype(std::declval<const Phi&>().backward(
+                        std::declval<const Matrix<Scalar>&>(), std::declval<const Matrix<Scalar>&>(),
+                        std::declval<MatrixRef<Scalar>>()))>> : std::true_type {};
+
+template <class Phi, class = void>
+struct per_feature_flag : std::false_type {};
+template <class Phi>
+struct per_feature_flag<Phi, std::void_t<decltype(Phi::normalizes_keys_per_feature)>>
+    : std::bool_constant<Phi::normalizes_keys_per_feature> {};
+
+}  // namespace detail
+
+/// True when Phi models the FeatureMap concept for the given scalar type.
+template <class Phi, class Scalar>
+inline constexpr bool is_feature_map_v =
+    detail::has_feature_dim<Phi, Scalar>::value && detail::has_map<Phi, Scalar>::value;
+
+/// True when Phi provides the optional `backward` (vector–Jacobian product).
+template <class Phi, class Scalar>
+inline constexpr bool has_backward_v = detail::has_backward<Phi, Scalar>::value;
+
+/// True for maps with SoftmaxSplit semantics (a per-feature softmax over the keys).
+template <class Phi>
+inline constexpr bool normalizes_keys_per_feature_v = detail::per_feature_flag<Phi>::value;
+
+namespace detail {
+
+template <class Phi, class Scalar>
+constexpr void static_check_feature_map() {
+  static_assert(detail::has_feature_dim<Phi, Scalar>::value,
+                "linattn: this feature map does not model linattn::FeatureMap: it needs "
+                "`Eigen::Index feature_dim(Eigen::Index input_dim) const` (see "
+                "linattn/feature_map.hpp)");
+  static_assert(detail::has_map<Phi, Scalar>::value,
+                "linattn: this feature map does not model linattn::FeatureMap: it needs "
+                "`template <class Derived> void map(const Eigen::MatrixBase<Derived>& x, "
+                "linattn::MatrixRef<typename Derived::Scalar> phi) const` (see "
+                "linattn/feature_map.hpp)");
+}
+
+// The largest block of rows a built-in map processes at once; its per-row scratch lives on
+// the stack, so the maps never allocate.
+inline constexpr Index kMapRowBlock = 256;
+
+template <class Scalar>
+using RowScratch = Eigen::Matrix<Scalar, Eigen::Dynamic, 1, 0, kMapRowBlock, 1>;
+
+}  // namespace detail
+}  // namespace linattn

@@ -1,0 +1,19 @@
+/// \file linattn.hpp
+/// \brief Umbrella header: everything linattn offers.
+///
+/// \mainpage linattn
+/// Linear attention ("Transformers are RNNs", Katharopoulos et al. 2020) for Eigen: feature
+/// maps, non-causal and causal linear attention (chunked and recurrent), and the softmax
+/// attention baseline. See README.md for a tour and SPEC.md for the exact contract.
+#pragma once
+
+#include "version.hpp"
+#include "common.hpp"
+#include "checks.hpp"
+#include "workspace.hpp"
+#include "feature_map.hpp"
+#include "elu_plus_one.hpp"
+#include "softmax_split.hpp"
+#include "normalized_cosine.hpp"
+#include "linear_attention.hpp"
+#include "softmax_attention.hpp"

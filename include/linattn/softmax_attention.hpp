@@ -1,0 +1,188 @@
+/// \file softmax_attention.hpp
+/// \brief The O(N·L) softmax attention baseline, naive and tiled with an online softmax.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "checks.hpp"
+#include "common.hpp"
+#include "detail/blocking.hpp"
+#include "workspace.hpp"
+
+namespace linattn {
+
+/// Which implementation of softmax attention to run. Both are exact.
+enum class SoftmaxAlgorithm {
+  /// GEMM tiles with a running maximum and sum per row (online softmax): O(tile) memory.
+  Tiled,
+  /// The textbook form: materialises the N x L score matrix.
+  Naive,
+};
+
+namespace detail {
+
+inline constexpr Index kSoftmaxQueryTile = 64;
+inline constexpr Index kSoftmaxKeyTile = 256;
+
+// Scores of a tile whose top-left entry is (query row0, key col0): query row0 + i sees key
+// col0 + j iff col0 + j <= row0 + i, so the first col0 + j - row0 rows of column j are masked.
+template <class Scores>
+void mask_above_diagonal(Scores& scores, Index row0, Index col0) {
+  using S = typename Scores::Scalar;
+  for (Index j = 0; j < scores.cols(); ++j) {
+    const Index masked = std::clamp<Index>(col0 + j - row0, 0, scores.rows());
+    scores.col(j).head(masked).setConstant(-std::numeric_limits<S>::infinity());
+  }
+}
+
+template <class DQ, class DK, class DV, class Out>
+void softmax_attention_naive(const DQ& Q, const DK& K, const DV& V, Out& out, bool causal,
+                             Workspace<typename DQ::Scalar>& ws) {
+  using Scalar = typename DQ::Scalar;
+  const Index N = Q.rows(), L = K.rows();
+  const Scalar scale = Scalar(1) / std::sqrt(Scalar(Q.cols()));
+  auto scores = ws.matrix(kSlotScores, N, L);
+  scores.noalias() = (Q * K.transpose()) * scale;
+  if (causal) mask_above_diagonal(scores, 0, 0);
+  auto rowmax = ws.vector(kSlotRowA, N);
+  rowmax = scores.rowwise().maxCoeff();
+  scores.array() = (scores.array().colwise() - rowmax.array()).exp();
+  auto inv = ws.vector(kSlotRowB, N);
+  inv = scores.rowwise().sum().cwiseInverse();
+  out.noalias() = inv.asDiagonal() * (scores * V);
+}
+
+template <class DQ, class DK, class DV, class Out>
+void softmax_attention_tiled(const DQ& Q, const DK& K, const DV& V, Out& out, bool causal,
+                             Workspace<typename DQ::Scalar>& ws) {
+  using Scalar = typename DQ::Scalar;
+  const Index N = Q.rows(), L = K.rows(), D = Q.cols();
+  const Scalar scale = Scalar(1) / std::sqrt(Scalar(D));
+  for (Index i0 = 0; i0 < N; i0 += kSoftmaxQueryTile) {
+    const Index bq = std::min(kSoftmaxQueryTile, N - i0);
+    auto qs = ws.matrix(kSlotPhiQ, bq, D);
+    qs.noalias() = Q.middleRows(i0, bq) * scale;
+    auto acc = out.middleRows(i0, bq);
+    auto m = ws.vector(kSlotRowA, bq);
+    auto l = ws.vector(kSlotRowB, bq);
+    auto corr = ws.vector(kSlotNormalizer, bq);
+    acc.setZero();
+    m.setConstant(-std::numeric_limits<Scalar>::infinity());
+    l.setZero();
+    const Index key_end = causal ? i0 + bq : L;
+    for (Index j0 = 0; j0 < key_end; j0 += kSoftmaxKeyTile) {
+      const Index bk = std::min(kSoftmaxKeyTile, key_end - j0);
+      auto s = ws.matrix(kSlotScores, bq, bk);
+      s.noalias() = qs * K.middleRows(j0, bk).transpose();
+      if (causal && j0 + bk > i0 + 1) mask_above_diagonal(s, i0, j0);
+      // Every row has a finite score in the first tile (key 0 is always visible), so m is
+      // finite from then on and no -inf - -inf arises.
+      corr = s.rowwise().maxCoeff();
+      for (Index i = 0; i < bq; ++i) {
+        const Scalar new_m = std::max(m(i), corr(i));
+        corr(i) = std::exp(m(i) - new_m);
+        m(i) = new_m;
+      }
+      s.array() = (s.array().colwise() - m.array()).exp();
+      l = l.cwiseProduct(corr) + s.rowwise().sum();
+      acc = corr.asDiagonal() * acc;
+      acc.noalias() += s * V.middleRows(j0, bk);
+    }
+    l = l.cwiseInverse();
+    acc = l.asDiagonal() * acc;
+  }
+}
+
+template <class DQ, class DK, class DV, class DOut>
+void softmax_dispatch(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                      const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                      const Eigen::MatrixBase<DOut>& out, SoftmaxAlgorithm algorithm,
+                      bool causal, Workspace<typename DQ::Scalar>& ws) {
+  check_qkv(function, Q, K, V, causal);
+  check_output(function, out, Q.rows(), V.cols());
+  auto& dst = writable(out);
+  if (K.rows() == 0) {  // no keys: defined as a zero output, like linear attention
+    dst.setZero();
+    return;
+  }
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
+  if (algorithm == SoftmaxAlgorithm::Naive)
+    softmax_attention_naive(q, k, v, dst, causal, ws);
+  else
+    softmax_attention_tiled(q, k, v, dst, causal, ws);
+}
+
+}  // namespace detail
+
+/// \brief Softmax attention \f$\mathrm{softmax}(QK^\top/\sqrt{D})\,V\f$ into a caller's
+/// output, reusing `ws`.
+///
+/// The tiled algorithm (the default) walks 64-query x 256-key tiles with GEMMs and keeps a
+/// running maximum and sum per row (online softmax), so it needs O(tile) memory and stays
+/// exact for inputs of magnitude 100. The naive algorithm materialises the N x L scores.
+/// With L = 0 the output is 0.
+///
+/// \throws std::invalid_argument if the shapes disagree, D == 0, or `out` is not N x M.
+/// \code
+/// linattn::Workspace<float> ws;
+/// Eigen::MatrixXf out(Q.rows(), V.cols());
+/// linattn::softmax_attention(Q, K, V, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DOut>
+void softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                       const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
+                       Workspace<typename DQ::Scalar>& ws,
+                       SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled) {
+  detail::softmax_dispatch("softmax_attention", Q, K, V, out, algorithm, false, ws);
+}
+
+/// \brief Softmax attention \f$\mathrm{softmax}(QK^\top/\sqrt{D})\,V\f$: Q is N x D,
+/// K is L x D, V is L x M; returns N x M.
+/// \code
+/// Eigen::MatrixXf out = linattn::softmax_attention(Q, K, V);  // tiled
+/// Eigen::MatrixXf ref = linattn::softmax_attention(Q, K, V, linattn::SoftmaxAlgorithm::Naive);
+/// \endcode
+template <class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& Q,
+                                              const Eigen::MatrixBase<DK>& K,
+                                              const Eigen::MatrixBase<DV>& V,
+                                              SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled) {
+  detail::check_qkv("softmax_attention", Q, K, V, false);
+  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  Workspace<typename DQ::Scalar> ws;
+  softmax_attention(Q, K, V, out, ws, algorithm);
+  return out;
+}
+
+/// \brief Causal softmax attention: query i attends to keys j <= i (N == L). Same algorithms
+/// and rules as softmax_attention(); tiles entirely above the diagonal are skipped.
+template <class DQ, class DK, class DV, class DOut>
+void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
+                              Workspace<typename DQ::Scalar>& ws,
+                              SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled) {
+  detail::softmax_dispatch("causal_softmax_attention", Q, K, V, out, algorithm, true, ws);
+}
+
+/// \brief Causal softmax attention, returning the N x M result.
+/// \code
+/// Eigen::MatrixXf out = linattn::causal_softmax_attention(Q, K, V);
+/// \endcode
+template <class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> causal_softmax_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled) {
+  detail::check_qkv("causal_softmax_attention", Q, K, V, true);
+  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  Workspace<typename DQ::Scalar> ws;
+  causal_softmax_attention(Q, K, V, out, ws, algorithm);
+  return out;
+}
+
+}  // namespace linattn

@@ -1,0 +1,64 @@
+/// \file workspace.hpp
+/// \brief Reusable scratch memory for the allocation-free overloads of the kernels.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <array>
+#include <cstddef>
+
+#include "common.hpp"
+
+namespace linattn {
+
+/// \brief Scratch buffers that the kernels borrow instead of allocating.
+///
+/// Pass the same Workspace to repeated calls: the first call of a given shape allocates, later
+/// calls of the same or smaller shapes allocate nothing. Buffers only grow. A Workspace is not
+/// shared between threads; give each thread its own.
+///
+/// \code
+/// linattn::Workspace<float> ws;
+/// Eigen::MatrixXf out(N, M);
+/// for (int step = 0; step < 1000; ++step)
+///   linattn::linear_attention(Q, K, V, linattn::EluPlusOne{}, out, ws);  // no allocation
+/// \endcode
+template <class Scalar>
+class Workspace {
+ public:
+  static constexpr int kSlots = 8;
+
+  /// A rows x cols column-major view of buffer `slot`, grown if it is too small. Its contents
+  /// are unspecified.
+  Eigen::Map<Matrix<Scalar>> matrix(int slot, Index rows, Index cols) {
+    return Eigen::Map<Matrix<Scalar>>(reserve(slot, rows * cols), rows, cols);
+  }
+
+  /// A vector view of buffer `slot` with n entries, grown if it is too small.
+  Eigen::Map<Vector<Scalar>> vector(int slot, Index n) {
+    return Eigen::Map<Vector<Scalar>>(reserve(slot, n), n);
+  }
+
+  /// Bytes held by all buffers (what a kernel allocated as working memory).
+  std::size_t bytes() const noexcept {
+    std::size_t total = 0;
+    for (const auto& b : buffers_) total += static_cast<std::size_t>(b.size()) * sizeof(Scalar);
+    return total;
+  }
+
+  /// Frees every buffer.
+  void release() {
+    for (auto& b : buffers_) b.resize(0);
+  }
+
+ private:
+  Scalar* reserve(int slot, Index n) {
+    auto& b = buffers_[static_cast<std::size_t>(slot)];
+    if (b.size() < n) b.resize(n);
+    return b.data();
+  }
+
+  std::array<Vector<Scalar>, kSlots> buffers_;
+};
+
+}  // namespace linattn
