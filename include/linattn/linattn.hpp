@@ -15,5 +15,7 @@
 #include "elu_plus_one.hpp"
 #include "softmax_split.hpp"
 #include "normalized_cosine.hpp"
+#include "state.hpp"
 #include "linear_attention.hpp"
+#include "causal_linear_attention.hpp"
 #include "softmax_attention.hpp"

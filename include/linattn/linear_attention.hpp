@@ -5,65 +5,58 @@
 #include <Eigen/Core>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
+#include <string>
 
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/blocking.hpp"
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
+#include "state.hpp"
 #include "workspace.hpp"
 
 namespace linattn {
 namespace detail {
 
-// S = Σ_j φ(k_j) v_jᵀ and z = Σ_j φ(k_j), blockwise so that no L x F matrix exists.
-template <class Phi, class DK, class DV, class SMat, class ZVec>
-void accumulate_kv(const Phi& phi, const DK& K, const DV& V, SMat& S, ZVec& z,
-                   Workspace<typename DK::Scalar>& ws) {
-  const Index L = K.rows(), F = S.rows();
-  for (Index j0 = 0; j0 < L; j0 += kLinearRowBlock) {
-    const Index b = std::min(kLinearRowBlock, L - j0);
-    auto pk = ws.matrix(kSlotPhiK, b, F);
-    phi.map(K.middleRows(j0, b), pk);
-    S.noalias() += pk.transpose() * V.middleRows(j0, b);
-    z.noalias() += pk.colwise().sum().transpose();
-  }
+template <class DMask>
+void check_key_mask(const char* function, const Eigen::MatrixBase<DMask>& mask, Index L) {
+  static_assert(std::is_same_v<typename DMask::Scalar, bool>,
+                "linattn: a key mask is a vector of bool (true = the key takes part)");
+  if (mask.size() != L || (mask.rows() != 1 && mask.cols() != 1))
+    throw_invalid(function, "the key mask is " + shape_of(mask) + " but must be a vector of " +
+                                std::to_string(L) + " entries, one per key");
 }
 
-// SoftmaxSplit keys: a softmax of each feature over all L keys, folded into S so that
-// out = softmax_rows(Q) S. One pass with a running maximum per feature, as in online softmax.
-template <class DK, class DV, class SMat>
-void accumulate_kv_softmax_keys(const DK& K, const DV& V, SMat& S,
-                                Workspace<typename DK::Scalar>& ws) {
-  using Scalar = typename DK::Scalar;
-  const Index L = K.rows(), F = K.cols();
+template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
+void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                           const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                           const Phi& phi, const Keep& keep, const Eigen::MatrixBase<DOut>& out,
+                           Workspace<typename DQ::Scalar>& ws) {
+  using Scalar = typename DQ::Scalar;
+  static_check_feature_map<Phi, Scalar>();
+  check_qkv(function, Q, K, V, /*causal=*/false);
+  check_output(function, out, Q.rows(), V.cols());
+  auto& dst = writable(out);
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
+  const Index N = q.rows(), M = v.cols();
+  const Index F = phi.feature_dim(q.cols());
+  auto S = ws.matrix(kSlotState, F, M);
   auto z = ws.vector(kSlotNormalizer, F);
-  auto m = ws.vector(kSlotRowA, F);
-  auto bm = ws.vector(kSlotRowB, F);
+  auto m = ws.vector(kSlotExtra, normalizes_keys_per_feature_v<Phi> ? F : 0);
+  S.setZero();
   z.setZero();
   m.setConstant(-std::numeric_limits<Scalar>::infinity());
-  for (Index j0 = 0; j0 < L; j0 += kLinearRowBlock) {
-    const Index b = std::min(kLinearRowBlock, L - j0);
-    const auto kb = K.middleRows(j0, b);
-    bm = kb.colwise().maxCoeff().transpose();
-    for (Index d = 0; d < F; ++d) {
-      if (bm(d) > m(d)) {
-        const Scalar c = std::exp(m(d) - bm(d));  // 0 on the first block (m = -inf)
-        S.row(d) *= c;
-        z(d) *= c;
-        m(d) = bm(d);
-      }
-    }
-    auto ek = ws.matrix(kSlotPhiK, b, F);
-    ek.array() = (kb.array().rowwise() - m.transpose().array()).exp();
-    S.noalias() += ek.transpose() * V.middleRows(j0, b);
-    z.noalias() += ek.colwise().sum().transpose();
+  absorb_keys(phi, k, v, S, z, m, keep, ws);
+  for (Index i0 = 0; i0 < N; i0 += kLinearRowBlock) {
+    const Index b = std::min(kLinearRowBlock, N - i0);
+    auto pq = ws.matrix(kSlotPhiQ, b, F);
+    auto den = ws.vector(kSlotRowA, b);
+    phi.map(q.middleRows(i0, b), pq);
+    read_state<Phi>(S, z, pq, den, dst.middleRows(i0, b));
   }
-  // z(d) >= 1 for L > 0 (the maximal key contributes e^0); L == 0 leaves S = 0.
-  for (Index d = 0; d < F; ++d)
-    if (z(d) > Scalar(0)) S.row(d) /= z(d);
 }
 
 }  // namespace detail
@@ -74,15 +67,16 @@ void accumulate_kv_softmax_keys(const DK& K, const DV& V, SMat& S,
 /// \f[ \mathrm{out}_i = \frac{\varphi(q_i)^\top S}{\max(\varphi(q_i)^\top z,\ \varepsilon)},
 ///     \qquad S = \sum_j \varphi(k_j) v_j^\top,\quad z = \sum_j \varphi(k_j) \f]
 ///
-/// Two GEMMs per block of rows and never an N x L matrix: O(N·F·M + L·F·M) time and
-/// O(F·M + 256·F) working memory. For SoftmaxSplit, out = softmax_rows(Q) (softmax_cols(K)ᵀ V).
+/// Two GEMMs per block of 256 rows and never an N x L matrix: O((N + L)·F·M) time and
+/// O(F·M + 256·F) working memory, independent of N and L. For SoftmaxSplit,
+/// out = softmax_rows(Q) (softmax_cols(K)ᵀ V), with a running maximum per key feature.
 ///
 /// \param Q    N x D queries; \param K L x D keys; \param V L x M values. N ≠ L is allowed
 ///             (cross-attention). Any Eigen expression: blocks, Maps, row-major storage.
 /// \param phi  the feature map (see feature_map.hpp).
 /// \param out  N x M destination (a matrix, block or Map); it must not alias Q, K or V.
 /// \param ws   scratch memory reused across calls.
-/// \throws std::invalid_argument if the shapes disagree or D == 0.
+/// \throws std::invalid_argument if the shapes disagree, D == 0, or `out` is not N x M.
 ///
 /// With no keys (L = 0) every output row is 0; with no queries (N = 0) nothing is written.
 /// Non-finite inputs give unspecified (possibly non-finite) values, never undefined behaviour.
@@ -96,45 +90,7 @@ template <class DQ, class DK, class DV, class Phi, class DOut>
 void linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                       const Eigen::MatrixBase<DV>& V, const Phi& phi,
                       const Eigen::MatrixBase<DOut>& out, Workspace<typename DQ::Scalar>& ws) {
-  using Scalar = typename DQ::Scalar;
-  detail::static_check_feature_map<Phi, Scalar>();
-  detail::check_qkv("linear_attention", Q, K, V, /*causal=*/false);
-  detail::check_output("linear_attention", out, Q.rows(), V.cols());
-  auto& dst = detail::writable(out);
-  const detail::Nested<DQ> q(Q.derived());
-  const detail::Nested<DK> k(K.derived());
-  const detail::Nested<DV> v(V.derived());
-  const Index N = q.rows(), M = v.cols();
-
-  if constexpr (normalizes_keys_per_feature_v<Phi>) {
-    const Index F = q.cols();
-    auto S = ws.matrix(detail::kSlotState, F, M);
-    S.setZero();
-    detail::accumulate_kv_softmax_keys(k, v, S, ws);
-    for (Index i0 = 0; i0 < N; i0 += detail::kLinearRowBlock) {
-      const Index b = std::min(detail::kLinearRowBlock, N - i0);
-      auto pq = ws.matrix(detail::kSlotPhiQ, b, F);
-      phi.map(q.middleRows(i0, b), pq);
-      dst.middleRows(i0, b).noalias() = pq * S;
-    }
-  } else {
-    const Index F = phi.feature_dim(q.cols());
-    auto S = ws.matrix(detail::kSlotState, F, M);
-    auto z = ws.vector(detail::kSlotNormalizer, F);
-    S.setZero();
-    z.setZero();
-    detail::accumulate_kv(phi, k, v, S, z, ws);
-    for (Index i0 = 0; i0 < N; i0 += detail::kLinearRowBlock) {
-      const Index b = std::min(detail::kLinearRowBlock, N - i0);
-      auto pq = ws.matrix(detail::kSlotPhiQ, b, F);
-      auto den = ws.vector(detail::kSlotRowA, b);
-      phi.map(q.middleRows(i0, b), pq);
-      auto ob = dst.middleRows(i0, b);
-      ob.noalias() = pq * S;
-      den.noalias() = pq * z;
-      detail::divide_rows_guarded(ob, den);
-    }
-  }
+  detail::linear_attention_impl("linear_attention", Q, K, V, phi, detail::NoMask{}, out, ws);
 }
 
 /// \brief Non-causal linear attention (see the overload above for the maths and the rules).
@@ -153,6 +109,43 @@ Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& Q,
   Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
   Workspace<typename DQ::Scalar> ws;
   linear_attention(Q, K, V, phi, out, ws);
+  return out;
+}
+
+/// \brief Non-causal linear attention with a key padding mask: key j takes part iff
+/// `key_mask(j)` is true; a masked key contributes nothing (as if it were removed). A query
+/// that sees no key gets a zero row.
+///
+/// Linear attention never forms the N x L weights, so only masks that factor through the
+/// keys (or, causally, through positions: see causal_linear_attention) can be applied; an
+/// arbitrary N x L mask cannot be expressed without giving up linear cost.
+/// \code
+/// Eigen::Array<bool, Eigen::Dynamic, 1> keep = (lengths_mask.array() > 0);
+/// auto out = linattn::masked_linear_attention(Q, K, V, keep, linattn::EluPlusOne{});
+/// \endcode
+template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
+void masked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                             const Eigen::MatrixBase<DV>& V,
+                             const Eigen::MatrixBase<DMask>& key_mask, const Phi& phi,
+                             const Eigen::MatrixBase<DOut>& out,
+                             Workspace<typename DQ::Scalar>& ws) {
+  detail::check_key_mask("masked_linear_attention", key_mask, K.rows());
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  detail::linear_attention_impl("masked_linear_attention", Q, K, V, phi, keep, out, ws);
+}
+
+/// \brief Masked non-causal linear attention, returning the N x M result.
+template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
+Matrix<typename DQ::Scalar> masked_linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                                    const Eigen::MatrixBase<DK>& K,
+                                                    const Eigen::MatrixBase<DV>& V,
+                                                    const Eigen::MatrixBase<DMask>& key_mask,
+                                                    const Phi& phi = Phi{}) {
+  detail::check_qkv("masked_linear_attention", Q, K, V, /*causal=*/false);
+  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  Workspace<typename DQ::Scalar> ws;
+  masked_linear_attention(Q, K, V, key_mask, phi, out, ws);
   return out;
 }
 

@@ -26,7 +26,7 @@ namespace linattn {
 template <class Scalar>
 class Workspace {
  public:
-  static constexpr int kSlots = 8;
+  static constexpr int kSlots = 12;
 
   /// A rows x cols column-major view of buffer `slot`, grown if it is too small. Its contents
   /// are unspecified.

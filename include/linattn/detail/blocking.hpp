@@ -24,7 +24,13 @@ enum Slot : int {
   kSlotRowA = 5,
   kSlotRowB = 6,
   kSlotExtra = 7,
+  kSlotPrefix = 8,
+  kSlotKeys = 9,
 };
+
+// Chunk length of the causal kernels when the caller does not choose one (see
+// docs/benchmarks.md for the measurements behind it).
+inline constexpr Index kDefaultChunk = 64;
 
 // out_i /= max(den_i, eps) for every row: the one guard every algorithm shares.
 template <class Out, class Den>

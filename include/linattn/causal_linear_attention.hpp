@@ -1,0 +1,294 @@
+/// \file causal_linear_attention.hpp
+/// \brief Causal linear attention in parallel: the chunked GEMM form and the per-token
+/// recurrent form, with a state carried in and out of a call.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "checks.hpp"
+#include "common.hpp"
+#include "detail/blocking.hpp"
+#include "elu_plus_one.hpp"
+#include "feature_map.hpp"
+#include "state.hpp"
+#include "workspace.hpp"
+
+namespace linattn {
+
+/// Which algorithm computes causal linear attention. All agree to rounding.
+enum class CausalAlgorithm {
+  /// Let the library choose (currently: Chunked).
+  Auto,
+  /// Chunks of C rows: GEMMs inside a chunk, the state carried between chunks (spec §3).
+  Chunked,
+  /// One token at a time: a rank-1 update of the state and a read per token (the RNN form).
+  Recurrent,
+};
+
+/// Options of causal_linear_attention().
+struct CausalOptions {
+  /// Rows per chunk of the chunked algorithm; 0 picks the measured default (64).
+  Index chunk_size = 0;
+  /// The algorithm; Auto picks the fastest for the shape.
+  CausalAlgorithm algorithm = CausalAlgorithm::Auto;
+};
+
+namespace detail {
+
+// Below e^{-T} a prefix sum of the per-feature key softmax is too small to divide by safely in
+// the chunked form; such a chunk is redone token by token (exact, only slower).
+template <class Scalar>
+constexpr Scalar per_feature_log_range() noexcept {
+  return sizeof(Scalar) <= sizeof(float) ? Scalar(40) : Scalar(300);
+}
+
+// Rows [r0, r0 + b) one token at a time: the RNN form. Queries and keys are mapped a block at
+// a time (vectorised), then each token is a fused rank-1 update and read of the state.
+template <class Phi, class DQ, class DK, class DV, class Scalar, class Keep, class Out>
+void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r0,
+                           Index b, LinearAttentionState<Scalar>& st, const Keep& keep,
+                           Out& dst, Workspace<Scalar>& ws) {
+  const Index F = st.S.rows();
+  constexpr bool per_feature = normalizes_keys_per_feature_v<Phi>;
+  auto pq = ws.matrix(kSlotPhiQ, b, F);
+  auto pk = ws.matrix(kSlotPhiK, per_feature ? 1 : b, F);
+  auto w = ws.matrix(kSlotRowA, 1, F);
+  auto den = ws.vector(kSlotRowB, 1);
+  phi.map(Q.middleRows(r0, b), pq);
+  if constexpr (!per_feature) phi.map(K.middleRows(r0, b), pk);
+  for (Index i = 0; i < b; ++i) {
+    auto o = dst.row(r0 + i);
+    if (!keep(r0 + i)) {  // a masked key adds nothing; the query still reads the state
+      auto pqi = pq.middleRows(i, 1);
+      read_state<Phi>(st.S, st.z, pqi, den, o);
+      continue;
+    }
+    auto pki = pk.middleRows(per_feature ? 0 : i, 1);
+    recurrent_update_and_read<Phi>(st.S, st.z, st.m, pq.middleRows(i, 1), pki, w,
+                                   K.row(r0 + i), V.row(r0 + i), o);
+  }
+}
+
+// One chunk of the generic chunked form (spec §3):
+//   out_R = [φq S + tril(φq φkᵀ) V_R] / max(φq z + tril(φq φkᵀ) 1, ε),  S += φkᵀ V_R, z += φkᵀ 1.
+template <class Phi, class DQ, class DK, class DV, class Scalar, class Keep, class Out>
+void causal_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r0, Index b,
+                  LinearAttentionState<Scalar>& st, const Keep& keep, Out& dst,
+                  Workspace<Scalar>& ws) {
+  const Index F = st.S.rows();
+  auto pq = ws.matrix(kSlotPhiQ, b, F);
+  auto pk = ws.matrix(kSlotPhiK, b, F);
+  auto A = ws.matrix(kSlotScores, b, b);
+  auto den = ws.vector(kSlotRowA, b);
+  phi.map(Q.middleRows(r0, b), pq);
+  phi.map(K.middleRows(r0, b), pk);
+  if constexpr (!std::is_same_v<Keep, NoMask>)
+    for (Index j = 0; j < b; ++j)
+      if (!keep(r0 + j)) pk.row(j).setZero();
+  const auto vr = V.middleRows(r0, b);
+  auto ob = dst.middleRows(r0, b);
+  A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
+  ob.noalias() = pq * st.S;
+  ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
+  den.noalias() = pq * st.z;
+  for (Index j = 0; j < b; ++j) den.tail(b - j) += A.col(j).tail(b - j);
+  divide_rows_guarded(ob, den);
+  st.S.noalias() += pk.transpose() * vr;
+  st.z.noalias() += pk.colwise().sum().transpose();
+}
+
+// One chunk of causal SoftmaxSplit. With c_d the running key maximum after the chunk,
+// E = exp(K_R − c) and Z the prefix sums of E down the chunk (plus the carried z rescaled to
+// c), the spec's out_i = Σ_d p_id (Σ_{j≤i} e^{k_jd} v_j) / (Σ_{j≤i} e^{k_jd}) becomes
+//   out_R = (P ./ Z) S + tril((P ./ Z) Eᵀ) V_R,
+// GEMMs again, with no denominator (it is exactly 1). Returns false, touching nothing, when
+// some Z is below e^{-T} (a key maximum jumped by more than T inside the chunk): the caller
+// then redoes the chunk token by token.
+template <class Phi, class DQ, class DK, class DV, class Scalar, class Keep, class Out>
+bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r0,
+                              Index b, LinearAttentionState<Scalar>& st, const Keep& keep,
+                              Out& dst, Workspace<Scalar>& ws) {
+  const Index F = st.S.rows();
+  auto E = ws.matrix(kSlotPhiK, b, F);
+  auto Z = ws.matrix(kSlotPrefix, b, F);
+  auto c = ws.vector(kSlotRowB, F);
+  auto scale = ws.vector(kSlotRowA, F);
+  E = K.middleRows(r0, b);
+  if constexpr (!std::is_same_v<Keep, NoMask>)
+    for (Index j = 0; j < b; ++j)
+      if (!keep(r0 + j)) E.row(j).setConstant(-std::numeric_limits<Scalar>::infinity());
+  c = E.colwise().maxCoeff().transpose().cwiseMax(st.m);
+  for (Index d = 0; d < F; ++d) scale(d) = c(d) > st.m(d) ? std::exp(st.m(d) - c(d)) : Scalar(1);
+  for (Index d = 0; d < F; ++d) {
+    // -inf - -inf only for a feature with no unmasked key yet: no contribution.
+    const Scalar cd = c(d) == -std::numeric_limits<Scalar>::infinity() ? Scalar(0) : c(d);
+    Scalar running = st.z(d) * scale(d);
+    for (Index i = 0; i < b; ++i) {
+      const Scalar e = std::exp(E(i, d) - cd);
+      E(i, d) = e;
+      running += e;
+      Z(i, d) = running;
+    }
+  }
+  if (!(Z.minCoeff() >= std::exp(-per_feature_log_range<Scalar>()))) return false;
+
+  for (Index d = 0; d < F; ++d) {
+    if (scale(d) != Scalar(1)) st.S.row(d) *= scale(d);
+  }
+  st.m = c;
+  st.z = Z.row(b - 1).transpose();
+  auto pq = ws.matrix(kSlotPhiQ, b, F);
+  auto A = ws.matrix(kSlotScores, b, b);
+  phi.map(Q.middleRows(r0, b), pq);
+  pq.array() /= Z.array();
+  const auto vr = V.middleRows(r0, b);
+  auto ob = dst.middleRows(r0, b);
+  A.template triangularView<Eigen::Lower>() = pq * E.transpose();
+  ob.noalias() = pq * st.S;
+  ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
+  st.S.noalias() += E.transpose() * vr;
+  return true;
+}
+
+template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
+void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                                  const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                                  const Phi& phi, const Keep& keep,
+                                  LinearAttentionState<typename DQ::Scalar>& st,
+                                  const Eigen::MatrixBase<DOut>& out,
+                                  Workspace<typename DQ::Scalar>& ws, const CausalOptions& opts) {
+  using Scalar = typename DQ::Scalar;
+  static_check_feature_map<Phi, Scalar>();
+  check_qkv(function, Q, K, V, /*causal=*/true);
+  check_output(function, out, Q.rows(), V.cols());
+  if (opts.chunk_size < 0)
+    throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
+                                std::to_string(opts.chunk_size));
+  prepare_state(function, st, phi, Q.cols(), V.cols());
+  auto& dst = writable(out);
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
+  const Index N = q.rows();
+  const bool recurrent = opts.algorithm == CausalAlgorithm::Recurrent;
+  const Index C = recurrent ? kLinearRowBlock : (opts.chunk_size > 0 ? opts.chunk_size : kDefaultChunk);
+  for (Index r0 = 0; r0 < N; r0 += C) {
+    const Index b = std::min(C, N - r0);
+    if (recurrent) {
+      causal_rows_recurrent(phi, q, k, v, r0, b, st, keep, dst, ws);
+    } else if constexpr (normalizes_keys_per_feature_v<Phi>) {
+      if (!causal_chunk_per_feature(phi, q, k, v, r0, b, st, keep, dst, ws))
+        causal_rows_recurrent(phi, q, k, v, r0, b, st, keep, dst, ws);
+    } else {
+      causal_chunk(phi, q, k, v, r0, b, st, keep, dst, ws);
+    }
+  }
+}
+
+}  // namespace detail
+
+/// \brief Causal linear attention continuing from `state`, written into a caller's output;
+/// allocation-free once `ws` and `state` have the shape.
+///
+/// \f[ \mathrm{out}_i = \frac{\varphi(q_i)^\top S_i}{\max(\varphi(q_i)^\top z_i,\ \varepsilon)},
+///     \quad S_i = S_0 + \sum_{j \le i} \varphi(k_j) v_j^\top,\quad
+///     z_i = z_0 + \sum_{j\le i} \varphi(k_j) \f]
+///
+/// (\f$S_0, z_0\f$) is `state` on entry (an empty state means zero) and `state` holds
+/// \f$(S_N, z_N)\f$ on exit, so a sequence processed in pieces gives the one-shot result and a
+/// RecurrentLinearAttention can continue from it. SoftmaxSplit follows the per-feature prefix
+/// softmax of the spec, with running maxima (stable for inputs of magnitude 100 in float).
+///
+/// The chunked algorithm costs O(N·C·(F+M) + N·F·M) with GEMMs inside each chunk of C rows;
+/// no N x N matrix and no N x F x M buffer exists: working memory is O(C·(C+F) + F·M).
+///
+/// \param Q, K N x D; \param V N x M (N == L). Any Eigen expression.
+/// \throws std::invalid_argument on mismatched shapes, N ≠ L, D == 0, a state of the wrong
+/// shape, an output that is not N x M, or a negative chunk size.
+/// \code
+/// linattn::LinearAttentionState<float> state;  // empty: start from zero
+/// linattn::Workspace<float> ws;
+/// Eigen::MatrixXf out(N, M);
+/// linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}, state, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                             const Eigen::MatrixBase<DV>& V, const Phi& phi,
+                             LinearAttentionState<typename DQ::Scalar>& state,
+                             const Eigen::MatrixBase<DOut>& out, Workspace<typename DQ::Scalar>& ws,
+                             const CausalOptions& options = {}) {
+  detail::causal_linear_attention_impl("causal_linear_attention", Q, K, V, phi, detail::NoMask{},
+                                       state, out, ws, options);
+}
+
+/// \brief Causal linear attention continuing from `state` (updated in place), returning the
+/// N x M output.
+template <class DQ, class DK, class DV, class Phi>
+Matrix<typename DQ::Scalar> causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Phi& phi,
+    LinearAttentionState<typename DQ::Scalar>& state, const CausalOptions& options = {}) {
+  detail::check_qkv("causal_linear_attention", Q, K, V, /*causal=*/true);
+  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  Workspace<typename DQ::Scalar> ws;
+  causal_linear_attention(Q, K, V, phi, state, out, ws, options);
+  return out;
+}
+
+/// \brief Causal linear attention from an empty state: query i attends to keys j <= i.
+/// \code
+/// Eigen::MatrixXf out = linattn::causal_linear_attention(Q, K, V);  // EluPlusOne, chunked
+/// linattn::CausalOptions opts;
+/// opts.algorithm = linattn::CausalAlgorithm::Recurrent;
+/// Eigen::MatrixXf same = linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}, opts);
+/// \endcode
+template <class DQ, class DK, class DV, class Phi = EluPlusOne>
+Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                                    const Eigen::MatrixBase<DK>& K,
+                                                    const Eigen::MatrixBase<DV>& V,
+                                                    const Phi& phi = Phi{},
+                                                    const CausalOptions& options = {}) {
+  LinearAttentionState<typename DQ::Scalar> state;
+  return causal_linear_attention(Q, K, V, phi, state, options);
+}
+
+/// \brief Causal linear attention with a key padding mask (true = the key takes part):
+/// a masked position adds nothing to the state, but its query still reads the state (a
+/// query that has seen no key gets a zero row). Causality plus a key mask is what linear
+/// attention can express: masks must factor through positions, not be arbitrary N x N.
+template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
+void masked_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                    const Eigen::MatrixBase<DK>& K,
+                                    const Eigen::MatrixBase<DV>& V,
+                                    const Eigen::MatrixBase<DMask>& key_mask, const Phi& phi,
+                                    LinearAttentionState<typename DQ::Scalar>& state,
+                                    const Eigen::MatrixBase<DOut>& out,
+                                    Workspace<typename DQ::Scalar>& ws,
+                                    const CausalOptions& options = {}) {
+  detail::check_key_mask("masked_causal_linear_attention", key_mask, K.rows());
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  detail::causal_linear_attention_impl("masked_causal_linear_attention", Q, K, V, phi, keep,
+                                       state, out, ws, options);
+}
+
+/// \brief Masked causal linear attention from an empty state, returning the N x M output.
+template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
+Matrix<typename DQ::Scalar> masked_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DMask>& key_mask,
+    const Phi& phi = Phi{}, const CausalOptions& options = {}) {
+  detail::check_qkv("masked_causal_linear_attention", Q, K, V, /*causal=*/true);
+  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  Workspace<typename DQ::Scalar> ws;
+  LinearAttentionState<typename DQ::Scalar> state;
+  masked_causal_linear_attention(Q, K, V, key_mask, phi, state, out, ws, options);
+  return out;
+}
+
+}  // namespace linattn
