@@ -18,4 +18,5 @@
 #include "state.hpp"
 #include "linear_attention.hpp"
 #include "causal_linear_attention.hpp"
+#include "recurrent_linear_attention.hpp"
 #include "softmax_attention.hpp"

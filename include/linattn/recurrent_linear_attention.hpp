@@ -1,0 +1,242 @@
+/// \file recurrent_linear_attention.hpp
+/// \brief Causal linear attention as an RNN: one token per step at O(F·M), whatever the
+/// position.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <string>
+
+#include "checks.hpp"
+#include "common.hpp"
+#include "elu_plus_one.hpp"
+#include "feature_map.hpp"
+#include "state.hpp"
+
+namespace linattn {
+namespace detail {
+
+template <class D>
+void check_token(const char* function, const char* name, const Eigen::MatrixBase<D>& x,
+                 Index expected) {
+  if ((x.rows() != 1 && x.cols() != 1) || x.size() != expected)
+    throw_invalid(function, std::string(name) + " is " + shape_of(x) + " but must be a vector of " +
+                                std::to_string(expected) + " entries");
+}
+
+}  // namespace detail
+
+/// \brief The recurrent ("RNN") form of causal linear attention (spec §3):
+/// \f[ S_i = S_{i-1} + \varphi(k_i) v_i^\top,\quad z_i = z_{i-1} + \varphi(k_i),\quad
+///     \mathrm{out}_i = \frac{\varphi(q_i)^\top S_i}{\max(\varphi(q_i)^\top z_i, \varepsilon)} \f]
+///
+/// Holds S (F x M) and z (F); each step() costs O(F·M) time and no allocation, so decoding
+/// token 100 000 costs the same as token 10. Copy the object to fork a sequence (beam search).
+/// The state is interchangeable with the parallel causal_linear_attention(): prefill a
+/// prompt in parallel, hand its state over with set_state(), then decode token by token; or
+/// take state() and continue in parallel. SoftmaxSplit keeps running maxima (see
+/// LinearAttentionState).
+///
+/// \tparam FeatureMap a feature map (see feature_map.hpp)
+/// \tparam Scalar float or double
+/// \code
+/// linattn::RecurrentLinearAttention<linattn::EluPlusOne, float> rnn(64, 64);
+/// Eigen::VectorXf out(64);
+/// for (Eigen::Index t = 0; t < T; ++t)
+///   rnn.step(Q.row(t), K.row(t), V.row(t), out);  // no allocation
+/// \endcode
+template <class FeatureMap = EluPlusOne, class Scalar = float>
+class RecurrentLinearAttention {
+  static_assert(detail::is_supported_scalar_v<Scalar>,
+                "linattn: the scalar type must be float or double");
+  static_assert(is_feature_map_v<FeatureMap, Scalar>,
+                "linattn: FeatureMap does not model linattn::FeatureMap (see "
+                "linattn/feature_map.hpp)");
+
+ public:
+  using State = LinearAttentionState<Scalar>;
+
+  /// A zero state for keys/queries of dimension `key_dim` and values of dimension `value_dim`.
+  /// \throws std::invalid_argument if key_dim <= 0 or value_dim < 0.
+  RecurrentLinearAttention(Index key_dim, Index value_dim, FeatureMap phi = FeatureMap{})
+      : phi_(std::move(phi)), key_dim_(key_dim), value_dim_(value_dim) {
+    if (key_dim <= 0 || value_dim < 0)
+      detail::throw_invalid("RecurrentLinearAttention", "key_dim must be positive and value_dim "
+                            "non-negative, got key_dim = " + std::to_string(key_dim) +
+                            ", value_dim = " + std::to_string(value_dim));
+    const Index F = phi_.feature_dim(key_dim);
+    state_ = State(F, value_dim, normalizes_keys_per_feature_v<FeatureMap>);
+    q_.resize(1, key_dim);
+    k_.resize(1, key_dim);
+    pq_.resize(1, F);
+    pk_.resize(1, F);
+    w_.resize(1, F);
+  }
+
+  /// Consumes one token and writes its output (M entries) into `out`, a vector of the
+  /// caller's; performs no heap allocation. q, k: key_dim entries; v: value_dim entries
+  /// (row or column vectors, any expression).
+  /// \throws std::invalid_argument on a wrong size.
+  template <class DQ, class DK, class DV, class DOut>
+  void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+            const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOut>& out) {
+    detail::static_check_scalars<DQ, DK, DV>();
+    static_assert(std::is_same_v<typename DQ::Scalar, Scalar>,
+                  "linattn: the token's scalar type must be the RecurrentLinearAttention's");
+    check_step(q, k, v);
+    detail::check_token("RecurrentLinearAttention::step", "out", out, value_dim_);
+    q_.row(0) = q.reshaped().transpose();
+    k_.row(0) = k.reshaped().transpose();
+    phi_.map(q_, pq_);
+    if constexpr (!normalizes_keys_per_feature_v<FeatureMap>) phi_.map(k_, pk_);
+    auto& o = detail::writable(out);
+    detail::recurrent_update_and_read<FeatureMap>(state_.S, state_.z, state_.m, pq_, pk_, w_,
+                                                  k_, v.reshaped().transpose(), o.reshaped());
+    ++position_;
+  }
+
+  /// Consumes one token and returns its output (allocates the returned vector).
+  template <class DQ, class DK, class DV>
+  Vector<Scalar> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                      const Eigen::MatrixBase<DV>& v) {
+    Vector<Scalar> out(value_dim_);
+    step(q, k, v, out);
+    return out;
+  }
+
+  /// Back to the empty sequence.
+  void reset() {
+    state_.reset();
+    position_ = 0;
+  }
+
+  /// The current state (S, z and, for SoftmaxSplit, the running maxima).
+  const State& state() const noexcept { return state_; }
+
+  /// Continues from `state` (for example the one a parallel prefill returned); `position`
+  /// is only informative.
+  /// \throws std::invalid_argument if the state does not fit this object's shapes.
+  void set_state(const State& state, Index position = 0) {
+    State copy = state;
+    detail::prepare_state("RecurrentLinearAttention::set_state", copy, phi_, key_dim_, value_dim_);
+    state_ = std::move(copy);
+    position_ = position;
+  }
+
+  /// Tokens consumed since construction, reset() or set_state().
+  Index position() const noexcept { return position_; }
+  Index key_dim() const noexcept { return key_dim_; }
+  Index value_dim() const noexcept { return value_dim_; }
+  Index feature_dim() const noexcept { return state_.S.rows(); }
+  const FeatureMap& feature_map() const noexcept { return phi_; }
+
+ private:
+  template <class DQ, class DK, class DV>
+  void check_step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                  const Eigen::MatrixBase<DV>& v) const {
+    const char* fn = "RecurrentLinearAttention::step";
+    detail::check_token(fn, "q", q, key_dim_);
+    detail::check_token(fn, "k", k, key_dim_);
+    detail::check_token(fn, "v", v, value_dim_);
+  }
+
+  FeatureMap phi_;
+  Index key_dim_, value_dim_;
+  Index position_ = 0;
+  State state_;
+  Matrix<Scalar> q_, k_, pq_, pk_, w_;  // 1-row scratch so that step() never allocates
+};
+
+/// \brief Linear cross-attention with a fixed memory (encoder keys and values), summarised
+/// once into a state; then each query costs O(F·M) regardless of the memory's length.
+///
+/// query(q) equals row-wise linear_attention(q, K, V, phi) over the memory absorbed so far.
+/// The memory can be extended (add_memory) as more encoder output arrives.
+/// \code
+/// linattn::LinearCrossAttention<linattn::EluPlusOne, float> cross(64, 64);
+/// cross.set_memory(encoder_K, encoder_V);    // O(L·F·M), once
+/// Eigen::VectorXf out(64);
+/// cross.query(decoder_q, out);               // O(F·M) per query, no allocation
+/// \endcode
+template <class FeatureMap = EluPlusOne, class Scalar = float>
+class LinearCrossAttention {
+  static_assert(detail::is_supported_scalar_v<Scalar>,
+                "linattn: the scalar type must be float or double");
+  static_assert(is_feature_map_v<FeatureMap, Scalar>,
+                "linattn: FeatureMap does not model linattn::FeatureMap (see "
+                "linattn/feature_map.hpp)");
+
+ public:
+  using State = LinearAttentionState<Scalar>;
+
+  /// An empty memory for keys/queries of dimension key_dim and values of value_dim.
+  LinearCrossAttention(Index key_dim, Index value_dim, FeatureMap phi = FeatureMap{})
+      : phi_(std::move(phi)), key_dim_(key_dim), value_dim_(value_dim) {
+    if (key_dim <= 0 || value_dim < 0)
+      detail::throw_invalid("LinearCrossAttention", "key_dim must be positive and value_dim "
+                            "non-negative, got key_dim = " + std::to_string(key_dim) +
+                            ", value_dim = " + std::to_string(value_dim));
+    state_ = State(phi_.feature_dim(key_dim), value_dim, normalizes_keys_per_feature_v<FeatureMap>);
+    q_.resize(1, key_dim);
+    pq_.resize(1, state_.S.rows());
+  }
+
+  /// Replaces the memory by K (L x key_dim) and V (L x value_dim).
+  template <class DK, class DV>
+  void set_memory(const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V) {
+    state_.reset();
+    add_memory(K, V);
+  }
+
+  /// Appends K, V to the memory.
+  /// \throws std::invalid_argument on mismatched shapes.
+  template <class DK, class DV>
+  void add_memory(const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V) {
+    detail::static_check_scalars<DK, DK, DV>();
+    static_assert(std::is_same_v<typename DK::Scalar, Scalar>,
+                  "linattn: the memory's scalar type must be the LinearCrossAttention's");
+    if (K.cols() != key_dim_ || V.cols() != value_dim_ || K.rows() != V.rows())
+      detail::throw_invalid("LinearCrossAttention::add_memory",
+                            "K is " + detail::shape_of(K) + " and V is " + detail::shape_of(V) +
+                                " but must be L x " + std::to_string(key_dim_) + " and L x " +
+                                std::to_string(value_dim_));
+    const detail::Nested<DK> k(K.derived());
+    const detail::Nested<DV> v(V.derived());
+    detail::absorb_keys(phi_, k, v, state_.S, state_.z, state_.m, detail::NoMask{}, ws_);
+  }
+
+  /// Attends with one query (key_dim entries) over the memory, writing value_dim entries to
+  /// `out`; no allocation. An empty memory gives zeros.
+  template <class DQ, class DOut>
+  void query(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DOut>& out) {
+    static_assert(std::is_same_v<typename DQ::Scalar, Scalar>,
+                  "linattn: the query's scalar type must be the LinearCrossAttention's");
+    detail::check_token("LinearCrossAttention::query", "q", q, key_dim_);
+    detail::check_token("LinearCrossAttention::query", "out", out, value_dim_);
+    q_.row(0) = q.reshaped().transpose();
+    phi_.map(q_, pq_);
+    Eigen::Matrix<Scalar, 1, 1> den;
+    detail::read_state<FeatureMap>(state_.S, state_.z, pq_, den,
+                                   detail::writable(out).reshaped().transpose());
+  }
+
+  /// Attends with one query and returns the output.
+  template <class DQ>
+  Vector<Scalar> query(const Eigen::MatrixBase<DQ>& q) {
+    Vector<Scalar> out(value_dim_);
+    query(q, out);
+    return out;
+  }
+
+  /// The memory's summary state.
+  const State& state() const noexcept { return state_; }
+
+ private:
+  FeatureMap phi_;
+  Index key_dim_, value_dim_;
+  State state_;
+  Matrix<Scalar> q_, pq_;
+  Workspace<Scalar> ws_;
+};
+
+}  // namespace linattn
