@@ -18,6 +18,18 @@ if(LINATTN_SANITIZE AND NOT CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
   message(WARNING "linattn: LINATTN_SANITIZE is only supported with GCC/Clang; ignored")
 endif()
 
+# Write <content> to <path> only when it differs from what is there, so that
+# generated sources are not rebuilt on every configure.
+function(linattn_write_if_different path content)
+  if(EXISTS "${path}")
+    file(READ "${path}" _old)
+    if(_old STREQUAL content)
+      return()
+    endif()
+  endif()
+  file(WRITE "${path}" "${content}")
+endfunction()
+
 # Warnings for our own targets (never -Werror).
 function(linattn_target_warnings target)
   if(MSVC)
