@@ -78,7 +78,11 @@ function(linattn_add_test name)
   endif()
 
   add_executable(${name} ${_sources})
-  target_link_libraries(${name} PRIVATE linattn::linattn GTest::gtest GTest::gtest_main)
+  if(TARGET GTest::gtest_main)
+    target_link_libraries(${name} PRIVATE linattn::linattn GTest::gtest GTest::gtest_main)
+  else()  # FindGTest of CMake < 3.20 only defines the old names
+    target_link_libraries(${name} PRIVATE linattn::linattn GTest::GTest GTest::Main)
+  endif()
   linattn_target_warnings(${name})
   linattn_target_sanitizers(${name})
 
