@@ -19,4 +19,5 @@
 #include "linear_attention.hpp"
 #include "causal_linear_attention.hpp"
 #include "recurrent_linear_attention.hpp"
+#include "multihead.hpp"
 #include "softmax_attention.hpp"

@@ -1,0 +1,378 @@
+/// \file multihead.hpp
+/// \brief Multi-head and variable-length batched entry points over the packed layout that
+/// inference engines use, parallel over heads and sequences with OpenMP when it is enabled.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "causal_linear_attention.hpp"
+#include "checks.hpp"
+#include "common.hpp"
+#include "elu_plus_one.hpp"
+#include "linear_attention.hpp"
+#include "recurrent_linear_attention.hpp"
+#include "softmax_attention.hpp"
+#include "workspace.hpp"
+
+namespace linattn {
+
+/// \brief How the multi-head and batched kernels run in parallel.
+struct ParallelOptions {
+  /// Threads to use: 0 means OpenMP's default (omp_get_max_threads()), 1 runs serially.
+  /// Without OpenMP every kernel runs serially, with identical results.
+  int num_threads = 0;
+};
+
+/// \brief One Workspace per thread for the multi-head kernels; reuse it across calls to make
+/// them allocation-free.
+template <class Scalar>
+class MultiHeadWorkspace {
+ public:
+  /// The workspace of thread `t`, creating workspaces up to it.
+  Workspace<Scalar>& for_thread(int t) {
+    if (static_cast<int>(per_thread_.size()) <= t) per_thread_.resize(static_cast<std::size_t>(t) + 1);
+    return per_thread_[static_cast<std::size_t>(t)];
+  }
+  /// Makes sure `threads` workspaces exist (allocating only the vector of them).
+  void reserve_threads(int threads) {
+    if (threads > 0) for_thread(threads - 1);
+  }
+  /// Bytes held by all threads' buffers.
+  std::size_t bytes() const noexcept {
+    std::size_t total = 0;
+    for (const auto& w : per_thread_) total += w.bytes();
+    return total;
+  }
+
+ private:
+  std::vector<Workspace<Scalar>> per_thread_;
+};
+
+namespace detail {
+
+inline int resolve_threads(const ParallelOptions& par) {
+#ifdef _OPENMP
+  return par.num_threads > 0 ? par.num_threads : omp_get_max_threads();
+#else
+  (void)par;
+  return 1;
+#endif
+}
+
+inline int thread_id() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+// Runs fn(task, workspace) for task in [0, tasks), in parallel when OpenMP is on. fn must not
+// throw: every check happens before this point.
+template <class Scalar, class Fn>
+void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<Scalar>& ws,
+                    const Fn& fn) {
+  const int threads = static_cast<int>(std::min<Index>(resolve_threads(par), std::max<Index>(tasks, 1)));
+  ws.reserve_threads(threads);
+  if (threads <= 1) {
+    for (Index t = 0; t < tasks; ++t) fn(t, ws.for_thread(0));
+    return;
+  }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (Index t = 0; t < tasks; ++t) fn(t, ws.for_thread(thread_id()));
+#endif
+}
+
+// Q is N x (H·D), K is L x (H·D), V is L x (H·M); returns D and M.
+template <class DQ, class DK, class DV>
+std::pair<Index, Index> check_heads(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                                    const Eigen::MatrixBase<DK>& K,
+                                    const Eigen::MatrixBase<DV>& V, Index heads, bool causal) {
+  static_check_scalars<DQ, DK, DV>();
+  const auto shapes = [&] {
+    return " (Q is " + shape_of(Q) + ", K is " + shape_of(K) + ", V is " + shape_of(V) +
+           ", heads = " + std::to_string(heads) + ")";
+  };
+  if (heads <= 0) throw_invalid(function, "heads must be positive" + shapes());
+  if (Q.cols() % heads != 0 || V.cols() % heads != 0)
+    throw_invalid(function, "the columns of Q and V must be multiples of heads" + shapes());
+  check_qkv(function, Q, K, V, causal);
+  return {Q.cols() / heads, V.cols() / heads};
+}
+
+// Sequence b occupies rows [offsets[b], offsets[b+1]); offsets start at 0, never decrease and
+// end at `rows`.
+inline void check_offsets(const char* function, const char* name,
+                          const std::vector<Index>& offsets, Index rows) {
+  if (offsets.empty() || offsets.front() != 0 || offsets.back() != rows)
+    throw_invalid(function, std::string(name) + " must start at 0 and end at " +
+                                std::to_string(rows) + " (the number of rows)");
+  for (std::size_t b = 1; b < offsets.size(); ++b)
+    if (offsets[b] < offsets[b - 1])
+      throw_invalid(function, std::string(name) + " must not decrease (entry " + std::to_string(b) +
+                                  " is " + std::to_string(offsets[b]) + " after " +
+                                  std::to_string(offsets[b - 1]) + ")");
+}
+
+}  // namespace detail
+
+/// \brief Non-causal linear attention over B packed sequences and H heads, written into
+/// `out`. Query rows [q_offsets[b], q_offsets[b+1]) attend to key rows [k_offsets[b],
+/// k_offsets[b+1]); head h uses columns [h·D, (h+1)·D) of Q and K and [h·M, (h+1)·M) of V and
+/// out. No input is copied; (sequence, head) pairs run in parallel. Equal to per-head,
+/// per-sequence linear_attention() calls.
+/// \throws std::invalid_argument on inconsistent shapes or offsets.
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, const std::vector<Index>& q_offsets,
+                              const std::vector<Index>& k_offsets, Index heads, const Phi& phi,
+                              const Eigen::MatrixBase<DOut>& out,
+                              MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                              const ParallelOptions& par = {}) {
+  constexpr const char* fn = "batched_linear_attention";
+  detail::static_check_feature_map<Phi, typename DQ::Scalar>();
+  const auto [D, M] = detail::check_heads(fn, Q, K, V, heads, false);
+  detail::check_output(fn, out, Q.rows(), V.cols());
+  detail::check_offsets(fn, "q_offsets", q_offsets, Q.rows());
+  detail::check_offsets(fn, "k_offsets", k_offsets, K.rows());
+  if (q_offsets.size() != k_offsets.size())
+    detail::throw_invalid(fn, "q_offsets and k_offsets must describe the same number of sequences");
+  auto& dst = detail::writable(out);
+  const Index B = static_cast<Index>(q_offsets.size()) - 1;
+  detail::parallel_tasks<typename DQ::Scalar>(B * heads, par, ws, [&](Index t, auto& w) {
+    const Index b = t / heads, h = t % heads;
+    const Index q0 = q_offsets[b], n = q_offsets[b + 1] - q0;
+    const Index k0 = k_offsets[b], l = k_offsets[b + 1] - k0;
+    linear_attention(Q.block(q0, h * D, n, D), K.block(k0, h * D, l, D), V.block(k0, h * M, l, M),
+                     phi, dst.block(q0, h * M, n, M), w);
+  });
+}
+
+/// \brief Causal linear attention over B packed sequences (rows [offsets[b], offsets[b+1]))
+/// and H heads, each sequence starting from an empty state. See batched_linear_attention().
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                     const Eigen::MatrixBase<DK>& K,
+                                     const Eigen::MatrixBase<DV>& V,
+                                     const std::vector<Index>& offsets, Index heads,
+                                     const Phi& phi, const Eigen::MatrixBase<DOut>& out,
+                                     MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                     const CausalOptions& options = {},
+                                     const ParallelOptions& par = {}) {
+  using Scalar = typename DQ::Scalar;
+  constexpr const char* fn = "batched_causal_linear_attention";
+  detail::static_check_feature_map<Phi, Scalar>();
+  const auto [D, M] = detail::check_heads(fn, Q, K, V, heads, true);
+  detail::check_output(fn, out, Q.rows(), V.cols());
+  detail::check_offsets(fn, "offsets", offsets, Q.rows());
+  if (options.chunk_size < 0)
+    detail::throw_invalid(fn, "chunk_size must be >= 0 (0 = default), got " +
+                                  std::to_string(options.chunk_size));
+  auto& dst = detail::writable(out);
+  const Index B = static_cast<Index>(offsets.size()) - 1;
+  detail::parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, auto& w) {
+    const Index b = t / heads, h = t % heads;
+    const Index r0 = offsets[b], n = offsets[b + 1] - r0;
+    LinearAttentionState<Scalar> state = make_state<Scalar>(phi, D, M);
+    causal_linear_attention(Q.block(r0, h * D, n, D), K.block(r0, h * D, n, D),
+                            V.block(r0, h * M, n, M), phi, state, dst.block(r0, h * M, n, M), w,
+                            options);
+  });
+}
+
+/// \brief Multi-head non-causal linear attention: Q N x (H·D), K L x (H·D), V L x (H·M),
+/// out N x (H·M), heads side by side; allocation-free with a reused MultiHeadWorkspace.
+/// \code
+/// linattn::MultiHeadWorkspace<float> ws;
+/// Eigen::MatrixXf out(N, 8 * 64);
+/// linattn::multihead_linear_attention(Q, K, V, 8, linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi,
+                                const Eigen::MatrixBase<DOut>& out,
+                                MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                const ParallelOptions& par = {}) {
+  batched_linear_attention(Q, K, V, {0, Q.rows()}, {0, K.rows()}, heads, phi, out, ws, par);
+}
+
+/// \brief Multi-head non-causal linear attention, returning N x (H·M).
+template <class DQ, class DK, class DV, class Phi = EluPlusOne>
+Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                                       const Eigen::MatrixBase<DK>& K,
+                                                       const Eigen::MatrixBase<DV>& V,
+                                                       Index heads, const Phi& phi = Phi{},
+                                                       const ParallelOptions& par = {}) {
+  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  multihead_linear_attention(Q, K, V, heads, phi, out, ws, par);
+  return out;
+}
+
+/// \brief Multi-head causal linear attention (each head from an empty state).
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void multihead_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                       const Eigen::MatrixBase<DK>& K,
+                                       const Eigen::MatrixBase<DV>& V, Index heads,
+                                       const Phi& phi, const Eigen::MatrixBase<DOut>& out,
+                                       MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                       const CausalOptions& options = {},
+                                       const ParallelOptions& par = {}) {
+  batched_causal_linear_attention(Q, K, V, {0, Q.rows()}, heads, phi, out, ws, options, par);
+}
+
+/// \brief Multi-head causal linear attention, returning N x (H·M).
+/// \code
+/// Eigen::MatrixXf out = linattn::multihead_causal_linear_attention(Q, K, V, 8);
+/// \endcode
+template <class DQ, class DK, class DV, class Phi = EluPlusOne>
+Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi = Phi{},
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  multihead_causal_linear_attention(Q, K, V, heads, phi, out, ws, options, par);
+  return out;
+}
+
+namespace detail {
+
+template <class DQ, class DK, class DV, class DOut>
+void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
+                       const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                       Index heads, const Eigen::MatrixBase<DOut>& out,
+                       MultiHeadWorkspace<typename DQ::Scalar>& ws, SoftmaxAlgorithm algorithm,
+                       bool causal, const ParallelOptions& par) {
+  const auto [D, M] = check_heads(fn, Q, K, V, heads, causal);
+  check_output(fn, out, Q.rows(), V.cols());
+  auto& dst = writable(out);
+  parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, auto& w) {
+    softmax_dispatch(fn, Q.middleCols(h * D, D), K.middleCols(h * D, D), V.middleCols(h * M, M),
+                     dst.middleCols(h * M, M), algorithm, causal, w);
+  });
+}
+
+}  // namespace detail
+
+/// \brief Multi-head softmax attention over the packed layout (heads in parallel).
+template <class DQ, class DK, class DV, class DOut>
+void multihead_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                 const Eigen::MatrixBase<DV>& V, Index heads,
+                                 const Eigen::MatrixBase<DOut>& out,
+                                 MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                 SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled,
+                                 const ParallelOptions& par = {}) {
+  detail::multihead_softmax("multihead_softmax_attention", Q, K, V, heads, out, ws, algorithm,
+                            false, par);
+}
+
+/// \brief Multi-head softmax attention, returning N x (H·M).
+template <class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> multihead_softmax_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, Index heads,
+    SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled, const ParallelOptions& par = {}) {
+  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  multihead_softmax_attention(Q, K, V, heads, out, ws, algorithm, par);
+  return out;
+}
+
+/// \brief Multi-head causal softmax attention over the packed layout.
+template <class DQ, class DK, class DV, class DOut>
+void multihead_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q,
+                                        const Eigen::MatrixBase<DK>& K,
+                                        const Eigen::MatrixBase<DV>& V, Index heads,
+                                        const Eigen::MatrixBase<DOut>& out,
+                                        MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                        SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled,
+                                        const ParallelOptions& par = {}) {
+  detail::multihead_softmax("multihead_causal_softmax_attention", Q, K, V, heads, out, ws,
+                            algorithm, true, par);
+}
+
+/// \brief Multi-head causal softmax attention, returning N x (H·M).
+template <class DQ, class DK, class DV>
+Matrix<typename DQ::Scalar> multihead_causal_softmax_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, Index heads,
+    SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled, const ParallelOptions& par = {}) {
+  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  multihead_causal_softmax_attention(Q, K, V, heads, out, ws, algorithm, par);
+  return out;
+}
+
+/// \brief H independent recurrent heads over the packed layout: a token is q, k of H·D
+/// entries and v of H·M entries; step() writes H·M outputs and allocates nothing.
+/// \code
+/// linattn::MultiHeadRecurrentLinearAttention<linattn::EluPlusOne, float> rnn(8, 64, 64);
+/// Eigen::VectorXf out(8 * 64);
+/// rnn.step(q, k, v, out);
+/// \endcode
+template <class FeatureMap = EluPlusOne, class Scalar = float>
+class MultiHeadRecurrentLinearAttention {
+ public:
+  using Head = RecurrentLinearAttention<FeatureMap, Scalar>;
+
+  MultiHeadRecurrentLinearAttention(Index heads, Index key_dim, Index value_dim,
+                                    const FeatureMap& phi = FeatureMap{}) {
+    if (heads <= 0)
+      detail::throw_invalid("MultiHeadRecurrentLinearAttention",
+                            "heads must be positive, got " + std::to_string(heads));
+    heads_.reserve(static_cast<std::size_t>(heads));
+    for (Index h = 0; h < heads; ++h) heads_.emplace_back(key_dim, value_dim, phi);
+  }
+
+  /// Consumes one token of every head; no allocation.
+  /// \throws std::invalid_argument on wrong sizes.
+  template <class DQ, class DK, class DV, class DOut>
+  void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+            const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOut>& out) {
+    const char* fn = "MultiHeadRecurrentLinearAttention::step";
+    const Index H = heads(), D = key_dim(), M = value_dim();
+    detail::check_token(fn, "q", q, H * D);
+    detail::check_token(fn, "k", k, H * D);
+    detail::check_token(fn, "v", v, H * M);
+    detail::check_token(fn, "out", out, H * M);
+    auto o = detail::writable(out).reshaped();
+    for (Index h = 0; h < H; ++h)
+      heads_[static_cast<std::size_t>(h)].step(q.reshaped().segment(h * D, D),
+                                               k.reshaped().segment(h * D, D),
+                                               v.reshaped().segment(h * M, M),
+                                               o.segment(h * M, M));
+  }
+
+  /// Consumes one token of every head and returns the H·M outputs.
+  template <class DQ, class DK, class DV>
+  Vector<Scalar> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                      const Eigen::MatrixBase<DV>& v) {
+    Vector<Scalar> out(heads() * value_dim());
+    step(q, k, v, out);
+    return out;
+  }
+
+  void reset() {
+    for (auto& h : heads_) h.reset();
+  }
+  Index heads() const noexcept { return static_cast<Index>(heads_.size()); }
+  Index key_dim() const noexcept { return heads_.front().key_dim(); }
+  Index value_dim() const noexcept { return heads_.front().value_dim(); }
+  /// Head h (its state, set_state() to continue from a parallel prefill).
+  Head& head(Index h) { return heads_.at(static_cast<std::size_t>(h)); }
+  const Head& head(Index h) const { return heads_.at(static_cast<std::size_t>(h)); }
+
+ private:
+  std::vector<Head> heads_;
+};
+
+}  // namespace linattn
