@@ -56,21 +56,22 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
   const Index F = st.S.rows();
   constexpr bool per_feature = normalizes_keys_per_feature_v<Phi>;
   auto pq = ws.matrix(kSlotPhiQ, b, F);
-  auto pk = ws.matrix(kSlotPhiK, per_feature ? 1 : b, F);
-  auto w = ws.matrix(kSlotRowA, 1, F);
+  auto pk = ws.matrix(kSlotPhiK, per_feature ? 0 : b, F);
+  auto pkv = ws.vector(kSlotKeys, F);
+  auto w = ws.vector(kSlotRowA, F);
   auto den = ws.vector(kSlotRowB, 1);
   phi.map(Q.middleRows(r0, b), pq);
   if constexpr (!per_feature) phi.map(K.middleRows(r0, b), pk);
   for (Index i = 0; i < b; ++i) {
-    auto o = dst.row(r0 + i);
+    auto o = dst.row(r0 + i).transpose();
     if (!keep(r0 + i)) {  // a masked key adds nothing; the query still reads the state
       auto pqi = pq.middleRows(i, 1);
-      read_state<Phi>(st.S, st.z, pqi, den, o);
+      read_state<Phi>(st.S, st.z, pqi, den, dst.row(r0 + i));
       continue;
     }
-    auto pki = pk.middleRows(per_feature ? 0 : i, 1);
-    recurrent_update_and_read<Phi>(st.S, st.z, st.m, pq.middleRows(i, 1), pki, w,
-                                   K.row(r0 + i), V.row(r0 + i), o);
+    if constexpr (!per_feature) pkv = pk.row(i).transpose();
+    recurrent_update_and_read<Phi>(st.S, st.z, st.m, pq.row(i).transpose(), pkv, w,
+                                   K.row(r0 + i).transpose(), V.row(r0 + i).transpose(), o);
   }
 }
 
@@ -93,11 +94,14 @@ void causal_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r
   const auto vr = V.middleRows(r0, b);
   auto ob = dst.middleRows(r0, b);
   A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
-  ob.noalias() = pq * st.S;
-  ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
   den.noalias() = pq * st.z;
   for (Index j = 0; j < b; ++j) den.tail(b - j) += A.col(j).tail(b - j);
-  divide_rows_guarded(ob, den);
+  invert_guarded(den);
+  // Scaling the rows of φq and A divides the output rows without touching the output twice.
+  pq.array().colwise() *= den.array();
+  for (Index j = 0; j < b; ++j) A.col(j).tail(b - j).array() *= den.tail(b - j).array();
+  ob.noalias() = pq * st.S;
+  ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
   st.S.noalias() += pk.transpose() * vr;
   st.z.noalias() += pk.colwise().sum().transpose();
 }

@@ -5,6 +5,7 @@
 #include <Eigen/Core>
 
 #include "common.hpp"
+#include "feature_map.hpp"
 
 namespace linattn {
 
@@ -27,7 +28,7 @@ struct EluPlusOne {
   void map(const Eigen::MatrixBase<Derived>& x,
            MatrixRef<typename Derived::Scalar> phi) const {
     using S = typename Derived::Scalar;
-    phi.array() = x.array().min(S(0)).exp() + x.array().max(S(0));
+    detail::map_rows_vectorized(x, phi, [](const auto& a) { return a.min(S(0)).exp() + a.max(S(0)); });
   }
 
   /// \f$\nabla_x = \nabla_\varphi \odot \varphi'(x)\f$ with \f$\varphi'(x) = e^{\min(x, 0)}\f$.

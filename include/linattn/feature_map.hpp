@@ -114,5 +114,22 @@ inline constexpr Index kMapRowBlock = 256;
 template <class Scalar>
 using RowScratch = Eigen::Matrix<Scalar, Eigen::Dynamic, 1, 0, kMapRowBlock, 1>;
 
+// Applies a row-wise array function f (taking and returning an array expression) to x,
+// writing phi. A single row (the recurrent step) is routed through a contiguous stack buffer:
+// written directly, a 1-row block of a column-major matrix has a run-time stride and Eigen
+// evaluates it with scalar code (scalar exp, for instance).
+template <class Derived, class F>
+void map_rows_vectorized(const Eigen::MatrixBase<Derived>& x,
+                         MatrixRef<typename Derived::Scalar> phi, const F& f) {
+  using S = typename Derived::Scalar;
+  if (x.rows() == 1 && x.cols() <= kMapRowBlock) {
+    Eigen::Array<S, Eigen::Dynamic, 1, 0, kMapRowBlock, 1> row = x.row(0).transpose();
+    row = f(row);
+    phi.row(0) = row.transpose().matrix();
+  } else {
+    phi.array() = f(x.array());
+  }
+}
+
 }  // namespace detail
 }  // namespace linattn

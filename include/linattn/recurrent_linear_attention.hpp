@@ -70,7 +70,8 @@ class RecurrentLinearAttention {
     k_.resize(1, key_dim);
     pq_.resize(1, F);
     pk_.resize(1, F);
-    w_.resize(1, F);
+    pkv_.resize(F);
+    w_.resize(F);
   }
 
   /// Consumes one token and writes its output (M entries) into `out`, a vector of the
@@ -88,10 +89,14 @@ class RecurrentLinearAttention {
     q_.row(0) = q.reshaped().transpose();
     k_.row(0) = k.reshaped().transpose();
     phi_.map(q_, pq_);
-    if constexpr (!normalizes_keys_per_feature_v<FeatureMap>) phi_.map(k_, pk_);
+    if constexpr (!normalizes_keys_per_feature_v<FeatureMap>) {
+      phi_.map(k_, pk_);
+      pkv_ = pk_.reshaped();
+    }
     auto& o = detail::writable(out);
-    detail::recurrent_update_and_read<FeatureMap>(state_.S, state_.z, state_.m, pq_, pk_, w_,
-                                                  k_, v.reshaped().transpose(), o.reshaped());
+    detail::recurrent_update_and_read<FeatureMap>(state_.S, state_.z, state_.m, pq_.reshaped(),
+                                                  pkv_, w_, k_.reshaped(), v.reshaped(),
+                                                  o.reshaped());
     ++position_;
   }
 
@@ -144,7 +149,10 @@ class RecurrentLinearAttention {
   Index key_dim_, value_dim_;
   Index position_ = 0;
   State state_;
-  Matrix<Scalar> q_, k_, pq_, pk_, w_;  // 1-row scratch so that step() never allocates
+  // Scratch so that step() never allocates: 1-row matrices for the map, contiguous vectors
+  // for the update (a dynamic 1-row matrix's row is not known to be contiguous).
+  Matrix<Scalar> q_, k_, pq_, pk_;
+  Vector<Scalar> pkv_, w_;
 };
 
 /// \brief Linear cross-attention with a fixed memory (encoder keys and values), summarised

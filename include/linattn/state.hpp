@@ -107,31 +107,27 @@ void raise_maxima(SMat& S, ZVec& z, MVec& m, const NewMax& new_max) {
   }
 }
 
-// Consumes one token (k, v given as rows) into the state and writes the output row for the
-// query features pq (1 x F, already mapped): the recurrent step, O(F·M). For generic maps pk
-// holds φ(k); for per-feature key softmax it and w are scratch. The update and the read are
-// fused into one pass over the columns of S, which are contiguous.
-template <class Phi, class SMat, class ZVec, class MVec, class PQ, class PK, class W, class KRow,
-          class VRow, class ORow>
+// Consumes one token into the state and writes its output: the recurrent step, O(F·M).
+// pq is φ(q) (any F-vector expression); pk (contiguous F-vector) holds φ(k) for generic maps
+// and is scratch for per-feature key softmax; w is contiguous F-vector scratch. A rank-1
+// update and a GEMV: two passes over S, which stays in L1 for F·M up to a few thousand.
+template <class Phi, class SMat, class ZVec, class MVec, class PQ, class PK, class W, class KVec,
+          class VVec, class OVec>
 void recurrent_update_and_read(SMat& S, ZVec& z, MVec& m, const PQ& pq, PK& pk, W& w,
-                               const KRow& k, const VRow& v, ORow&& o) {
+                               const KVec& k, const VVec& v, OVec&& o) {
   using Scalar = typename ZVec::Scalar;
-  const Index M = S.cols();
   if constexpr (normalizes_keys_per_feature_v<Phi>) {
-    raise_maxima(S, z, m, k.transpose());
-    pk.row(0) = (k.array() - m.transpose().array()).exp();
-    z.noalias() += pk.row(0).transpose();
+    raise_maxima(S, z, m, k);
+    pk = (k.array() - m.array()).exp().matrix();
+    z.noalias() += pk;
     // z(d) >= 1 now: the maximal key of each feature contributes e^0.
-    w.row(0) = pq.row(0).cwiseQuotient(z.transpose());
+    w = pq.cwiseQuotient(z);
   } else {
-    z.noalias() += pk.row(0).transpose();
-    const Scalar den = pq.row(0).dot(z.transpose());
-    w.row(0) = pq.row(0) * (Scalar(1) / std::max(den, denominator_epsilon<Scalar>()));
+    z.noalias() += pk;
+    w = pq * (Scalar(1) / std::max(pq.dot(z), denominator_epsilon<Scalar>()));
   }
-  for (Index c = 0; c < M; ++c) {
-    S.col(c).noalias() += v(c) * pk.row(0).transpose();
-    o(c) = w.row(0).dot(S.col(c).transpose());
-  }
+  S.noalias() += pk * v.transpose();
+  o.noalias() = S.transpose() * w;
 }
 
 // Reads the state with already-mapped query rows pq (n x F, overwritten): out = pq S /
@@ -143,12 +139,12 @@ void read_state(const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out) {
     // z(d) == 0 only before any key: that feature then contributes nothing.
     for (Index d = 0; d < z.size(); ++d)
       pq.col(d) *= z(d) > Scalar(0) ? Scalar(1) / z(d) : Scalar(0);
-    out.noalias() = pq * S;
   } else {
-    out.noalias() = pq * S;
     den.noalias() = pq * z;
-    divide_rows_guarded(out, den);
+    invert_guarded(den);
+    pq.array().colwise() *= den.array();
   }
+  out.noalias() = pq * S;
 }
 
 // No key is masked.

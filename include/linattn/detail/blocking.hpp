@@ -32,12 +32,13 @@ enum Slot : int {
 // docs/benchmarks.md for the measurements behind it).
 inline constexpr Index kDefaultChunk = 64;
 
-// out_i /= max(den_i, eps) for every row: the one guard every algorithm shares.
-template <class Out, class Den>
-void divide_rows_guarded(Out&& out, const Den& den) {
-  using S = typename std::decay_t<Out>::Scalar;
-  for (Index i = 0; i < out.rows(); ++i)
-    out.row(i) *= S(1) / std::max(den(i), denominator_epsilon<S>());
+// den_i <- 1 / max(den_i, eps): the one guard every algorithm shares. Kernels scale the rows
+// of φ(Q) (small and contiguous) by it before the GEMM instead of dividing output rows, which
+// are strided in the caller's column-major output.
+template <class Den>
+void invert_guarded(Den&& den) {
+  using S = typename std::decay_t<Den>::Scalar;
+  den = den.cwiseMax(denominator_epsilon<S>()).cwiseInverse();
 }
 
 }  // namespace linattn::detail
