@@ -5,6 +5,7 @@
 #include <Eigen/Core>
 
 #include "common.hpp"
+#include "detail/fast_exp.hpp"
 #include "feature_map.hpp"
 
 namespace linattn {
@@ -28,7 +29,12 @@ struct EluPlusOne {
   void map(const Eigen::MatrixBase<Derived>& x,
            MatrixRef<typename Derived::Scalar> phi) const {
     using S = typename Derived::Scalar;
-    detail::map_rows_vectorized(x, phi, [](const auto& a) { return a.min(S(0)).exp() + a.max(S(0)); });
+    detail::map_rows_vectorized(x, phi, [](const auto& a) {
+      if constexpr (detail::use_fast_elu_v<S>)
+        return a.unaryExpr(detail::elu_plus_one_op<S>());
+      else
+        return a.min(S(0)).exp() + a.max(S(0));
+    });
   }
 
   /// \f$\nabla_x = \nabla_\varphi \odot \varphi'(x)\f$ with \f$\varphi'(x) = e^{\min(x, 0)}\f$.

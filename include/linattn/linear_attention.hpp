@@ -67,8 +67,8 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
 /// \f[ \mathrm{out}_i = \frac{\varphi(q_i)^\top S}{\max(\varphi(q_i)^\top z,\ \varepsilon)},
 ///     \qquad S = \sum_j \varphi(k_j) v_j^\top,\quad z = \sum_j \varphi(k_j) \f]
 ///
-/// Two GEMMs per block of 256 rows and never an N x L matrix: O((N + L)·F·M) time and
-/// O(F·M + 256·F) working memory, independent of N and L. For SoftmaxSplit,
+/// Two GEMMs per block of 128 rows and never an N x L matrix: O((N + L)·F·M) time and
+/// O(F·M + 128·F) working memory, independent of N and L. For SoftmaxSplit,
 /// out = softmax_rows(Q) (softmax_cols(K)ᵀ V), with a running maximum per key feature.
 ///
 /// \param Q    N x D queries; \param K L x D keys; \param V L x M values. N ≠ L is allowed

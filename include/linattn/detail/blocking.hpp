@@ -12,7 +12,7 @@ namespace linattn::detail {
 
 // Rows of Q or K mapped through the feature map at once in the non-causal kernel: large
 // enough that the GEMMs run at full speed, small enough that the n x F block stays in L2.
-inline constexpr Index kLinearRowBlock = 256;
+inline constexpr Index kLinearRowBlock = 128;
 
 // Workspace slots, so that kernels sharing a Workspace do not fight over a buffer.
 enum Slot : int {
