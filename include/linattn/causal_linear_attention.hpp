@@ -48,31 +48,43 @@ constexpr Scalar per_feature_log_range() noexcept {
 }
 
 // Rows [r0, r0 + b) one token at a time: the RNN form. Queries and keys are mapped a block at
-// a time (vectorised), then each token is a fused rank-1 update and read of the state.
+// a time (vectorised); the block's values and outputs go through row-major buffers so that
+// each token reads and writes contiguous memory, whatever the caller's layout.
 template <class Phi, class DQ, class DK, class DV, class Scalar, class Keep, class Out>
 void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r0,
                            Index b, LinearAttentionState<Scalar>& st, const Keep& keep,
                            Out& dst, Workspace<Scalar>& ws) {
-  const Index F = st.S.rows();
+  using RowMajor = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const Index F = st.S.rows(), M = st.S.cols();
   constexpr bool per_feature = normalizes_keys_per_feature_v<Phi>;
   auto pq = ws.matrix(kSlotPhiQ, b, F);
   auto pk = ws.matrix(kSlotPhiK, per_feature ? 0 : b, F);
-  auto pkv = ws.vector(kSlotKeys, F);
+  // Token i's features as contiguous columns (the maps write rows of a column-major block).
+  auto pqt = ws.matrix(kSlotExtra, F, b);
+  auto pkt = ws.matrix(kSlotKeys, F, per_feature ? 1 : b);
   auto w = ws.vector(kSlotRowA, F);
   auto den = ws.vector(kSlotRowB, 1);
+  Eigen::Map<RowMajor> vb(ws.matrix(kSlotScores, b, M).data(), b, M);
+  Eigen::Map<RowMajor> ob(ws.matrix(kSlotPrefix, b, M).data(), b, M);
   phi.map(Q.middleRows(r0, b), pq);
-  if constexpr (!per_feature) phi.map(K.middleRows(r0, b), pk);
+  pqt = pq.transpose();
+  if constexpr (!per_feature) {
+    phi.map(K.middleRows(r0, b), pk);
+    pkt = pk.transpose();
+  }
+  vb = V.middleRows(r0, b);
   for (Index i = 0; i < b; ++i) {
-    auto o = dst.row(r0 + i).transpose();
+    auto o = ob.row(i).transpose();
     if (!keep(r0 + i)) {  // a masked key adds nothing; the query still reads the state
       auto pqi = pq.middleRows(i, 1);
-      read_state<Phi>(st.S, st.z, pqi, den, dst.row(r0 + i));
+      read_state<Phi>(st.S, st.z, pqi, den, ob.row(i));
       continue;
     }
-    if constexpr (!per_feature) pkv = pk.row(i).transpose();
-    recurrent_update_and_read<Phi>(st.S, st.z, st.m, pq.row(i).transpose(), pkv, w,
-                                   K.row(r0 + i).transpose(), V.row(r0 + i).transpose(), o);
+    auto pki = pkt.col(per_feature ? 0 : i);
+    recurrent_update_and_read<Phi>(st.S, st.z, st.m, pqt.col(i), pki, w,
+                                   K.row(r0 + i).transpose(), vb.row(i).transpose(), o);
   }
+  dst.middleRows(r0, b) = ob;
 }
 
 // One chunk of the generic chunked form (spec §3):

@@ -69,4 +69,13 @@ Derived& writable(const Eigen::MatrixBase<Derived>& out) {
   return const_cast<Eigen::MatrixBase<Derived>&>(out).derived();
 }
 
+template <class DMask>
+void check_key_mask(const char* function, const Eigen::MatrixBase<DMask>& mask, Index L) {
+  static_assert(std::is_same_v<typename DMask::Scalar, bool>,
+                "linattn: a key mask is a vector of bool (true = the key takes part)");
+  if (mask.size() != L || (mask.rows() != 1 && mask.cols() != 1))
+    throw_invalid(function, "the key mask is " + shape_of(mask) + " but must be a vector of " +
+                                std::to_string(L) + " entries, one per key");
+}
+
 }  // namespace linattn::detail

@@ -123,7 +123,8 @@ void map_rows_vectorized(const Eigen::MatrixBase<Derived>& x,
                          MatrixRef<typename Derived::Scalar> phi, const F& f) {
   using S = typename Derived::Scalar;
   if (x.rows() == 1 && x.cols() <= kMapRowBlock) {
-    Eigen::Array<S, Eigen::Dynamic, 1, 0, kMapRowBlock, 1> row = x.row(0).transpose();
+    Eigen::Array<S, Eigen::Dynamic, 1, 0, kMapRowBlock, 1> row(x.cols());
+    row = x.row(0).transpose();
     row = f(row);
     phi.row(0) = row.transpose().matrix();
   } else {

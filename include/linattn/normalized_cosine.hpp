@@ -60,9 +60,10 @@ struct NormalizedCosine {
  private:
   template <class S, class Row>
   static S inverse_norm(S norm, const Row& row) {
-    if (std::isinf(norm))
-      norm = row.stableNorm();  // the squared norm overflowed; the norm itself may not
-    return norm > S(0) ? S(1) / norm : S(0);
+    // The squared norm over- or underflows for |x| beyond about 1e19 or below 1e-19 in float;
+    // stableNorm rescales. A row that is truly zero keeps norm 0.
+    if (!(norm > S(0)) || std::isinf(norm)) norm = row.stableNorm();
+    return norm > S(0) && !std::isinf(norm) ? S(1) / norm : S(0);
   }
 };
 
