@@ -22,7 +22,8 @@ namespace linattn {
 
 /// Which algorithm computes causal linear attention. All agree to rounding.
 enum class CausalAlgorithm {
-  /// Let the library choose (currently: Chunked).
+  /// Let the library choose: Recurrent while the F x M state fits in L2 (F·M <= 128·128),
+  /// where its fused one-pass kernel was measured fastest (docs/benchmarks.md), else Chunked.
   Auto,
   /// Chunks of C rows: GEMMs inside a chunk, the state carried between chunks (spec §3).
   Chunked,
@@ -32,7 +33,7 @@ enum class CausalAlgorithm {
 
 /// Options of causal_linear_attention().
 struct CausalOptions {
-  /// Rows per chunk of the chunked algorithm; 0 picks the measured default (64).
+  /// Rows per chunk of the chunked algorithm; 0 picks the measured default (48).
   Index chunk_size = 0;
   /// The algorithm; Auto picks the fastest for the shape.
   CausalAlgorithm algorithm = CausalAlgorithm::Auto;
@@ -61,18 +62,21 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
   auto pk = ws.matrix(kSlotPhiK, per_feature ? 0 : b, F);
   // Token i's features as contiguous columns (the maps write rows of a column-major block).
   auto pqt = ws.matrix(kSlotExtra, F, b);
-  auto pkt = ws.matrix(kSlotKeys, F, per_feature ? 1 : b);
+  auto pkt = ws.matrix(kSlotKeys, F, b);  // φ(k) per token, or the raw keys for SoftmaxSplit
+  auto pkv = ws.vector(kSlotNormalizer, per_feature ? F : 0);
   auto w = ws.vector(kSlotRowA, F);
   auto den = ws.vector(kSlotRowB, 1);
   Eigen::Map<RowMajor> vb(ws.matrix(kSlotScores, b, M).data(), b, M);
   Eigen::Map<RowMajor> ob(ws.matrix(kSlotPrefix, b, M).data(), b, M);
   phi.map(Q.middleRows(r0, b), pq);
-  pqt = pq.transpose();
-  if constexpr (!per_feature) {
+  copy_to_row_major(pq, pqt.data());  // pqt (F x b, column-major) is pq's row-major copy
+  if constexpr (per_feature) {
+    copy_to_row_major(K.middleRows(r0, b), pkt.data());
+  } else {
     phi.map(K.middleRows(r0, b), pk);
-    pkt = pk.transpose();
+    copy_to_row_major(pk, pkt.data());
   }
-  vb = V.middleRows(r0, b);
+  copy_to_row_major(V.middleRows(r0, b), vb.data());
   for (Index i = 0; i < b; ++i) {
     auto o = ob.row(i).transpose();
     if (!keep(r0 + i)) {  // a masked key adds nothing; the query still reads the state
@@ -80,11 +84,16 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
       read_state<Phi>(st.S, st.z, pqi, den, ob.row(i));
       continue;
     }
-    auto pki = pkt.col(per_feature ? 0 : i);
-    recurrent_update_and_read<Phi>(st.S, st.z, st.m, pqt.col(i), pki, w,
-                                   K.row(r0 + i).transpose(), vb.row(i).transpose(), o);
+    if constexpr (per_feature) {
+      recurrent_update_and_read<Phi>(st.S, st.z, st.m, pqt.col(i), pkv, w, pkt.col(i),
+                                     vb.row(i).transpose(), o);
+    } else {
+      auto pki = pkt.col(i);
+      recurrent_update_and_read<Phi>(st.S, st.z, st.m, pqt.col(i), pki, w, pki,
+                                     vb.row(i).transpose(), o);
+    }
   }
-  dst.middleRows(r0, b) = ob;
+  copy_from_row_major(ob.data(), b, M, dst.middleRows(r0, b));
 }
 
 // One chunk of the generic chunked form (spec §3):
@@ -139,15 +148,16 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
     for (Index j = 0; j < b; ++j)
       if (!keep(r0 + j)) E.row(j).setConstant(-std::numeric_limits<Scalar>::infinity());
   c = E.colwise().maxCoeff().transpose().cwiseMax(st.m);
-  for (Index d = 0; d < F; ++d) scale(d) = c(d) > st.m(d) ? std::exp(st.m(d) - c(d)) : Scalar(1);
   for (Index d = 0; d < F; ++d) {
-    // -inf - -inf only for a feature with no unmasked key yet: no contribution.
-    const Scalar cd = c(d) == -std::numeric_limits<Scalar>::infinity() ? Scalar(0) : c(d);
+    scale(d) = c(d) > st.m(d) ? std::exp(st.m(d) - c(d)) : Scalar(1);
+    // A feature with no unmasked key yet has c = -inf; shift by 0 so that exp(-inf) = 0.
+    if (c(d) == -std::numeric_limits<Scalar>::infinity()) c(d) = Scalar(0);
+  }
+  E.array() = (E.array().rowwise() - c.transpose().array()).exp();
+  for (Index d = 0; d < F; ++d) {
     Scalar running = st.z(d) * scale(d);
     for (Index i = 0; i < b; ++i) {
-      const Scalar e = std::exp(E(i, d) - cd);
-      E(i, d) = e;
-      running += e;
+      running += E(i, d);
       Z(i, d) = running;
     }
   }
@@ -156,7 +166,8 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
   for (Index d = 0; d < F; ++d) {
     if (scale(d) != Scalar(1)) st.S.row(d) *= scale(d);
   }
-  st.m = c;
+  for (Index d = 0; d < F; ++d)
+    if (Z(b - 1, d) > Scalar(0)) st.m(d) = c(d);  // features with no key keep m = -inf
   st.z = Z.row(b - 1).transpose();
   auto pq = ws.matrix(kSlotPhiQ, b, F);
   auto A = ws.matrix(kSlotScores, b, b);
@@ -191,7 +202,9 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
   const Nested<DK> k(K.derived());
   const Nested<DV> v(V.derived());
   const Index N = q.rows();
-  const bool recurrent = opts.algorithm == CausalAlgorithm::Recurrent;
+  const bool recurrent =
+      opts.algorithm == CausalAlgorithm::Recurrent ||
+      (opts.algorithm == CausalAlgorithm::Auto && st.S.size() <= kAutoRecurrentMaxState);
   const Index C = recurrent ? kLinearRowBlock : (opts.chunk_size > 0 ? opts.chunk_size : kDefaultChunk);
   for (Index r0 = 0; r0 < N; r0 += C) {
     const Index b = std::min(C, N - r0);
@@ -220,8 +233,10 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
 /// RecurrentLinearAttention can continue from it. SoftmaxSplit follows the per-feature prefix
 /// softmax of the spec, with running maxima (stable for inputs of magnitude 100 in float).
 ///
-/// The chunked algorithm costs O(N·C·(F+M) + N·F·M) with GEMMs inside each chunk of C rows;
-/// no N x N matrix and no N x F x M buffer exists: working memory is O(C·(C+F) + F·M).
+/// The recurrent algorithm (the default for states up to 128 x 128) costs exactly 4·N·F·M
+/// flops in one fused pass over S per token; the chunked one costs O(N·C·(F+M) + N·F·M)
+/// with GEMMs inside each chunk of C rows. Neither forms an N x N matrix nor an N x F x M
+/// buffer: working memory is O(C·(C+F+M) + F·M).
 ///
 /// \param Q, K N x D; \param V N x M (N == L). Any Eigen expression.
 /// \throws std::invalid_argument on mismatched shapes, N ≠ L, D == 0, a state of the wrong

@@ -28,9 +28,76 @@ enum Slot : int {
   kSlotKeys = 9,
 };
 
-// Chunk length of the causal kernels when the caller does not choose one (see
-// docs/benchmarks.md for the measurements behind it).
-inline constexpr Index kDefaultChunk = 64;
+// Chunk length of the chunked causal algorithm when the caller does not choose one: a
+// multiple of the 24-row GEMM micro-kernel of Eigen on AVX2, measured best of 16 … 128.
+inline constexpr Index kDefaultChunk = 48;
+
+// CausalAlgorithm::Auto runs the fused recurrent kernel up to this many state entries (F·M):
+// measured faster than every chunk size for D = M = 16 … 128, float and double, on AVX2.
+inline constexpr Index kAutoRecurrentMaxState = 128 * 128;
+
+// dst(c, r) = src(r, c) for a rows x cols column-major src (leading dimension src_ld) into a
+// column-major dst (leading dimension dst_ld), through P x P register transposes. Eigen's own
+// transposed copy is scalar and walks one side with a stride; with a power-of-two leading
+// dimension (a 4096-row sequence) every such access falls into the same L1 set.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
+#endif
+template <class Scalar>
+void transpose_copy(const Scalar* src, Index src_ld, Index rows, Index cols, Scalar* dst,
+                    Index dst_ld) {
+  using namespace Eigen::internal;
+  using Packet = typename packet_traits<Scalar>::type;
+  constexpr int P = packet_traits<Scalar>::size;
+  Index r_end = 0, c_end = 0;
+  if constexpr (P > 1) {
+    r_end = rows / P * P;
+    c_end = cols / P * P;
+    for (Index r0 = 0; r0 < r_end; r0 += P) {
+      for (Index c0 = 0; c0 < c_end; c0 += P) {
+        PacketBlock<Packet, P> block;
+        for (int k = 0; k < P; ++k) block.packet[k] = ploadu<Packet>(src + r0 + (c0 + k) * src_ld);
+        ptranspose(block);
+        for (int k = 0; k < P; ++k) pstoreu(dst + c0 + (r0 + k) * dst_ld, block.packet[k]);
+      }
+    }
+  }
+  for (Index c = 0; c < cols; ++c)  // the right-hand and bottom edges
+    for (Index r = (c < c_end ? r_end : 0); r < rows; ++r) dst[c + r * dst_ld] = src[r + c * src_ld];
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+// Copies an expression into a row-major buffer (b x n, leading dimension n), transposing
+// with packets when the source is column-major memory with unit inner stride.
+template <class Src, class Scalar>
+void copy_to_row_major(const Src& src, Scalar* dst) {
+  using Plain = std::decay_t<Src>;
+  if constexpr ((int(Plain::Flags) & Eigen::DirectAccessBit) && !Plain::IsRowMajor) {
+    if (src.innerStride() == 1) {
+      transpose_copy(src.data(), src.outerStride(), src.rows(), src.cols(), dst, src.cols());
+      return;
+    }
+  }
+  using RowMajor = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Eigen::Map<RowMajor>(dst, src.rows(), src.cols()) = src;
+}
+
+// The reverse: a row-major buffer (b x n) into any writable expression.
+template <class Scalar, class Dst>
+void copy_from_row_major(const Scalar* src, Index rows, Index cols, Dst&& dst) {
+  using Plain = std::decay_t<Dst>;
+  if constexpr ((int(Plain::Flags) & Eigen::DirectAccessBit) && !Plain::IsRowMajor) {
+    if (dst.innerStride() == 1) {
+      transpose_copy(src, cols, cols, rows, dst.data(), dst.outerStride());
+      return;
+    }
+  }
+  using RowMajor = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  dst = Eigen::Map<const RowMajor>(src, rows, cols);
+}
 
 // den_i <- 1 / max(den_i, eps): the one guard every algorithm shares. Kernels scale the rows
 // of φ(Q) (small and contiguous) by it before the GEMM instead of dividing output rows, which
