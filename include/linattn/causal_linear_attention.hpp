@@ -78,7 +78,7 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
   }
   copy_to_row_major(V.middleRows(r0, b), vb.data());
   for (Index i = 0; i < b; ++i) {
-    auto o = ob.row(i).transpose();
+    auto o = ob.row(i);
     if (!keep(r0 + i)) {  // a masked key adds nothing; the query still reads the state
       auto pqi = pq.middleRows(i, 1);
       read_state<Phi>(st.S, st.z, pqi, den, ob.row(i));
@@ -86,11 +86,10 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
     }
     if constexpr (per_feature) {
       recurrent_update_and_read<Phi>(st.S, st.z, st.m, pqt.col(i), pkv, w, pkt.col(i),
-                                     vb.row(i).transpose(), o);
+                                     vb.row(i), o);
     } else {
       auto pki = pkt.col(i);
-      recurrent_update_and_read<Phi>(st.S, st.z, st.m, pqt.col(i), pki, w, pki,
-                                     vb.row(i).transpose(), o);
+      recurrent_update_and_read<Phi>(st.S, st.z, st.m, pqt.col(i), pki, w, pki, vb.row(i), o);
     }
   }
   copy_from_row_major(ob.data(), b, M, dst.middleRows(r0, b));

@@ -72,6 +72,8 @@ class RecurrentLinearAttention {
     pk_.resize(1, F);
     pkv_.resize(F);
     w_.resize(F);
+    v_.resize(value_dim);
+    o_.resize(value_dim);
   }
 
   /// Consumes one token and writes its output (M entries) into `out`, a vector of the
@@ -93,10 +95,10 @@ class RecurrentLinearAttention {
       phi_.map(k_, pk_);
       pkv_ = pk_.reshaped();
     }
-    auto& o = detail::writable(out);
+    v_ = v.reshaped();
     detail::recurrent_update_and_read<FeatureMap>(state_.S, state_.z, state_.m, pq_.reshaped(),
-                                                  pkv_, w_, k_.reshaped(), v.reshaped(),
-                                                  o.reshaped());
+                                                  pkv_, w_, k_.reshaped(), v_, o_);
+    detail::writable(out).reshaped() = o_;
     ++position_;
   }
 
@@ -152,7 +154,7 @@ class RecurrentLinearAttention {
   // Scratch so that step() never allocates: 1-row matrices for the map, contiguous vectors
   // for the update (a dynamic 1-row matrix's row is not known to be contiguous).
   Matrix<Scalar> q_, k_, pq_, pk_;
-  Vector<Scalar> pkv_, w_;
+  Vector<Scalar> pkv_, w_, v_, o_;
 };
 
 /// \brief Linear cross-attention with a fixed memory (encoder keys and values), summarised

@@ -40,7 +40,10 @@ namespace linattn {
 /// \endcode
 template <class Scalar>
 struct LinearAttentionState {
-  Matrix<Scalar> S;  ///< F x M, the sum of φ(k) vᵀ (shifted by e^{-m} for SoftmaxSplit)
+  /// Row-major so that the recurrent kernel updates and reads it without horizontal sums.
+  using StateMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+  StateMatrix S;     ///< F x M, the sum of φ(k) vᵀ (shifted by e^{-m} for SoftmaxSplit)
   Vector<Scalar> z;  ///< F, the sum of φ(k) (shifted likewise)
   Vector<Scalar> m;  ///< F running key maxima for SoftmaxSplit; empty otherwise
 
@@ -49,7 +52,7 @@ struct LinearAttentionState {
 
   /// A zero state for F features and M values; `per_feature` adds the running maxima.
   LinearAttentionState(Index feature_dim, Index value_dim, bool per_feature = false)
-      : S(Matrix<Scalar>::Zero(feature_dim, value_dim)), z(Vector<Scalar>::Zero(feature_dim)) {
+      : S(StateMatrix::Zero(feature_dim, value_dim)), z(Vector<Scalar>::Zero(feature_dim)) {
     if (per_feature) m.setConstant(feature_dim, -std::numeric_limits<Scalar>::infinity());
   }
 
@@ -107,74 +110,78 @@ void raise_maxima(SMat& S, ZVec& z, MVec& m, const NewMax& new_max) {
   }
 }
 
-// For every column c of S (F x M, contiguous columns with leading dimension ld):
-//   S(:, c) += v(c) pk   and   o(c) = w · S(:, c),
-// in one pass over S, four columns at a time so that each load of pk and w serves four
-// columns. This is the whole cost of a recurrent step (4·F·M flops); S stays in L1 for F·M up
-// to several thousand, so the loop runs at the speed of the stores to S.
-template <class Scalar, class VVec, class OVec>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
+#endif
+// For every row d of the row-major S (F x M, leading dimension ld):
+//   S(d, :) += pk(d) v   and   o += w(d) S(d, :),
+// in one pass over S, 4 packets of columns at a time with the outputs in registers: no
+// horizontal sums. This is the whole cost of a recurrent step (4·F·M flops), bound by the
+// stores to S, which stays in L1 for F·M up to several thousand. All pointers are contiguous.
+template <class Scalar>
 void fused_rank1_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* pk,
-                             const Scalar* w, const VVec& v, OVec&& o) {
+                             const Scalar* w, const Scalar* v, Scalar* o) {
   using namespace Eigen::internal;
   using Packet = typename packet_traits<Scalar>::type;
   constexpr Index P = packet_traits<Scalar>::size;
-  const Index Fp = F / P * P;
-  Index c = 0;
-  for (; c + 4 <= M; c += 4) {
-    Scalar* s0 = S + c * ld;
-    Scalar* s1 = s0 + ld;
-    Scalar* s2 = s1 + ld;
-    Scalar* s3 = s2 + ld;
-    const Scalar v0 = v(c), v1 = v(c + 1), v2 = v(c + 2), v3 = v(c + 3);
-    const Packet pv0 = pset1<Packet>(v0), pv1 = pset1<Packet>(v1), pv2 = pset1<Packet>(v2),
-                 pv3 = pset1<Packet>(v3);
-    Packet a0 = pset1<Packet>(Scalar(0)), a1 = a0, a2 = a0, a3 = a0;
-    for (Index d = 0; d < Fp; d += P) {
-      const Packet k = ploadu<Packet>(pk + d), ww = ploadu<Packet>(w + d);
-      const Packet x0 = pmadd(pv0, k, ploadu<Packet>(s0 + d));
-      const Packet x1 = pmadd(pv1, k, ploadu<Packet>(s1 + d));
-      const Packet x2 = pmadd(pv2, k, ploadu<Packet>(s2 + d));
-      const Packet x3 = pmadd(pv3, k, ploadu<Packet>(s3 + d));
-      pstoreu(s0 + d, x0);
-      pstoreu(s1 + d, x1);
-      pstoreu(s2 + d, x2);
-      pstoreu(s3 + d, x3);
-      a0 = pmadd(x0, ww, a0);
-      a1 = pmadd(x1, ww, a1);
-      a2 = pmadd(x2, ww, a2);
-      a3 = pmadd(x3, ww, a3);
+  Index c0 = 0;
+  if constexpr (P > 1) {
+    for (; c0 + 4 * P <= M; c0 += 4 * P) {
+      const Packet v0 = ploadu<Packet>(v + c0), v1 = ploadu<Packet>(v + c0 + P),
+                   v2 = ploadu<Packet>(v + c0 + 2 * P), v3 = ploadu<Packet>(v + c0 + 3 * P);
+      Packet o0 = pset1<Packet>(Scalar(0)), o1 = o0, o2 = o0, o3 = o0;
+      for (Index d = 0; d < F; ++d) {
+        Scalar* row = S + d * ld + c0;
+        const Packet kd = pset1<Packet>(pk[d]), wd = pset1<Packet>(w[d]);
+        const Packet x0 = pmadd(kd, v0, ploadu<Packet>(row));
+        const Packet x1 = pmadd(kd, v1, ploadu<Packet>(row + P));
+        const Packet x2 = pmadd(kd, v2, ploadu<Packet>(row + 2 * P));
+        const Packet x3 = pmadd(kd, v3, ploadu<Packet>(row + 3 * P));
+        pstoreu(row, x0);
+        pstoreu(row + P, x1);
+        pstoreu(row + 2 * P, x2);
+        pstoreu(row + 3 * P, x3);
+        o0 = pmadd(wd, x0, o0);
+        o1 = pmadd(wd, x1, o1);
+        o2 = pmadd(wd, x2, o2);
+        o3 = pmadd(wd, x3, o3);
+      }
+      pstoreu(o + c0, o0);
+      pstoreu(o + c0 + P, o1);
+      pstoreu(o + c0 + 2 * P, o2);
+      pstoreu(o + c0 + 3 * P, o3);
     }
-    Scalar r0 = predux(a0), r1 = predux(a1), r2 = predux(a2), r3 = predux(a3);
-    for (Index d = Fp; d < F; ++d) {
-      s0[d] += v0 * pk[d];
-      s1[d] += v1 * pk[d];
-      s2[d] += v2 * pk[d];
-      s3[d] += v3 * pk[d];
-      r0 += s0[d] * w[d];
-      r1 += s1[d] * w[d];
-      r2 += s2[d] * w[d];
-      r3 += s3[d] * w[d];
+    for (; c0 + P <= M; c0 += P) {
+      const Packet v0 = ploadu<Packet>(v + c0);
+      Packet o0 = pset1<Packet>(Scalar(0));
+      for (Index d = 0; d < F; ++d) {
+        Scalar* row = S + d * ld + c0;
+        const Packet x0 = pmadd(pset1<Packet>(pk[d]), v0, ploadu<Packet>(row));
+        pstoreu(row, x0);
+        o0 = pmadd(pset1<Packet>(w[d]), x0, o0);
+      }
+      pstoreu(o + c0, o0);
     }
-    o(c) = r0;
-    o(c + 1) = r1;
-    o(c + 2) = r2;
-    o(c + 3) = r3;
   }
-  for (; c < M; ++c) {
-    Scalar* s0 = S + c * ld;
-    const Scalar v0 = v(c);
-    Scalar r0 = 0;
+  for (; c0 < M; ++c0) {
+    Scalar acc = 0;
     for (Index d = 0; d < F; ++d) {
-      s0[d] += v0 * pk[d];
-      r0 += s0[d] * w[d];
+      Scalar& x = S[d * ld + c0];
+      x += pk[d] * v[c0];
+      acc += w[d] * x;
     }
-    o(c) = r0;
+    o[c0] = acc;
   }
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 // Consumes one token into the state and writes its output: the recurrent step, O(F·M).
 // pq is φ(q) (any F-vector expression); pk (contiguous F-vector) holds φ(k) for generic maps
-// and is scratch for per-feature key softmax; w is contiguous F-vector scratch.
+// and is scratch for per-feature key softmax; w is contiguous F-vector scratch; v and o are
+// contiguous M-vectors.
 template <class Phi, class SMat, class ZVec, class MVec, class PQ, class PK, class W, class KVec,
           class VVec, class OVec>
 void recurrent_update_and_read(SMat& S, ZVec& z, MVec& m, const PQ& pq, PK& pk, W& w,
@@ -190,8 +197,9 @@ void recurrent_update_and_read(SMat& S, ZVec& z, MVec& m, const PQ& pq, PK& pk, 
     z.noalias() += pk;
     w = pq * (Scalar(1) / std::max(pq.dot(z), denominator_epsilon<Scalar>()));
   }
-  fused_rank1_update_read(S.data(), S.outerStride(), S.rows(), S.cols(), pk.data(), w.data(), v,
-                          o);
+  static_assert(std::decay_t<SMat>::IsRowMajor, "linattn: the recurrent kernel needs a row-major S");
+  fused_rank1_update_read(S.data(), S.outerStride(), S.rows(), S.cols(), pk.data(), w.data(),
+                          v.data(), o.data());
 }
 
 // Reads the state with already-mapped query rows pq (n x F, overwritten): out = pq S /
