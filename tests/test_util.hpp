@@ -1,0 +1,255 @@
+// Shared helpers of the linattn tests: seeded random matrices, per-scalar tolerances, error
+// measures and the list of shapes every kernel is checked on.
+#pragma once
+
+#include <Eigen/Core>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <iostream>
+#include <limits>
+#include <ostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace test {
+
+using Index = Eigen::Index;
+template <class S>
+using Mat = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic>;
+template <class S>
+using RowMat = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using MatD = Mat<double>;
+
+// ---------------------------------------------------------------------------------------------
+// Random inputs. Always std::mt19937 with an explicit seed (never Eigen's Random, whose state
+// is global and whose sequence is not specified), drawn in double and rounded to S, so a float
+// and a double run of the same test see the same numbers up to float rounding.
+// ---------------------------------------------------------------------------------------------
+
+/// rows x cols, uniform in [lo, hi], column by column.
+template <class S = double>
+Mat<S> random_matrix(Index rows, Index cols, std::uint32_t seed, double lo = -1.0,
+                     double hi = 1.0) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> dist(lo, hi);
+  Mat<S> m(rows, cols);
+  for (Index c = 0; c < cols; ++c)
+    for (Index r = 0; r < rows; ++r) m(r, c) = static_cast<S>(dist(gen));
+  return m;
+}
+
+/// rows x cols, standard normal.
+template <class S = double>
+Mat<S> gaussian_matrix(Index rows, Index cols, std::uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<double> dist(0.0, 1.0);
+  Mat<S> m(rows, cols);
+  for (Index c = 0; c < cols; ++c)
+    for (Index r = 0; r < rows; ++r) m(r, c) = static_cast<S>(dist(gen));
+  return m;
+}
+
+/// rows x cols of integers uniform in [lo, hi] (exactly representable in float and double).
+template <class S = double>
+Mat<S> random_integer_matrix(Index rows, Index cols, std::uint32_t seed, int lo, int hi) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int> dist(lo, hi);
+  Mat<S> m(rows, cols);
+  for (Index c = 0; c < cols; ++c)
+    for (Index r = 0; r < rows; ++r) m(r, c) = static_cast<S>(dist(gen));
+  return m;
+}
+
+/// A seed derived from a few integers (a shape and a salt), so that every shape of a list gets
+/// its own, reproducible, inputs.
+inline std::uint32_t seed_of(std::initializer_list<std::int64_t> parts) {
+  std::uint64_t h = 0x9E3779B97F4A7C15ull;
+  for (const std::int64_t p : parts) {
+    h ^= static_cast<std::uint64_t>(p) + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 31;
+  }
+  return static_cast<std::uint32_t>(h ^ (h >> 32));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tolerances and errors
+// ---------------------------------------------------------------------------------------------
+
+/// Relative tolerance of a kernel result against the double reference, per scalar type.
+template <class S>
+struct Tol;
+template <>
+struct Tol<float> {
+  static constexpr double rel = 1e-4;
+  /// A few ulps, for results that should agree up to vectorisation differences.
+  static constexpr double ulps = 8 * 1.1920929e-7;
+};
+template <>
+struct Tol<double> {
+  static constexpr double rel = 1e-10;
+  static constexpr double ulps = 8 * 2.220446049250313e-16;
+};
+
+/// The tolerance for an attention output whose values have magnitude up to `scale` (max |V|):
+/// attention outputs are (near-)convex combinations of value rows, so their error scales with V.
+template <class S>
+double tolerance(double scale) {
+  return Tol<S>::rel * std::max(1.0, scale);
+}
+
+// The error helpers are plain functions over Eigen::Ref (an expression argument is evaluated
+// into a temporary): templates over every expression type would multiply the compile time of
+// the typed suites.
+using CRefF = Eigen::Ref<const Mat<float>>;
+using CRefD = Eigen::Ref<const Mat<double>>;
+
+namespace detail {
+template <class A, class B>
+double max_abs_diff_impl(const A& a, const B& b) {
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return std::numeric_limits<double>::infinity();
+  double m = 0;
+  for (Index c = 0; c < a.cols(); ++c) {
+    for (Index r = 0; r < a.rows(); ++r) {
+      const double x = static_cast<double>(a(r, c)), y = static_cast<double>(b(r, c));
+      if (!std::isfinite(x) || !std::isfinite(y)) {
+        if (!(x == y)) return std::numeric_limits<double>::infinity();
+        continue;
+      }
+      m = std::max(m, std::abs(x - y));
+    }
+  }
+  return m;
+}
+template <class A>
+double max_abs_impl(const A& a) {
+  double m = 0;
+  for (Index c = 0; c < a.cols(); ++c)
+    for (Index r = 0; r < a.rows(); ++r) m = std::max(m, std::abs(static_cast<double>(a(r, c))));
+  return m;
+}
+template <class A>
+bool all_finite_impl(const A& a) {
+  for (Index c = 0; c < a.cols(); ++c)
+    for (Index r = 0; r < a.rows(); ++r)
+      if (!std::isfinite(static_cast<double>(a(r, c)))) return false;
+  return true;
+}
+}  // namespace detail
+
+/// max |a - b| over all coefficients, in double. +inf when the shapes differ or when a
+/// coefficient is NaN or infinite in one and not equal in the other, so that an
+/// EXPECT_LE(max_abs_diff(...), tol) can never pass by accident on non-finite values.
+inline double max_abs_diff(const CRefF& a, const CRefF& b) { return detail::max_abs_diff_impl(a, b); }
+inline double max_abs_diff(const CRefD& a, const CRefD& b) { return detail::max_abs_diff_impl(a, b); }
+inline double max_abs_diff(const CRefF& a, const CRefD& b) { return detail::max_abs_diff_impl(a, b); }
+inline double max_abs_diff(const CRefD& a, const CRefF& b) { return detail::max_abs_diff_impl(a, b); }
+
+/// Largest absolute coefficient, in double (0 for an empty matrix).
+inline double max_abs(const CRefF& a) { return detail::max_abs_impl(a); }
+inline double max_abs(const CRefD& a) { return detail::max_abs_impl(a); }
+
+/// True when every coefficient is finite.
+inline bool all_finite(const CRefF& a) { return detail::all_finite_impl(a); }
+inline bool all_finite(const CRefD& a) { return detail::all_finite_impl(a); }
+
+/// Compares an attention output with the double reference row by row, only on the rows whose
+/// reference denominator Σ_j sim(q_i, k_j) is at least `min_den` (far above both guards ε).
+/// Below it the output depends on rounding divided by ε (for instance NormalizedCosine when
+/// every key is exactly opposite to the query, which is common when D = 1): those rows must
+/// only be finite and no larger than max |V| (`v_bound`). Returns the max error over the
+/// compared rows, or +inf when a skipped row is not finite or out of bounds.
+struct RowComparison {
+  double max_err = 0;
+  Index compared = 0, skipped = 0;
+};
+template <class A>
+RowComparison compare_well_conditioned_rows_impl(const A& out, const CRefD& expected,
+                                                 const Eigen::VectorXd& den, double min_den,
+                                                 double v_bound) {
+  RowComparison rc;
+  if (out.rows() != expected.rows() || out.cols() != expected.cols() || den.size() != out.rows()) {
+    rc.max_err = std::numeric_limits<double>::infinity();
+    return rc;
+  }
+  for (Index i = 0; i < out.rows(); ++i) {
+    if (den(i) >= min_den) {
+      ++rc.compared;
+      rc.max_err = std::max(rc.max_err, max_abs_diff(out.row(i), expected.row(i)));
+    } else {
+      ++rc.skipped;
+      if (!all_finite(out.row(i)) || max_abs(out.row(i)) > v_bound * (1 + 1e-3) + 1e-30)
+        rc.max_err = std::numeric_limits<double>::infinity();
+    }
+  }
+  return rc;
+}
+inline RowComparison compare_well_conditioned_rows(const CRefF& out, const CRefD& expected,
+                                                   const Eigen::VectorXd& den, double min_den,
+                                                   double v_bound) {
+  return compare_well_conditioned_rows_impl(out, expected, den, min_den, v_bound);
+}
+inline RowComparison compare_well_conditioned_rows(const CRefD& out, const CRefD& expected,
+                                                   const Eigen::VectorXd& den, double min_den,
+                                                   double v_bound) {
+  return compare_well_conditioned_rows_impl(out, expected, den, min_den, v_bound);
+}
+
+/// Prints a measured error so that it can be quoted from the test log, and records it as a
+/// property of the running test (it then appears in --gtest_output=xml reports).
+inline void report_error(const std::string& what, double err) {
+  std::ostringstream os;
+  os.precision(3);
+  os << std::scientific << err;
+  std::cout << "[ max err  ] " << what << " = " << os.str() << std::endl;
+  ::testing::Test::RecordProperty(what, os.str());
+}
+
+template <class S>
+constexpr const char* scalar_name() {
+  return sizeof(S) == sizeof(float) ? "float" : "double";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shapes. The kernels work in blocks of 256 rows (feature maps, linear attention) and in
+// 64-query x 256-key tiles (softmax attention), so the sizes straddle 64 and 256 and are
+// mostly not multiples of them. D = 1, N = 1, L = 1, N != L and D != M all occur.
+// ---------------------------------------------------------------------------------------------
+
+struct Shape {
+  Index N, L, D, M;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const Shape& s) {
+  return os << "N=" << s.N << " L=" << s.L << " D=" << s.D << " M=" << s.M;
+}
+
+/// Shapes for non-causal attention (N and L independent).
+inline const std::vector<Shape>& shapes() {
+  static const std::vector<Shape> list = {
+      {1, 1, 1, 1},       {1, 1, 4, 3},     {1, 7, 3, 2},      {7, 1, 2, 5},
+      {2, 2, 1, 1},       {7, 7, 1, 6},     {2, 65, 5, 1},     {63, 65, 8, 5},
+      {65, 63, 5, 8},     {64, 64, 16, 16}, {255, 257, 16, 4}, {257, 255, 4, 16},
+      {300, 300, 7, 9},   {256, 256, 24, 8}, {513, 65, 64, 32}, {65, 513, 32, 64},
+      {1, 513, 64, 1},    {513, 1, 1, 64},  {300, 2, 3, 2},    {100, 100, 1, 1},
+      {513, 257, 33, 17},
+  };
+  return list;
+}
+
+/// Shapes for causal attention (N == L).
+inline const std::vector<Shape>& causal_shapes() {
+  static const std::vector<Shape> list = {
+      {1, 1, 1, 1},     {1, 1, 4, 3},     {2, 2, 1, 5},     {7, 7, 3, 2},
+      {63, 63, 8, 5},   {64, 64, 5, 8},   {65, 65, 16, 16}, {255, 255, 16, 4},
+      {257, 257, 4, 16}, {300, 300, 7, 9}, {513, 513, 33, 17}, {100, 100, 1, 1},
+  };
+  return list;
+}
+
+}  // namespace test
