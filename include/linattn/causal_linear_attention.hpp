@@ -153,11 +153,14 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
     if (c(d) == -std::numeric_limits<Scalar>::infinity()) c(d) = Scalar(0);
   }
   E.array() = (E.array().rowwise() - c.transpose().array()).exp();
+  // Local prefix sums first, the carried z added once: z then gathers one rounding per chunk
+  // instead of one per token, which matters for float at N = 2^20.
   for (Index d = 0; d < F; ++d) {
-    Scalar running = st.z(d) * scale(d);
+    const Scalar carried = st.z(d) * scale(d);
+    Scalar running = 0;
     for (Index i = 0; i < b; ++i) {
       running += E(i, d);
-      Z(i, d) = running;
+      Z(i, d) = carried + running;
     }
   }
   if (!(Z.minCoeff() >= std::exp(-per_feature_log_range<Scalar>()))) return false;
@@ -201,10 +204,20 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
   const Nested<DK> k(K.derived());
   const Nested<DV> v(V.derived());
   const Index N = q.rows();
+  const Index F = st.S.rows(), M = st.S.cols();
   const bool recurrent =
       opts.algorithm == CausalAlgorithm::Recurrent ||
       (opts.algorithm == CausalAlgorithm::Auto && st.S.size() <= kAutoRecurrentMaxState);
   const Index C = recurrent ? kLinearRowBlock : (opts.chunk_size > 0 ? opts.chunk_size : kDefaultChunk);
+  if (normalizes_keys_per_feature_v<Phi> && !recurrent) {
+    // A chunk may fall back to the token path, whose buffers have other shapes: size every
+    // slot for both now, so that repeated calls stay allocation-free whichever path runs.
+    const Index c = std::min(C, N);
+    for (int slot : {kSlotPhiQ, kSlotPhiK, kSlotExtra, kSlotKeys, kSlotPrefix})
+      ws.reserve(slot, c * std::max(F, M));
+    ws.reserve(kSlotScores, c * std::max(c, M));
+    for (int slot : {kSlotNormalizer, kSlotRowA, kSlotRowB}) ws.reserve(slot, std::max(F, c));
+  }
   for (Index r0 = 0; r0 < N; r0 += C) {
     const Index b = std::min(C, N - r0);
     if (recurrent) {
@@ -295,7 +308,7 @@ template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                     const Eigen::MatrixBase<DK>& K,
                                     const Eigen::MatrixBase<DV>& V,
-                                    const Eigen::MatrixBase<DMask>& key_mask, const Phi& phi,
+                                    const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
                                     LinearAttentionState<typename DQ::Scalar>& state,
                                     const Eigen::MatrixBase<DOut>& out,
                                     Workspace<typename DQ::Scalar>& ws,
@@ -311,7 +324,7 @@ void masked_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
 Matrix<typename DQ::Scalar> masked_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DMask>& key_mask,
+    const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask,
     const Phi& phi = Phi{}, const CausalOptions& options = {}) {
   detail::check_qkv("masked_causal_linear_attention", Q, K, V, /*causal=*/true);
   Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());

@@ -70,7 +70,7 @@ Derived& writable(const Eigen::MatrixBase<Derived>& out) {
 }
 
 template <class DMask>
-void check_key_mask(const char* function, const Eigen::MatrixBase<DMask>& mask, Index L) {
+void check_key_mask(const char* function, const Eigen::DenseBase<DMask>& mask, Index L) {
   static_assert(std::is_same_v<typename DMask::Scalar, bool>,
                 "linattn: a key mask is a vector of bool (true = the key takes part)");
   if (mask.size() != L || (mask.rows() != 1 && mask.cols() != 1))

@@ -111,13 +111,13 @@ Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// keys (or, causally, through positions: see causal_linear_attention) can be applied; an
 /// arbitrary N x L mask cannot be expressed without giving up linear cost.
 /// \code
-/// Eigen::Array<bool, Eigen::Dynamic, 1> keep = (lengths_mask.array() > 0);
+/// Eigen::Array<bool, Eigen::Dynamic, 1> keep = Eigen::ArrayXi::LinSpaced(L, 0, L - 1) < length;
 /// auto out = linattn::masked_linear_attention(Q, K, V, keep, linattn::EluPlusOne{});
 /// \endcode
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                              const Eigen::MatrixBase<DV>& V,
-                             const Eigen::MatrixBase<DMask>& key_mask, const Phi& phi,
+                             const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
                              const Eigen::MatrixBase<DOut>& out,
                              Workspace<typename DQ::Scalar>& ws) {
   detail::check_key_mask("masked_linear_attention", key_mask, K.rows());
@@ -131,7 +131,7 @@ template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
 Matrix<typename DQ::Scalar> masked_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                                     const Eigen::MatrixBase<DK>& K,
                                                     const Eigen::MatrixBase<DV>& V,
-                                                    const Eigen::MatrixBase<DMask>& key_mask,
+                                                    const Eigen::DenseBase<DMask>& key_mask,
                                                     const Phi& phi = Phi{}) {
   detail::check_qkv("masked_linear_attention", Q, K, V, /*causal=*/false);
   Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());

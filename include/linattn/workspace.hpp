@@ -31,13 +31,17 @@ class Workspace {
   /// A rows x cols column-major view of buffer `slot`, grown if it is too small. Its contents
   /// are unspecified.
   Eigen::Map<Matrix<Scalar>> matrix(int slot, Index rows, Index cols) {
-    return Eigen::Map<Matrix<Scalar>>(reserve(slot, rows * cols), rows, cols);
+    return Eigen::Map<Matrix<Scalar>>(reserve_slot(slot, rows * cols), rows, cols);
   }
 
   /// A vector view of buffer `slot` with n entries, grown if it is too small.
   Eigen::Map<Vector<Scalar>> vector(int slot, Index n) {
-    return Eigen::Map<Vector<Scalar>>(reserve(slot, n), n);
+    return Eigen::Map<Vector<Scalar>>(reserve_slot(slot, n), n);
   }
+
+  /// Grows buffer `slot` to at least n entries now, so that later views of up to n entries
+  /// allocate nothing (for kernels whose paths use a slot with different shapes).
+  void reserve(int slot, Index n) { (void)reserve_slot(slot, n); }
 
   /// Bytes held by all buffers (what a kernel allocated as working memory).
   std::size_t bytes() const noexcept {
@@ -52,7 +56,7 @@ class Workspace {
   }
 
  private:
-  Scalar* reserve(int slot, Index n) {
+  Scalar* reserve_slot(int slot, Index n) {
     auto& b = buffers_[static_cast<std::size_t>(slot)];
     if (b.size() < n) b.resize(n);
     return b.data();
