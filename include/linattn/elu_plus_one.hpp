@@ -29,12 +29,14 @@ struct EluPlusOne {
   void map(const Eigen::MatrixBase<Derived>& x,
            MatrixRef<typename Derived::Scalar> phi) const {
     using S = typename Derived::Scalar;
-    detail::map_rows_vectorized(x, phi, [](const auto& a) {
+    const auto f = [](const auto& a) {
       if constexpr (detail::use_fast_elu_v<S>)
         return a.unaryExpr(detail::elu_plus_one_op<S>());
       else
         return a.min(S(0)).exp() + a.max(S(0));
-    });
+    };
+    if (!detail::map_single_row(x, phi, [&f](auto& row) { row = f(row); }))
+      phi.array() = f(x.array());
   }
 
   /// \f$\nabla_x = \nabla_\varphi \odot \varphi'(x)\f$ with \f$\varphi'(x) = e^{\min(x, 0)}\f$.

@@ -114,22 +114,21 @@ inline constexpr Index kMapRowBlock = 256;
 template <class Scalar>
 using RowScratch = Eigen::Matrix<Scalar, Eigen::Dynamic, 1, 0, kMapRowBlock, 1>;
 
-// Applies a row-wise array function f (taking and returning an array expression) to x,
-// writing phi. A single row (the recurrent step) is routed through a contiguous stack buffer:
-// written directly, a 1-row block of a column-major matrix has a run-time stride and Eigen
-// evaluates it with scalar code (scalar exp, for instance).
-template <class Derived, class F>
-void map_rows_vectorized(const Eigen::MatrixBase<Derived>& x,
-                         MatrixRef<typename Derived::Scalar> phi, const F& f) {
+// One row (the recurrent step) through a contiguous, aligned stack buffer: g(row) transforms
+// the buffer in place. Written directly, a 1-row block of a column-major matrix has a run-time
+// stride and Eigen evaluates it with scalar code (scalar exp, for instance). Returns false,
+// doing nothing, when x is not a single row of at most kMapRowBlock entries.
+template <class Derived, class G>
+bool map_single_row(const Eigen::MatrixBase<Derived>& x, MatrixRef<typename Derived::Scalar> phi,
+                    const G& g) {
   using S = typename Derived::Scalar;
-  if (x.rows() == 1 && x.cols() <= kMapRowBlock) {
-    Eigen::Array<S, Eigen::Dynamic, 1, 0, kMapRowBlock, 1> row(x.cols());
-    row = x.row(0).transpose();
-    row = f(row);
-    phi.row(0) = row.transpose().matrix();
-  } else {
-    phi.array() = f(x.array());
-  }
+  if (x.rows() != 1 || x.cols() > kMapRowBlock) return false;
+  alignas(EIGEN_MAX_ALIGN_BYTES) S buffer[kMapRowBlock];
+  Eigen::Map<Eigen::Array<S, Eigen::Dynamic, 1>, Eigen::Aligned> row(buffer, x.cols());
+  row = x.row(0).transpose();
+  g(row);
+  phi.row(0) = row.transpose().matrix();
+  return true;
 }
 
 }  // namespace detail

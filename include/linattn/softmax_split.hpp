@@ -39,13 +39,11 @@ struct SoftmaxSplit {
   void map(const Eigen::MatrixBase<Derived>& x,
            MatrixRef<typename Derived::Scalar> phi) const {
     using S = typename Derived::Scalar;
-    if (x.rows() == 1) {  // the recurrent step: one contiguous row, vectorised
-      detail::map_rows_vectorized(x, phi, [](const auto& a) {
-        const auto e = (a - a.maxCoeff()).exp().eval();
-        return (e / e.sum()).eval();
-      });
-      return;
-    }
+    const auto softmax_in_place = [](auto& row) {
+      row = (row - row.maxCoeff()).exp();
+      row /= row.sum();
+    };
+    if (detail::map_single_row(x, phi, softmax_in_place)) return;  // the recurrent step
     detail::RowScratch<S> scratch;
     for (Index r0 = 0; r0 < x.rows(); r0 += detail::kMapRowBlock) {
       const Index n = std::min(detail::kMapRowBlock, x.rows() - r0);
