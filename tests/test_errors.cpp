@@ -92,8 +92,9 @@ void expect_invalid(const Entry& e, const MatF& Q, const MatF& K, const MatF& V,
   }
   EXPECT_EQ(out.rows(), out_rows) << where;
   EXPECT_EQ(out.cols(), out_cols) << where;
-  if (out.rows() == out_rows && out.cols() == out_cols)
+  if (out.rows() == out_rows && out.cols() == out_cols) {
     EXPECT_TRUE((out.array() == 7.0f).all()) << where << ": the output was written before the check";
+  }
 }
 
 MatF rnd(Index r, Index c) { return test::random_matrix<float>(r, c, test::seed_of({r, c})); }

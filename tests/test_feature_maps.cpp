@@ -550,6 +550,20 @@ TEST(NormalizedCosine, HugeInputsAreStillNormalised) {
   EXPECT_LE(test::max_abs_diff(phid.rightCols(5), ref::unit_rows(xd)), 1e-14);
 }
 
+TEST(NormalizedCosine, InputsWhoseNormOverflowsAreStillNormalised) {
+  // Entries near FLT_MAX: ‖x‖ itself (not only ‖x‖²) exceeds FLT_MAX, yet x̂ = x / ‖x‖ is an
+  // ordinary unit vector (here every entry 1/√5). normalized_cosine.hpp: "huge inputs still
+  // normalise correctly".
+  Eigen::MatrixXf x(3, 5);
+  x.row(0).setConstant(3e38f);
+  x.row(1) << 3e38f, -3e38f, 3e38f, 1.0f, -2e38f;
+  x.row(2).setConstant(-std::numeric_limits<float>::max());
+  const Eigen::MatrixXf phi = cosine_features<float>(x);
+  ASSERT_TRUE(test::all_finite(phi));
+  EXPECT_LE(test::max_abs_diff(phi.rightCols(5), ref::unit_rows(x.cast<double>())), 1e-6)
+      << "x̂ =\n" << phi.rightCols(5);
+}
+
 TEST(NormalizedCosine, TinyInputsAreStillNormalised) {
   // Spec §2: x̂ = x / ‖x‖, and x̂ = 0 only when ‖x‖ = 0. A vector of entries 1e-30 has a norm
   // of about 1e-30 (a normal float); only its square underflows. Its x̂ must be a unit vector.

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -111,6 +112,44 @@ TEST(LinearAttention, NormalizedCosineFloatMatchesReference) {
 }
 TEST(LinearAttention, NormalizedCosineDoubleMatchesReference) {
   run_shape_list<linattn::NormalizedCosine, double>();
+}
+
+// The references themselves: the causal forms (used by the causal suite) agree with the
+// non-causal ones on the last row and on N = L = 1, and the generic reference fed with the
+// library's maps agrees with the spec formulas, causal or not.
+TEST(References, CausalAndNonCausalAgreeWhereTheyMust) {
+  const MatD Q = test::random_matrix<double>(90, 5, 701, -2, 2);
+  const MatD K = test::random_matrix<double>(90, 5, 702, -2, 2);
+  const MatD V = test::random_matrix<double>(90, 3, 703);
+  const auto last_rows_agree = [&](const MatD& causal, const MatD& full) {
+    return test::max_abs_diff(causal.bottomRows(1), full.bottomRows(1));
+  };
+  EXPECT_LE(last_rows_agree(ref::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}),
+                            ref::linear_attention(Q, K, V, linattn::EluPlusOne{})), 1e-13);
+  EXPECT_LE(last_rows_agree(ref::causal_linear_attention(Q, K, V, linattn::NormalizedCosine{}),
+                            ref::linear_attention(Q, K, V, linattn::NormalizedCosine{})), 1e-13);
+  EXPECT_LE(last_rows_agree(ref::causal_linear_attention(Q, K, V, linattn::SoftmaxSplit{}),
+                            ref::linear_attention(Q, K, V, linattn::SoftmaxSplit{})), 1e-13);
+  EXPECT_LE(last_rows_agree(ref::causal_softmax_attention(Q, K, V), ref::softmax_attention(Q, K, V)),
+            1e-13);
+  // Row 0 of every causal form sees only key 0: its output is v_0.
+  const MatD v0 = V.topRows(1);
+  EXPECT_LE(test::max_abs_diff(ref::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}).topRows(1), v0), 1e-14);
+  EXPECT_LE(test::max_abs_diff(ref::causal_linear_attention(Q, K, V, linattn::SoftmaxSplit{}).topRows(1), v0), 1e-14);
+  EXPECT_LE(test::max_abs_diff(ref::causal_softmax_attention(Q, K, V).topRows(1), v0), 1e-14);
+  // Generic (row-by-row map) vs spec formulas, causal.
+  EXPECT_LE(test::max_abs_diff(ref::generic_linear_attention(Q, K, V, linattn::EluPlusOne{}, true),
+                               ref::causal_linear_attention(Q, K, V, linattn::EluPlusOne{})),
+            1e-13);
+  EXPECT_LE(test::max_abs_diff(ref::generic_linear_attention(Q, K, V, linattn::NormalizedCosine{}, true),
+                               ref::causal_linear_attention(Q, K, V, linattn::NormalizedCosine{})),
+            1e-13);
+  // Causal SoftmaxSplit: the weights of query i over keys j <= i sum to one, so V = 1 gives 1.
+  EXPECT_LE(test::max_abs_diff(ref::causal_linear_attention(Q, K, MatD::Ones(90, 2), linattn::SoftmaxSplit{}),
+                               MatD::Ones(90, 2)),
+            1e-13);
+  // Causal references reject N != L.
+  EXPECT_THROW(ref::causal_softmax_attention(Q.topRows(3), K, V), std::invalid_argument);
 }
 
 TEST(LinearAttention, DefaultMapIsEluPlusOne) {
