@@ -7,27 +7,39 @@
 // to a hook that counts failures instead of aborting. The hook works in every build type, and
 // the test also counts global operator new calls (std::vector, std::string, ...).
 #include <cstddef>
+#include <cstdio>
 #include <cstdlib>
 #include <new>
 
 namespace alloc_hook {
 inline int eigen_failures = 0;
 inline const char* last_failure = "";
+inline bool in_check = false;  // inside allocations_in(): count; elsewhere: a real assertion
 inline bool counting_new = false;
 inline int new_calls = 0;
-inline void eigen_assert_failed(const char* expr) {
+inline void eigen_assert_failed(const char* expr, const char* file, int line) {
+  if (!in_check) {
+    std::fprintf(stderr, "%s:%d: eigen_assert failed: %s\n", file, line, expr);
+    std::abort();
+  }
   ++eigen_failures;
   last_failure = expr;
 }
 }  // namespace alloc_hook
 
 #define eigen_assert(x) \
-  ((x) ? static_cast<void>(0) : ::alloc_hook::eigen_assert_failed(#x))
+  ((x) ? static_cast<void>(0) : ::alloc_hook::eigen_assert_failed(#x, __FILE__, __LINE__))
 
 #ifndef EIGEN_RUNTIME_NO_MALLOC
 #error "test_workspace must be compiled with EIGEN_RUNTIME_NO_MALLOC (see tests/CMakeLists.txt)"
 #endif
 
+// Replacements of the global allocation functions (malloc/free based, as the standard allows);
+// GCC cannot see that the two sides match and warns about free on a new'ed pointer.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
 void* operator new(std::size_t n) {
   if (alloc_hook::counting_new) ++alloc_hook::new_calls;
   if (void* p = std::malloc(n ? n : 1)) return p;
@@ -42,6 +54,9 @@ void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 #include <linattn/linattn.hpp>
 
@@ -64,11 +79,13 @@ template <class F>
 std::string allocations_in(F&& call) {
   const int eigen_before = alloc_hook::eigen_failures;
   alloc_hook::new_calls = 0;
+  alloc_hook::in_check = true;
   alloc_hook::counting_new = true;
   Eigen::internal::set_is_malloc_allowed(false);
   call();
   Eigen::internal::set_is_malloc_allowed(true);
   alloc_hook::counting_new = false;
+  alloc_hook::in_check = false;
   std::string what;
   if (alloc_hook::eigen_failures != eigen_before)
     what += std::to_string(alloc_hook::eigen_failures - eigen_before) +
