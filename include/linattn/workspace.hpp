@@ -17,6 +17,13 @@ namespace linattn {
 /// calls of the same or smaller shapes allocate nothing. Buffers only grow. A Workspace is not
 /// shared between threads; give each thread its own.
 ///
+/// The kernels' matrix products are Eigen's. When Eigen itself runs products on several threads
+/// (OpenMP with Eigen::nbThreads() > 1, outside a parallel region), Eigen's parallel GEMM
+/// allocates its own blocking buffers; the guarantee is then void for the kernels that use
+/// GEMMs (non-causal, chunked causal, softmax). The recurrent step and the recurrent causal
+/// algorithm (the default) use no Eigen product and never allocate. Inside a parallel region,
+/// as in the multi-head kernels, Eigen's products run serially.
+///
 /// \code
 /// linattn::Workspace<float> ws;
 /// Eigen::MatrixXf out(N, M);
