@@ -39,6 +39,13 @@ struct NormalizedCosine {
       inv = x.middleRows(r0, n).rowwise().norm();
       for (Index i = 0; i < n; ++i) inv(i) = inverse_norm(inv(i), x.row(r0 + i));
       phi.block(r0, 1, n, d) = inv.asDiagonal() * x.middleRows(r0, n);
+      for (Index i = 0; i < n; ++i) {
+        if (inv(i) < S(0)) {  // ‖x‖ > the largest float: divide by max |x_k| first
+          auto xhat = phi.block(r0 + i, 1, 1, d);
+          xhat = x.row(r0 + i) / x.row(r0 + i).cwiseAbs().maxCoeff();
+          xhat /= xhat.norm();
+        }
+      }
     }
   }
 
@@ -51,6 +58,10 @@ struct NormalizedCosine {
     const Index d = x.cols();
     for (Index i = 0; i < x.rows(); ++i) {
       const S inv = inverse_norm(x.row(i).norm(), x.row(i));
+      if (inv < S(0)) {  // ‖x‖ beyond the largest float: the gradient, below |g| / ‖x‖, is 0
+        grad_x.row(i).setZero();
+        continue;
+      }
       const auto g = grad_phi.row(i).tail(d);
       const S xg = inv * x.row(i).dot(g);  // \hat x . g
       grad_x.row(i) = inv * (g - (inv * xg) * x.row(i));
@@ -58,11 +69,13 @@ struct NormalizedCosine {
   }
 
  private:
+  // 1 / ‖row‖; 0 for a zero row; -1 when ‖row‖ itself exceeds the largest finite value (the
+  // caller then normalises by the largest entry first). The squared norm over- or underflows
+  // far earlier (|x| beyond about 1e19 or below 1e-19 in float): stableNorm rescales.
   template <class S, class Row>
   static S inverse_norm(S norm, const Row& row) {
-    // The squared norm over- or underflows for |x| beyond about 1e19 or below 1e-19 in float;
-    // stableNorm rescales. A row that is truly zero keeps norm 0.
     if (!(norm > S(0)) || std::isinf(norm)) norm = row.stableNorm();
+    if (std::isinf(norm) && row.allFinite()) return S(-1);
     return norm > S(0) && !std::isinf(norm) ? S(1) / norm : S(0);
   }
 };
