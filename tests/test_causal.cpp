@@ -8,13 +8,7 @@
 // so eigen_assert is redirected here, before any Eigen header, to a hook that records the
 // failure in the running test. As a side effect every Eigen assertion (index bounds, shape
 // checks of products) is active in this test, in every build type.
-namespace eigen_hook {
-void on_assert(const char* expr, const char* file, int line);
-}
-#define eigen_assert(x)                                                          \
-  do {                                                                           \
-    if (!static_cast<bool>(x)) ::eigen_hook::on_assert(#x, __FILE__, __LINE__); \
-  } while (false)
+#include "eigen_assert_hook.hpp"  // first: before any Eigen header
 
 #include <linattn/linattn.hpp>
 
@@ -31,15 +25,6 @@ void on_assert(const char* expr, const char* file, int line);
 #include "causal_reference.hpp"
 #include "reference.hpp"
 #include "test_util.hpp"
-
-namespace eigen_hook {
-int g_failures = 0;     // eigen_assert failures seen so far
-bool g_expect = false;  // true while a test provokes one on purpose
-void on_assert(const char* expr, const char* file, int line) {
-  ++g_failures;
-  if (!g_expect) ADD_FAILURE_AT(file, line) << "eigen_assert failed: " << expr;
-}
-}  // namespace eigen_hook
 
 namespace {
 
@@ -562,17 +547,6 @@ TEST(causal, ErrorsThrowInvalidArgument) {
 // ---------------------------------------------------------------------------------------------
 // Zero allocation
 // ---------------------------------------------------------------------------------------------
-
-// Guards a scope in which Eigen must not allocate; counts the eigen_assert failures inside it.
-class NoMallocScope {
- public:
-  NoMallocScope() : before_(eigen_hook::g_failures) { Eigen::internal::set_is_malloc_allowed(false); }
-  ~NoMallocScope() { Eigen::internal::set_is_malloc_allowed(true); }
-  int failures() const { return eigen_hook::g_failures - before_; }
-
- private:
-  int before_;
-};
 
 // The detector itself works in this build (EIGEN_RUNTIME_NO_MALLOC + the eigen_assert hook).
 TEST(causal, NoMallocDetectorWorks) {

@@ -6,13 +6,7 @@
 // Compiled with EIGEN_RUNTIME_NO_MALLOC (tests/CMakeLists.txt); eigen_assert is redirected to a
 // hook that fails the running test, so that forbidden allocations are caught in Release builds
 // too (see test_causal.cpp for the details).
-namespace eigen_hook {
-void on_assert(const char* expr, const char* file, int line);
-}
-#define eigen_assert(x)                                                          \
-  do {                                                                           \
-    if (!static_cast<bool>(x)) ::eigen_hook::on_assert(#x, __FILE__, __LINE__); \
-  } while (false)
+#include "eigen_assert_hook.hpp"  // first: before any Eigen header
 
 #include <linattn/linattn.hpp>
 
@@ -28,15 +22,6 @@ void on_assert(const char* expr, const char* file, int line);
 #include "causal_reference.hpp"
 #include "reference.hpp"
 #include "test_util.hpp"
-
-namespace eigen_hook {
-int g_failures = 0;
-bool g_expect = false;
-void on_assert(const char* expr, const char* file, int line) {
-  ++g_failures;
-  if (!g_expect) ADD_FAILURE_AT(file, line) << "eigen_assert failed: " << expr;
-}
-}  // namespace eigen_hook
 
 namespace {
 
@@ -77,16 +62,6 @@ template <class Map>
 std::string tag_of() {
   return cref::map_name<Map>();
 }
-
-class NoMallocScope {
- public:
-  NoMallocScope() : before_(eigen_hook::g_failures) { Eigen::internal::set_is_malloc_allowed(false); }
-  ~NoMallocScope() { Eigen::internal::set_is_malloc_allowed(true); }
-  int failures() const { return eigen_hook::g_failures - before_; }
-
- private:
-  int before_;
-};
 
 struct Inputs {
   Index N, D, M;

@@ -123,7 +123,7 @@ bool map_single_row(const Eigen::MatrixBase<Derived>& x, MatrixRef<typename Deri
                     const G& g) {
   using S = typename Derived::Scalar;
   if (x.rows() != 1 || x.cols() > kMapRowBlock) return false;
-  alignas(EIGEN_MAX_ALIGN_BYTES) S buffer[kMapRowBlock];
+  alignas(EIGEN_MAX_ALIGN_BYTES) S buffer[kMapRowBlock] = {};  // zeroed: GCC cannot see the copy fill it
   Eigen::Map<Eigen::Array<S, Eigen::Dynamic, 1>, Eigen::Aligned> row(buffer, x.cols());
   row = x.row(0).transpose();
   g(row);

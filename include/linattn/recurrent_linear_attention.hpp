@@ -24,6 +24,21 @@ void check_token(const char* function, const char* name, const Eigen::MatrixBase
                                 std::to_string(expected) + " entries");
 }
 
+template <class FeatureMap, class Scalar>
+constexpr void static_check_recurrent() {
+  static_assert(is_supported_scalar_v<Scalar>, "linattn: the scalar type must be float or double");
+  static_assert(is_feature_map_v<FeatureMap, Scalar>,
+                "linattn: FeatureMap does not model linattn::FeatureMap (see "
+                "linattn/feature_map.hpp)");
+}
+
+inline void check_dims(const char* function, Index key_dim, Index value_dim) {
+  if (key_dim <= 0 || value_dim < 0)
+    throw_invalid(function, "key_dim must be positive and value_dim non-negative, got key_dim = " +
+                                std::to_string(key_dim) + ", value_dim = " +
+                                std::to_string(value_dim));
+}
+
 }  // namespace detail
 
 /// \brief The recurrent ("RNN") form of causal linear attention (spec §3):
@@ -47,11 +62,7 @@ void check_token(const char* function, const char* name, const Eigen::MatrixBase
 /// \endcode
 template <class FeatureMap = EluPlusOne, class Scalar = float>
 class RecurrentLinearAttention {
-  static_assert(detail::is_supported_scalar_v<Scalar>,
-                "linattn: the scalar type must be float or double");
-  static_assert(is_feature_map_v<FeatureMap, Scalar>,
-                "linattn: FeatureMap does not model linattn::FeatureMap (see "
-                "linattn/feature_map.hpp)");
+  static_assert((detail::static_check_recurrent<FeatureMap, Scalar>(), true));
 
  public:
   using State = LinearAttentionState<Scalar>;
@@ -60,10 +71,7 @@ class RecurrentLinearAttention {
   /// \throws std::invalid_argument if key_dim <= 0 or value_dim < 0.
   RecurrentLinearAttention(Index key_dim, Index value_dim, FeatureMap phi = FeatureMap{})
       : phi_(std::move(phi)), key_dim_(key_dim), value_dim_(value_dim) {
-    if (key_dim <= 0 || value_dim < 0)
-      detail::throw_invalid("RecurrentLinearAttention", "key_dim must be positive and value_dim "
-                            "non-negative, got key_dim = " + std::to_string(key_dim) +
-                            ", value_dim = " + std::to_string(value_dim));
+    detail::check_dims("RecurrentLinearAttention", key_dim, value_dim);
     const Index F = phi_.feature_dim(key_dim);
     state_ = State(F, value_dim, normalizes_keys_per_feature_v<FeatureMap>);
     q_.resize(1, key_dim);
@@ -170,11 +178,7 @@ class RecurrentLinearAttention {
 /// \endcode
 template <class FeatureMap = EluPlusOne, class Scalar = float>
 class LinearCrossAttention {
-  static_assert(detail::is_supported_scalar_v<Scalar>,
-                "linattn: the scalar type must be float or double");
-  static_assert(is_feature_map_v<FeatureMap, Scalar>,
-                "linattn: FeatureMap does not model linattn::FeatureMap (see "
-                "linattn/feature_map.hpp)");
+  static_assert((detail::static_check_recurrent<FeatureMap, Scalar>(), true));
 
  public:
   using State = LinearAttentionState<Scalar>;
@@ -182,10 +186,7 @@ class LinearCrossAttention {
   /// An empty memory for keys/queries of dimension key_dim and values of value_dim.
   LinearCrossAttention(Index key_dim, Index value_dim, FeatureMap phi = FeatureMap{})
       : phi_(std::move(phi)), key_dim_(key_dim), value_dim_(value_dim) {
-    if (key_dim <= 0 || value_dim < 0)
-      detail::throw_invalid("LinearCrossAttention", "key_dim must be positive and value_dim "
-                            "non-negative, got key_dim = " + std::to_string(key_dim) +
-                            ", value_dim = " + std::to_string(value_dim));
+    detail::check_dims("LinearCrossAttention", key_dim, value_dim);
     state_ = State(phi_.feature_dim(key_dim), value_dim, normalizes_keys_per_feature_v<FeatureMap>);
     q_.resize(1, key_dim);
     pq_.resize(1, state_.S.rows());
