@@ -1,0 +1,429 @@
+// Shared helpers of the linattn benchmark programs (bench_*.cpp).
+//
+// Every program registers its benchmarks at run time from a *profile*:
+//   quick (default)  N = 256 … 16384, D = M = 64, softmax capped (see caps()), short runs
+//   full  (--full)   N = 256 … 65536, D = M ∈ {32, 64, 128}, every variant
+//   smoke (--smoke)  the smallest size of everything (CI: checks the binaries run)
+// The profile can also come from the environment: LINATTN_BENCH_PROFILE=quick|full|smoke.
+//
+// Benchmark names are machine-readable for benchmarks/report.py:
+//   <kind>/<key>:<value>/.../N:<n>            e.g. linear/phi:elu/dtype:f32/D:64/N:4096
+// (Google Benchmark appends /real_time: every benchmark measures wall-clock time, because the
+// multi-head kernels run OpenMP threads of their own.)
+//
+// Counters (all per call of the kernel):
+//   GFLOPs       useful GFLOP/s (a kIsRate counter): linear 4·N·F·M per head, softmax
+//                4·N·L·D (M = D) per head, half of the pairs when causal
+//   flops        the useful flop count of one call
+//   ws_bytes     linattn::Workspace::bytes() after the calls (the kernel's working memory)
+//   state_bytes  recurrent state / KV cache held between calls (causal and decode kernels)
+//   N, D, M, H, threads, pos   the shape
+#pragma once
+
+#include <benchmark/benchmark.h>
+
+#include <Eigen/Core>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace linattn_bench {
+
+using Index = Eigen::Index;
+
+// ---------------------------------------------------------------------------------------------
+// Profile
+// ---------------------------------------------------------------------------------------------
+
+struct Profile {
+  std::string name = "quick";
+  std::vector<Index> ns;             // single-head sweep of N (= L)
+  std::vector<Index> dims;           // D = M values of the single-head sweeps
+  std::vector<Index> chunks;         // explicit chunk sizes of CausalAlgorithm::Chunked
+  bool every_variant = false;        // every feature map at every chunk size (else: EluPlusOne)
+  Index softmax_tiled_cap = 0;       // largest N of the single-head tiled softmax
+  Index softmax_naive_cap = 0;       // largest N of the naive softmax (N·L·sizeof(T) bytes)
+  Index double_cap = 0;              // largest N of the double-precision subset
+  std::vector<Index> mh_ns;          // multi-head sweep (H = 8, D = M = 64)
+  Index mh_softmax_cap = 0;          // largest N of the multi-head tiled softmax (1 thread)
+  Index mh_softmax_cap_mt = 0;       // the same with more than one thread
+  std::vector<int> mh_threads;       // thread counts of the multi-head forms
+  std::vector<Index> positions;      // decode positions
+  std::vector<Index> decode_dims;    // D = M of the single-head decode benchmarks
+  const char* min_time = "0.1";      // default --benchmark_min_time (seconds)
+};
+
+inline std::vector<Index> powers_of_two(Index lo, Index hi) {
+  std::vector<Index> v;
+  for (Index n = lo; n <= hi; n *= 2) v.push_back(n);
+  return v;
+}
+
+inline std::vector<Index> capped(const std::vector<Index>& ns, Index cap) {
+  std::vector<Index> v;
+  for (Index n : ns)
+    if (n <= cap) v.push_back(n);
+  return v;
+}
+
+inline Profile make_profile(const std::string& name) {
+  Profile p;
+  p.name = name;
+  if (name == "full") {
+    p.ns = powers_of_two(256, 65536);
+    p.dims = {32, 64, 128};
+    p.chunks = {16, 32, 64, 128, 256};
+    p.every_variant = true;
+    p.softmax_tiled_cap = 32768;
+    p.softmax_naive_cap = 8192;
+    p.double_cap = 65536;
+    p.mh_ns = powers_of_two(256, 65536);
+    p.mh_softmax_cap = 16384;
+    p.mh_softmax_cap_mt = 16384;
+    p.mh_threads = {1, 2};
+    p.positions = powers_of_two(1024, 65536);
+    p.decode_dims = {32, 64, 128};
+    p.min_time = "0.5";
+  } else if (name == "smoke") {
+    p.ns = {256};
+    p.dims = {64};
+    p.chunks = {64};
+    p.softmax_tiled_cap = 256;
+    p.softmax_naive_cap = 256;
+    p.double_cap = 256;
+    p.mh_ns = {256};
+    p.mh_softmax_cap = 256;
+    p.mh_softmax_cap_mt = 256;
+    p.mh_threads = {1, 2};
+    p.positions = {1024};
+    p.decode_dims = {64};
+    p.min_time = "0.01";
+  } else {  // quick
+    p.name = "quick";
+    p.ns = powers_of_two(256, 16384);
+    p.dims = {64};
+    p.chunks = {32, 64, 128, 256};
+    p.softmax_tiled_cap = 16384;
+    p.softmax_naive_cap = 4096;
+    p.double_cap = 4096;
+    p.mh_ns = powers_of_two(256, 16384);
+    p.mh_softmax_cap = 16384;
+    p.mh_softmax_cap_mt = 8192;
+    p.mh_threads = {1, 2};
+    p.positions = {1024, 4096, 16384, 65536};
+    p.decode_dims = {64};
+    p.min_time = "0.1";
+  }
+  return p;
+}
+
+inline Profile& profile() {
+  static Profile p = make_profile("quick");
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data, threads, counters
+// ---------------------------------------------------------------------------------------------
+
+// Uniform values in [-scale, scale) from a splitmix64 stream: deterministic and much faster
+// than Eigen's Random (std::rand) for the large KV caches.
+template <class T>
+Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> random_matrix(Index rows, Index cols,
+                                                               std::uint64_t seed,
+                                                               T scale = T(1)) {
+  Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> m(rows, cols);
+  std::uint64_t s = seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
+  T* p = m.data();
+  for (Index i = 0, n = m.size(); i < n; ++i) {
+    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const double u = double(z >> 11) * (1.0 / 9007199254740992.0);  // [0, 1)
+    p[i] = T((2.0 * u - 1.0) * double(scale));
+  }
+  return m;
+}
+
+// OpenMP threads for everything that follows. Eigen's own GEMM parallelism stays off (set in
+// run_main): the single-head kernels are measured on one thread, and the multi-head kernels
+// parallelise over heads only.
+inline void set_threads(int threads) {
+#ifdef _OPENMP
+  omp_set_num_threads(threads);
+#else
+  (void)threads;
+#endif
+}
+
+template <class T>
+const char* dtype_name() {
+  return sizeof(T) == sizeof(float) ? "f32" : "f64";
+}
+
+inline void set_common_counters(benchmark::State& st, double flops, Index N, Index D, Index M,
+                                Index H, int threads) {
+  st.counters["GFLOPs"] =
+      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["flops"] = flops;
+  st.counters["N"] = double(N);
+  st.counters["D"] = double(D);
+  st.counters["M"] = double(M);
+  st.counters["H"] = double(H);
+  st.counters["threads"] = threads;
+}
+
+// Useful flops of one head.
+inline double linear_flops(Index N, Index L, Index F, Index M) {
+  return 2.0 * double(L) * double(F) * double(M) + 2.0 * double(N) * double(F) * double(M);
+}
+inline double softmax_flops(Index N, Index L, Index D, Index M, bool causal) {
+  const double pairs = causal ? 0.5 * double(N) * double(N + 1) : double(N) * double(L);
+  return pairs * 2.0 * double(D + M);
+}
+
+// One untimed call before the timed loop sizes the workspaces and faults their pages in; it is
+// skipped for calls so long (≥ ~20 GFLOP) that a one-off allocation cannot matter.
+inline bool worth_warming_up(double flops) { return flops < 2e10; }
+
+template <class Mat>
+bool all_finite(const Mat& m) {
+  return m.allFinite();
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMM references: Eigen products of the shapes the kernels contain, float or double, noalias
+// into preallocated outputs, over H heads packed side by side (H = 1: a single head).
+// ---------------------------------------------------------------------------------------------
+
+// Linear attention: per head S = Kᵀ V ((F×L)·(L×M)) and out = Q S ((N×F)·(F×M)).
+template <class T>
+struct LinearGemm {
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
+  Mat Q, K, V, S, out;
+  Index H, D, M;
+  LinearGemm(Index N, Index L, Index heads, Index d, Index m)
+      : Q(random_matrix<T>(N, heads * d, 11)),
+        K(random_matrix<T>(L, heads * d, 12)),
+        V(random_matrix<T>(L, heads * m, 13)),
+        S(Mat::Zero(d, heads * m)),
+        out(Mat::Zero(N, heads * m)),
+        H(heads),
+        D(d),
+        M(m) {}
+  void head(Index h) {
+    S.middleCols(h * M, M).noalias() = K.middleCols(h * D, D).transpose() * V.middleCols(h * M, M);
+    out.middleCols(h * M, M).noalias() = Q.middleCols(h * D, D) * S.middleCols(h * M, M);
+  }
+  void run(int threads) {
+#ifdef _OPENMP
+    if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+      for (Index h = 0; h < H; ++h) head(h);
+      return;
+    }
+#endif
+    (void)threads;
+    for (Index h = 0; h < H; ++h) head(h);
+  }
+};
+
+// Softmax attention: per head the (N×D)·(D×L) score product and the (N×L)·(L×M) product with
+// V. The N×L matrix is taken in panels of kPanel query rows ((P×D)·(D×L) and (P×L)·(L×M),
+// the same flops), so that N = L = 65536 does not need 16 GiB.
+template <class T>
+struct SoftmaxGemm {
+  static constexpr Index kPanel = 512;
+  using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
+  Mat Q, K, V, out;
+  std::vector<Mat> scores;  // one panel per thread
+  Index H, D, M;
+  SoftmaxGemm(Index N, Index L, Index heads, Index d, Index m, int threads)
+      : Q(random_matrix<T>(N, heads * d, 21)),
+        K(random_matrix<T>(L, heads * d, 22)),
+        V(random_matrix<T>(L, heads * m, 23)),
+        out(Mat::Zero(N, heads * m)),
+        H(heads),
+        D(d),
+        M(m) {
+    for (int t = 0; t < std::max(threads, 1); ++t)
+      scores.push_back(Mat::Zero(std::min(kPanel, N), L));
+  }
+  void head(Index h, Mat& s) {
+    const Index N = Q.rows();
+    for (Index i0 = 0; i0 < N; i0 += kPanel) {
+      const Index p = std::min(kPanel, N - i0);
+      auto sp = s.topRows(p);
+      sp.noalias() = Q.block(i0, h * D, p, D) * K.middleCols(h * D, D).transpose();
+      out.block(i0, h * M, p, M).noalias() = sp * V.middleCols(h * M, M);
+    }
+  }
+  void run(int threads) {
+#ifdef _OPENMP
+    if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+      for (Index h = 0; h < H; ++h) head(h, scores[std::size_t(omp_get_thread_num())]);
+      return;
+    }
+#endif
+    (void)threads;
+    for (Index h = 0; h < H; ++h) head(h, scores[0]);
+  }
+};
+
+template <class T>
+void run_linear_gemm(benchmark::State& st, Index heads, Index D, int threads) {
+  const Index N = st.range(0);
+  set_threads(threads);
+  LinearGemm<T> g(N, N, heads, D, D);
+  g.run(threads);
+  for (auto _ : st) {
+    g.run(threads);
+    benchmark::DoNotOptimize(g.out.data());
+    benchmark::ClobberMemory();
+  }
+  st.SetComplexityN(N);
+  set_common_counters(st, double(heads) * linear_flops(N, N, D, D), N, D, D, heads, threads);
+  set_threads(1);
+}
+
+template <class T>
+void run_softmax_gemm(benchmark::State& st, Index heads, Index D, int threads) {
+  const Index N = st.range(0);
+  set_threads(threads);
+  SoftmaxGemm<T> g(N, N, heads, D, D, threads);
+  const double flops = double(heads) * softmax_flops(N, N, D, D, false);
+  if (worth_warming_up(flops)) g.run(threads);
+  for (auto _ : st) {
+    g.run(threads);
+    benchmark::DoNotOptimize(g.out.data());
+    benchmark::ClobberMemory();
+  }
+  st.SetComplexityN(N);
+  set_common_counters(st, flops, N, D, D, heads, threads);
+  set_threads(1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Registration helpers and main()
+// ---------------------------------------------------------------------------------------------
+
+// A family over the sizes `ns` (argument N), wall-clock time, with a complexity fit.
+template <class Fn>
+benchmark::internal::Benchmark* add(const std::string& name, const std::vector<Index>& ns,
+                                    const char* arg_name, benchmark::BigO big_o, Fn&& fn) {
+  auto* b = benchmark::RegisterBenchmark(name.c_str(), std::forward<Fn>(fn));
+  b->ArgName(arg_name)->UseRealTime()->Unit(benchmark::kMillisecond);
+  for (Index n : ns) b->Arg(int64_t(n));
+  if (ns.size() > 1) b->Complexity(big_o);
+  return b;
+}
+
+inline std::string key(const char* k, Index v) { return std::string("/") + k + ":" + std::to_string(v); }
+inline std::string key(const char* k, const std::string& v) { return std::string("/") + k + ":" + v; }
+
+#ifndef LINATTN_BENCH_CXX_FLAGS
+#define LINATTN_BENCH_CXX_FLAGS "(unknown)"
+#endif
+#ifndef LINATTN_BENCH_BUILD_TYPE
+#define LINATTN_BENCH_BUILD_TYPE "(unknown)"
+#endif
+
+inline std::string join(const std::vector<Index>& v) {
+  std::string s;
+  for (Index x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s;
+}
+
+// Parses and removes our flags (--full, --smoke, --quick) from argv, registers the program's
+// benchmarks for the chosen profile, adds a default --benchmark_min_time, and runs Google
+// Benchmark. `notes` is printed and stored in the JSON context (what was capped and why).
+inline int run_main(int argc, char** argv, void (*register_all)(const Profile&),
+                    std::string (*notes)(const Profile&)) {
+  std::string name = "quick";
+  if (const char* env = std::getenv("LINATTN_BENCH_PROFILE"); env && *env) name = env;
+  std::vector<char*> args;
+  bool has_min_time = false;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (i > 0 && (a == "--full" || a == "--smoke" || a == "--quick")) {
+      name = a.substr(2);
+      continue;
+    }
+    if (a.rfind("--benchmark_min_time", 0) == 0) has_min_time = true;
+    args.push_back(argv[i]);
+  }
+  if (name != "full" && name != "smoke" && name != "quick") {
+    std::fprintf(stderr, "unknown profile '%s' (quick, full or smoke)\n", name.c_str());
+    return 2;
+  }
+  profile() = make_profile(name);
+  const Profile& p = profile();
+  static std::string min_time_arg = std::string("--benchmark_min_time=") + p.min_time;
+  if (!has_min_time) args.insert(args.begin() + 1, min_time_arg.data());
+  args.push_back(nullptr);
+  int n = int(args.size()) - 1;
+
+  // Single-threaded unless a benchmark asks for more; Eigen's GEMMs never spawn threads.
+  Eigen::setNbThreads(1);
+  set_threads(1);
+
+  register_all(p);
+  const std::string note = notes(p);
+  benchmark::AddCustomContext("linattn_profile", p.name);
+  benchmark::AddCustomContext("linattn_notes", note);
+#if defined(__clang__)
+  benchmark::AddCustomContext("linattn_compiler", std::string("clang ") + __clang_version__);
+#elif defined(__GNUC__)
+  benchmark::AddCustomContext("linattn_compiler", std::string("g++ ") + __VERSION__);
+#else
+  benchmark::AddCustomContext("linattn_compiler", "unknown");
+#endif
+  benchmark::AddCustomContext("linattn_cxx_flags", LINATTN_BENCH_CXX_FLAGS);
+  benchmark::AddCustomContext("linattn_build_type", LINATTN_BENCH_BUILD_TYPE);
+  benchmark::AddCustomContext("linattn_eigen", std::to_string(EIGEN_WORLD_VERSION) + "." +
+                                                   std::to_string(EIGEN_MAJOR_VERSION) + "." +
+                                                   std::to_string(EIGEN_MINOR_VERSION) + " (" +
+                                                   Eigen::SimdInstructionSetsInUse() + ")");
+  std::string isa;
+#ifdef __AVX512F__
+  isa += " AVX-512F";
+#endif
+#ifdef __AVX2__
+  isa += " AVX2";
+#endif
+#ifdef __FMA__
+  isa += " FMA";
+#endif
+#ifdef __AVX__
+  isa += " AVX";
+#endif
+  benchmark::AddCustomContext("linattn_isa", isa.empty() ? "baseline" : isa.substr(1));
+#ifdef _OPENMP
+  benchmark::AddCustomContext("linattn_openmp", std::to_string(_OPENMP));
+#else
+  benchmark::AddCustomContext("linattn_openmp", "off");
+#endif
+  std::printf("linattn benchmarks, profile '%s'. %s\n", p.name.c_str(), note.c_str());
+  std::fflush(stdout);
+
+  benchmark::Initialize(&n, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
+
+}  // namespace linattn_bench

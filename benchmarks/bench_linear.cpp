@@ -1,0 +1,122 @@
+// Single-head linear attention: non-causal, causal (CausalAlgorithm::Chunked at several chunk
+// sizes and ::Recurrent), every feature map, and the Eigen GEMMs of the same shapes.
+// See bench_common.hpp for the profiles, the names and the counters.
+#include <linattn/linattn.hpp>
+
+#include "bench_common.hpp"
+
+namespace lb = linattn_bench;
+using lb::Index;
+
+namespace {
+
+template <class T>
+using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
+
+template <class Phi>
+const char* phi_name();
+template <>
+const char* phi_name<linattn::EluPlusOne>() { return "elu"; }
+template <>
+const char* phi_name<linattn::SoftmaxSplit>() { return "softmax_split"; }
+template <>
+const char* phi_name<linattn::NormalizedCosine>() { return "cosine"; }
+
+template <class Phi, class T>
+void BM_linear(benchmark::State& st, Index D) {
+  const Index N = st.range(0), M = D;
+  const Mat<T> Q = lb::random_matrix<T>(N, D, 1), K = lb::random_matrix<T>(N, D, 2),
+               V = lb::random_matrix<T>(N, M, 3);
+  Mat<T> out = Mat<T>::Zero(N, M);
+  linattn::Workspace<T> ws;
+  const Phi phi{};
+  linattn::linear_attention(Q, K, V, phi, out, ws);  // warm-up: sizes the workspace
+  for (auto _ : st) {
+    linattn::linear_attention(Q, K, V, phi, out, ws);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  if (!lb::all_finite(out)) st.SkipWithError("non-finite output");
+  st.SetComplexityN(N);
+  lb::set_common_counters(st, lb::linear_flops(N, N, phi.feature_dim(D), M), N, D, M, 1, 1);
+  st.counters["ws_bytes"] = double(ws.bytes());
+}
+
+template <class Phi, class T>
+void BM_causal(benchmark::State& st, Index D, linattn::CausalAlgorithm algorithm, Index chunk) {
+  const Index N = st.range(0), M = D;
+  const Mat<T> Q = lb::random_matrix<T>(N, D, 4), K = lb::random_matrix<T>(N, D, 5),
+               V = lb::random_matrix<T>(N, M, 6);
+  Mat<T> out = Mat<T>::Zero(N, M);
+  linattn::Workspace<T> ws;
+  const Phi phi{};
+  auto state = linattn::make_state<T>(phi, D, M);
+  linattn::CausalOptions options;
+  options.algorithm = algorithm;
+  options.chunk_size = chunk;
+  linattn::causal_linear_attention(Q, K, V, phi, state, out, ws, options);  // warm-up
+  for (auto _ : st) {
+    state.reset();  // every call starts from the empty sequence (O(F·M))
+    linattn::causal_linear_attention(Q, K, V, phi, state, out, ws, options);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  if (!lb::all_finite(out)) st.SkipWithError("non-finite output");
+  st.SetComplexityN(N);
+  lb::set_common_counters(st, lb::linear_flops(N, N, phi.feature_dim(D), M), N, D, M, 1, 1);
+  st.counters["ws_bytes"] = double(ws.bytes());
+  st.counters["state_bytes"] =
+      double((state.S.size() + state.z.size() + state.m.size()) * Index(sizeof(T)));
+  st.counters["chunk"] = double(chunk);
+}
+
+template <class Phi, class T>
+void register_map(const lb::Profile& p, Index D, const std::vector<Index>& ns,
+                  const std::vector<Index>& chunks) {
+  const std::string tail = lb::key("dtype", lb::dtype_name<T>()) + lb::key("D", D);
+  const std::string phi = lb::key("phi", phi_name<Phi>());
+  (void)p;
+  lb::add("linear" + phi + tail, ns, "N", benchmark::oN,
+          [D](benchmark::State& st) { BM_linear<Phi, T>(st, D); });
+  for (Index c : chunks)
+    lb::add("causal" + phi + "/alg:chunked" + lb::key("chunk", c) + tail, ns, "N", benchmark::oN,
+            [D, c](benchmark::State& st) {
+              BM_causal<Phi, T>(st, D, linattn::CausalAlgorithm::Chunked, c);
+            });
+  lb::add("causal" + phi + "/alg:recurrent" + tail, ns, "N", benchmark::oN,
+          [D](benchmark::State& st) {
+            BM_causal<Phi, T>(st, D, linattn::CausalAlgorithm::Recurrent, 0);
+          });
+}
+
+void register_all(const lb::Profile& p) {
+  // The library's default chunk (CausalOptions{}.chunk_size = 0 picks it) is 64.
+  const std::vector<Index> default_chunk = {64};
+  for (Index D : p.dims) {
+    const std::string tail = lb::key("dtype", "f32") + lb::key("D", D);
+    lb::add("gemm_linear" + tail, p.ns, "N", benchmark::oN,
+            [D](benchmark::State& st) { lb::run_linear_gemm<float>(st, 1, D, 1); });
+    register_map<linattn::EluPlusOne, float>(p, D, p.ns, p.chunks);
+    register_map<linattn::SoftmaxSplit, float>(p, D, p.ns, p.every_variant ? p.chunks : default_chunk);
+    register_map<linattn::NormalizedCosine, float>(p, D, p.ns,
+                                                   p.every_variant ? p.chunks : default_chunk);
+  }
+  // Double precision: EluPlusOne at D = M = 64 (every D in the full profile), default chunk.
+  const std::vector<Index> ns = lb::capped(p.ns, p.double_cap);
+  for (Index D : p.every_variant ? p.dims : std::vector<Index>{64}) {
+    lb::add("gemm_linear" + lb::key("dtype", "f64") + lb::key("D", D), ns, "N", benchmark::oN,
+            [D](benchmark::State& st) { lb::run_linear_gemm<double>(st, 1, D, 1); });
+    register_map<linattn::EluPlusOne, double>(p, D, ns, default_chunk);
+  }
+}
+
+std::string notes(const lb::Profile& p) {
+  return "Linear attention: N = " + lb::join(p.ns) + ", D = M = " + lb::join(p.dims) +
+         ", chunks " + lb::join(p.chunks) +
+         (p.every_variant ? " for every feature map" : " (EluPlusOne; other maps at chunk 64)") +
+         "; double precision up to N = " + std::to_string(p.double_cap) + ".";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return lb::run_main(argc, argv, register_all, notes); }

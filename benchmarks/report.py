@@ -1,0 +1,800 @@
+#!/usr/bin/env python3
+"""Summarise the linattn benchmark JSON (Google Benchmark --benchmark_out) files.
+
+    python3 benchmarks/report.py --results build/bench/results \
+        [--md docs/benchmarks.md] [--svg docs/benchmark_plot.svg] [--command "..."]
+
+Prints the summary of the performance targets (ratios computed from the JSON), and with --md /
+--svg regenerates docs/benchmarks.md and the log-log plot docs/benchmark_plot.svg (written by
+hand: no third-party packages). Benchmark names follow bench_common.hpp:
+<kind>/<key>:<value>/.../N:<n>/real_time. Nothing here judges a timing: it reports ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import glob
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+from xml.sax.saxutils import escape
+
+# The configuration of the performance targets.
+TARGET = dict(dtype="f32", H="8", D="64", thr="1")
+PAPER_CAUSAL_MS = 100.0  # fast-transformers' CPU causal kernel, H=8, N=16384, D=M=64, 1 thread
+TARGET_CAUSAL_MS = 50.0
+
+# Which GEMM reference belongs to which kernel (same shape keys).
+GEMM_OF = {
+    "linear": "gemm_linear",
+    "causal": "gemm_linear",
+    "softmax": "gemm_softmax",
+    "causal_softmax": "gemm_softmax",
+    "mh_linear": "mh_gemm_linear",
+    "mh_causal": "mh_gemm_linear",
+    "mh_softmax": "mh_gemm_softmax",
+    "mh_causal_softmax": "mh_gemm_softmax",
+}
+SHAPE_KEYS = ("dtype", "H", "D", "thr")
+
+UNIT_S = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------
+
+
+class Run:
+    """One benchmark instance (one size)."""
+
+    def __init__(self, entry: dict, program: str):
+        self.name = entry["name"]
+        self.program = program
+        parts = [p for p in self.name.split("/") if p not in ("real_time",)]
+        self.kind = parts[0]
+        self.params: dict[str, str] = {}
+        for p in parts[1:]:
+            k, _, v = p.partition(":")
+            self.params[k] = v
+        self.params.setdefault("H", "1")
+        self.params.setdefault("thr", "1")
+        self.size = int(self.params.pop("N", self.params.pop("pos", "0")))
+        unit = UNIT_S[entry.get("time_unit", "ns")]
+        self.wall = float(entry["real_time"]) * unit
+        self.cpu = float(entry["cpu_time"]) * unit
+        self.iterations = int(entry.get("iterations", 0))
+        self.counters = {k: v for k, v in entry.items() if isinstance(v, (int, float))}
+        self.error = entry.get("error_message") if entry.get("error_occurred") else None
+
+    def get(self, key: str, default=None):
+        return self.counters.get(key, default)
+
+    @property
+    def flops(self) -> float:
+        return float(self.counters.get("flops", 0.0))
+
+    def gflops(self, cpu: bool = False) -> float | None:
+        t = self.cpu if cpu else self.wall
+        return self.flops / t * 1e-9 if t > 0 and self.flops > 0 else None
+
+    def family(self) -> tuple:
+        return (self.kind,) + tuple(sorted(self.params.items()))
+
+
+class Results:
+    def __init__(self, directory: str):
+        self.runs: list[Run] = []
+        self.fits: list[dict] = []
+        self.contexts: dict[str, dict] = {}
+        self.errors: list[str] = []
+        files = sorted(glob.glob(os.path.join(directory, "*.json")))
+        for path in files:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                self.errors.append(f"{os.path.basename(path)}: unreadable ({e})")
+                continue
+            if "benchmarks" not in data:
+                continue
+            program = os.path.splitext(os.path.basename(path))[0]
+            self.contexts[program] = data.get("context", {})
+            for e in data["benchmarks"]:
+                if e.get("run_type") == "aggregate":
+                    if e.get("aggregate_name") in ("BigO", "RMS"):
+                        self.fits.append(e)
+                    continue
+                r = Run(e, program)
+                if r.error:
+                    self.errors.append(f"{r.name}: {r.error}")
+                    continue
+                self.runs.append(r)
+        self.index: dict[tuple, Run] = {}
+        for r in self.runs:
+            self.index[r.family() + (("size", r.size),)] = r
+
+    def find(self, kind: str, size: int, **params) -> Run | None:
+        """The run of `kind` at `size` whose params include `params` (first match)."""
+        for r in self.runs:
+            if r.kind == kind and r.size == size and all(r.params.get(k) == v for k, v in params.items()):
+                return r
+        return None
+
+    def sizes(self, kind: str, **params) -> list[int]:
+        return sorted({r.size for r in self.runs if r.kind == kind and all(r.params.get(k) == v for k, v in params.items())})
+
+    def gemm_for(self, r: Run) -> Run | None:
+        g = GEMM_OF.get(r.kind)
+        if not g:
+            return None
+        shape = {k: r.params[k] for k in SHAPE_KEYS if k in r.params}
+        return self.find(g, r.size, **shape)
+
+    def context(self) -> dict:
+        for c in self.contexts.values():
+            return c
+        return {}
+
+
+def frac_of_gemm(res: Results, r: Run, cpu: bool = False) -> float | None:
+    g = res.gemm_for(r)
+    if g is None:
+        return None
+    a, b = r.gflops(cpu), g.gflops(cpu)
+    return a / b if a and b else None
+
+
+# ------------------------------------------------------------------------------------------------
+# Formatting
+# ------------------------------------------------------------------------------------------------
+
+
+def fmt_time(s: float | None) -> str:
+    if s is None:
+        return "–"
+    if s >= 1.0:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        v = s * 1e3
+        return f"{v:.1f} ms" if v >= 10 else f"{v:.2f} ms"
+    v = s * 1e6
+    return f"{v:.1f} µs" if v >= 10 else f"{v:.2f} µs"
+
+
+def decade_label(e: int) -> str:
+    """10**e seconds as a short axis label: 1 µs, 10 µs, ..., 1 s, 10 s, 100 s."""
+    for unit, base in (("s", 0), ("ms", -3), ("µs", -6), ("ns", -9)):
+        if e >= base:
+            return f"{10 ** (e - base)} {unit}"
+    return f"1e{e} s"
+
+
+def fmt_ms(s: float | None) -> str:
+    return "–" if s is None else f"{s * 1e3:.1f}"
+
+
+def fmt_bytes(b: float | None) -> str:
+    if b is None:
+        return "–"
+    b = float(b)
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= scale:
+            return f"{b / scale:.1f} {unit}"
+    return f"{int(b)} B"
+
+
+def fmt_ratio(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def fmt_n(n: int) -> str:
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n // 1024}k"
+    return str(n)
+
+
+def table(header: list[str], rows: list[list[str]], align: str | None = None) -> list[str]:
+    align = align or ("l" + "r" * (len(header) - 1))
+    sep = ["---:" if a == "r" else ":---" for a in align]
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Summary of the performance targets
+# ------------------------------------------------------------------------------------------------
+
+
+def summary(res: Results) -> tuple[list[str], list[str]]:
+    """Markdown lines of the target summary, and warnings."""
+    L: list[str] = []
+    warn: list[str] = []
+    T = TARGET
+    cfg = "float, 1 thread, H = 8, D = M = 64"
+
+    def section(title: str):
+        L.append("")
+        L.append(f"**{title}**")
+        L.append("")
+
+    # 1. Non-causal linear vs its GEMMs, N >= 4096.
+    section(f"1. Non-causal linear attention vs the GEMMs of the same shapes, N ≥ 4096 ({cfg})")
+    rows = []
+    for n in [n for n in res.sizes("mh_linear", **T) if n >= 4096]:
+        r = res.find("mh_linear", n, **T)
+        g = res.gemm_for(r)
+        rows.append([fmt_n(n), fmt_time(r.wall), fmt_time(r.cpu), fmt_time(g.wall if g else None),
+                     fmt_time(g.cpu if g else None), fmt_ratio(frac_of_gemm(res, r)),
+                     fmt_ratio(frac_of_gemm(res, r, cpu=True))])
+    if rows:
+        L += table(["N", "linear (wall)", "linear (cpu)", "GEMMs Kᵀ V, Q S (wall)", "GEMMs (cpu)",
+                    "frac_of_gemm", "frac (cpu time)"], rows)
+    else:
+        L.append("(no multi-head linear runs with N ≥ 4096 in these results)")
+
+    # 2. Causal linear vs GEMM, useful flops.
+    section("2. Causal linear attention (library default: chunked) vs the same GEMMs, "
+            f"counting useful flops 4·N·F·M per head ({cfg})")
+    rows = []
+    for n in res.sizes("mh_causal", **T):
+        if n < 2048:
+            continue
+        r = res.find("mh_causal", n, **T)
+        g = res.gemm_for(r)
+        rows.append([fmt_n(n), fmt_time(r.wall), fmt_time(r.cpu), fmt_time(g.wall if g else None),
+                     fmt_time(g.cpu if g else None), fmt_ratio(frac_of_gemm(res, r)),
+                     fmt_ratio(frac_of_gemm(res, r, cpu=True))])
+    if rows:
+        L += table(["N", "causal (wall)", "causal (cpu)", "GEMMs (wall)", "GEMMs (cpu)", "frac_of_gemm",
+                    "frac (cpu time)"], rows)
+    r = res.find("mh_causal", 16384, **T)
+    L.append("")
+    if r:
+        L.append(f"Reference, N = 16384: paper's CPU kernel ≈{PAPER_CAUSAL_MS:.0f} ms; target ≤ "
+                 f"{TARGET_CAUSAL_MS:.0f} ms; measured here {fmt_time(r.wall)} wall "
+                 f"({fmt_time(r.cpu)} cpu), {PAPER_CAUSAL_MS / (r.wall * 1e3):.2f}× the paper's "
+                 f"speed (wall), {PAPER_CAUSAL_MS / (r.cpu * 1e3):.2f}× (cpu).")
+    else:
+        L.append(f"Reference, N = 16384: paper's CPU kernel ≈{PAPER_CAUSAL_MS:.0f} ms; target ≤ "
+                 f"{TARGET_CAUSAL_MS:.0f} ms (not measured in this run).")
+    # Chunk sizes (single head) at the largest N.
+    ns = res.sizes("causal", phi="elu", dtype="f32", D="64")
+    if ns:
+        n = ns[-1]
+        cells = []
+        for r in sorted((r for r in res.runs if r.kind == "causal" and r.size == n and r.params.get("phi") == "elu"
+                         and r.params.get("dtype") == "f32" and r.params.get("D") == "64"),
+                        key=lambda r: (r.params.get("alg"), int(r.params.get("chunk", 0)))):
+            label = f"chunk {r.params['chunk']}" if r.params.get("alg") == "chunked" else r.params.get("alg")
+            cells.append(f"{label}: {fmt_time(r.wall)} (frac {fmt_ratio(frac_of_gemm(res, r))})")
+        L.append("")
+        L.append(f"Single head, EluPlusOne, D = M = 64, N = {fmt_n(n)}: " + "; ".join(cells) + ".")
+
+    # 3. Tiled softmax vs its GEMMs, N >= 2048.
+    section(f"3. Tiled softmax vs the GEMMs of the same shapes (QKᵀ, PV), N ≥ 2048 ({cfg}; "
+            "causal counts the useful half of the flops)")
+    rows = []
+    for n in [n for n in res.sizes("mh_softmax", alg="tiled", **T) if n >= 2048]:
+        r = res.find("mh_softmax", n, alg="tiled", **T)
+        c = res.find("mh_causal_softmax", n, alg="tiled", **T)
+        g = res.gemm_for(r)
+        rows.append([fmt_n(n), fmt_time(g.wall if g else None), fmt_time(r.wall), fmt_ratio(frac_of_gemm(res, r)),
+                     fmt_ratio(frac_of_gemm(res, r, cpu=True)), fmt_time(c.wall if c else None),
+                     fmt_ratio(frac_of_gemm(res, c) if c else None),
+                     fmt_ratio(frac_of_gemm(res, c, cpu=True) if c else None)])
+    if rows:
+        L += table(["N", "GEMMs (wall)", "softmax (wall)", "frac_of_gemm", "frac (cpu time)",
+                    "causal softmax (wall)", "frac_of_gemm", "frac (cpu time)"], rows)
+    else:
+        L.append("(no multi-head softmax runs with N ≥ 2048 in these results)")
+
+    # 4. Speed-up of linear over tiled softmax at N = 16384.
+    section(f"4. Linear vs tiled softmax speed-up ({cfg})")
+    common = sorted(set(res.sizes("mh_linear", **T)) & set(res.sizes("mh_softmax", alg="tiled", **T)))
+    if common:
+        n = 16384 if 16384 in common else common[-1]
+        if n != 16384:
+            warn.append(f"speed-up reported at N = {n}: N = 16384 was not measured")
+        rows = []
+        for lk, sk, label in (("mh_linear", "mh_softmax", "non-causal"), ("mh_causal", "mh_causal_softmax", "causal")):
+            a = res.find(lk, n, **T)
+            b = res.find(sk, n, alg="tiled", **T)
+            if a and b:
+                rows.append([label, fmt_n(n), fmt_time(a.wall), fmt_time(b.wall), f"{b.wall / a.wall:.0f}×",
+                             f"{b.cpu / a.cpu:.0f}×"])
+        L += table(["", "N", "linear", "tiled softmax", "speed-up (wall)", "speed-up (cpu)"], rows, "llrrrr")
+    else:
+        L.append("(needs multi-head linear and softmax at a common N)")
+
+    # 5. Decode step.
+    section("5. Decode step, 8 heads, D = M = 64, one thread: recurrent state vs a softmax step over a KV cache")
+    dp = dict(dtype="f32", H="8", D="64")
+    pos = sorted(set(res.sizes("decode_recurrent", **dp)) | set(res.sizes("decode_softmax", **dp)))
+    rows = []
+    rec_t, sm_t = [], []
+    for p in pos:
+        a = res.find("decode_recurrent", p, **dp)
+        b = res.find("decode_softmax", p, **dp)
+        if a:
+            rec_t.append(a.wall)
+        if b:
+            sm_t.append(b.wall)
+        rows.append([fmt_n(p), fmt_time(a.wall if a else None), fmt_time(a.cpu if a else None),
+                     fmt_time(b.wall if b else None), fmt_ratio(b.wall / a.wall if a and b else None, 1),
+                     fmt_bytes(a.get("state_bytes") if a else None), fmt_bytes(b.get("state_bytes") if b else None)])
+    if rows:
+        L += table(["position", "recurrent step", "(cpu)", "softmax step", "softmax / recurrent",
+                    "recurrent state", "KV cache"], rows)
+        if len(rec_t) > 1:
+            L.append("")
+            L.append(f"Flatness: recurrent step max/min over positions {max(rec_t) / min(rec_t):.2f} "
+                     f"(1.00 = flat; last/first {rec_t[-1] / rec_t[0]:.2f}); softmax step last/first "
+                     f"{(sm_t[-1] / sm_t[0]) if len(sm_t) > 1 else float('nan'):.1f} over a "
+                     f"{pos[-1] // pos[0]}× longer cache.")
+    else:
+        L.append("(no decode runs in these results)")
+
+    # 6. Working memory vs N.
+    section("6. Working memory (Workspace::bytes() after the call) vs N")
+    ns = sorted(set(res.sizes("linear", phi="elu", dtype="f32", D="64")) |
+                set(res.sizes("softmax", alg="tiled", dtype="f32", D="64")) |
+                set(res.sizes("mh_linear", **T)))
+    rows = []
+    for n in ns:
+        def ws(kind, **p):
+            r = res.find(kind, n, **p)
+            return fmt_bytes(r.get("ws_bytes")) if r else "–"
+        rows.append([fmt_n(n), ws("linear", phi="elu", dtype="f32", D="64"),
+                     ws("causal", phi="elu", alg="chunked", chunk="64", dtype="f32", D="64"),
+                     ws("softmax", alg="tiled", dtype="f32", D="64"), ws("softmax", alg="naive", dtype="f32", D="64"),
+                     ws("mh_linear", **T), ws("mh_causal", **T), ws("mh_softmax", alg="tiled", **T)])
+    if rows:
+        L += table(["N", "linear", "causal (C=64)", "tiled softmax", "naive softmax",
+                    "linear ×8 heads", "causal ×8 heads", "tiled softmax ×8 heads"], rows)
+        L.append("")
+        L.append("Single head D = M = 64 unless marked ×8 heads (H = 8, one thread). Causal kernels also "
+                 "keep an F×M + F state per head (16.3 KiB per head at D = M = 64, float).")
+
+    # 7. Two threads.
+    section("7. Multi-head forms at 2 threads vs 1 (wall time; H = 8, D = M = 64, float)")
+    rows = []
+    for kind, p in (("mh_linear", {}), ("mh_causal", {}), ("mh_softmax", {"alg": "tiled"}),
+                    ("mh_causal_softmax", {"alg": "tiled"}), ("mh_gemm_linear", {}), ("mh_gemm_softmax", {})):
+        one = dict(dtype="f32", H="8", D="64", thr="1", **p)
+        two = dict(one, thr="2")
+        common = sorted(set(res.sizes(kind, **one)) & set(res.sizes(kind, **two)))
+        if not common:
+            continue
+        n = common[-1]
+        a, b = res.find(kind, n, **one), res.find(kind, n, **two)
+        rows.append([kind, fmt_n(n), fmt_time(a.wall), fmt_time(b.wall), f"{a.wall / b.wall:.2f}×"])
+    if rows:
+        L += table(["kernel", "N", "1 thread", "2 threads", "speed-up"], rows, "llrrr")
+    return L, warn
+
+
+def contention(res: Results) -> tuple[float | None, str]:
+    """Median cpu/wall of the single-thread runs: < 1 means the process waited for a core."""
+    ratios = [r.cpu / r.wall for r in res.runs if r.params.get("thr", "1") == "1" and r.wall > 0]
+    if not ratios:
+        return None, ""
+    med = statistics.median(ratios)
+    note = (f"Median cpu/wall time of the single-thread runs: {med:.2f}" +
+            (" — the machine was busy (other processes held the cores), so wall times are inflated and "
+             "noisy; the cpu-time columns are closer to an idle machine's." if med < 0.9 else "."))
+    return med, note
+
+
+# ------------------------------------------------------------------------------------------------
+# Full tables and complexity fits
+# ------------------------------------------------------------------------------------------------
+
+KIND_TITLES = {
+    "gemm_linear": "GEMM reference for linear attention (Kᵀ V and Q S)",
+    "linear": "Non-causal linear attention",
+    "causal": "Causal linear attention",
+    "gemm_softmax": "GEMM reference for softmax attention (QKᵀ and PV, in panels of 512 query rows)",
+    "softmax": "Softmax attention",
+    "causal_softmax": "Causal softmax attention",
+    "mh_gemm_linear": "Multi-head GEMM reference, linear shapes",
+    "mh_linear": "Multi-head non-causal linear attention",
+    "mh_causal": "Multi-head causal linear attention",
+    "mh_gemm_softmax": "Multi-head GEMM reference, softmax shapes",
+    "mh_softmax": "Multi-head softmax attention",
+    "mh_causal_softmax": "Multi-head causal softmax attention",
+    "decode_recurrent": "Decode step, recurrent (RNN) form",
+    "decode_softmax": "Decode step, softmax over a KV cache",
+}
+KIND_ORDER = list(KIND_TITLES)
+
+
+VARIANT_KEYS = {"causal": ("alg", "chunk")}  # columns of a table; every other param makes a table
+
+
+def variant_keys(kind: str) -> tuple:
+    return VARIANT_KEYS.get(kind, ("phi", "alg", "chunk"))
+
+
+def variant_label(kind: str, p: dict) -> str:
+    parts = []
+    for k in variant_keys(kind):
+        if k in p:
+            parts.append(f"chunk {p[k]}" if k == "chunk" else p[k])
+    if "chunk" in p and p.get("alg") == "chunked":
+        parts = [f"chunked, C = {p['chunk']}"]
+    return ", ".join(parts) or "time"
+
+
+def full_tables(res: Results) -> list[str]:
+    """One table per (kind, shape): rows N, a column per variant; cells wall time · GFLOP/s · frac."""
+    L: list[str] = ["", "Cells: wall time · useful GFLOP/s · frac_of_gemm (– where there is no GEMM reference)."]
+    groups: dict[tuple, dict[tuple, dict[int, Run]]] = {}
+    for r in res.runs:
+        vk = variant_keys(r.kind)
+        gkey = (r.kind,) + tuple(sorted((k, v) for k, v in r.params.items() if k not in vk))
+        vkey = tuple(sorted((k, v) for k, v in r.params.items() if k in vk))
+        groups.setdefault(gkey, {}).setdefault(vkey, {})[r.size] = r
+
+    def vsort(v):
+        d = dict(v)
+        return (d.get("phi", ""), d.get("alg", ""), int(d.get("chunk", 0) or 0))
+
+    order = sorted(groups, key=lambda g: (KIND_ORDER.index(g[0]) if g[0] in KIND_ORDER else 99, g))
+    for g in order:
+        kind, p = g[0], dict(g[1:])
+        variants = sorted(groups[g], key=vsort)
+        desc = ", ".join(f"{k} = {v}" for k, v in p.items())
+        L += ["", f"#### {KIND_TITLES.get(kind, kind)} — {desc}", ""]
+        sizes = sorted({n for v in variants for n in groups[g][v]})
+        header = ["position" if kind.startswith("decode") else "N"] + [variant_label(kind, dict(v)) for v in variants]
+        rows = []
+        for n in sizes:
+            row = [fmt_n(n)]
+            for v in variants:
+                r = groups[g][v].get(n)
+                row.append("–" if r is None else
+                           f"{fmt_time(r.wall)} · {fmt_ratio(r.gflops(), 1)} · {fmt_ratio(frac_of_gemm(res, r))}")
+            rows.append(row)
+        L += table(header, rows)
+    return L
+
+
+def memory_table(res: Results) -> list[str]:
+    """Working memory of every kernel family at its smallest and largest size."""
+    fams: dict[tuple, list[Run]] = {}
+    for r in res.runs:
+        if r.get("ws_bytes") is not None:
+            fams.setdefault(r.family(), []).append(r)
+    rows = []
+    for fam in sorted(fams, key=lambda f: (KIND_ORDER.index(f[0]) if f[0] in KIND_ORDER else 99, f)):
+        runs = sorted(fams[fam], key=lambda r: r.size)
+        a, b = runs[0], runs[-1]
+        name = fam[0] + "/" + "/".join(f"{k}:{v}" for k, v in fam[1:])
+        rows.append([name, fmt_n(a.size), fmt_bytes(a.get("ws_bytes")), fmt_n(b.size), fmt_bytes(b.get("ws_bytes")),
+                     fmt_bytes(b.get("state_bytes"))])
+    if not rows:
+        return ["(no ws_bytes counters in these results)"]
+    return table(["kernel", "smallest N", "ws_bytes", "largest N", "ws_bytes", "state_bytes (largest)"], rows,
+                 "lrrrrr")
+
+
+def fit_table(res: Results) -> list[str]:
+    by: dict[str, dict] = {}
+    for e in res.fits:
+        by.setdefault(e["run_name"], {})[e["aggregate_name"]] = e
+    rows = []
+    for name in sorted(by, key=lambda n: (KIND_ORDER.index(n.split("/")[0]) if n.split("/")[0] in KIND_ORDER else 99, n)):
+        big = by[name].get("BigO")
+        rms = by[name].get("RMS")
+        if not big:
+            continue
+        unit = UNIT_S[big.get("time_unit", "ns")]
+        order = big.get("big_o", "?")
+        coef = big.get("real_coefficient", 0.0) * unit
+        rows.append([name.replace("/real_time", ""), "O(" + ("1" if order in ("(1)", "1") else order) + ")",
+                     f"{coef:.3g} s", f"{rms['rms'] * 100:.0f} %" if rms else "–"])
+    if not rows:
+        return ["(no complexity fits: every family had a single size)"]
+    return table(["family", "fit", "coefficient (wall)", "RMS error"], rows, "llrr")
+
+
+# ------------------------------------------------------------------------------------------------
+# SVG plot
+# ------------------------------------------------------------------------------------------------
+
+
+def svg_plot(res: Results, path: str) -> bool:
+    T = TARGET
+    series_spec = [
+        ("mh_linear", {}, "linear attention", "#1f77b4", "circle", ""),
+        ("mh_causal", {}, "causal linear attention (chunked)", "#2ca02c", "square", ""),
+        ("mh_softmax", {"alg": "tiled"}, "softmax attention (tiled)", "#d62728", "circle", ""),
+        ("mh_causal_softmax", {"alg": "tiled"}, "causal softmax attention (tiled)", "#ff7f0e", "square", ""),
+        ("mh_gemm_linear", {}, "GEMM reference, linear shapes", "#555555", "none", "6,4"),
+        ("mh_gemm_softmax", {}, "GEMM reference, softmax shapes", "#999999", "none", "2,3"),
+    ]
+    title_cfg = "float, H = 8 heads, D = M = 64, 1 thread"
+    params = dict(T)
+    if not res.sizes("mh_linear", **T):  # fall back to the single-head sweep
+        series_spec = [(k.replace("mh_", ""), p, lab, c, m, d) for k, p, lab, c, m, d in series_spec]
+        params = dict(dtype="f32", D="64")
+        title_cfg = "float, one head, D = M = 64, 1 thread"
+    series = []
+    for kind, p, label, color, marker, dash in series_spec:
+        pts = []
+        for n in res.sizes(kind, **params, **p):
+            r = res.find(kind, n, **params, **p)
+            if r and r.wall > 0:
+                pts.append((n, r.wall))
+        if pts:
+            series.append((label, color, marker, dash, pts))
+    if not series:
+        return False
+
+    W, H = 900, 600
+    ml, mr, mt, mb = 90, 30, 60, 70
+    pw, ph = W - ml - mr, H - mt - mb
+    xs = [x for s in series for x, _ in s[4]]
+    ys = [y for s in series for _, y in s[4]]
+    show_ref = min(xs) <= 16384 <= max(xs)
+    if show_ref:
+        ys += [PAPER_CAUSAL_MS * 1e-3, TARGET_CAUSAL_MS * 1e-3]
+    x0, x1 = math.log10(min(xs)) - 0.08, math.log10(max(xs)) + 0.08
+    y0 = math.floor(math.log10(min(ys)))
+    y1 = math.ceil(math.log10(max(ys)))
+    if y1 - y0 < 2:
+        y1 = y0 + 2
+
+    def X(v):
+        return ml + (math.log10(v) - x0) / (x1 - x0) * pw
+
+    def Y(v):
+        return mt + ph - (math.log10(v) - y0) / (y1 - y0) * ph
+
+    o: list[str] = []
+    o.append(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+             'font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="13">')
+    o.append(f'<rect x="0" y="0" width="{W}" height="{H}" fill="white"/>')
+    o.append(f'<text x="{W / 2:.0f}" y="28" text-anchor="middle" font-size="17" font-weight="bold">'
+             f'linattn: time per call vs sequence length N</text>')
+    o.append(f'<text x="{W / 2:.0f}" y="47" text-anchor="middle" font-size="13" fill="#444">'
+             f'{escape(title_cfg)} — log-log; wall-clock time</text>')
+    # Grid and ticks: y decades with minor ticks at 2..9.
+    for e in range(y0, y1 + 1):
+        v = 10.0 ** e
+        y = Y(v)
+        o.append(f'<line x1="{ml}" y1="{y:.1f}" x2="{ml + pw}" y2="{y:.1f}" stroke="#cccccc" stroke-width="1"/>')
+        o.append(f'<line x1="{ml - 6}" y1="{y:.1f}" x2="{ml}" y2="{y:.1f}" stroke="black"/>')
+        o.append(f'<text x="{ml - 9}" y="{y + 4:.1f}" text-anchor="end">{escape(decade_label(e))}</text>')
+        if e < y1:
+            for m in range(2, 10):
+                ym = Y(m * v)
+                o.append(f'<line x1="{ml}" y1="{ym:.1f}" x2="{ml + pw}" y2="{ym:.1f}" stroke="#eeeeee" stroke-width="1"/>')
+                o.append(f'<line x1="{ml - 3}" y1="{ym:.1f}" x2="{ml}" y2="{ym:.1f}" stroke="black"/>')
+    # x: every power of two in range.
+    n = 1
+    while n <= max(xs):
+        if n >= min(xs):
+            x = X(n)
+            o.append(f'<line x1="{x:.1f}" y1="{mt}" x2="{x:.1f}" y2="{mt + ph}" stroke="#dddddd" stroke-width="1"/>')
+            o.append(f'<line x1="{x:.1f}" y1="{mt + ph}" x2="{x:.1f}" y2="{mt + ph + 6}" stroke="black"/>')
+            o.append(f'<text x="{x:.1f}" y="{mt + ph + 21}" text-anchor="middle">{fmt_n(n)}</text>')
+        n *= 2
+    o.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="black"/>')
+    o.append(f'<text x="{ml + pw / 2:.0f}" y="{H - 22}" text-anchor="middle" font-size="14">'
+             'sequence length N (= L; log scale)</text>')
+    o.append(f'<text transform="translate(22,{mt + ph / 2:.0f}) rotate(-90)" text-anchor="middle" '
+             'font-size="14">time per call (log scale)</text>')
+    # Series.
+    for label, color, marker, dash, pts in series:
+        d = " ".join(f"{'M' if i == 0 else 'L'}{X(x):.1f},{Y(y):.1f}" for i, (x, y) in enumerate(pts))
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        o.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="2.2"{dash_attr}/>')
+        for x, y in pts:
+            cx, cy = X(x), Y(y)
+            if marker == "circle":
+                o.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4" fill="{color}"/>')
+            elif marker == "square":
+                o.append(f'<rect x="{cx - 4:.1f}" y="{cy - 4:.1f}" width="8" height="8" fill="{color}"/>')
+    # Reference point (fast-transformers' causal CPU kernel) and the target.
+    legend_extra = []
+    if show_ref:
+        cx, cy = X(16384), Y(PAPER_CAUSAL_MS * 1e-3)
+        o.append(f'<path d="M{cx - 6:.1f},{cy - 6:.1f} L{cx + 6:.1f},{cy + 6:.1f} M{cx - 6:.1f},{cy + 6:.1f} '
+                 f'L{cx + 6:.1f},{cy - 6:.1f}" stroke="black" stroke-width="2.5"/>')
+        ty = Y(TARGET_CAUSAL_MS * 1e-3)
+        o.append(f'<line x1="{cx - 14:.1f}" y1="{ty:.1f}" x2="{cx + 14:.1f}" y2="{ty:.1f}" stroke="black" '
+                 'stroke-width="2.5"/>')
+        legend_extra = [("cross", "paper's causal CPU kernel ≈100 ms (N = 16k)"),
+                        ("bar", "target for causal linear: ≤ 50 ms")]
+    # Legend (top left, where the curves are not).
+    items = [(lab, c, m, d) for lab, c, m, d, _ in series]
+    lx, ly = ml + 14, mt + 14
+    lw = 330
+    lh = 22 * (len(items) + len(legend_extra)) + 12
+    o.append(f'<rect x="{lx}" y="{ly}" width="{lw}" height="{lh}" fill="white" fill-opacity="0.92" stroke="#888888"/>')
+    yy = ly + 20
+    for lab, c, m, d in items:
+        dash_attr = f' stroke-dasharray="{d}"' if d else ""
+        o.append(f'<line x1="{lx + 10}" y1="{yy - 4}" x2="{lx + 44}" y2="{yy - 4}" stroke="{c}" stroke-width="2.2"{dash_attr}/>')
+        if m == "circle":
+            o.append(f'<circle cx="{lx + 27}" cy="{yy - 4}" r="4" fill="{c}"/>')
+        elif m == "square":
+            o.append(f'<rect x="{lx + 23}" y="{yy - 8}" width="8" height="8" fill="{c}"/>')
+        o.append(f'<text x="{lx + 52}" y="{yy}">{escape(lab)}</text>')
+        yy += 22
+    for m, lab in legend_extra:
+        if m == "cross":
+            o.append(f'<path d="M{lx + 21},{yy - 10} L{lx + 33},{yy + 2} M{lx + 21},{yy + 2} L{lx + 33},{yy - 10}" '
+                     'stroke="black" stroke-width="2.5"/>')
+        else:
+            o.append(f'<line x1="{lx + 13}" y1="{yy - 4}" x2="{lx + 41}" y2="{yy - 4}" stroke="black" stroke-width="2.5"/>')
+        o.append(f'<text x="{lx + 52}" y="{yy}">{escape(lab)}</text>')
+        yy += 22
+    o.append("</svg>")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(o) + "\n")
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# Machine information and the Markdown document
+# ------------------------------------------------------------------------------------------------
+
+
+def run_cmd(args: list[str]) -> str:
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine_info(res: Results, load_before: str) -> list[tuple[str, str]]:
+    ctx = res.context()
+    model = ""
+    for line in run_cmd(["lscpu"]).splitlines():
+        if line.startswith("Model name:"):
+            model = line.split(":", 1)[1].strip()
+            break
+    model = model or platform.processor() or "unknown"
+    caches = ", ".join(f"L{c['level']} {c['type'].lower()} {fmt_bytes(c['size'])}"
+                       + (f" (shared by {c['num_sharing']})" if c.get("num_sharing", 1) > 1 else "")
+                       for c in ctx.get("caches", []))
+    try:
+        with open("/proc/loadavg", encoding="utf-8") as f:
+            load_after = " ".join(f.read().split()[:3])
+    except OSError:
+        load_after = "unknown"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = run_cmd(["git", "-C", repo, "rev-parse", "--short", "HEAD"]).strip() or "unknown"
+    loads = ", ".join(f"{c.get('executable', p).split('/')[-1]}: {' '.join(f'{x:.2f}' for x in c.get('load_avg', []))}"
+                      for p, c in sorted(res.contexts.items()))
+    return [
+        ("CPU", f"{model} — {ctx.get('num_cpus', '?')} CPUs at {ctx.get('mhz_per_cpu', '?')} MHz "
+                f"({platform.machine()}, {platform.system()} {platform.release()})"),
+        ("Caches", caches or "unknown"),
+        ("Compiler", ctx.get("linattn_compiler", "unknown")),
+        ("Flags", f"{ctx.get('linattn_cxx_flags', 'unknown')} (CMAKE_BUILD_TYPE={ctx.get('linattn_build_type', '?')})"),
+        ("Eigen", ctx.get("linattn_eigen", "unknown") + "; compiled for " + ctx.get("linattn_isa", "?") +
+         "; Eigen's own GEMM threading off (Eigen::setNbThreads(1))"),
+        ("OpenMP", ctx.get("linattn_openmp", "unknown")),
+        ("Google Benchmark library build", ctx.get("library_build_type", "unknown") +
+         " (the Debian package; it only affects the harness, not the kernels)"),
+        ("Profile", ctx.get("linattn_profile", "unknown")),
+        ("linattn commit", commit),
+        ("Load average", f"before the run {load_before}; at the start of each program: {loads}; after {load_after}"),
+        ("Date", ctx.get("date", _dt.datetime.now().isoformat(timespec="seconds"))),
+    ]
+
+
+def write_markdown(res: Results, path: str, svg_name: str | None, command: str, load_before: str,
+                   summary_lines: list[str], warnings: list[str], noise: str) -> None:
+    ctx_notes = [(p, c.get("linattn_notes", "")) for p, c in sorted(res.contexts.items())]
+    L = ["# linattn benchmarks", "",
+         "<!-- Generated by benchmarks/report.py from the Google Benchmark JSON; do not edit by hand. -->", "",
+         "Measured, not promised: every number below comes from one run on the machine described here, "
+         "on a shared 2-core virtual machine where other jobs were compiling at the same time. Treat "
+         "absolute times as noisy; ratios measured in the same run (fraction of GEMM throughput, "
+         "linear vs softmax) are more stable.", "",
+         "## How to reproduce", "", "```sh", command, "```", "",
+         "`bash .ci/bench` configures and builds `build/bench` (Release, `-O3 -march=native`, OpenMP), runs "
+         "`benchmarks/run.sh` (JSON in `build/bench/results/`), then `benchmarks/report.py`, which prints the "
+         "summary and rewrites this page and `docs/benchmark_plot.svg`. `--full` runs the full sweep "
+         "(N to 65536, D = M ∈ {32, 64, 128}); `--smoke` only the smallest sizes.", "",
+         "## Machine", ""]
+    L += table(["", ""], [[k, escape_md(v)] for k, v in machine_info(res, load_before)], "ll")
+    L += ["", noise, ""]
+    L += ["## What is measured", "",
+          "- **Time** is wall-clock time per call (`UseRealTime`; the multi-head kernels run their own OpenMP "
+          "threads); the cpu column is the calling thread's CPU time. Single-head kernels and everything "
+          "marked `thr = 1` run on one thread.",
+          "- **GFLOP/s** counts useful flops: 4·N·F·M per head for linear attention (2·L·F·M for Kᵀ V plus "
+          "2·N·F·M for Q S; F = D, D + 1 for NormalizedCosine), 4·N·L·D per head for softmax (M = D), and "
+          "half of the query–key pairs (N(N+1)/2) for causal softmax. The chunked causal kernel does more "
+          "arithmetic than that (the in-chunk triangle); only useful flops are counted.",
+          "- **frac_of_gemm** = kernel GFLOP/s ÷ GFLOP/s of Eigen products of the same shapes, timed in the "
+          "same run: for linear attention (F×L)·(L×M) and (N×F)·(F×M) per head; for softmax (N×D)·(D×L) and "
+          "(N×L)·(L×M) per head, taken in panels of 512 query rows so that no N×L matrix is needed (same "
+          "flops). Multi-head references run the per-head products over the packed layout with the same "
+          "number of threads.",
+          "- **ws_bytes** is `Workspace::bytes()` (`MultiHeadWorkspace::bytes()`) after the calls: the "
+          "working memory the kernel allocated. **state_bytes** is the recurrent state (or, for the softmax "
+          "decode step, the KV cache) kept between calls.",
+          "- The complexity fits are Google Benchmark's least-squares fits of wall time to O(N) / O(N²) / O(1) "
+          "over each sweep.", ""]
+    L += ["### Sizes and caps", ""]
+    L += [f"- `{p}`: {escape_md(n)}" for p, n in ctx_notes if n]
+    L += ["", "## Summary of the performance targets", ""]
+    L += summary_lines
+    if warnings:
+        L += ["", "Warnings:", ""] + [f"- {escape_md(w)}" for w in warnings]
+    if svg_name:
+        L += ["", "## Time vs N", "", f"![time vs N, log-log]({svg_name})", ""]
+    L += ["", "## Working memory of every kernel", "",
+          "`Workspace::bytes()` after the calls at the smallest and the largest size of each sweep "
+          "(decode: position); state_bytes is the recurrent state or KV cache.", ""] + memory_table(res)
+    L += ["", "## Complexity fits", ""] + fit_table(res)
+    L += ["", "## All results"] + full_tables(res)
+    if res.errors:
+        L += ["", "## Errors", ""] + [f"- {escape_md(e)}" for e in res.errors]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(L).rstrip() + "\n")
+
+
+def escape_md(s: str) -> str:
+    return s.replace("|", "\\|")
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default="build/bench/results", help="directory of the bench_*.json files")
+    ap.add_argument("--md", help="write the Markdown report here (e.g. docs/benchmarks.md)")
+    ap.add_argument("--svg", help="write the log-log plot here (e.g. docs/benchmark_plot.svg)")
+    ap.add_argument("--command", default="bash .ci/bench", help="the command that produced the results")
+    ap.add_argument("--load-before", default="unknown", help="load average when the run started")
+    args = ap.parse_args(argv)
+
+    res = Results(args.results)
+    if not res.runs:
+        print(f"report.py: no benchmark results in {args.results}", file=sys.stderr)
+        return 1
+    lines, warnings = summary(res)
+    _, noise = contention(res)
+    print("== Summary of the performance targets (ratios from " + args.results + ")")
+    print("\n".join(lines))
+    print()
+    for w in warnings:
+        print("warning:", w)
+    if noise:
+        print(noise)
+    for e in res.errors:
+        print("error:", e)
+
+    svg_name = None
+    if args.svg:
+        if svg_plot(res, args.svg):
+            svg_name = os.path.relpath(os.path.abspath(args.svg), os.path.dirname(os.path.abspath(args.md or args.svg)))
+            print(f"wrote {args.svg}")
+        else:
+            print("report.py: nothing to plot", file=sys.stderr)
+    if args.md:
+        write_markdown(res, args.md, svg_name, args.command, args.load_before, lines, warnings, noise)
+        print(f"wrote {args.md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

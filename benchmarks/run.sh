@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Runs the linattn benchmark programs, keeps their JSON, and writes the report.
+#
+#   benchmarks/run.sh [--full | --smoke] [--out DIR] [--build DIR] [--no-docs] [-- ARGS...]
+#
+#   (default)   quick profile: N up to 16384, D = M = 64, a few minutes on 2 cores
+#   --full      N up to 65536, D = M in {32, 64, 128}, every variant (long)
+#   --smoke     smallest sizes only (checks that everything runs; docs are not rewritten)
+#   --out DIR   where the JSON goes (default: <build>/results)
+#   --build DIR the CMake build directory (default: $LINATTN_BENCH_BUILD_DIR or build/bench)
+#   --no-docs   print the summary but leave docs/benchmarks.md and docs/benchmark_plot.svg
+#   -- ARGS     passed to every benchmark program (e.g. -- --benchmark_filter=mh_)
+#
+# Build first (bash .ci/bench does both):
+#   cmake -S . -B build/bench -DCMAKE_BUILD_TYPE=Release -DLINATTN_BUILD_BENCHMARKS=ON \
+#     -DLINATTN_BUILD_TESTS=OFF -DLINATTN_BUILD_EXAMPLES=OFF && cmake --build build/bench -j2
+#
+# Then benchmarks/report.py prints the summary of the performance targets and regenerates
+# docs/benchmarks.md and docs/benchmark_plot.svg from the JSON.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+
+orig_args=("$@")
+profile=quick
+out=""
+build="${LINATTN_BENCH_BUILD_DIR:-$repo/build/bench}"
+docs=1
+extra=()
+while (($# > 0)); do
+  case "$1" in
+    --full) profile=full ;;
+    --smoke) profile=smoke ;;
+    --quick) profile=quick ;;
+    --out) out="${2:?--out needs a directory}"; shift ;;
+    --out=*) out="${1#--out=}" ;;
+    --build) build="${2:?--build needs a directory}"; shift ;;
+    --build=*) build="${1#--build=}" ;;
+    --no-docs) docs=0 ;;
+    --) shift; extra=("$@"); break ;;
+    -h | --help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+[[ "$profile" == smoke ]] && docs=0
+
+manifest="${LINATTN_BENCH_MANIFEST:-$build/benchmarks/linattn_benchmarks.txt}"
+if [[ ! -s "$manifest" ]]; then
+  echo "run.sh: no benchmark manifest at $manifest; build the benchmarks first (bash .ci/bench)" >&2
+  exit 1
+fi
+mapfile -t binaries < <(grep -v '^[[:space:]]*$' "$manifest")
+if ((${#binaries[@]} == 0)); then
+  echo "run.sh: no benchmarks are built (see benchmarks/CMakeLists.txt)" >&2
+  exit 1
+fi
+
+out="${out:-$build/results}"
+mkdir -p "$out"
+rm -f "$out"/bench_*.json
+
+# The command a reader can rerun (recorded in docs/benchmarks.md).
+if [[ -n "${LINATTN_BENCH_MANIFEST:-}" ]]; then
+  command="bash .ci/bench"
+else
+  command="bash benchmarks/run.sh"
+fi
+((${#orig_args[@]} > 0)) && command+=" ${orig_args[*]}"
+
+load_before="$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo unknown)"
+echo "== linattn benchmarks: profile $profile, results in $out (load average $load_before)"
+
+failed=()
+for bin in "${binaries[@]}"; do
+  name="$(basename "$bin")"
+  if [[ ! -x "$bin" ]]; then
+    echo "run.sh: $bin is not built" >&2
+    failed+=("$name")
+    continue
+  fi
+  echo "== $name --$profile"
+  if ! "$bin" "--$profile" "--benchmark_out=$out/$name.json" --benchmark_out_format=json \
+    "${extra[@]}"; then
+    echo "run.sh: $name failed" >&2
+    failed+=("$name")
+  fi
+done
+
+report=(python3 "$repo/benchmarks/report.py" --results "$out" --command "$command"
+  --load-before "$load_before")
+if ((docs)); then
+  report+=(--md "$repo/docs/benchmarks.md" --svg "$repo/docs/benchmark_plot.svg")
+fi
+echo "== ${report[*]}"
+"${report[@]}"
+
+if ((${#failed[@]} > 0)); then
+  echo "run.sh: failed: ${failed[*]}" >&2
+  exit 1
+fi
