@@ -39,7 +39,7 @@ while (($# > 0)); do
     --build=*) build="${1#--build=}" ;;
     --no-docs) docs=0 ;;
     --) shift; extra=("$@"); break ;;
-    -h | --help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
