@@ -378,6 +378,15 @@ def summary(res: Results) -> tuple[list[str], list[str]]:
         rows.append([kind, fmt_n(n), fmt_time(a.wall), fmt_time(b.wall), f"{a.wall / b.wall:.2f}×"])
     if rows:
         L += table(["kernel", "N", "1 thread", "2 threads", "speed-up"], rows, "llrrr")
+        ctx = res.contexts.get("bench_multihead", {})
+        load, cpus = ctx.get("load_avg", []), ctx.get("num_cpus", 0)
+        if load and cpus and load[0] + 1 > cpus:
+            L.append("")
+            L.append(f"Load average {load[0]:.2f} on {cpus} CPUs when bench_multihead started: the second "
+                     "thread competed with other processes for a core, so these speed-ups measure the "
+                     "machine's spare capacity rather than the kernels' scaling.")
+            warn.append("2-thread results were measured with other processes running (load average "
+                        f"{load[0]:.2f} on {cpus} CPUs)")
     return L, warn
 
 
