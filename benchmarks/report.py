@@ -524,7 +524,7 @@ def svg_plot(res: Results, path: str) -> bool:
     T = TARGET
     series_spec = [
         ("mh_linear", {}, "linear attention", "#1f77b4", "circle", ""),
-        ("mh_causal", {}, "causal linear attention (chunked)", "#2ca02c", "square", ""),
+        ("mh_causal", {}, "causal linear attention (library default)", "#2ca02c", "square", ""),
         ("mh_softmax", {"alg": "tiled"}, "softmax attention (tiled)", "#d62728", "circle", ""),
         ("mh_causal_softmax", {"alg": "tiled"}, "causal softmax attention (tiled)", "#ff7f0e", "square", ""),
         ("mh_gemm_linear", {}, "GEMM reference, linear shapes", "#555555", "none", "6,4"),
