@@ -13,6 +13,7 @@
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/blocking.hpp"
+#include "detail/recurrent_block.hpp"
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
 #include "state.hpp"
@@ -54,51 +55,109 @@ constexpr Scalar per_feature_log_range() noexcept {
   return sizeof(Scalar) <= sizeof(float) ? Scalar(40) : Scalar(300);
 }
 
-// Rows [r0, r0 + b) one token at a time: the RNN form. Queries and keys are mapped a block at
-// a time (vectorised); the block's values and outputs go through row-major buffers so that
-// each token reads and writes contiguous memory, whatever the caller's layout.
+// Rows [r0, r0 + b) of the RNN form for maps with per-feature key softmax (SoftmaxSplit),
+// whose running maxima may rescale the state at any token: one token at a time. Queries are
+// mapped a block at a time (vectorised); the block's queries, keys, values and outputs go
+// through per-token buffers so that each token reads and writes contiguous memory.
 template <class Phi, class DQ, class DK, class DV, class Scalar, class Keep, class Out>
-void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r0,
+void causal_rows_per_token(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r0,
                            Index b, LinearAttentionState<Scalar>& st, const Keep& keep,
                            Out& dst, Workspace<Scalar>& ws) {
   using RowMajor = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const Index F = st.S.rows(), M = st.S.cols();
-  constexpr bool per_feature = normalizes_keys_per_feature_v<Phi>;
   auto pq = ws.matrix(kSlotPhiQ, b, F);
-  auto pk = ws.matrix(kSlotPhiK, per_feature ? 0 : b, F);
-  // Token i's features as contiguous columns (the maps write rows of a column-major block).
-  auto pqt = ws.matrix(kSlotExtra, F, b);
-  auto pkt = ws.matrix(kSlotKeys, F, b);  // φ(k) per token, or the raw keys for SoftmaxSplit
-  auto pkv = ws.vector(kSlotNormalizer, per_feature ? F : 0);
+  auto pqt = ws.matrix(kSlotExtra, F, b);  // token i's features as column i
+  auto kt = ws.matrix(kSlotKeys, F, b);    // the raw keys, likewise
+  auto pkv = ws.vector(kSlotNormalizer, F);
   auto w = ws.vector(kSlotRowA, F);
   auto den = ws.vector(kSlotRowB, 1);
   Eigen::Map<RowMajor> vb(ws.matrix(kSlotScores, b, M).data(), b, M);
   Eigen::Map<RowMajor> ob(ws.matrix(kSlotPrefix, b, M).data(), b, M);
   phi.map(Q.middleRows(r0, b), pq);
   copy_to_row_major(pq, pqt.data());  // pqt (F x b, column-major) is pq's row-major copy
-  if constexpr (per_feature) {
-    copy_to_row_major(K.middleRows(r0, b), pkt.data());
-  } else {
-    phi.map(K.middleRows(r0, b), pk);
-    copy_to_row_major(pk, pkt.data());
-  }
+  copy_to_row_major(K.middleRows(r0, b), kt.data());
   copy_to_row_major(V.middleRows(r0, b), vb.data());
   for (Index i = 0; i < b; ++i) {
-    auto o = ob.row(i);
     if (!keep(r0 + i)) {  // a masked key adds nothing; the query still reads the state
       auto pqi = pq.middleRows(i, 1);
       read_state<Phi>(st.S, st.z, pqi, den, ob.row(i));
       continue;
     }
-    if constexpr (per_feature) {
-      recurrent_update_and_read<Phi>(st.S, st.z, st.m, pqt.col(i), pkv, w, pkt.col(i),
-                                     vb.row(i), o);
-    } else {
-      auto pki = pkt.col(i);
-      recurrent_update_and_read<Phi>(st.S, st.z, st.m, pqt.col(i), pki, w, pki, vb.row(i), o);
-    }
+    recurrent_update_and_read<Phi>(st.S, st.z, st.m, pqt.col(i), pkv, w, kt.col(i), vb.row(i),
+                                   ob.row(i));
   }
   copy_from_row_major(ob.data(), b, M, dst.middleRows(r0, b));
+}
+
+// Row-major memory with unit inner stride: what recurrent_block reads values from and writes
+// outputs to without a copy.
+template <class X>
+constexpr bool is_row_major_direct_v =
+    (int(std::decay_t<X>::Flags) & Eigen::DirectAccessBit) && std::decay_t<X>::IsRowMajor;
+
+// Rows [r0, r0 + b) of the RNN form for every other map: map the block's queries and keys,
+// compute every token's denominator in one sweep (so that scaled queries give the outputs
+// directly), then feed the tokens through S a few at a time (recurrent_block). Values and
+// outputs are used in place when the caller's are row-major, else go through row-major
+// buffers. Masked keys become zero rows of φ(K) and of the copied values: they add nothing.
+template <class Phi, class DQ, class DK, class DV, class Scalar, class Keep, class Out>
+void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r0,
+                           Index b, LinearAttentionState<Scalar>& st, const Keep& keep,
+                           Out& dst, Workspace<Scalar>& ws) {
+  if constexpr (normalizes_keys_per_feature_v<Phi>) {
+    causal_rows_per_token(phi, Q, K, V, r0, b, st, keep, dst, ws);
+  } else {
+    const Index F = st.S.rows(), M = st.S.cols();
+    // One cache line of padding keeps the kernel's walk down the features (one column of pq
+    // and pk per row of S) from mapping every column to the same few L1 sets, and keeps the
+    // columns as aligned as the buffer, so that the map's packets need no scalar head.
+    const Index ldp = b + Index(64 / sizeof(Scalar));
+    auto pq = ws.matrix(kSlotPhiQ, ldp, F);
+    auto pk = ws.matrix(kSlotPhiK, ldp, F);
+    phi.map(Q.middleRows(r0, b), pq.topRows(b));
+    phi.map(K.middleRows(r0, b), pk.topRows(b));
+    bool masked = false;
+    if constexpr (!std::is_same_v<Keep, NoMask>) {
+      for (Index i = 0; i < b; ++i) {
+        if (!keep(r0 + i)) {
+          pk.row(i).setZero();
+          masked = true;
+        }
+      }
+    }
+    prefix_normalize_queries(st.z.data(), F, pq.data(), pk.data(), ldp, b,
+                             ws.vector(kSlotRowB, b).data());
+
+    const auto vr = V.middleRows(r0, b);
+    const Scalar* v = nullptr;
+    Index ldv = M;
+    if constexpr (is_row_major_direct_v<decltype(vr)>) {
+      if (vr.innerStride() == 1 && !masked) {
+        v = vr.data();
+        ldv = vr.outerStride();
+      }
+    }
+    if (v == nullptr) {
+      Scalar* vb = ws.matrix(kSlotScores, b, M).data();
+      copy_to_row_major(vr, vb);
+      if (masked)  // zero, not skip: 0 * inf in a masked row would poison the state
+        for (Index i = 0; i < b; ++i)
+          if (!keep(r0 + i)) std::fill(vb + i * M, vb + (i + 1) * M, Scalar(0));
+      v = vb;
+    }
+    auto orows = dst.middleRows(r0, b);
+    if constexpr (is_row_major_direct_v<decltype(orows)>) {
+      if (orows.innerStride() == 1) {
+        recurrent_block(st.S.data(), st.S.outerStride(), F, M, pq.data(), pk.data(), ldp, b, v,
+                        ldv, orows.data(), orows.outerStride());
+        return;
+      }
+    }
+    Scalar* ob = ws.matrix(kSlotPrefix, b, M).data();
+    recurrent_block(st.S.data(), st.S.outerStride(), F, M, pq.data(), pk.data(), ldp, b, v, ldv,
+                    ob, M);
+    copy_from_row_major(ob, b, M, orows);
+  }
 }
 
 // One chunk of the generic chunked form (spec §3):

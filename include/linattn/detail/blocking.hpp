@@ -54,13 +54,22 @@ void transpose_copy(const Scalar* src, Index src_ld, Index rows, Index cols, Sca
   if constexpr (P > 1) {
     r_end = rows / P * P;
     c_end = cols / P * P;
-    for (Index r0 = 0; r0 < r_end; r0 += P) {
-      for (Index c0 = 0; c0 < c_end; c0 += P) {
-        PacketBlock<Packet, P> block;
-        for (int k = 0; k < P; ++k) block.packet[k] = ploadu<Packet>(src + r0 + (c0 + k) * src_ld);
-        ptranspose(block);
-        for (int k = 0; k < P; ++k) pstoreu(dst + c0 + (r0 + k) * dst_ld, block.packet[k]);
-      }
+    const auto block = [&](Index r0, Index c0) {
+      PacketBlock<Packet, P> b;
+      for (int k = 0; k < P; ++k) b.packet[k] = ploadu<Packet>(src + r0 + (c0 + k) * src_ld);
+      ptranspose(b);
+      for (int k = 0; k < P; ++k) pstoreu(dst + c0 + (r0 + k) * dst_ld, b.packet[k]);
+    };
+    // Walk down the columns of the side with the larger leading dimension (the caller's
+    // matrix, against a small buffer), so that it touches P cache lines at a time and uses
+    // each line whole before moving on. The other order touches one line per column at once,
+    // and with a power-of-two leading dimension all of them share one L1 set.
+    if (src_ld >= dst_ld) {
+      for (Index c0 = 0; c0 < c_end; c0 += P)
+        for (Index r0 = 0; r0 < r_end; r0 += P) block(r0, c0);
+    } else {
+      for (Index r0 = 0; r0 < r_end; r0 += P)
+        for (Index c0 = 0; c0 < c_end; c0 += P) block(r0, c0);
     }
   }
   for (Index c = 0; c < cols; ++c)  // the right-hand and bottom edges

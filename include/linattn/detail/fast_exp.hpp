@@ -8,7 +8,7 @@
 
 namespace linattn::detail {
 
-// φ(x) = exp(min(x, 0)) + max(x, 0). The packet path (float, AVX2) computes exp only on
+// φ(x) = exp(min(x, 0)) + max(x, 0). The packet path (float, AVX2 and AVX-512) computes exp only on
 // (-∞, 0], which lets it build 2^m from the exponent bits directly (m ∈ [-126, 0]) instead of
 // Eigen's general pldexp, the slow part of pexp. The argument is clamped at -87 so that 2^m
 // stays a normal number: features of inputs below -87 are exp(-87) ≈ 1.6e-38 instead of a
@@ -43,9 +43,9 @@ struct elu_plus_one_op {
   }
 };
 
-// Whether the packet path above is used: float with AVX2 (where every primitive it needs is
-// known to exist); elsewhere EluPlusOne uses Eigen's own vectorised exp.
-#if defined(EIGEN_VECTORIZE_AVX2) && !defined(EIGEN_VECTORIZE_AVX512) && !defined(EIGEN_DONT_VECTORIZE)
+// Whether the packet path above is used: float with AVX2 or AVX-512 (where every primitive it
+// needs is known to exist); elsewhere EluPlusOne uses Eigen's own vectorised exp.
+#if defined(EIGEN_VECTORIZE_AVX2) && !defined(EIGEN_DONT_VECTORIZE)
 template <class Scalar>
 inline constexpr bool use_fast_elu_v = std::is_same_v<Scalar, float>;
 #else
