@@ -123,7 +123,9 @@ bool map_single_row(const Eigen::MatrixBase<Derived>& x, MatrixRef<typename Deri
                     const G& g) {
   using S = typename Derived::Scalar;
   if (x.rows() != 1 || x.cols() > kMapRowBlock) return false;
-  alignas(EIGEN_MAX_ALIGN_BYTES) S buffer[kMapRowBlock] = {};  // zeroed: GCC cannot see the copy fill it
+  // Zeroed: GCC cannot see the copy fill it. At least 16-byte aligned, as Eigen::Aligned asks,
+  // also in builds without vectorisation (where EIGEN_MAX_ALIGN_BYTES is 0).
+  alignas(EIGEN_MAX_ALIGN_BYTES > 16 ? EIGEN_MAX_ALIGN_BYTES : 16) S buffer[kMapRowBlock] = {};
   Eigen::Map<Eigen::Array<S, Eigen::Dynamic, 1>, Eigen::Aligned> row(buffer, x.cols());
   row = x.row(0).transpose();
   g(row);
