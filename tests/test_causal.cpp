@@ -364,6 +364,23 @@ void check_layouts(const Map& phi) {
                                        ws, opts);
       EXPECT_LE(test::max_abs_diff(out, expected), tol) << tag << " row-major Map out, pieces";
     }
+    // Row-major values and output that are column blocks of wider matrices (one head of a
+    // packed row-major multi-head layout): rows a whole packed row apart, read and written in
+    // place by the recurrent kernel. Columns outside the output block stay untouched.
+    {
+      linattn::LinearAttentionState<S> st;
+      linattn::Workspace<S> ws;
+      RowMat<S> Vwide = test::random_matrix<S>(N, 3 * M + 1, 55);
+      Vwide.middleCols(M + 1, M) = V;
+      RowMat<S> canvas = RowMat<S>::Constant(N, 2 * M + 3, S(-7));
+      linattn::causal_linear_attention(Q, K, Vwide.middleCols(M + 1, M), phi, st,
+                                       canvas.middleCols(M, M), ws, opts);
+      EXPECT_LE(test::max_abs_diff(canvas.middleCols(M, M), expected), tol)
+          << tag << " row-major column blocks";
+      canvas.middleCols(M, M).setConstant(S(-7));
+      EXPECT_EQ(test::max_abs_diff(canvas, RowMat<S>::Constant(N, 2 * M + 3, S(-7))), 0.0)
+          << tag << " writes outside the row-major output block";
+    }
   }
 }
 
