@@ -241,7 +241,8 @@ def summary(res: Results) -> tuple[list[str], list[str]]:
         L.append("(no multi-head linear runs with N ≥ 4096 in these results)")
 
     # 2. Causal linear vs GEMM, useful flops.
-    section("2. Causal linear attention (library default: chunked) vs the same GEMMs, "
+    section("2. Causal linear attention (library default, CausalAlgorithm::Auto: the recurrent kernel at "
+            "this shape) vs the same GEMMs, "
             f"counting useful flops 4·N·F·M per head ({cfg})")
     rows = []
     for n in res.sizes("mh_causal", **T):
@@ -380,7 +381,9 @@ def summary(res: Results) -> tuple[list[str], list[str]]:
         L += table(["kernel", "N", "1 thread", "2 threads", "speed-up"], rows, "llrrr")
         ctx = res.contexts.get("bench_multihead", {})
         load, cpus = ctx.get("load_avg", []), ctx.get("num_cpus", 0)
-        if load and cpus and load[0] + 1 > cpus:
+        # The 1-minute load average still counts the previous benchmark program's own thread
+        # (about 1.0 in a sequential run): only more than that means another process was busy.
+        if load and cpus and load[0] > cpus - 0.5:
             L.append("")
             L.append(f"Load average {load[0]:.2f} on {cpus} CPUs when bench_multihead started: the second "
                      "thread competed with other processes for a core, so these speed-ups measure the "
@@ -748,6 +751,10 @@ def write_markdown(res: Results, path: str, svg_name: str | None, command: str, 
         L += ["", "Warnings:", ""] + [f"- {escape_md(w)}" for w in warnings]
     if svg_name:
         L += ["", "## Time vs N", "", f"![time vs N, log-log]({svg_name})", ""]
+    notes_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning_notes.md")
+    if os.path.exists(notes_path):  # hand-written: what the measurements taught us
+        with open(notes_path, encoding="utf-8") as f:
+            L += ["", f.read().rstrip()]
     L += ["", "## Working memory of every kernel", "",
           "`Workspace::bytes()` after the calls at the smallest and the largest size of each sweep "
           "(decode: position); state_bytes is the recurrent state or KV cache.", ""] + memory_table(res)

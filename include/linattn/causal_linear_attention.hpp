@@ -13,6 +13,7 @@
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/blocking.hpp"
+#include "detail/fast_exp.hpp"
 #include "detail/recurrent_block.hpp"
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
@@ -217,7 +218,7 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
     // A feature with no unmasked key yet has c = -inf; shift by 0 so that exp(-inf) = 0.
     if (c(d) == -std::numeric_limits<Scalar>::infinity()) c(d) = Scalar(0);
   }
-  E.array() = (E.array().rowwise() - c.transpose().array()).exp();
+  exp_shifted_cols(E, c);
   // Local prefix sums first, the carried z added once: z then gathers one rounding per chunk
   // instead of one per token, which matters for float at N = 2^20.
   for (Index d = 0; d < F; ++d) {

@@ -11,6 +11,7 @@
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/blocking.hpp"
+#include "detail/fast_exp.hpp"
 #include "workspace.hpp"
 
 namespace linattn {
@@ -50,7 +51,7 @@ void softmax_attention_naive(const DQ& Q, const DK& K, const DV& V, Out& out, bo
   if (causal) mask_above_diagonal(scores, 0, 0);
   auto rowmax = ws.vector(kSlotRowA, N);
   rowmax = scores.rowwise().maxCoeff();
-  scores.array() = (scores.array().colwise() - rowmax.array()).exp();
+  exp_shifted_rows(scores, rowmax);
   auto inv = ws.vector(kSlotRowB, N);
   inv = scores.rowwise().sum().cwiseInverse();
   out.noalias() = inv.asDiagonal() * (scores * V);
@@ -87,7 +88,7 @@ void softmax_attention_tiled(const DQ& Q, const DK& K, const DV& V, Out& out, bo
         corr(i) = std::exp(m(i) - new_m);
         m(i) = new_m;
       }
-      s.array() = (s.array().colwise() - m.array()).exp();
+      exp_shifted_rows(s, m);
       l = l.cwiseProduct(corr) + s.rowwise().sum();
       acc = corr.asDiagonal() * acc;
       acc.noalias() += s * V.middleRows(j0, bk);

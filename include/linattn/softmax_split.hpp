@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "common.hpp"
+#include "detail/fast_exp.hpp"
 #include "feature_map.hpp"
 
 namespace linattn {
@@ -49,7 +50,8 @@ struct SoftmaxSplit {
       const Index n = std::min(detail::kMapRowBlock, x.rows() - r0);
       auto p = phi.middleRows(r0, n);
       scratch = x.middleRows(r0, n).rowwise().maxCoeff();
-      p.array() = (x.middleRows(r0, n).array().colwise() - scratch.array()).exp();
+      p = x.middleRows(r0, n);
+      detail::exp_shifted_rows(p, scratch);
       scratch = p.rowwise().sum().cwiseInverse();
       p.array().colwise() *= scratch.array();
     }

@@ -13,6 +13,7 @@
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/blocking.hpp"
+#include "detail/fast_exp.hpp"
 #include "feature_map.hpp"
 #include "workspace.hpp"
 
@@ -244,7 +245,7 @@ void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, ZVec& z, MVe
       auto block_max = ws.vector(kSlotRowB, F);
       block_max = pk.colwise().maxCoeff().transpose();
       raise_maxima(S, z, m, block_max);
-      pk.array() = (pk.array().rowwise() - m.transpose().array()).exp();
+      exp_shifted_cols(pk, m);
     } else {
       phi.map(K.middleRows(j0, b), pk);
     }
