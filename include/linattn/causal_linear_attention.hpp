@@ -96,11 +96,12 @@ template <class X>
 constexpr bool is_row_major_direct_v =
     (int(std::decay_t<X>::Flags) & Eigen::DirectAccessBit) && std::decay_t<X>::IsRowMajor;
 
-// Rows [r0, r0 + b) of the RNN form for every other map: map the block's queries and keys,
-// compute every token's denominator in one sweep (so that scaled queries give the outputs
-// directly), then feed the tokens through S a few at a time (recurrent_block). Values and
-// outputs are used in place when the caller's are row-major, else go through row-major
-// buffers. Masked keys become zero rows of φ(K) and of the copied values: they add nothing.
+// Rows [r0, r0 + b) of the RNN form for every other map: map the block's queries and keys
+// (vectorised, in the maps' column-major layout), turn them token-major (one packet transpose
+// each), compute every token's denominator in one sweep (so that scaled queries give the
+// outputs directly), then feed the tokens through S a few at a time (recurrent_block). Values
+// and outputs are used in place when the caller's are row-major, else go through row-major
+// buffers. Masked keys become zero φ(k) and zero copied values: they add nothing.
 template <class Phi, class DQ, class DK, class DV, class Scalar, class Keep, class Out>
 void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r0,
                            Index b, LinearAttentionState<Scalar>& st, const Keep& keep,
@@ -109,25 +110,24 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
     causal_rows_per_token(phi, Q, K, V, r0, b, st, keep, dst, ws);
   } else {
     const Index F = st.S.rows(), M = st.S.cols();
-    // One cache line of padding keeps the kernel's walk down the features (one column of pq
-    // and pk per row of S) from mapping every column to the same few L1 sets, and keeps the
-    // columns as aligned as the buffer, so that the map's packets need no scalar head.
-    const Index ldp = b + Index(64 / sizeof(Scalar));
-    auto pq = ws.matrix(kSlotPhiQ, ldp, F);
-    auto pk = ws.matrix(kSlotPhiK, ldp, F);
-    phi.map(Q.middleRows(r0, b), pq.topRows(b));
-    phi.map(K.middleRows(r0, b), pk.topRows(b));
+    auto pq = ws.matrix(kSlotPhiQ, b, F);
+    auto pk = ws.matrix(kSlotPhiK, b, F);
+    phi.map(Q.middleRows(r0, b), pq);
+    phi.map(K.middleRows(r0, b), pk);
+    auto pqt = ws.matrix(kSlotExtra, F, b);  // column i: token i's features
+    auto pkt = ws.matrix(kSlotKeys, F, b);
+    copy_to_row_major(pq, pqt.data());
+    copy_to_row_major(pk, pkt.data());
     bool masked = false;
     if constexpr (!std::is_same_v<Keep, NoMask>) {
       for (Index i = 0; i < b; ++i) {
         if (!keep(r0 + i)) {
-          pk.row(i).setZero();
+          pkt.col(i).setZero();
           masked = true;
         }
       }
     }
-    prefix_normalize_queries(st.z.data(), F, pq.data(), pk.data(), ldp, b,
-                             ws.vector(kSlotRowB, b).data());
+    prefix_normalize_tokens(st.z.data(), F, pqt.data(), pkt.data(), F, b);
 
     const auto vr = V.middleRows(r0, b);
     const Scalar* v = nullptr;
@@ -149,13 +149,13 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
     auto orows = dst.middleRows(r0, b);
     if constexpr (is_row_major_direct_v<decltype(orows)>) {
       if (orows.innerStride() == 1) {
-        recurrent_block(st.S.data(), st.S.outerStride(), F, M, pq.data(), pk.data(), ldp, b, v,
+        recurrent_block(st.S.data(), st.S.outerStride(), F, M, pqt.data(), pkt.data(), F, 1, b, v,
                         ldv, orows.data(), orows.outerStride());
         return;
       }
     }
     Scalar* ob = ws.matrix(kSlotPrefix, b, M).data();
-    recurrent_block(st.S.data(), st.S.outerStride(), F, M, pq.data(), pk.data(), ldp, b, v, ldv,
+    recurrent_block(st.S.data(), st.S.outerStride(), F, M, pqt.data(), pkt.data(), F, 1, b, v, ldv,
                     ob, M);
     copy_from_row_major(ob, b, M, orows);
   }
