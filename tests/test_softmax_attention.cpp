@@ -45,7 +45,7 @@ MatD reference(bool causal, const MatD& Q, const MatD& K, const MatD& V) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The shape lists (sizes straddling the 64-query and 256-key tiles), for every combination.
+// The shape lists (sizes straddling the 128- and 256-row tiles), for every combination.
 // ---------------------------------------------------------------------------------------------
 
 template <class S>

@@ -217,8 +217,8 @@ constexpr const char* scalar_name() {
 
 // ---------------------------------------------------------------------------------------------
 // Shapes. The kernels work in blocks of 256 rows (feature maps, linear attention) and in
-// 64-query x 256-key tiles (softmax attention), so the sizes straddle 64 and 256 and are
-// mostly not multiples of them. D = 1, N = 1, L = 1, N != L and D != M all occur.
+// 256-query (128 in double) x 128-key tiles (softmax attention), so the sizes straddle 64,
+// 128 and 256 and are mostly not multiples of them. D = 1, N = 1, L = 1, N != L and D != M all occur.
 // ---------------------------------------------------------------------------------------------
 
 struct Shape {

@@ -135,7 +135,7 @@ Inputs<S> make(Index N, Index L, Index D, Index M, std::uint32_t salt) {
 }
 
 // The shapes of the no-allocation checks: small, unaligned, and large enough for several
-// 256-row blocks and 64 x 256 softmax tiles with GEMMs of real size.
+// 256-row blocks and several 256 x 128 softmax tiles with GEMMs of real size.
 struct Shape {
   Index N, L, D, M;
 };

@@ -83,10 +83,10 @@ inline constexpr bool use_fast_elu_v = false;
 
 // x(:, j) <- exp(x(:, j) - shift) for every column j of a column-major x, with shift a vector
 // of x.rows() entries (each row has its own shift, at most its maximum, so every argument is
-// <= 0). Column by column because Eigen evaluates exp of a broadcast (colwise() - v) with
-// scalar code.
-template <class X, class Shift>
-void exp_shifted_rows(X&& x, const Shift& shift) {
+// <= 0); with row_sums, also row_sums += the new rows' sums, in the same pass. Column by
+// column because Eigen evaluates exp of a broadcast (colwise() - v) with scalar code.
+template <class X, class Shift, class Sums = Shift>
+void exp_shifted_rows(X&& x, const Shift& shift, Sums* row_sums = nullptr) {
   using S = typename std::decay_t<X>::Scalar;
   for (Index j = 0; j < x.cols(); ++j) {
     auto c = x.col(j).array();
@@ -94,6 +94,7 @@ void exp_shifted_rows(X&& x, const Shift& shift) {
       c = (c - shift.array()).unaryExpr(exp_nonpositive_op<S>());
     else
       c = (c - shift.array()).exp();
+    if (row_sums) row_sums->array() += c;
   }
 }
 
