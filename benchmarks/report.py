@@ -57,7 +57,9 @@ class Run:
     def __init__(self, entry: dict, program: str):
         self.name = entry["name"]
         self.program = program
-        parts = [p for p in self.name.split("/") if p not in ("real_time",)]
+        # Options Google Benchmark writes into the name are not parameters of the kernel.
+        parts = [p for p in self.name.split("/")
+                 if p != "real_time" and not p.startswith(("min_warmup_time:", "repeats:"))]
         self.kind = parts[0]
         self.params: dict[str, str] = {}
         for p in parts[1:]:
@@ -110,6 +112,11 @@ class Results:
                 if e.get("run_type") == "aggregate":
                     if e.get("aggregate_name") in ("BigO", "RMS"):
                         self.fits.append(e)
+                    if e.get("aggregate_name") != "median":
+                        continue
+                    # A repeated benchmark stands for its median; the repetitions are skipped.
+                    e = dict(e, name=e["run_name"])
+                elif int(e.get("repetitions", 1)) > 1:
                     continue
                 r = Run(e, program)
                 if r.error:

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <limits>
 
 #include "checks.hpp"
@@ -28,12 +29,17 @@ namespace detail {
 
 // Tile sizes of the tiled algorithm. Eigen packs both operands of every product, so each
 // key tile is packed once per query tile: tall query tiles amortise that (64 rows spent 20%
-// of the time packing keys and values). The score tile is 128 KiB (256 x 128 in float,
-// 128 x 128 in double): it stays in L2 between the exponentials and the product with V, and
-// Eigen packs it on the stack (EIGEN_STACK_ALLOCATION_LIMIT), so the call allocates nothing.
+// of the time packing keys and values). The score tile is at most 128 KiB (256 x 128 in
+// float, 128 x 128 in double): it stays in L2 between the exponentials and the product with
+// V, and Eigen packs it on the stack (EIGEN_STACK_ALLOCATION_LIMIT), so the call allocates
+// nothing. Fewer queries (a decode step) get longer key tiles, up to the same 128 KiB.
+inline constexpr std::size_t kSoftmaxScoreTileBytes = 128 * 1024;
 template <class Scalar>
-inline constexpr Index kSoftmaxQueryTile = Index(1024 / sizeof(Scalar));
-inline constexpr Index kSoftmaxKeyTile = 128;
+inline constexpr Index kSoftmaxQueryTile = Index(kSoftmaxScoreTileBytes / sizeof(Scalar) / 128);
+template <class Scalar>
+inline Index softmax_key_tile(Index query_rows) {
+  return std::max<Index>(128, Index(kSoftmaxScoreTileBytes / sizeof(Scalar)) / query_rows);
+}
 // Query tiles of at least this many rows copy the key tile into a contiguous transposed buffer
 // before the score product; see softmax_attention_tiled().
 inline constexpr Index kSoftmaxCopyKeysMinRows = 16;
@@ -82,9 +88,9 @@ void softmax_attention_tiled(const DQ& Q, const DK& K, const DV& V, Out& out, bo
     acc_all.setZero();
     m_all.setConstant(-std::numeric_limits<Scalar>::infinity());
     l_all.setZero();
-    const Index key_end = causal ? i0 + bq : L;
-    for (Index j0 = 0; j0 < key_end; j0 += kSoftmaxKeyTile) {
-      const Index bk = std::min(kSoftmaxKeyTile, key_end - j0);
+    const Index key_end = causal ? i0 + bq : L, key_tile = softmax_key_tile<Scalar>(bq);
+    for (Index j0 = 0; j0 < key_end; j0 += key_tile) {
+      const Index bk = std::min(key_tile, key_end - j0);
       // Causal: query rows above j0 see no key of this tile; only the rows from r0 take part.
       const Index r0 = causal ? std::max<Index>(0, j0 - i0) : 0, br = bq - r0;
       auto acc = acc_all.bottomRows(br);
