@@ -52,6 +52,12 @@ endfunction()
 function(linattn_target_native target)
   if(LINATTN_NATIVE AND LINATTN_COMPILER_HAS_MARCH_NATIVE)
     target_compile_options(${target} PRIVATE -march=native)
+    # GCC 12's AVX-512 intrinsics (`__m512 __Y = __Y;` in _mm512_undefined_ps, GCC bug
+    # 105593) make every inlined Eigen GEMM or packet transpose report -W(maybe-)uninitialized:
+    # thousands of false positives that would bury real warnings.
+    if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
+      target_compile_options(${target} PRIVATE -Wno-maybe-uninitialized -Wno-uninitialized)
+    endif()
   endif()
 endfunction()
 
