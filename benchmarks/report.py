@@ -743,7 +743,8 @@ def write_markdown(res: Results, path: str, svg_name: str | None, command: str, 
           "- **frac_of_gemm** = kernel GFLOP/s ÷ GFLOP/s of Eigen products of the same shapes, timed in the "
           "same run: for linear attention (F×L)·(L×M) and (N×F)·(F×M) per head; for softmax (N×D)·(D×L) and "
           "(N×L)·(L×M) per head, taken in panels of 512 query rows so that no N×L matrix is needed (same "
-          "flops). Multi-head references run the per-head products over the packed layout with the same "
+          "flops), with the keys stored transposed beforehand (Kᵀ packs fastest that way; the reference is "
+          "the best these products do). Multi-head references run the per-head products over the packed layout with the same "
           "number of threads.",
           "- **ws_bytes** is `Workspace::bytes()` (`MultiHeadWorkspace::bytes()`) after the calls: the "
           "working memory the kernel allocated. **state_bytes** is the recurrent state (or, for the softmax "
