@@ -5,6 +5,7 @@
 
 #include <Eigen/Core>
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,7 @@
 #include "linear_attention.hpp"
 #include "recurrent_linear_attention.hpp"
 #include "softmax_attention.hpp"
+#include "state.hpp"
 #include "workspace.hpp"
 
 namespace linattn {
@@ -40,19 +42,31 @@ class MultiHeadWorkspace {
     if (static_cast<int>(per_thread_.size()) <= t) per_thread_.resize(static_cast<std::size_t>(t) + 1);
     return per_thread_[static_cast<std::size_t>(t)];
   }
-  /// Makes sure `threads` workspaces exist (allocating only the vector of them).
-  void reserve_threads(int threads) {
-    if (threads > 0) for_thread(threads - 1);
+  /// The causal state that thread `t` starts each (sequence, head) from, creating states up
+  /// to it; the causal kernels size and reset it.
+  LinearAttentionState<Scalar>& state_for_thread(int t) {
+    if (static_cast<int>(states_.size()) <= t) states_.resize(static_cast<std::size_t>(t) + 1);
+    return states_[static_cast<std::size_t>(t)];
   }
-  /// Bytes held by all threads' buffers.
+  /// Makes sure `threads` workspaces and states exist (allocating only the vectors of them),
+  /// so that threads never grow the vectors concurrently.
+  void reserve_threads(int threads) {
+    if (threads <= 0) return;
+    for_thread(threads - 1);
+    state_for_thread(threads - 1);
+  }
+  /// Bytes held by all threads' buffers and states.
   std::size_t bytes() const noexcept {
     std::size_t total = 0;
     for (const auto& w : per_thread_) total += w.bytes();
+    for (const auto& st : states_)
+      total += static_cast<std::size_t>(st.S.size() + st.z.size() + st.m.size()) * sizeof(Scalar);
     return total;
   }
 
  private:
   std::vector<Workspace<Scalar>> per_thread_;
+  std::vector<LinearAttentionState<Scalar>> states_;
 };
 
 namespace detail {
@@ -74,20 +88,21 @@ inline int thread_id() {
 #endif
 }
 
-// Runs fn(task, workspace) for task in [0, tasks), in parallel when OpenMP is on. fn must not
-// throw: every check happens before this point.
+// Runs fn(task, thread) for task in [0, tasks), in parallel when OpenMP is on; thread indexes
+// the workspace and state of ws that the task may use. fn must not throw: every check
+// happens before this point.
 template <class Scalar, class Fn>
 void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<Scalar>& ws,
                     const Fn& fn) {
   const int threads = static_cast<int>(std::min<Index>(resolve_threads(par), std::max<Index>(tasks, 1)));
   ws.reserve_threads(threads);
   if (threads <= 1) {
-    for (Index t = 0; t < tasks; ++t) fn(t, ws.for_thread(0));
+    for (Index t = 0; t < tasks; ++t) fn(t, 0);
     return;
   }
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (Index t = 0; t < tasks; ++t) fn(t, ws.for_thread(thread_id()));
+  for (Index t = 0; t < tasks; ++t) fn(t, thread_id());
 #endif
 }
 
@@ -108,18 +123,80 @@ std::pair<Index, Index> check_heads(const char* function, const Eigen::MatrixBas
   return {Q.cols() / heads, V.cols() / heads};
 }
 
-// Sequence b occupies rows [offsets[b], offsets[b+1]); offsets start at 0, never decrease and
-// end at `rows`.
-inline void check_offsets(const char* function, const char* name,
-                          const std::vector<Index>& offsets, Index rows) {
-  if (offsets.empty() || offsets.front() != 0 || offsets.back() != rows)
+// Sequence b occupies rows [offsets[b], offsets[b+1]); the `count` offsets start at 0, never
+// decrease and end at `rows`.
+inline void check_offsets(const char* function, const char* name, const Index* offsets,
+                          std::size_t count, Index rows) {
+  if (count == 0 || offsets[0] != 0 || offsets[count - 1] != rows)
     throw_invalid(function, std::string(name) + " must start at 0 and end at " +
                                 std::to_string(rows) + " (the number of rows)");
-  for (std::size_t b = 1; b < offsets.size(); ++b)
+  for (std::size_t b = 1; b < count; ++b)
     if (offsets[b] < offsets[b - 1])
       throw_invalid(function, std::string(name) + " must not decrease (entry " + std::to_string(b) +
                                   " is " + std::to_string(offsets[b]) + " after " +
                                   std::to_string(offsets[b - 1]) + ")");
+}
+
+// The batched kernels behind batched_*() and multihead_*(): `fn` names the public function in
+// error messages; q_offsets and k_offsets hold q_count and k_count entries (one more than the
+// number of sequences, which must agree).
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                    const Eigen::MatrixBase<DV>& V, const Index* q_offsets, std::size_t q_count,
+                    const Index* k_offsets, std::size_t k_count, Index heads, const Phi& phi,
+                    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                    const ParallelOptions& par) {
+  static_check_feature_map<Phi, typename DQ::Scalar>();
+  const auto [D, M] = check_heads(fn, Q, K, V, heads, false);
+  check_output(fn, out, Q.rows(), V.cols());
+  check_offsets(fn, "q_offsets", q_offsets, q_count, Q.rows());
+  check_offsets(fn, "k_offsets", k_offsets, k_count, K.rows());
+  if (q_count != k_count)
+    throw_invalid(fn, "q_offsets and k_offsets must describe the same number of sequences");
+  auto& dst = writable(out);
+  const Index B = static_cast<Index>(q_count) - 1;
+  parallel_tasks<typename DQ::Scalar>(B * heads, par, ws, [&](Index t, int thread) {
+    const Index b = t / heads, h = t % heads;
+    const Index q0 = q_offsets[b], n = q_offsets[b + 1] - q0;
+    const Index k0 = k_offsets[b], l = k_offsets[b + 1] - k0;
+    linear_attention(Q.block(q0, h * D, n, D), K.block(k0, h * D, l, D), V.block(k0, h * M, l, M),
+                     phi, dst.block(q0, h * M, n, M), ws.for_thread(thread));
+  });
+}
+
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
+                           const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                           const Index* offsets, std::size_t count, Index heads, const Phi& phi,
+                           const Eigen::MatrixBase<DOut>& out,
+                           MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                           const CausalOptions& options, const ParallelOptions& par) {
+  using Scalar = typename DQ::Scalar;
+  static_check_feature_map<Phi, Scalar>();
+  const auto [D, M] = check_heads(fn, Q, K, V, heads, true);
+  check_output(fn, out, Q.rows(), V.cols());
+  check_offsets(fn, "offsets", offsets, count, Q.rows());
+  if (options.chunk_size < 0)
+    throw_invalid(fn, "chunk_size must be >= 0 (0 = default), got " +
+                          std::to_string(options.chunk_size));
+  auto& dst = writable(out);
+  const Index B = static_cast<Index>(count) - 1;
+  parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, int thread) {
+    const Index b = t / heads, h = t % heads;
+    const Index r0 = offsets[b], n = offsets[b + 1] - r0;
+    // Each (sequence, head) starts from an empty state: the thread's own, sized on its first
+    // task and reset after that, so that a reused workspace makes the call allocation-free.
+    LinearAttentionState<Scalar>& state = ws.state_for_thread(thread);
+    const Index F = phi.feature_dim(D);
+    if (state.S.rows() == F && state.S.cols() == M &&
+        state.m.size() == (normalizes_keys_per_feature_v<Phi> ? F : 0))
+      state.reset();
+    else
+      state = make_state<Scalar>(phi, D, M);
+    causal_linear_attention(Q.block(r0, h * D, n, D), K.block(r0, h * D, n, D),
+                            V.block(r0, h * M, n, M), phi, state, dst.block(r0, h * M, n, M),
+                            ws.for_thread(thread), options);
+  });
 }
 
 }  // namespace detail
@@ -128,8 +205,15 @@ inline void check_offsets(const char* function, const char* name,
 /// `out`. Query rows [q_offsets[b], q_offsets[b+1]) attend to key rows [k_offsets[b],
 /// k_offsets[b+1]); head h uses columns [h·D, (h+1)·D) of Q and K and [h·M, (h+1)·M) of V and
 /// out. No input is copied; (sequence, head) pairs run in parallel. Equal to per-head,
-/// per-sequence linear_attention() calls.
+/// per-sequence linear_attention() calls; allocation-free with a reused MultiHeadWorkspace.
 /// \throws std::invalid_argument on inconsistent shapes or offsets.
+/// \code
+/// // Two sequences of 100 and 28 tokens, packed one after the other, 8 heads of D = M = 64.
+/// linattn::MultiHeadWorkspace<float> ws;
+/// Eigen::MatrixXf out(128, 8 * 64);
+/// linattn::batched_linear_attention(Q, K, V, {0, 100, 128}, {0, 100, 128}, 8,
+///                                   linattn::EluPlusOne{}, out, ws);
+/// \endcode
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, const std::vector<Index>& q_offsets,
@@ -137,23 +221,8 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
                               const Eigen::MatrixBase<DOut>& out,
                               MultiHeadWorkspace<typename DQ::Scalar>& ws,
                               const ParallelOptions& par = {}) {
-  constexpr const char* fn = "batched_linear_attention";
-  detail::static_check_feature_map<Phi, typename DQ::Scalar>();
-  const auto [D, M] = detail::check_heads(fn, Q, K, V, heads, false);
-  detail::check_output(fn, out, Q.rows(), V.cols());
-  detail::check_offsets(fn, "q_offsets", q_offsets, Q.rows());
-  detail::check_offsets(fn, "k_offsets", k_offsets, K.rows());
-  if (q_offsets.size() != k_offsets.size())
-    detail::throw_invalid(fn, "q_offsets and k_offsets must describe the same number of sequences");
-  auto& dst = detail::writable(out);
-  const Index B = static_cast<Index>(q_offsets.size()) - 1;
-  detail::parallel_tasks<typename DQ::Scalar>(B * heads, par, ws, [&](Index t, auto& w) {
-    const Index b = t / heads, h = t % heads;
-    const Index q0 = q_offsets[b], n = q_offsets[b + 1] - q0;
-    const Index k0 = k_offsets[b], l = k_offsets[b + 1] - k0;
-    linear_attention(Q.block(q0, h * D, n, D), K.block(k0, h * D, l, D), V.block(k0, h * M, l, M),
-                     phi, dst.block(q0, h * M, n, M), w);
-  });
+  detail::batched_linear("batched_linear_attention", Q, K, V, q_offsets.data(), q_offsets.size(),
+                         k_offsets.data(), k_offsets.size(), heads, phi, out, ws, par);
 }
 
 /// \brief Causal linear attention over B packed sequences (rows [offsets[b], offsets[b+1]))
@@ -167,25 +236,8 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                      MultiHeadWorkspace<typename DQ::Scalar>& ws,
                                      const CausalOptions& options = {},
                                      const ParallelOptions& par = {}) {
-  using Scalar = typename DQ::Scalar;
-  constexpr const char* fn = "batched_causal_linear_attention";
-  detail::static_check_feature_map<Phi, Scalar>();
-  const auto [D, M] = detail::check_heads(fn, Q, K, V, heads, true);
-  detail::check_output(fn, out, Q.rows(), V.cols());
-  detail::check_offsets(fn, "offsets", offsets, Q.rows());
-  if (options.chunk_size < 0)
-    detail::throw_invalid(fn, "chunk_size must be >= 0 (0 = default), got " +
-                                  std::to_string(options.chunk_size));
-  auto& dst = detail::writable(out);
-  const Index B = static_cast<Index>(offsets.size()) - 1;
-  detail::parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, auto& w) {
-    const Index b = t / heads, h = t % heads;
-    const Index r0 = offsets[b], n = offsets[b + 1] - r0;
-    LinearAttentionState<Scalar> state = make_state<Scalar>(phi, D, M);
-    causal_linear_attention(Q.block(r0, h * D, n, D), K.block(r0, h * D, n, D),
-                            V.block(r0, h * M, n, M), phi, state, dst.block(r0, h * M, n, M), w,
-                            options);
-  });
+  detail::batched_causal_linear("batched_causal_linear_attention", Q, K, V, offsets.data(),
+                                offsets.size(), heads, phi, out, ws, options, par);
 }
 
 /// \brief Multi-head non-causal linear attention: Q N x (H·D), K L x (H·D), V L x (H·M),
@@ -201,7 +253,9 @@ void multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
                                 const Eigen::MatrixBase<DOut>& out,
                                 MultiHeadWorkspace<typename DQ::Scalar>& ws,
                                 const ParallelOptions& par = {}) {
-  batched_linear_attention(Q, K, V, {0, Q.rows()}, {0, K.rows()}, heads, phi, out, ws, par);
+  const Index q_offsets[2] = {0, Q.rows()}, k_offsets[2] = {0, K.rows()};
+  detail::batched_linear("multihead_linear_attention", Q, K, V, q_offsets, 2, k_offsets, 2, heads,
+                         phi, out, ws, par);
 }
 
 /// \brief Multi-head non-causal linear attention, returning N x (H·M).
@@ -226,7 +280,9 @@ void multihead_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                        MultiHeadWorkspace<typename DQ::Scalar>& ws,
                                        const CausalOptions& options = {},
                                        const ParallelOptions& par = {}) {
-  batched_causal_linear_attention(Q, K, V, {0, Q.rows()}, heads, phi, out, ws, options, par);
+  const Index offsets[2] = {0, Q.rows()};
+  detail::batched_causal_linear("multihead_causal_linear_attention", Q, K, V, offsets, 2, heads,
+                                phi, out, ws, options, par);
 }
 
 /// \brief Multi-head causal linear attention, returning N x (H·M).
@@ -255,9 +311,9 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const auto [D, M] = check_heads(fn, Q, K, V, heads, causal);
   check_output(fn, out, Q.rows(), V.cols());
   auto& dst = writable(out);
-  parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, auto& w) {
+  parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, int thread) {
     softmax_dispatch(fn, Q.middleCols(h * D, D), K.middleCols(h * D, D), V.middleCols(h * M, M),
-                     dst.middleCols(h * M, M), algorithm, causal, w);
+                     dst.middleCols(h * M, M), algorithm, causal, ws.for_thread(thread));
   });
 }
 
