@@ -34,11 +34,13 @@ namespace detail {
 // V, and Eigen packs it on the stack (EIGEN_STACK_ALLOCATION_LIMIT), so the call allocates
 // nothing. Fewer queries (a decode step) get longer key tiles, up to the same 128 KiB.
 inline constexpr std::size_t kSoftmaxScoreTileBytes = 128 * 1024;
+inline constexpr Index kSoftmaxKeyTile = 128;
 template <class Scalar>
-inline constexpr Index kSoftmaxQueryTile = Index(kSoftmaxScoreTileBytes / sizeof(Scalar) / 128);
+inline constexpr Index kSoftmaxQueryTile =
+    Index(kSoftmaxScoreTileBytes / sizeof(Scalar)) / kSoftmaxKeyTile;
 template <class Scalar>
 inline Index softmax_key_tile(Index query_rows) {
-  return std::max<Index>(128, Index(kSoftmaxScoreTileBytes / sizeof(Scalar)) / query_rows);
+  return std::max(kSoftmaxKeyTile, Index(kSoftmaxScoreTileBytes / sizeof(Scalar)) / query_rows);
 }
 // Query tiles of at least this many rows copy the key tile into a contiguous transposed buffer
 // before the score product; see softmax_attention_tiled().
