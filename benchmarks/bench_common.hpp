@@ -241,17 +241,18 @@ struct LinearGemm {
 };
 
 // Softmax attention: per head the (N×D)·(D×L) score product and the (N×L)·(L×M) product with
-// V. The N×L matrix is taken in panels of kPanel query rows ((P×D)·(D×L) and (P×L)·(L×M),
-// the same flops), so that N = L = 65536 does not need 16 GiB. The keys are stored transposed
-// (H·D × L, set up untimed): Eigen packs Kᵀ from a column-major K four keys at a time across
-// D columns a power-of-two stride apart, which refetches every cache line and cost this
-// reference a fifth of its speed; the reference is the best these products can do.
+// V, taken in blocks of kRows queries × kCols keys ((P×D)·(D×B) and (P×B)·(B×M), the same
+// flops): the block of scores stays in L2, as it would in any tuned kernel, and N = L = 65536
+// does not need 16 GiB (whole 512-row panels fell to memory speed at N = 16384). The keys are
+// stored transposed (H·D × L, set up untimed): Eigen packs Kᵀ from a column-major K four keys
+// at a time across D columns a power-of-two stride apart, which refetches every cache line
+// and cost this reference a fifth of its speed. The reference is the best these products do.
 template <class T>
 struct SoftmaxGemm {
-  static constexpr Index kPanel = 512;
+  static constexpr Index kRows = 256, kCols = 512;
   using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
   Mat Q, Kt, V, out;
-  std::vector<Mat> scores;  // one panel per thread
+  std::vector<Mat> scores;  // one block per thread
   Index H, D, M;
   SoftmaxGemm(Index N, Index L, Index heads, Index d, Index m, int threads)
       : Q(random_matrix<T>(N, heads * d, 21)),
@@ -262,15 +263,22 @@ struct SoftmaxGemm {
         D(d),
         M(m) {
     for (int t = 0; t < std::max(threads, 1); ++t)
-      scores.push_back(Mat::Zero(std::min(kPanel, N), L));
+      scores.push_back(Mat::Zero(std::min(kRows, N), std::min(kCols, L)));
   }
   void head(Index h, Mat& s) {
-    const Index N = Q.rows();
-    for (Index i0 = 0; i0 < N; i0 += kPanel) {
-      const Index p = std::min(kPanel, N - i0);
-      auto sp = s.topRows(p);
-      sp.noalias() = Q.block(i0, h * D, p, D) * Kt.middleRows(h * D, D);
-      out.block(i0, h * M, p, M).noalias() = sp * V.middleCols(h * M, M);
+    const Index N = Q.rows(), L = Kt.cols();
+    for (Index i0 = 0; i0 < N; i0 += kRows) {
+      const Index p = std::min(kRows, N - i0);
+      auto o = out.block(i0, h * M, p, M);
+      for (Index j0 = 0; j0 < L; j0 += kCols) {
+        const Index b = std::min(kCols, L - j0);
+        auto sb = s.topLeftCorner(p, b);
+        sb.noalias() = Q.block(i0, h * D, p, D) * Kt.block(h * D, j0, D, b);
+        if (j0 == 0)
+          o.noalias() = sb * V.block(j0, h * M, b, M);
+        else
+          o.noalias() += sb * V.block(j0, h * M, b, M);
+      }
     }
   }
   void run(int threads) {

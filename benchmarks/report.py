@@ -420,7 +420,7 @@ KIND_TITLES = {
     "gemm_linear": "GEMM reference for linear attention (Kᵀ V and Q S)",
     "linear": "Non-causal linear attention",
     "causal": "Causal linear attention",
-    "gemm_softmax": "GEMM reference for softmax attention (QKᵀ and PV, in panels of 512 query rows)",
+    "gemm_softmax": "GEMM reference for softmax attention (QKᵀ and PV, in blocks of 256 × 512)",
     "softmax": "Softmax attention",
     "causal_softmax": "Causal softmax attention",
     "mh_gemm_linear": "Multi-head GEMM reference, linear shapes",
@@ -742,9 +742,9 @@ def write_markdown(res: Results, path: str, svg_name: str | None, command: str, 
           "arithmetic than that (the in-chunk triangle); only useful flops are counted.",
           "- **frac_of_gemm** = kernel GFLOP/s ÷ GFLOP/s of Eigen products of the same shapes, timed in the "
           "same run: for linear attention (F×L)·(L×M) and (N×F)·(F×M) per head; for softmax (N×D)·(D×L) and "
-          "(N×L)·(L×M) per head, taken in panels of 512 query rows so that no N×L matrix is needed (same "
-          "flops), with the keys stored transposed beforehand (Kᵀ packs fastest that way; the reference is "
-          "the best these products do). Multi-head references run the per-head products over the packed layout with the same "
+          "(N×L)·(L×M) per head, taken in blocks of 256 queries × 512 keys so that no N×L matrix is needed "
+          "and the block stays in L2 (same flops), with the keys stored transposed beforehand (Kᵀ packs "
+          "fastest that way; the reference is the best these products do). Multi-head references run the per-head products over the packed layout with the same "
           "number of threads.",
           "- **ws_bytes** is `Workspace::bytes()` (`MultiHeadWorkspace::bytes()`) after the calls: the "
           "working memory the kernel allocated. **state_bytes** is the recurrent state (or, for the softmax "
