@@ -32,8 +32,11 @@ struct ParallelOptions {
   int num_threads = 0;
 };
 
-/// \brief One Workspace per thread for the multi-head kernels; reuse it across calls to make
-/// them allocation-free.
+/// \brief One Workspace (and one causal state) per thread for the multi-head kernels; reuse it
+/// across calls to make them allocation-free. With more than one thread, OpenMP's dynamic
+/// schedule decides which thread runs which head, so a thread that ran no task in earlier
+/// calls sizes its buffers on its first one: the guarantee holds from the call on which every
+/// thread has run a task of the largest shape (always, with one thread).
 template <class Scalar>
 class MultiHeadWorkspace {
  public:

@@ -71,7 +71,8 @@ void softmax_attention_naive(const DQ& Q, const DK& K, const DV& V, Out& out, bo
   exp_shifted_rows(scores, rowmax);
   auto inv = ws.vector(kSlotRowB, N);
   inv = scores.rowwise().sum().cwiseInverse();
-  out.noalias() = inv.asDiagonal() * (scores * V);
+  out.noalias() = scores * V;  // then scaled in place: a product inside a product allocates
+  out = inv.asDiagonal() * out;
 }
 
 template <class DQ, class DK, class DV, class Out>
