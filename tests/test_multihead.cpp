@@ -17,39 +17,7 @@
 #endif
 #include "eigen_assert_hook.hpp"  // first: before any Eigen header
 
-#include <atomic>
-#include <cstddef>
-#include <cstdlib>
-#include <new>
-
-namespace new_hook {
-inline std::atomic<bool> counting{false};
-inline std::atomic<int> calls{0};
-}  // namespace new_hook
-
-// Replacements of the global allocation functions (malloc/free based, as the standard allows);
-// GCC cannot see that the two sides match and warns about free on a new'ed pointer.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-void* operator new(std::size_t n) {
-  if (new_hook::counting.load(std::memory_order_relaxed)) ++new_hook::calls;
-  if (void* p = std::malloc(n ? n : 1)) return p;
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t n) {
-  if (new_hook::counting.load(std::memory_order_relaxed)) ++new_hook::calls;
-  if (void* p = std::malloc(n ? n : 1)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "new_counter.hpp"  // counts global operator new
 
 #include <linattn/linattn.hpp>
 
@@ -58,6 +26,7 @@ void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <limits>
 #include <stdexcept>
@@ -963,16 +932,16 @@ template <class F>
 Allocations allocations_in(F&& call) {
   Allocations a;
   eigen_hook::g_expect = true;  // counted, reported by the caller with its context
-  new_hook::calls = 0;
+  new_counter::calls = 0;
   {
     NoMallocScope scope;
-    new_hook::counting = true;
+    new_counter::counting = true;
     call();
-    new_hook::counting = false;
+    new_counter::counting = false;
     a.eigen = scope.failures();
   }
   eigen_hook::g_expect = false;
-  a.news = new_hook::calls.load();
+  a.news = new_counter::calls.load();
   return a;
 }
 

@@ -15,8 +15,6 @@ namespace alloc_hook {
 inline int eigen_failures = 0;
 inline const char* last_failure = "";
 inline bool in_check = false;  // inside allocations_in(): count; elsewhere: a real assertion
-inline bool counting_new = false;
-inline int new_calls = 0;
 inline void eigen_assert_failed(const char* expr, const char* file, int line) {
   if (!in_check) {
     std::fprintf(stderr, "%s:%d: eigen_assert failed: %s\n", file, line, expr);
@@ -34,29 +32,7 @@ inline void eigen_assert_failed(const char* expr, const char* file, int line) {
 #error "test_workspace must be compiled with EIGEN_RUNTIME_NO_MALLOC (see tests/CMakeLists.txt)"
 #endif
 
-// Replacements of the global allocation functions (malloc/free based, as the standard allows);
-// GCC cannot see that the two sides match and warns about free on a new'ed pointer.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-void* operator new(std::size_t n) {
-  if (alloc_hook::counting_new) ++alloc_hook::new_calls;
-  if (void* p = std::malloc(n ? n : 1)) return p;
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t n) {
-  if (alloc_hook::counting_new) ++alloc_hook::new_calls;
-  if (void* p = std::malloc(n ? n : 1)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "new_counter.hpp"  // counts global operator new
 
 #include <linattn/linattn.hpp>
 
@@ -78,20 +54,20 @@ using test::Mat;
 template <class F>
 std::string allocations_in(F&& call) {
   const int eigen_before = alloc_hook::eigen_failures;
-  alloc_hook::new_calls = 0;
+  new_counter::calls = 0;
   alloc_hook::in_check = true;
-  alloc_hook::counting_new = true;
+  new_counter::counting = true;
   Eigen::internal::set_is_malloc_allowed(false);
   call();
   Eigen::internal::set_is_malloc_allowed(true);
-  alloc_hook::counting_new = false;
+  new_counter::counting = false;
   alloc_hook::in_check = false;
   std::string what;
   if (alloc_hook::eigen_failures != eigen_before)
     what += std::to_string(alloc_hook::eigen_failures - eigen_before) +
             " Eigen heap allocation(s) or assertion(s): " + alloc_hook::last_failure + "; ";
-  if (alloc_hook::new_calls != 0)
-    what += std::to_string(alloc_hook::new_calls) + " operator new call(s)";
+  if (new_counter::calls != 0)
+    what += std::to_string(new_counter::calls.load()) + " operator new call(s)";
   return what;
 }
 
