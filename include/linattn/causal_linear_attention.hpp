@@ -80,13 +80,14 @@ void causal_rows_per_token(const Phi& phi, const DQ& Q, const DK& K, const DV& V
   copy_to_row_major(V.middleRows(r0, b), vb.data());
   for (Index i = 0; i < b; ++i) {
     if (!keep(r0 + i)) {  // a masked key adds nothing; the query still reads the state
+      fold_state(st.S, st.S_lo, st.z, st.z_lo);  // read_state reads the high parts
       auto pqi = pq.middleRows(i, 1);
       read_state<Phi>(st.S, st.z, pqi, den, ob.row(i));
       continue;
     }
-    recurrent_update_and_read<Phi>(st.S, st.z, st.m, pqt.col(i), pkv, w, kt.col(i), vb.row(i),
-                                   ob.row(i));
+    recurrent_update_and_read<Phi>(st, pqt.col(i), pkv, w, kt.col(i), vb.row(i), ob.row(i));
   }
+  fold_state(st.S, st.S_lo, st.z, st.z_lo);
   copy_from_row_major(ob.data(), b, M, dst.middleRows(r0, b));
 }
 
@@ -127,7 +128,7 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
         }
       }
     }
-    prefix_normalize_tokens(st.z.data(), F, pqt.data(), pkt.data(), F, b);
+    prefix_normalize_tokens(st.z.data(), st.z_lo.data(), F, pqt.data(), pkt.data(), F, b);
 
     const auto vr = V.middleRows(r0, b);
     const Scalar* v = nullptr;
@@ -146,18 +147,24 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
           if (!keep(r0 + i)) std::fill(vb + i * M, vb + (i + 1) * M, Scalar(0));
       v = vb;
     }
+    // The block's tokens go into the low parts of the state, folded into the high parts once
+    // per block (one exact TwoSum per state entry every 128 tokens).
     auto orows = dst.middleRows(r0, b);
+    bool direct = false;
     if constexpr (is_row_major_direct_v<decltype(orows)>) {
       if (orows.innerStride() == 1) {
-        recurrent_block(st.S.data(), st.S.outerStride(), F, M, pqt.data(), pkt.data(), F, 1, b, v,
-                        ldv, orows.data(), orows.outerStride());
-        return;
+        recurrent_block(st.S.data(), st.S_lo.data(), st.S.outerStride(), F, M, pqt.data(),
+                        pkt.data(), F, 1, b, v, ldv, orows.data(), orows.outerStride());
+        direct = true;
       }
     }
-    Scalar* ob = ws.matrix(kSlotPrefix, b, M).data();
-    recurrent_block(st.S.data(), st.S.outerStride(), F, M, pqt.data(), pkt.data(), F, 1, b, v, ldv,
-                    ob, M);
-    copy_from_row_major(ob, b, M, orows);
+    if (!direct) {
+      Scalar* ob = ws.matrix(kSlotPrefix, b, M).data();
+      recurrent_block(st.S.data(), st.S_lo.data(), st.S.outerStride(), F, M, pqt.data(),
+                      pkt.data(), F, 1, b, v, ldv, ob, M);
+      copy_from_row_major(ob, b, M, orows);
+    }
+    fold_state(st.S, st.S_lo, st.z, st.z_lo);
   }
 }
 
@@ -180,16 +187,22 @@ void causal_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r
   const auto vr = V.middleRows(r0, b);
   auto ob = dst.middleRows(r0, b);
   A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
-  den.noalias() = pq * st.z;
+  // The chunk's own terms first, the carried z last: added one by one to a large z, each term
+  // would be rounded against it (in float, lost entirely once z is 2^24 times larger).
+  den.setZero();
   for (Index j = 0; j < b; ++j) den.tail(b - j) += A.col(j).tail(b - j);
+  den.noalias() += pq * st.z;
   invert_guarded(den);
   // Scaling the rows of φq and A divides the output rows without touching the output twice.
   pq.array().colwise() *= den.array();
   for (Index j = 0; j < b; ++j) A.col(j).tail(b - j).array() *= den.tail(b - j).array();
   ob.noalias() = pq * st.S;
   ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
-  st.S.noalias() += pk.transpose() * vr;
-  st.z.noalias() += pk.colwise().sum().transpose();
+  // The chunk's sums go into the low parts, then one exact fold: the state keeps its precision
+  // however long the sequence (see LinearAttentionState).
+  st.S_lo.noalias() += pk.transpose() * vr;
+  st.z_lo.noalias() += pk.colwise().sum().transpose();
+  fold_state(st.S, st.S_lo, st.z, st.z_lo);
 }
 
 // One chunk of causal SoftmaxSplit. With c_d the running key maximum after the chunk,
@@ -208,6 +221,7 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
   auto Z = ws.matrix(kSlotPrefix, b, F);
   auto c = ws.vector(kSlotRowB, F);
   auto scale = ws.vector(kSlotRowA, F);
+  auto chunk_sum = ws.vector(kSlotNormalizer, F);
   E = K.middleRows(r0, b);
   if constexpr (!std::is_same_v<Keep, NoMask>)
     for (Index j = 0; j < b; ++j)
@@ -228,15 +242,22 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
       running += E(i, d);
       Z(i, d) = carried + running;
     }
+    chunk_sum(d) = running;
   }
   if (!(Z.minCoeff() >= std::exp(-per_feature_log_range<Scalar>()))) return false;
 
   for (Index d = 0; d < F; ++d) {
-    if (scale(d) != Scalar(1)) st.S.row(d) *= scale(d);
+    if (scale(d) != Scalar(1)) {
+      st.S.row(d) *= scale(d);
+      st.S_lo.row(d) *= scale(d);
+    }
+    // The chunk's sum goes into the low part of z (folded below with S), not the rounded
+    // prefix sum Z: the sum of a long sequence then keeps its precision.
+    st.z(d) *= scale(d);
+    st.z_lo(d) = st.z_lo(d) * scale(d) + chunk_sum(d);
   }
   for (Index d = 0; d < F; ++d)
     if (Z(b - 1, d) > Scalar(0)) st.m(d) = c(d);  // features with no key keep m = -inf
-  st.z = Z.row(b - 1).transpose();
   auto pq = ws.matrix(kSlotPhiQ, b, F);
   auto A = ws.matrix(kSlotScores, b, b);
   phi.map(Q.middleRows(r0, b), pq);
@@ -246,7 +267,8 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
   A.template triangularView<Eigen::Lower>() = pq * E.transpose();
   ob.noalias() = pq * st.S;
   ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
-  st.S.noalias() += E.transpose() * vr;
+  st.S_lo.noalias() += E.transpose() * vr;
+  fold_state(st.S, st.S_lo, st.z, st.z_lo);
   return true;
 }
 
@@ -265,6 +287,9 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
     throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
                                 std::to_string(opts.chunk_size));
   prepare_state(function, st, phi, Q.cols(), V.cols());
+  // A state from RecurrentLinearAttention may hold its latest tokens in the low parts; the
+  // chunked form reads the high parts only.
+  fold_state(st.S, st.S_lo, st.z, st.z_lo);
   auto& dst = writable(out);
   const Nested<DQ> q(Q.derived());
   const Nested<DK> k(K.derived());

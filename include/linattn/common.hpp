@@ -25,17 +25,30 @@ using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
 template <class Scalar>
 using MatrixRef = Eigen::Ref<Matrix<Scalar>>;
 
-/// \brief The ε of the denominator guard: every normalised kernel divides by
-/// \f$\max(\mathrm{den}, \varepsilon)\f$.
+/// \brief The threshold of the denominator guard: a row whose denominator
+/// \f$\mathrm{den} = \varphi(q_i)^\top z_i\f$ is below it is degenerate and its output is 0.
 ///
-/// 1e-6 for float and 1e-12 for double. With strictly positive feature maps the denominator
-/// only comes near ε when every feature underflows (inputs around −100 for EluPlusOne), or,
-/// for NormalizedCosine, when every key points exactly away from the query; the row is then a
-/// finite, near-zero vector instead of NaN or Inf. Every algorithm (non-causal, chunked,
-/// recurrent) applies the same guard, so they agree to rounding.
+/// The smallest positive normal number of the scalar type (about 1.2e-38 for float, 2.2e-308
+/// for double). Every other row is divided by its denominator as computed, with no bias: a
+/// tiny but normal denominator (every feature small, as for EluPlusOne at inputs of -10) gives
+/// the same weighted mean as a large one. A denominator below the threshold (0, subnormal,
+/// negative or NaN) means that the similarities underflowed (EluPlusOne at inputs around -45
+/// in float), that no key takes part, or, for maps with features of both signs
+/// (NormalizedCosine), that every key points exactly away from the query; the row is then 0,
+/// never NaN or Inf. Dividing by a normal denominator cannot overflow for maps whose features
+/// are non-negative, since each output is a convex combination of value rows. Every algorithm
+/// (non-causal, chunked, recurrent, the recurrent step) applies the same guard, so they agree
+/// to rounding. See docs/SPEC.md §2, "Denominators".
 template <class Scalar>
 constexpr Scalar denominator_epsilon() noexcept {
-  return sizeof(Scalar) <= sizeof(float) ? Scalar(1e-6) : Scalar(1e-12);
+  return std::numeric_limits<Scalar>::min();
+}
+
+/// The guarded reciprocal every kernel divides by: 1 / den, or 0 when den is degenerate (below
+/// denominator_epsilon(), or NaN).
+template <class Scalar>
+inline Scalar guarded_inverse(Scalar den) noexcept {
+  return den >= denominator_epsilon<Scalar>() ? Scalar(1) / den : Scalar(0);
 }
 
 namespace detail {

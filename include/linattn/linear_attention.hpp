@@ -35,12 +35,16 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
   const Index N = q.rows(), M = v.cols();
   const Index F = phi.feature_dim(q.cols());
   auto S = ws.matrix(kSlotState, F, M);
+  auto S_lo = ws.matrix(kSlotStateLow, F, M);
   auto z = ws.vector(kSlotNormalizer, F);
+  auto z_lo = ws.vector(kSlotNormalizerLow, F);
   auto m = ws.vector(kSlotExtra, normalizes_keys_per_feature_v<Phi> ? F : 0);
   S.setZero();
+  S_lo.setZero();
   z.setZero();
+  z_lo.setZero();
   m.setConstant(-std::numeric_limits<Scalar>::infinity());
-  absorb_keys(phi, k, v, S, z, m, keep, ws);
+  absorb_keys(phi, k, v, S, S_lo, z, z_lo, m, keep, ws);
   for (Index i0 = 0; i0 < N; i0 += kLinearRowBlock) {
     const Index b = std::min(kLinearRowBlock, N - i0);
     auto pq = ws.matrix(kSlotPhiQ, b, F);

@@ -63,7 +63,9 @@ class MultiHeadWorkspace {
     std::size_t total = 0;
     for (const auto& w : per_thread_) total += w.bytes();
     for (const auto& st : states_)
-      total += static_cast<std::size_t>(st.S.size() + st.z.size() + st.m.size()) * sizeof(Scalar);
+      total += static_cast<std::size_t>(st.S.size() + st.z.size() + st.m.size() + st.S_lo.size() +
+                                        st.z_lo.size()) *
+               sizeof(Scalar);
     return total;
   }
 

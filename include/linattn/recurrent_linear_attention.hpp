@@ -104,10 +104,17 @@ class RecurrentLinearAttention {
       pkv_ = pk_.reshaped();
     }
     v_ = v.reshaped();
-    detail::recurrent_update_and_read<FeatureMap>(state_.S, state_.z, state_.m, pq_.reshaped(),
-                                                  pkv_, w_, k_.reshaped(), v_, o_);
+    detail::recurrent_update_and_read<FeatureMap>(state_, pq_.reshaped(), pkv_, w_,
+                                                  k_.reshaped(), v_, o_);
     detail::writable(out).reshaped() = o_;
     ++position_;
+    // The step adds the token to the low parts of the state; folding them into the high parts
+    // every kFoldTokens steps keeps the sums exact to rounding over any number of tokens, for
+    // a fraction of a step's cost.
+    if (++unfolded_ == kFoldTokens) {
+      state_.fold();
+      unfolded_ = 0;
+    }
   }
 
   /// Consumes one token and returns its output (allocates the returned vector).
@@ -123,10 +130,21 @@ class RecurrentLinearAttention {
   void reset() {
     state_.reset();
     position_ = 0;
+    unfolded_ = 0;
   }
 
-  /// The current state (S, z and, for SoftmaxSplit, the running maxima).
-  const State& state() const noexcept { return state_; }
+  /// A copy of the current state (S, z and, for SoftmaxSplit, the running maxima) with the
+  /// latest tokens folded in, so that S and z are the correctly rounded sums (see
+  /// LinearAttentionState); O(F·M). Between folds the object keeps up to kFoldTokens - 1 of
+  /// the latest tokens in the low parts of its own state.
+  State state() const {
+    State copy = state_;
+    copy.fold();
+    return copy;
+  }
+
+  /// Steps between two folds of the state's low parts into its high parts.
+  static constexpr Index kFoldTokens = 128;
 
   /// Continues from `state` (for example the one a parallel prefill returned); `position`
   /// is only informative.
@@ -134,8 +152,10 @@ class RecurrentLinearAttention {
   void set_state(const State& state, Index position = 0) {
     State copy = state;
     detail::prepare_state("RecurrentLinearAttention::set_state", copy, phi_, key_dim_, value_dim_);
+    copy.fold();
     state_ = std::move(copy);
     position_ = position;
+    unfolded_ = 0;
   }
 
   /// Tokens consumed since construction, reset() or set_state().
@@ -158,6 +178,7 @@ class RecurrentLinearAttention {
   FeatureMap phi_;
   Index key_dim_, value_dim_;
   Index position_ = 0;
+  Index unfolded_ = 0;  // steps since the last fold of the state
   State state_;
   // Scratch so that step() never allocates: 1-row matrices for the map, contiguous vectors
   // for the update (a dynamic 1-row matrix's row is not known to be contiguous).
@@ -213,7 +234,8 @@ class LinearCrossAttention {
                                 std::to_string(value_dim_));
     const detail::Nested<DK> k(K.derived());
     const detail::Nested<DV> v(V.derived());
-    detail::absorb_keys(phi_, k, v, state_.S, state_.z, state_.m, detail::NoMask{}, ws_);
+    detail::absorb_keys(phi_, k, v, state_.S, state_.S_lo, state_.z, state_.z_lo, state_.m,
+                        detail::NoMask{}, ws_);
   }
 
   /// Attends with one query (key_dim entries) over the memory, writing value_dim entries to

@@ -22,10 +22,21 @@ namespace linattn {
 /// \brief The state of (causal) linear attention after some keys: \f$S = \sum_j
 /// \varphi(k_j) v_j^\top\f$ (F x M) and \f$z = \sum_j \varphi(k_j)\f$ (F).
 ///
+/// Each sum is kept as two parts, a high part (`S`, `z`) and a low part (`S_lo`, `z_lo`): the
+/// state is \f$S + S_{lo}\f$ and \f$z + z_{lo}\f$ (compensated summation). The kernels add
+/// the newest tokens to the low parts and regularly fold them into the high parts exactly
+/// (Knuth's TwoSum), so that the sums keep their precision after any number of tokens: in float
+/// a plain running sum stops changing once it is about 2^24 times a token's contribution, the
+/// compensated one does not (docs/SPEC.md §3, "Accuracy of long sequences"). After every call
+/// of a kernel (causal_linear_attention(), ...), and in the copy RecurrentLinearAttention::state()
+/// returns, `S` and `z` are the correctly rounded sums and the low parts are below half an ulp
+/// of them. A state whose low parts hold more (one you add to yourself) is folded with fold().
+/// A state built by hand may leave `S_lo` and `z_lo` empty: the kernels read that as zero.
+///
 /// For maps with per-feature key softmax (SoftmaxSplit) the state is kept shifted for
-/// stability: the true sums are \f$\mathrm{diag}(e^{m}) S\f$ and \f$e^{m} \odot z\f$, where
-/// `m` holds the running maximum of each key feature (−∞ before any key). For every other map
-/// `m` is empty.
+/// stability: the true sums are \f$\mathrm{diag}(e^{m}) (S + S_{lo})\f$ and
+/// \f$e^{m} \odot (z + z_{lo})\f$, where `m` holds the running maximum of each key feature
+/// (−∞ before any key). For every other map `m` is empty.
 ///
 /// A state made by one feature map must only be used with that map. States are plain values:
 /// copy one to fork a sequence (beam search), pass it to causal_linear_attention() to
@@ -44,16 +55,21 @@ struct LinearAttentionState {
   /// Row-major so that the recurrent kernel updates and reads it without horizontal sums.
   using StateMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-  StateMatrix S;     ///< F x M, the sum of φ(k) vᵀ (shifted by e^{-m} for SoftmaxSplit)
-  Vector<Scalar> z;  ///< F, the sum of φ(k) (shifted likewise)
-  Vector<Scalar> m;  ///< F running key maxima for SoftmaxSplit; empty otherwise
+  StateMatrix S;        ///< F x M, high part of the sum of φ(k) vᵀ (shifted by e^{-m} for SoftmaxSplit)
+  Vector<Scalar> z;     ///< F, high part of the sum of φ(k) (shifted likewise)
+  Vector<Scalar> m;     ///< F running key maxima for SoftmaxSplit; empty otherwise
+  StateMatrix S_lo;     ///< F x M, low part of S (or empty: zero)
+  Vector<Scalar> z_lo;  ///< F, low part of z (or empty: zero)
 
   /// An empty state; kernels given one start from zero and size it.
   LinearAttentionState() = default;
 
   /// A zero state for F features and M values; `per_feature` adds the running maxima.
   LinearAttentionState(Index feature_dim, Index value_dim, bool per_feature = false)
-      : S(StateMatrix::Zero(feature_dim, value_dim)), z(Vector<Scalar>::Zero(feature_dim)) {
+      : S(StateMatrix::Zero(feature_dim, value_dim)),
+        z(Vector<Scalar>::Zero(feature_dim)),
+        S_lo(StateMatrix::Zero(feature_dim, value_dim)),
+        z_lo(Vector<Scalar>::Zero(feature_dim)) {
     if (per_feature) m.setConstant(feature_dim, -std::numeric_limits<Scalar>::infinity());
   }
 
@@ -64,8 +80,14 @@ struct LinearAttentionState {
   void reset() {
     S.setZero();
     z.setZero();
+    S_lo.setZero();
+    z_lo.setZero();
     m.setConstant(-std::numeric_limits<Scalar>::infinity());
   }
+
+  /// Folds the low parts into the high parts exactly: afterwards `S` and `z` are the correctly
+  /// rounded sums and `S_lo`, `z_lo` the (tiny) rounding residuals. Sizes empty low parts.
+  void fold();
 };
 
 /// A zero state sized for `phi` with key dimension D and value dimension M.
@@ -87,25 +109,57 @@ void prepare_state(const char* function, LinearAttentionState<Scalar>& st, const
     st = LinearAttentionState<Scalar>(F, value_dim, per_feature);
     return;
   }
+  const bool lo_fits = (st.S_lo.size() == 0 || (st.S_lo.rows() == F && st.S_lo.cols() == value_dim)) &&
+                       (st.z_lo.size() == 0 || st.z_lo.size() == F);
   if (st.S.rows() != F || st.S.cols() != value_dim || st.z.size() != F ||
-      st.m.size() != (per_feature ? F : 0))
+      st.m.size() != (per_feature ? F : 0) || !lo_fits)
     throw_invalid(function, "the state (S is " + shape_of(st.S) + ", z has " +
                                 std::to_string(st.z.size()) + " entries, m has " +
-                                std::to_string(st.m.size()) + ") does not fit F = " +
-                                std::to_string(F) + ", M = " + std::to_string(value_dim) +
-                                " for this feature map");
+                                std::to_string(st.m.size()) + ", S_lo is " + shape_of(st.S_lo) +
+                                ", z_lo has " + std::to_string(st.z_lo.size()) +
+                                " entries) does not fit F = " + std::to_string(F) + ", M = " +
+                                std::to_string(value_dim) + " for this feature map");
+  if (st.S_lo.size() == 0) st.S_lo.setZero(F, value_dim);
+  if (st.z_lo.size() == 0) st.z_lo.setZero(F);
+}
+
+// hi + lo -> (hi, lo) with hi = fl(hi + lo) and lo the exact rounding error (Knuth's TwoSum:
+// branch-free and exact whatever the magnitudes, unlike Fast2Sum), over n contiguous entries.
+// Must not be compiled with -ffast-math (which would simplify the error term to 0).
+template <class Scalar>
+void two_sum_fold(Scalar* hi, Scalar* lo, Index n) {
+  constexpr Index B = 64;
+  using Buf = Eigen::Array<Scalar, Eigen::Dynamic, 1, 0, B, 1>;
+  for (Index i0 = 0; i0 < n; i0 += B) {
+    const Index nb = std::min(B, n - i0);
+    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> h(hi + i0, nb), l(lo + i0, nb);
+    const Buf s = h + l;
+    const Buf bb = s - h;
+    l = (h - (s - bb)) + (l - bb);
+    h = s;
+  }
+}
+
+// Folds the low parts of a state's sums into the high parts (see LinearAttentionState).
+template <class SMat, class ZVec>
+void fold_state(SMat& S, SMat& S_lo, ZVec& z, ZVec& z_lo) {
+  eigen_assert(S.size() == S_lo.size() && z.size() == z_lo.size());
+  two_sum_fold(S.data(), S_lo.data(), S.size());
+  two_sum_fold(z.data(), z_lo.data(), z.size());
 }
 
 // Per-feature key softmax: raises the running maxima m to at least `new_max`, rescaling the
 // shifted S and z so that diag(e^m) S is unchanged. m = -inf (no key yet) rescales by 0.
 template <class SMat, class ZVec, class MVec, class NewMax>
-void raise_maxima(SMat& S, ZVec& z, MVec& m, const NewMax& new_max) {
+void raise_maxima(SMat& S, SMat& S_lo, ZVec& z, ZVec& z_lo, MVec& m, const NewMax& new_max) {
   using Scalar = typename ZVec::Scalar;
   for (Index d = 0; d < m.size(); ++d) {
     if (new_max(d) > m(d)) {
       const Scalar c = std::exp(m(d) - new_max(d));
       S.row(d) *= c;
+      S_lo.row(d) *= c;
       z(d) *= c;
+      z_lo(d) *= c;
       m(d) = new_max(d);
     }
   }
@@ -115,14 +169,17 @@ void raise_maxima(SMat& S, ZVec& z, MVec& m, const NewMax& new_max) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
 #endif
-// For every row d of the row-major S (F x M, leading dimension ld):
-//   S(d, :) += pk(d) v   and   o += w(d) S(d, :),
-// in one pass over S, 4 packets of columns at a time with the outputs in registers: no
-// horizontal sums. This is the whole cost of a recurrent step (4·F·M flops), bound by the
-// stores to S, which stays in L1 for F·M up to several thousand. All pointers are contiguous.
+// For every row d of the row-major state (F x M, leading dimension ld), high part `hi` and
+// low part `lo`:
+//   lo(d, :) += pk(d) v   and   o += w(d) (hi(d, :) + lo(d, :)),
+// in one pass, 4 packets of columns at a time with the outputs in registers: no horizontal
+// sums. This is the whole cost of a recurrent step (5·F·M flops), bound by the stores to lo,
+// which stays in L1 for F·M up to several thousand; the loads and adds of hi come almost for
+// free. The token goes into the low part so that it is not rounded away against a large sum
+// (see LinearAttentionState). All pointers are contiguous.
 template <class Scalar>
-void fused_rank1_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* pk,
-                             const Scalar* w, const Scalar* v, Scalar* o) {
+void fused_rank1_update_read(const Scalar* hi, Scalar* lo, Index ld, Index F, Index M,
+                             const Scalar* pk, const Scalar* w, const Scalar* v, Scalar* o) {
   using namespace Eigen::internal;
   using Packet = typename packet_traits<Scalar>::type;
   constexpr Index P = packet_traits<Scalar>::size;
@@ -133,7 +190,8 @@ void fused_rank1_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar
                    v2 = ploadu<Packet>(v + c0 + 2 * P), v3 = ploadu<Packet>(v + c0 + 3 * P);
       Packet o0 = pset1<Packet>(Scalar(0)), o1 = o0, o2 = o0, o3 = o0;
       for (Index d = 0; d < F; ++d) {
-        Scalar* row = S + d * ld + c0;
+        Scalar* row = lo + d * ld + c0;
+        const Scalar* hrow = hi + d * ld + c0;
         const Packet kd = pset1<Packet>(pk[d]), wd = pset1<Packet>(w[d]);
         const Packet x0 = pmadd(kd, v0, ploadu<Packet>(row));
         const Packet x1 = pmadd(kd, v1, ploadu<Packet>(row + P));
@@ -143,10 +201,10 @@ void fused_rank1_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar
         pstoreu(row + P, x1);
         pstoreu(row + 2 * P, x2);
         pstoreu(row + 3 * P, x3);
-        o0 = pmadd(wd, x0, o0);
-        o1 = pmadd(wd, x1, o1);
-        o2 = pmadd(wd, x2, o2);
-        o3 = pmadd(wd, x3, o3);
+        o0 = pmadd(wd, padd(x0, ploadu<Packet>(hrow)), o0);
+        o1 = pmadd(wd, padd(x1, ploadu<Packet>(hrow + P)), o1);
+        o2 = pmadd(wd, padd(x2, ploadu<Packet>(hrow + 2 * P)), o2);
+        o3 = pmadd(wd, padd(x3, ploadu<Packet>(hrow + 3 * P)), o3);
       }
       pstoreu(o + c0, o0);
       pstoreu(o + c0 + P, o1);
@@ -157,10 +215,10 @@ void fused_rank1_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar
       const Packet v0 = ploadu<Packet>(v + c0);
       Packet o0 = pset1<Packet>(Scalar(0));
       for (Index d = 0; d < F; ++d) {
-        Scalar* row = S + d * ld + c0;
+        Scalar* row = lo + d * ld + c0;
         const Packet x0 = pmadd(pset1<Packet>(pk[d]), v0, ploadu<Packet>(row));
         pstoreu(row, x0);
-        o0 = pmadd(pset1<Packet>(w[d]), x0, o0);
+        o0 = pmadd(pset1<Packet>(w[d]), padd(x0, ploadu<Packet>(hi + d * ld + c0)), o0);
       }
       pstoreu(o + c0, o0);
     }
@@ -168,9 +226,9 @@ void fused_rank1_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar
   for (; c0 < M; ++c0) {
     Scalar acc = 0;
     for (Index d = 0; d < F; ++d) {
-      Scalar& x = S[d * ld + c0];
+      Scalar& x = lo[d * ld + c0];
       x += pk[d] * v[c0];
-      acc += w[d] * x;
+      acc += w[d] * (x + hi[d * ld + c0]);
     }
     o[c0] = acc;
   }
@@ -182,36 +240,33 @@ void fused_rank1_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar
 // Consumes one token into the state and writes its output: the recurrent step, O(F·M).
 // pq is φ(q) (any F-vector expression); pk (contiguous F-vector) holds φ(k) for generic maps
 // and is scratch for per-feature key softmax; w is contiguous F-vector scratch; v and o are
-// contiguous M-vectors.
-template <class Phi, class SMat, class ZVec, class MVec, class PQ, class PK, class W, class KVec,
-          class VVec, class OVec>
-void recurrent_update_and_read(SMat& S, ZVec& z, MVec& m, const PQ& pq, PK& pk, W& w,
+// contiguous M-vectors. The token goes into the low parts S_lo, z_lo (the caller folds them).
+template <class Phi, class Scalar, class PQ, class PK, class W, class KVec, class VVec,
+          class OVec>
+void recurrent_update_and_read(LinearAttentionState<Scalar>& st, const PQ& pq, PK& pk, W& w,
                                const KVec& k, const VVec& v, OVec&& o) {
-  using Scalar = typename ZVec::Scalar;
   if constexpr (normalizes_keys_per_feature_v<Phi>) {
-    raise_maxima(S, z, m, k);
-    pk = (k.array() - m.array()).exp().matrix();
-    z.noalias() += pk;
-    // z(d) >= 1 now: the maximal key of each feature contributes e^0.
-    w = pq.cwiseQuotient(z);
+    raise_maxima(st.S, st.S_lo, st.z, st.z_lo, st.m, k);
+    pk = (k.array() - st.m.array()).exp().matrix();
+    st.z_lo.noalias() += pk;
+    // z(d) + z_lo(d) >= 1 now: the maximal key of each feature contributes e^0.
+    w = pq.cwiseQuotient(st.z + st.z_lo);
   } else {
-    z.noalias() += pk;
-    w = pq * (Scalar(1) / std::max(pq.dot(z), denominator_epsilon<Scalar>()));
+    st.z_lo.noalias() += pk;
+    w = pq * guarded_inverse(pq.dot(st.z) + pq.dot(st.z_lo));
   }
-  static_assert(std::decay_t<SMat>::IsRowMajor, "linattn: the recurrent kernel needs a row-major S");
-  fused_rank1_update_read(S.data(), S.outerStride(), S.rows(), S.cols(), pk.data(), w.data(),
-                          v.data(), o.data());
+  fused_rank1_update_read(st.S.data(), st.S_lo.data(), st.S.outerStride(), st.S.rows(),
+                          st.S.cols(), pk.data(), w.data(), v.data(), o.data());
 }
 
-// Reads the state with already-mapped query rows pq (n x F, overwritten): out = pq S /
-// max(pq z, eps), or for per-feature key softmax out = (pq ./ z) S.
+// Reads a folded state (low parts below an ulp of the high parts, which this read ignores) with
+// already-mapped query rows pq (n x F, overwritten): out = pq S · guarded_inverse(pq z), or for
+// per-feature key softmax out = (pq ./ z) S.
 template <class Phi, class SMat, class ZVec, class PQ, class Den, class Out>
 void read_state(const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out) {
-  using Scalar = typename ZVec::Scalar;
   if constexpr (normalizes_keys_per_feature_v<Phi>) {
     // z(d) == 0 only before any key: that feature then contributes nothing.
-    for (Index d = 0; d < z.size(); ++d)
-      pq.col(d) *= z(d) > Scalar(0) ? Scalar(1) / z(d) : Scalar(0);
+    for (Index d = 0; d < z.size(); ++d) pq.col(d) *= guarded_inverse(z(d));
   } else {
     den.noalias() = pq * z;
     invert_guarded(den);
@@ -226,11 +281,12 @@ struct NoMask {
 };
 
 // Non-causal absorption of keys: S += φ(K)ᵀ V and z += φ(K)ᵀ 1 blockwise, so that no L x F
-// matrix exists; for per-feature key softmax with running maxima. Keys with keep(j) == false
-// contribute nothing.
+// matrix exists; for per-feature key softmax with running maxima. Each block's sums go into the
+// low parts, which are then folded into the high parts (one exact fold per block of keys, a few
+// percent of the block's product). Keys with keep(j) == false contribute nothing.
 template <class Phi, class DK, class DV, class SMat, class ZVec, class MVec, class Keep>
-void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, ZVec& z, MVec& m,
-                 const Keep& keep, Workspace<typename DK::Scalar>& ws) {
+void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, SMat& S_lo, ZVec& z,
+                 ZVec& z_lo, MVec& m, const Keep& keep, Workspace<typename DK::Scalar>& ws) {
   using Scalar = typename DK::Scalar;
   constexpr bool masked = !std::is_same_v<Keep, NoMask>;
   const Index L = K.rows(), F = S.rows();
@@ -244,7 +300,7 @@ void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, ZVec& z, MVe
           if (!keep(j0 + j)) pk.row(j).setConstant(-std::numeric_limits<Scalar>::infinity());
       auto block_max = ws.vector(kSlotRowB, F);
       block_max = pk.colwise().maxCoeff().transpose();
-      raise_maxima(S, z, m, block_max);
+      raise_maxima(S, S_lo, z, z_lo, m, block_max);
       exp_shifted_cols(pk, m);
     } else {
       phi.map(K.middleRows(j0, b), pk);
@@ -252,10 +308,19 @@ void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, ZVec& z, MVe
     if constexpr (masked)  // after exp: a fully masked feature has m = -inf and NaN here
       for (Index j = 0; j < b; ++j)
         if (!keep(j0 + j)) pk.row(j).setZero();
-    S.noalias() += pk.transpose() * V.middleRows(j0, b);
-    z.noalias() += pk.colwise().sum().transpose();
+    S_lo.noalias() += pk.transpose() * V.middleRows(j0, b);
+    z_lo.noalias() += pk.colwise().sum().transpose();
+    fold_state(S, S_lo, z, z_lo);
   }
 }
 
 }  // namespace detail
+
+template <class Scalar>
+void LinearAttentionState<Scalar>::fold() {
+  if (S_lo.size() == 0) S_lo.setZero(S.rows(), S.cols());
+  if (z_lo.size() == 0) z_lo.setZero(z.size());
+  detail::fold_state(S, S_lo, z, z_lo);
+}
+
 }  // namespace linattn

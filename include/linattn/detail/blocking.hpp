@@ -26,6 +26,8 @@ enum Slot : int {
   kSlotExtra = 7,
   kSlotPrefix = 8,
   kSlotKeys = 9,
+  kSlotStateLow = 10,
+  kSlotNormalizerLow = 11,
 };
 
 // Chunk length of the chunked causal algorithm when the caller does not choose one: a
@@ -108,13 +110,14 @@ void copy_from_row_major(const Scalar* src, Index rows, Index cols, Dst&& dst) {
   dst = Eigen::Map<const RowMajor>(src, rows, cols);
 }
 
-// den_i <- 1 / max(den_i, eps): the one guard every algorithm shares. Kernels scale the rows
-// of φ(Q) (small and contiguous) by it before the GEMM instead of dividing output rows, which
-// are strided in the caller's column-major output.
+// den_i <- guarded_inverse(den_i): the one guard every algorithm shares (common.hpp). Kernels
+// scale the rows of φ(Q) (small and contiguous) by it before the GEMM instead of dividing output
+// rows, which are strided in the caller's column-major output.
 template <class Den>
 void invert_guarded(Den&& den) {
   using S = typename std::decay_t<Den>::Scalar;
-  den = den.cwiseMax(denominator_epsilon<S>()).cwiseInverse();
+  auto a = den.array();
+  a = (a >= denominator_epsilon<S>()).select(a.inverse(), S(0));
 }
 
 }  // namespace linattn::detail

@@ -13,9 +13,9 @@
 
 namespace linattn::detail {
 
-// Tokens per pass over S. Four tokens times two packets of columns keep eight accumulators,
-// two state packets and two broadcasts in registers (16 on AVX2) with the values read as
-// memory operands of the FMAs.
+// Tokens per pass over the state. Four tokens times two packets of columns keep eight
+// accumulators, two packets of each part of the state and two broadcasts in registers (15 of
+// the 16 on AVX2) with the values read as memory operands of the FMAs.
 inline constexpr int kRecurrentTokens = 4;
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -23,33 +23,40 @@ inline constexpr int kRecurrentTokens = 4;
 #pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
 #endif
 
-// T tokens through the C packets of columns starting at c0 of the row-major S (F rows,
-// leading dimension lds), in one pass over its rows. For each row d and token t in order:
-//   S(d, :) += pk(t, d) v_t   and   o_t += pq(t, d) S(d, :),
-// so o_t reads S after token t, as the recurrence requires. pq(t, d) and pk(t, d) are at
-// t·ts + d·fs and read by broadcast; v and o are row-major (token t at t·ldv, t·ldo). Packet may
-// be Scalar itself for the last columns.
+// T tokens through the C packets of columns starting at c0 of the row-major state (F rows,
+// leading dimension lds; high part `hi`, read only, and low part `lo`, updated), in one pass
+// over its rows. For each row d and token t in order:
+//   lo(d, :) += pk(t, d) v_t   and   o_t += pq(t, d) (hi(d, :) + lo(d, :)),
+// so o_t reads the state after token t, as the recurrence requires, and the tokens are summed
+// into the low part, where they are not rounded away against a large sum. pq(t, d) and pk(t, d)
+// are at t·ts + d·fs and read by broadcast; v and o are row-major (token t at t·ldv, t·ldo).
+// Packet may be Scalar itself for the last columns.
 template <class Packet, int T, int C, class Scalar>
-EIGEN_ALWAYS_INLINE void recurrent_tile(Scalar* S, Index lds, Index F, Index c0,
-                                        const Scalar* pq, const Scalar* pk, Index ts, Index fs,
-                                        const Scalar* v, Index ldv, Scalar* o, Index ldo) {
+EIGEN_ALWAYS_INLINE void recurrent_tile(const Scalar* hi, Scalar* lo, Index lds, Index F,
+                                        Index c0, const Scalar* pq, const Scalar* pk, Index ts,
+                                        Index fs, const Scalar* v, Index ldv, Scalar* o,
+                                        Index ldo) {
   using namespace Eigen::internal;
   constexpr Index P = unpacket_traits<Packet>::size;
   Packet acc[T][C];
   for (int t = 0; t < T; ++t)
     for (int c = 0; c < C; ++c) acc[t][c] = pset1<Packet>(Scalar(0));
   for (Index d = 0; d < F; ++d) {
-    Scalar* row = S + d * lds + c0;
+    Scalar* row = lo + d * lds + c0;
+    const Scalar* hrow = hi + d * lds + c0;
     const Scalar* qd = pq + d * fs;
     const Scalar* kd = pk + d * fs;
-    Packet x[C];
-    for (int c = 0; c < C; ++c) x[c] = ploadu<Packet>(row + c * P);
+    Packet x[C], h[C];
+    for (int c = 0; c < C; ++c) {
+      x[c] = ploadu<Packet>(row + c * P);
+      h[c] = ploadu<Packet>(hrow + c * P);
+    }
     for (int t = 0; t < T; ++t) {
       const Packet k = pset1<Packet>(kd[t * ts]);
       const Packet q = pset1<Packet>(qd[t * ts]);
       for (int c = 0; c < C; ++c) {
         x[c] = pmadd(k, ploadu<Packet>(v + t * ldv + c0 + c * P), x[c]);
-        acc[t][c] = pmadd(q, x[c], acc[t][c]);
+        acc[t][c] = pmadd(q, padd(x[c], h[c]), acc[t][c]);
       }
     }
     for (int c = 0; c < C; ++c) pstoreu(row + c * P, x[c]);
@@ -58,42 +65,38 @@ EIGEN_ALWAYS_INLINE void recurrent_tile(Scalar* S, Index lds, Index F, Index c0,
     for (int c = 0; c < C; ++c) pstoreu(o + t * ldo + c0 + c * P, acc[t][c]);
 }
 
-// T tokens through all M columns of S: two packets at a time, then one, then scalars.
+// T tokens through all M columns of the state: two packets at a time, then one, then scalars.
 template <int T, class Scalar>
-void recurrent_tokens(Scalar* S, Index lds, Index F, Index M, const Scalar* pq,
-                      const Scalar* pk, Index ts, Index fs, const Scalar* v, Index ldv,
-                      Scalar* o, Index ldo) {
+void recurrent_tokens(const Scalar* hi, Scalar* lo, Index lds, Index F, Index M,
+                      const Scalar* pq, const Scalar* pk, Index ts, Index fs, const Scalar* v,
+                      Index ldv, Scalar* o, Index ldo) {
   using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
   constexpr Index P = Eigen::internal::unpacket_traits<Packet>::size;
   Index c0 = 0;
   if constexpr (P > 1) {
     for (; c0 + 2 * P <= M; c0 += 2 * P)
-      recurrent_tile<Packet, T, 2>(S, lds, F, c0, pq, pk, ts, fs, v, ldv, o, ldo);
+      recurrent_tile<Packet, T, 2>(hi, lo, lds, F, c0, pq, pk, ts, fs, v, ldv, o, ldo);
     for (; c0 + P <= M; c0 += P)
-      recurrent_tile<Packet, T, 1>(S, lds, F, c0, pq, pk, ts, fs, v, ldv, o, ldo);
+      recurrent_tile<Packet, T, 1>(hi, lo, lds, F, c0, pq, pk, ts, fs, v, ldv, o, ldo);
   }
-  for (; c0 < M; ++c0) recurrent_tile<Scalar, T, 1>(S, lds, F, c0, pq, pk, ts, fs, v, ldv, o, ldo);
+  for (; c0 < M; ++c0)
+    recurrent_tile<Scalar, T, 1>(hi, lo, lds, F, c0, pq, pk, ts, fs, v, ldv, o, ldo);
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-
-// Feeds tokens [0, b) through the state: o_t = pq_t S_t with S_t = S + Σ_{s≤t} pk_s v_sᵀ,
-// S updated in place. Exactly 4·b·F·M flops. Layouts as in recurrent_tile.
+// Feeds tokens [0, b) through the state: o_t = pq_t (hi + lo_t) with lo_t = lo + Σ_{s≤t} pk_s
+// v_sᵀ, lo updated in place. Exactly 5·b·F·M flops. Layouts as in recurrent_tile.
 template <class Scalar>
-void recurrent_block(Scalar* S, Index lds, Index F, Index M, const Scalar* pq,
-                     const Scalar* pk, Index ts, Index fs, Index b, const Scalar* v, Index ldv,
-                     Scalar* o, Index ldo) {
+void recurrent_block(const Scalar* hi, Scalar* lo, Index lds, Index F, Index M,
+                     const Scalar* pq, const Scalar* pk, Index ts, Index fs, Index b,
+                     const Scalar* v, Index ldv, Scalar* o, Index ldo) {
   constexpr int T = kRecurrentTokens;
   Index t = 0;
   for (; t + T <= b; t += T)
-    recurrent_tokens<T>(S, lds, F, M, pq + t * ts, pk + t * ts, ts, fs, v + t * ldv, ldv,
+    recurrent_tokens<T>(hi, lo, lds, F, M, pq + t * ts, pk + t * ts, ts, fs, v + t * ldv, ldv,
                         o + t * ldo, ldo);
   const auto tail = [&](auto n) {
-    recurrent_tokens<decltype(n)::value>(S, lds, F, M, pq + t * ts, pk + t * ts, ts, fs,
-                                         v + t * ldv, ldv,
-                                         o + t * ldo, ldo);
+    recurrent_tokens<decltype(n)::value>(hi, lo, lds, F, M, pq + t * ts, pk + t * ts, ts, fs,
+                                         v + t * ldv, ldv, o + t * ldo, ldo);
   };
   switch (b - t) {
     case 3: tail(std::integral_constant<int, 3>{}); break;
@@ -103,17 +106,14 @@ void recurrent_block(Scalar* S, Index lds, Index F, Index M, const Scalar* pq,
   }
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
-#endif
-// The denominators of tokens [0, b): den_t = pq_t · z_t with z_t = z + Σ_{s≤t} pk_s, z updated
-// in place; then pq_t /= max(den_t, ε), so that recurrent_block's pq_t S_t is the output.
-// Token-major pq, pk (token t's F features contiguous at t·ld), so that the running sum z is a
-// few packets and each token costs F/P packet operations and one horizontal sum.
+// The denominators of tokens [0, b): den_t = pq_t · (z + z_lo_t) with z_lo_t = z_lo +
+// Σ_{s≤t} pk_s, z_lo updated in place (z, the high part, is read only); then pq_t *=
+// guarded_inverse(den_t), so that recurrent_block's pq_t S_t is the output. Token-major pq, pk
+// (token t's F features contiguous at t·ld), so that the running sum is a few packets and each
+// token costs F/P packet operations and one horizontal sum.
 template <class Scalar>
-void prefix_normalize_tokens(Scalar* z, Index F, Scalar* pq, const Scalar* pk, Index ld,
-                             Index b) {
+void prefix_normalize_tokens(const Scalar* z, Scalar* z_lo, Index F, Scalar* pq,
+                             const Scalar* pk, Index ld, Index b) {
   using namespace Eigen::internal;
   using Packet = typename packet_traits<Scalar>::type;
   constexpr Index P = unpacket_traits<Packet>::size;
@@ -125,20 +125,20 @@ void prefix_normalize_tokens(Scalar* z, Index F, Scalar* pq, const Scalar* pk, I
     if constexpr (P > 1) {
       Packet acc = pset1<Packet>(Scalar(0));
       for (Index d = 0; d < Fv; d += P) {
-        const Packet zz = padd(ploadu<Packet>(z + d), ploadu<Packet>(k + d));
-        pstoreu(z + d, zz);
-        acc = pmadd(ploadu<Packet>(q + d), zz, acc);
+        const Packet zz = padd(ploadu<Packet>(z_lo + d), ploadu<Packet>(k + d));
+        pstoreu(z_lo + d, zz);
+        acc = pmadd(ploadu<Packet>(q + d), padd(zz, ploadu<Packet>(z + d)), acc);
       }
       den = predux(acc);
     }
     for (Index d = Fv; d < F; ++d) {
-      z[d] += k[d];
-      den += q[d] * z[d];
+      z_lo[d] += k[d];
+      den += q[d] * (z[d] + z_lo[d]);
     }
-    const Scalar inv = Scalar(1) / std::max(den, denominator_epsilon<Scalar>());
-    Eigen::Map<Vector<Scalar>>(q, F) *= inv;
+    Eigen::Map<Vector<Scalar>>(q, F) *= guarded_inverse(den);
   }
 }
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
