@@ -105,7 +105,7 @@ Eigen::MatrixXd naive(const Eigen::MatrixXd& Q, const Eigen::MatrixXd& K, const 
       num += w * V.row(j);
       den += w;
     }
-    out.row(i) = num / std::max(den, linattn::denominator_epsilon<double>());
+    out.row(i) = num * linattn::guarded_inverse(den);  // the library's guard (SPEC §2)
   }
   return out;
 }

@@ -13,10 +13,16 @@
 
 namespace linattn::detail {
 
-// Tokens per pass over the state. Four tokens times two packets of columns keep eight
-// accumulators, two packets of each part of the state and two broadcasts in registers (15 of
-// the 16 on AVX2) with the values read as memory operands of the FMAs.
+// Tokens per pass over the state. The kernel is bound by its loads (each row of the state is
+// loaded once per pass, the tokens' values once per row), so more tokens per pass is faster as
+// long as the accumulators fit in registers: with AVX-512 (32 registers) eight tokens times two
+// packets of columns keep 16 accumulators, two packets of each part of the state and two
+// broadcasts in registers; with 16 registers four tokens do.
+#if defined(EIGEN_VECTORIZE_AVX512)
+inline constexpr int kRecurrentTokens = 8;
+#else
 inline constexpr int kRecurrentTokens = 4;
+#endif
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
@@ -94,16 +100,18 @@ void recurrent_block(const Scalar* hi, Scalar* lo, Index lds, Index F, Index M,
   for (; t + T <= b; t += T)
     recurrent_tokens<T>(hi, lo, lds, F, M, pq + t * ts, pk + t * ts, ts, fs, v + t * ldv, ldv,
                         o + t * ldo, ldo);
+  // The last b mod T tokens: 4 (when T = 8), then 2, then 1 at a time.
   const auto tail = [&](auto n) {
-    recurrent_tokens<decltype(n)::value>(hi, lo, lds, F, M, pq + t * ts, pk + t * ts, ts, fs,
-                                         v + t * ldv, ldv, o + t * ldo, ldo);
+    constexpr int n_tokens = decltype(n)::value;
+    if (n_tokens < T && b - t >= n_tokens) {
+      recurrent_tokens<n_tokens>(hi, lo, lds, F, M, pq + t * ts, pk + t * ts, ts, fs,
+                                 v + t * ldv, ldv, o + t * ldo, ldo);
+      t += n_tokens;
+    }
   };
-  switch (b - t) {
-    case 3: tail(std::integral_constant<int, 3>{}); break;
-    case 2: tail(std::integral_constant<int, 2>{}); break;
-    case 1: tail(std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
+  tail(std::integral_constant<int, 4>{});
+  tail(std::integral_constant<int, 2>{});
+  tail(std::integral_constant<int, 1>{});
 }
 
 // The denominators of tokens [0, b): den_t = pq_t · (z + z_lo_t) with z_lo_t = z_lo +
