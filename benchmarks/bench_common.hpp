@@ -58,6 +58,7 @@ struct Profile {
   std::vector<Index> mh_ns;          // multi-head sweep (H = 8, D = M = 64)
   Index mh_softmax_cap = 0;          // largest N of the multi-head tiled softmax (1 thread)
   Index mh_softmax_cap_mt = 0;       // the same with more than one thread
+  Index mh_ret_softmax_cap = 0;      // largest N of the multi-head softmax returning forms
   std::vector<int> mh_threads;       // thread counts of the multi-head forms
   std::vector<Index> positions;      // decode positions
   std::vector<Index> decode_dims;    // D = M of the single-head decode benchmarks
@@ -91,6 +92,7 @@ inline Profile make_profile(const std::string& name) {
     p.mh_ns = powers_of_two(256, 65536);
     p.mh_softmax_cap = 16384;
     p.mh_softmax_cap_mt = 16384;
+    p.mh_ret_softmax_cap = 16384;
     p.mh_threads = {1, 2};
     p.positions = powers_of_two(1024, 65536);
     p.decode_dims = {32, 64, 128};
@@ -105,6 +107,7 @@ inline Profile make_profile(const std::string& name) {
     p.mh_ns = {256};
     p.mh_softmax_cap = 256;
     p.mh_softmax_cap_mt = 256;
+    p.mh_ret_softmax_cap = 256;
     p.mh_threads = {1, 2};
     p.positions = {1024};
     p.decode_dims = {64};
@@ -120,6 +123,7 @@ inline Profile make_profile(const std::string& name) {
     p.mh_ns = powers_of_two(256, 16384);
     p.mh_softmax_cap = 16384;
     p.mh_softmax_cap_mt = 8192;
+    p.mh_ret_softmax_cap = 4096;  // the allocations are O(N); the O(N^2) work hides them beyond
     p.mh_threads = {1, 2};
     p.positions = {1024, 4096, 16384, 65536};
     p.decode_dims = {64};
