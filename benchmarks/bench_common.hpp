@@ -8,6 +8,9 @@
 //
 // Benchmark names are machine-readable for benchmarks/report.py:
 //   <kind>/<key>:<value>/.../N:<n>            e.g. linear/phi:elu/dtype:f32/D:64/N:4096
+// layout:row|hnd|hnd_batched|col names the memory layout of the inputs and form:ret the
+// returning form; a name without them means column-major inputs and the out-parameter form
+// with a reused workspace (report.py fills in those defaults).
 // (Google Benchmark appends /real_time: every benchmark measures wall-clock time, because the
 // multi-head kernels run OpenMP threads of their own.)
 //
