@@ -8,6 +8,9 @@
 //
 // Benchmark names are machine-readable for benchmarks/report.py:
 //   <kind>/<key>:<value>/.../N:<n>            e.g. linear/phi:elu/dtype:f32/D:64/N:4096
+// layout:row|hnd|hnd_batched|col names the memory layout of the inputs and form:ret the
+// returning form; a name without them means column-major inputs and the out-parameter form
+// with a reused workspace (report.py fills in those defaults).
 // (Google Benchmark appends /real_time: every benchmark measures wall-clock time, because the
 // multi-head kernels run OpenMP threads of their own.)
 //
@@ -58,6 +61,7 @@ struct Profile {
   std::vector<Index> mh_ns;          // multi-head sweep (H = 8, D = M = 64)
   Index mh_softmax_cap = 0;          // largest N of the multi-head tiled softmax (1 thread)
   Index mh_softmax_cap_mt = 0;       // the same with more than one thread
+  Index mh_ret_softmax_cap = 0;      // largest N of the multi-head softmax returning forms
   std::vector<int> mh_threads;       // thread counts of the multi-head forms
   std::vector<Index> positions;      // decode positions
   std::vector<Index> decode_dims;    // D = M of the single-head decode benchmarks
@@ -91,6 +95,7 @@ inline Profile make_profile(const std::string& name) {
     p.mh_ns = powers_of_two(256, 65536);
     p.mh_softmax_cap = 16384;
     p.mh_softmax_cap_mt = 16384;
+    p.mh_ret_softmax_cap = 16384;
     p.mh_threads = {1, 2};
     p.positions = powers_of_two(1024, 65536);
     p.decode_dims = {32, 64, 128};
@@ -105,6 +110,7 @@ inline Profile make_profile(const std::string& name) {
     p.mh_ns = {256};
     p.mh_softmax_cap = 256;
     p.mh_softmax_cap_mt = 256;
+    p.mh_ret_softmax_cap = 256;
     p.mh_threads = {1, 2};
     p.positions = {1024};
     p.decode_dims = {64};
@@ -120,6 +126,7 @@ inline Profile make_profile(const std::string& name) {
     p.mh_ns = powers_of_two(256, 16384);
     p.mh_softmax_cap = 16384;
     p.mh_softmax_cap_mt = 8192;
+    p.mh_ret_softmax_cap = 4096;  // the allocations are O(N); the O(N^2) work hides them beyond
     p.mh_threads = {1, 2};
     p.positions = {1024, 4096, 16384, 65536};
     p.decode_dims = {64};

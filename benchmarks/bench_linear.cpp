@@ -1,9 +1,15 @@
 // Single-head linear attention: non-causal, causal (CausalAlgorithm::Chunked at several chunk
-// sizes and ::Recurrent), every feature map, and the Eigen GEMMs of the same shapes.
-// See bench_common.hpp for the profiles, the names and the counters.
+// sizes, ::Recurrent and the library default ::Auto), every feature map, and the Eigen GEMMs of
+// the same shapes. EluPlusOne in float also on row-major inputs and outputs (layout:row,
+// Eigen::Map of row-major N×D memory) and in the returning forms (form:ret,
+// `Eigen::MatrixXf out = linear_attention(Q, K, V)`: a new output, workspace and state per
+// call); names without layout/form are column-major with the out-parameter form and a reused
+// Workspace. See bench_common.hpp for the profiles, the names and the counters.
 #include <linattn/linattn.hpp>
 
 #include "bench_common.hpp"
+
+#include <type_traits>
 
 namespace lb = linattn_bench;
 using lb::Index;
@@ -21,6 +27,48 @@ template <>
 const char* phi_name<linattn::SoftmaxSplit>() { return "softmax_split"; }
 template <>
 const char* phi_name<linattn::NormalizedCosine>() { return "cosine"; }
+
+template <class T>
+using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// EluPlusOne, float: the out-parameter form on row-major Maps (row = true) or the returning
+// form on column-major matrices (row = false). The same random values as BM_linear/BM_causal.
+template <class T>
+void BM_form(benchmark::State& st, Index D, bool causal, bool row) {
+  const Index N = st.range(0), M = D;
+  const linattn::EluPlusOne phi{};
+  const Mat<T> Q = lb::random_matrix<T>(N, D, causal ? 4 : 1),
+               K = lb::random_matrix<T>(N, D, causal ? 5 : 2),
+               V = lb::random_matrix<T>(N, M, causal ? 6 : 3);
+  Mat<T> out = Mat<T>::Zero(N, M);
+  Eigen::Map<const RowMat<T>> Qr(Q.data(), N, D), Kr(K.data(), N, D), Vr(V.data(), N, M);
+  Eigen::Map<RowMat<T>> Or(out.data(), N, M);
+  linattn::Workspace<T> ws;
+  auto state = linattn::make_state<T>(phi, D, M);
+  const auto call = [&] {
+    if (row) {
+      if (causal) {
+        state.reset();
+        linattn::causal_linear_attention(Qr, Kr, Vr, phi, state, Or, ws);
+      } else {
+        linattn::linear_attention(Qr, Kr, Vr, phi, Or, ws);
+      }
+    } else {
+      // Move-assigning releases the previous result: one allocation and release per call.
+      out = causal ? linattn::causal_linear_attention(Q, K, V) : linattn::linear_attention(Q, K, V);
+    }
+  };
+  call();  // warm-up
+  for (auto _ : st) {
+    call();
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  if (!lb::all_finite(out)) st.SkipWithError("non-finite output");
+  st.SetComplexityN(N);
+  lb::set_common_counters(st, lb::linear_flops(N, N, D, M), N, D, M, 1, 1);
+  if (row) st.counters["ws_bytes"] = double(ws.bytes());
+}
 
 template <class Phi, class T>
 void BM_linear(benchmark::State& st, Index D) {
@@ -87,6 +135,21 @@ void register_map(const lb::Profile& p, Index D, const std::vector<Index>& ns,
           [D](benchmark::State& st) {
             BM_causal<Phi, T>(st, D, linattn::CausalAlgorithm::Recurrent, 0);
           });
+  if (std::is_same_v<Phi, linattn::EluPlusOne> && std::is_same_v<T, float>) {
+    // The library default (Auto) on both layouts and in both forms: report.py's row-major vs
+    // column-major and returning vs out-parameter tables.
+    lb::add("causal" + phi + "/alg:auto" + tail, ns, "N", benchmark::oN,
+            [D](benchmark::State& st) {
+              BM_causal<Phi, T>(st, D, linattn::CausalAlgorithm::Auto, 0);
+            });
+    for (const bool causal : {false, true}) {
+      const std::string kind = causal ? "causal" + phi + "/alg:auto" : "linear" + phi;
+      lb::add(kind + "/layout:row" + tail, ns, "N", benchmark::oN,
+              [D, causal](benchmark::State& st) { BM_form<T>(st, D, causal, true); });
+      lb::add(kind + "/form:ret" + tail, ns, "N", benchmark::oN,
+              [D, causal](benchmark::State& st) { BM_form<T>(st, D, causal, false); });
+    }
+  }
 }
 
 void register_all(const lb::Profile& p) {

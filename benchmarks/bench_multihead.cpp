@@ -1,11 +1,25 @@
-// Multi-head forms over the packed layout (Q N×(H·D), K N×(H·D), V N×(H·M), heads side by
-// side): linear, causal linear, tiled softmax (non-causal and causal) with H = 8, D = M = 64
-// (the configuration of the performance targets) at 1 and 2 threads, and the Eigen GEMMs of
-// the same shapes (8 heads' worth, over the packed layout, with the same threads).
+// Multi-head forms, H = 8, D = M = 64, float (the configuration of the performance targets):
+//
+//   - linear and causal linear attention on the layouts users hold, one thread:
+//       layout:row          an Eigen::Map of row-major packed N×(H·D) memory (PyTorch's
+//                           contiguous [N, H, D], an inference engine's activations)
+//       layout:hnd          per-head row-major [H, N, D]: H separate row-major N×D Maps, one
+//                           single-head call per head with a reused Workspace
+//       layout:hnd_batched  the same memory as one (H·N)×D row-major Map, one
+//                           batched_*_linear_attention call with H sequences of one head
+//       layout:col          column-major packed N×(H·D) matrices (also at 2 threads)
+//   - the returning forms (form:ret, `Eigen::MatrixXf out = multihead_...(Q, K, V, 8)`: a new
+//     output and workspace per call) beside the out-parameter forms with a reused
+//     MultiHeadWorkspace, for every multi-head kernel;
+//   - tiled softmax (non-causal and causal) at 1 and 2 threads;
+//   - the paper's CPU algorithm (paper_baseline.hpp) on [H, N, D], one thread: mh_paper_linear
+//     and mh_paper_causal, measured in the same run as linattn (report.py prints the ratios);
+//   - the Eigen GEMMs of the same shapes (8 heads' worth, over the packed layout).
 // See bench_common.hpp.
 #include <linattn/linattn.hpp>
 
 #include "bench_common.hpp"
+#include "paper_baseline.hpp"
 
 namespace lb = linattn_bench;
 using lb::Index;
@@ -14,82 +28,252 @@ namespace {
 
 template <class T>
 using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
+template <class T>
+using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
 constexpr Index kHeads = 8;
 constexpr Index kDim = 64;
 
 enum class Kind { Linear, Causal, Softmax, CausalSoftmax };
+enum class Layout { Col, Row, Hnd, HndBatched };
+enum class Form { Out, Ret };
+
+const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::Col: return "col";
+    case Layout::Row: return "row";
+    case Layout::Hnd: return "hnd";
+    case Layout::HndBatched: return "hnd_batched";
+  }
+  return "?";
+}
 
 template <class T>
-void BM_multihead(benchmark::State& st, Kind kind, Index H, Index D, int threads) {
+void BM_multihead(benchmark::State& st, Kind kind, Layout layout, Form form, int threads) {
   using Phi = linattn::EluPlusOne;
-  const Index N = st.range(0), M = D;
+  const Index N = st.range(0), H = kHeads, D = kDim, M = kDim;
   lb::set_threads(threads);
+  // The same random values serve every layout: only how the buffer is viewed changes.
   const Mat<T> Q = lb::random_matrix<T>(N, H * D, 51), K = lb::random_matrix<T>(N, H * D, 52),
                V = lb::random_matrix<T>(N, H * M, 53);
   Mat<T> out = Mat<T>::Zero(N, H * M);
-  linattn::MultiHeadWorkspace<T> ws;
+  Eigen::Map<const RowMat<T>> Qr(Q.data(), N, H * D), Kr(K.data(), N, H * D),
+      Vr(V.data(), N, H * M);
+  Eigen::Map<RowMat<T>> Or(out.data(), N, H * M);
+  Eigen::Map<const RowMat<T>> Qb(Q.data(), H * N, D), Kb(K.data(), H * N, D),
+      Vb(V.data(), H * N, M);
+  Eigen::Map<RowMat<T>> Ob(out.data(), H * N, M);
+  std::vector<Index> offsets;
+  for (Index h = 0; h <= H; ++h) offsets.push_back(h * N);
+
+  linattn::MultiHeadWorkspace<T> mws;
+  linattn::Workspace<T> ws;
   linattn::ParallelOptions par;
   par.num_threads = threads;
   const Phi phi{};
   const Index F = phi.feature_dim(D);
-  const auto call = [&] {
+  auto state = linattn::make_state<T>(phi, D, M);
+  const linattn::SoftmaxAlgorithm tiled = linattn::SoftmaxAlgorithm::Tiled;
+  const bool causal = kind == Kind::Causal || kind == Kind::CausalSoftmax;
+
+  const auto per_head = [&] {
+    for (Index h = 0; h < H; ++h) {
+      Eigen::Map<const RowMat<T>> q(Q.data() + h * N * D, N, D), k(K.data() + h * N * D, N, D),
+          v(V.data() + h * N * M, N, M);
+      Eigen::Map<RowMat<T>> o(out.data() + h * N * M, N, M);
+      if (causal) {
+        state.reset();
+        linattn::causal_linear_attention(q, k, v, phi, state, o, ws);
+      } else {
+        linattn::linear_attention(q, k, v, phi, o, ws);
+      }
+    }
+  };
+  const auto packed = [&](const auto& q, const auto& k, const auto& v, const auto& o) {
     switch (kind) {
       case Kind::Linear:
-        linattn::multihead_linear_attention(Q, K, V, H, phi, out, ws, par);
+        linattn::multihead_linear_attention(q, k, v, H, phi, o, mws, par);
         break;
       case Kind::Causal:
-        linattn::multihead_causal_linear_attention(Q, K, V, H, phi, out, ws, linattn::CausalOptions{},
-                                                   par);
+        linattn::multihead_causal_linear_attention(q, k, v, H, phi, o, mws,
+                                                   linattn::CausalOptions{}, par);
         break;
       case Kind::Softmax:
-        linattn::multihead_softmax_attention(Q, K, V, H, out, ws, linattn::SoftmaxAlgorithm::Tiled, par);
+        linattn::multihead_softmax_attention(q, k, v, H, o, mws, tiled, par);
         break;
       case Kind::CausalSoftmax:
-        linattn::multihead_causal_softmax_attention(Q, K, V, H, out, ws,
-                                                    linattn::SoftmaxAlgorithm::Tiled, par);
+        linattn::multihead_causal_softmax_attention(q, k, v, H, o, mws, tiled, par);
         break;
     }
   };
+  // The returning forms as a user writes them: a new result (and, inside, a new workspace)
+  // per call, destroyed at the end of the iteration.
+  const auto returning = [&]() -> Mat<T> {
+    switch (kind) {
+      case Kind::Linear:
+        return linattn::multihead_linear_attention(Q, K, V, H, phi, par);
+      case Kind::Causal:
+        return linattn::multihead_causal_linear_attention(Q, K, V, H, phi,
+                                                          linattn::CausalOptions{}, par);
+      case Kind::Softmax:
+        return linattn::multihead_softmax_attention(Q, K, V, H, tiled, par);
+      case Kind::CausalSoftmax:
+        return linattn::multihead_causal_softmax_attention(Q, K, V, H, tiled, par);
+    }
+    return {};
+  };
+  const auto call = [&] {
+    switch (layout) {
+      case Layout::Col:
+        packed(Q, K, V, out);
+        break;
+      case Layout::Row:
+        packed(Qr, Kr, Vr, Or);
+        break;
+      case Layout::Hnd:
+        per_head();
+        break;
+      case Layout::HndBatched:
+        if (causal)
+          linattn::batched_causal_linear_attention(Qb, Kb, Vb, offsets, 1, phi, Ob, mws,
+                                                   linattn::CausalOptions{}, par);
+        else
+          linattn::batched_linear_attention(Qb, Kb, Vb, offsets, offsets, 1, phi, Ob, mws, par);
+        break;
+    }
+  };
+
   const bool linear = kind == Kind::Linear || kind == Kind::Causal;
-  const bool causal = kind == Kind::Causal || kind == Kind::CausalSoftmax;
   const double flops = double(H) * (linear ? lb::linear_flops(N, N, F, M)
                                            : lb::softmax_flops(N, N, D, M, causal));
-  if (lb::worth_warming_up(flops)) call();
-  for (auto _ : st) {
-    call();
-    benchmark::DoNotOptimize(out.data());
-    benchmark::ClobberMemory();
+  if (form == Form::Ret) {
+    // Move-assigning frees the previous result and takes the new one: one allocation and one
+    // release of the output per call, as with a fresh variable, and the last one is checked.
+    if (lb::worth_warming_up(flops)) out = returning();
+    for (auto _ : st) {
+      out = returning();
+      benchmark::DoNotOptimize(out.data());
+      benchmark::ClobberMemory();
+    }
+  } else {
+    if (lb::worth_warming_up(flops)) call();
+    for (auto _ : st) {
+      call();
+      benchmark::DoNotOptimize(out.data());
+      benchmark::ClobberMemory();
+    }
+    st.counters["ws_bytes"] = double(layout == Layout::Hnd ? ws.bytes() : mws.bytes());
   }
   if (!lb::all_finite(out)) st.SkipWithError("non-finite output");
   st.SetComplexityN(N);
   lb::set_common_counters(st, flops, N, D, M, H, threads);
-  st.counters["ws_bytes"] = double(ws.bytes());
   if (kind == Kind::Causal)  // one state per head, made by the kernel for each call
     st.counters["state_bytes"] = double(H * (F * M + F) * Index(sizeof(T)));
   lb::set_threads(1);
 }
 
+// The paper's CPU algorithm on [H, N, D] row-major memory, one thread. After the timed loop
+// its output is compared with linattn's on the same memory (per-head calls): the counter
+// rel_diff_vs_linattn is max |paper − linattn| / max |linattn|, and a difference above 1e-3
+// (both compute the same attention in float) marks the run as an error.
+template <class T>
+void BM_paper(benchmark::State& st, bool causal) {
+  const Index N = st.range(0), H = kHeads, D = kDim, M = kDim;
+  const Mat<T> Q = lb::random_matrix<T>(N, H * D, 61), K = lb::random_matrix<T>(N, H * D, 62),
+               V = lb::random_matrix<T>(N, H * M, 63);
+  Mat<T> out = Mat<T>::Zero(N, H * M);
+  paper_baseline::Problem<T> problem(H, N, D, M);
+  const auto call = [&] {
+    if (causal)
+      paper_baseline::causal(problem, Q.data(), K.data(), V.data(), out.data());
+    else
+      paper_baseline::linear(problem, Q.data(), K.data(), V.data(), out.data());
+  };
+  call();  // faults the buffers in, as the other benchmarks' warm-up does
+  for (auto _ : st) {
+    call();
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  // Check (untimed) that the baseline computes what linattn computes.
+  Mat<T> ref = Mat<T>::Zero(N, H * M);
+  linattn::Workspace<T> ws;
+  const linattn::EluPlusOne phi{};
+  auto state = linattn::make_state<T>(phi, D, M);
+  for (Index h = 0; h < H; ++h) {
+    Eigen::Map<const RowMat<T>> q(Q.data() + h * N * D, N, D), k(K.data() + h * N * D, N, D),
+        v(V.data() + h * N * M, N, M);
+    Eigen::Map<RowMat<T>> o(ref.data() + h * N * M, N, M);
+    if (causal) {
+      state.reset();
+      linattn::causal_linear_attention(q, k, v, phi, state, o, ws);
+    } else {
+      linattn::linear_attention(q, k, v, phi, o, ws);
+    }
+  }
+  const double scale = double(ref.cwiseAbs().maxCoeff());
+  const double diff = double((out - ref).cwiseAbs().maxCoeff()) / (scale > 0 ? scale : 1.0);
+  if (!lb::all_finite(out) || !(diff <= 1e-3))
+    st.SkipWithError(("the paper baseline differs from linattn: relative difference " +
+                      std::to_string(diff)).c_str());
+  st.SetComplexityN(N);
+  lb::set_common_counters(st, double(H) * lb::linear_flops(N, N, D, M), N, D, M, H, 1);
+  st.counters["rel_diff_vs_linattn"] = diff;
+}
+
 void register_all(const lb::Profile& p) {
+  const auto tail = [](int T) {
+    return lb::key("dtype", "f32") + lb::key("H", kHeads) + lb::key("D", kDim) + lb::key("thr", T);
+  };
+  const std::vector<std::pair<Kind, std::string>> linear_kinds = {
+      {Kind::Linear, "mh_linear/phi:elu"}, {Kind::Causal, "mh_causal/phi:elu/alg:auto"}};
+  const std::vector<std::pair<Kind, std::string>> softmax_kinds = {
+      {Kind::Softmax, "mh_softmax/alg:tiled"}, {Kind::CausalSoftmax, "mh_causal_softmax/alg:tiled"}};
+
+  // One thread: every layout, the returning forms and the paper's algorithm, row-major first.
+  lb::add("mh_gemm_linear" + tail(1), p.mh_ns, "N", benchmark::oN,
+          [](benchmark::State& st) { lb::run_linear_gemm<float>(st, kHeads, kDim, 1); });
+  for (const auto& [kind, name] : linear_kinds) {
+    for (Layout l : {Layout::Row, Layout::Hnd, Layout::HndBatched, Layout::Col})
+      lb::add(name + lb::key("layout", layout_name(l)) + tail(1), p.mh_ns, "N", benchmark::oN,
+              [kind = kind, l](benchmark::State& st) {
+                BM_multihead<float>(st, kind, l, Form::Out, 1);
+              });
+    lb::add(name + lb::key("layout", "col") + lb::key("form", "ret") + tail(1), p.mh_ns, "N",
+            benchmark::oN, [kind = kind](benchmark::State& st) {
+              BM_multihead<float>(st, kind, Layout::Col, Form::Ret, 1);
+            });
+  }
+  lb::add("mh_paper_linear/phi:elu/layout:hnd" + tail(1), p.mh_ns, "N", benchmark::oN,
+          [](benchmark::State& st) { BM_paper<float>(st, false); });
+  lb::add("mh_paper_causal/phi:elu/layout:hnd" + tail(1), p.mh_ns, "N", benchmark::oN,
+          [](benchmark::State& st) { BM_paper<float>(st, true); });
+
   for (int T : p.mh_threads) {
     const std::vector<Index> softmax_ns =
         lb::capped(p.mh_ns, T > 1 ? p.mh_softmax_cap_mt : p.mh_softmax_cap);
-    const std::string tail = lb::key("dtype", "f32") + lb::key("H", kHeads) + lb::key("D", kDim) +
-                             lb::key("thr", T);
-    lb::add("mh_gemm_linear" + tail, p.mh_ns, "N", benchmark::oN,
-            [T](benchmark::State& st) { lb::run_linear_gemm<float>(st, kHeads, kDim, T); });
-    lb::add("mh_linear/phi:elu" + tail, p.mh_ns, "N", benchmark::oN,
-            [T](benchmark::State& st) { BM_multihead<float>(st, Kind::Linear, kHeads, kDim, T); });
-    lb::add("mh_causal/phi:elu/alg:auto" + tail, p.mh_ns, "N", benchmark::oN,
-            [T](benchmark::State& st) { BM_multihead<float>(st, Kind::Causal, kHeads, kDim, T); });
-    lb::add("mh_gemm_softmax" + tail, softmax_ns, "N", benchmark::oNSquared,
+    if (T > 1) {
+      lb::add("mh_gemm_linear" + tail(T), p.mh_ns, "N", benchmark::oN,
+              [T](benchmark::State& st) { lb::run_linear_gemm<float>(st, kHeads, kDim, T); });
+      for (const auto& [kind, name] : linear_kinds)
+        lb::add(name + lb::key("layout", "col") + tail(T), p.mh_ns, "N", benchmark::oN,
+                [kind = kind, T](benchmark::State& st) {
+                  BM_multihead<float>(st, kind, Layout::Col, Form::Out, T);
+                });
+    }
+    lb::add("mh_gemm_softmax" + tail(T), softmax_ns, "N", benchmark::oNSquared,
             [T](benchmark::State& st) { lb::run_softmax_gemm<float>(st, kHeads, kDim, T); });
-    lb::add("mh_softmax/alg:tiled" + tail, softmax_ns, "N", benchmark::oNSquared,
-            [T](benchmark::State& st) { BM_multihead<float>(st, Kind::Softmax, kHeads, kDim, T); });
-    lb::add("mh_causal_softmax/alg:tiled" + tail, softmax_ns, "N", benchmark::oNSquared,
-            [T](benchmark::State& st) {
-              BM_multihead<float>(st, Kind::CausalSoftmax, kHeads, kDim, T);
-            });
+    for (const auto& [kind, name] : softmax_kinds) {
+      lb::add(name + tail(T), softmax_ns, "N", benchmark::oNSquared,
+              [kind = kind, T](benchmark::State& st) {
+                BM_multihead<float>(st, kind, Layout::Col, Form::Out, T);
+              });
+      if (T == 1)
+        lb::add(name + lb::key("form", "ret") + tail(T), lb::capped(softmax_ns, p.mh_ret_softmax_cap),
+                "N", benchmark::oNSquared, [kind = kind](benchmark::State& st) {
+                  BM_multihead<float>(st, kind, Layout::Col, Form::Ret, 1);
+                });
+    }
   }
 }
 
@@ -100,9 +284,12 @@ std::string notes(const lb::Profile& p) {
            for (int t : p.mh_threads) s += (s.empty() ? "" : ",") + std::to_string(t);
            return s;
          }() +
-         "): N = " + lb::join(p.mh_ns) + "; tiled softmax (and its GEMM reference) capped at N <= " +
-         std::to_string(p.mh_softmax_cap) + " on 1 thread, N <= " + std::to_string(p.mh_softmax_cap_mt) +
-         " on more (8 heads of O(N^2) work).";
+         "): N = " + lb::join(p.mh_ns) +
+         "; layouts row, hnd, hnd_batched, the returning forms and the paper's algorithm at one "
+         "thread only; tiled softmax (and its GEMM reference) capped at N <= " +
+         std::to_string(p.mh_softmax_cap) + " on 1 thread, N <= " +
+         std::to_string(p.mh_softmax_cap_mt) + " on more (8 heads of O(N^2) work), its returning "
+         "form at N <= " + std::to_string(p.mh_ret_softmax_cap) + ".";
 }
 
 }  // namespace

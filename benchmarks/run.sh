@@ -8,7 +8,8 @@
 #   --smoke     smallest sizes only (checks that everything runs; docs are not rewritten)
 #   --out DIR   where the JSON goes (default: <build>/results)
 #   --build DIR the CMake build directory (default: $LINATTN_BENCH_BUILD_DIR or build/bench)
-#   --no-docs   print the summary but leave docs/benchmarks.md and docs/benchmark_plot.svg
+#   --no-docs   print the summary but leave docs/benchmarks.md, docs/benchmark_plot.svg and the
+#               headline table of README.md (between its bench:headline markers) as they are
 #   -- ARGS     passed to every benchmark program (e.g. -- --benchmark_filter=mh_)
 #
 # Build first (bash .ci/bench does both):
@@ -16,7 +17,7 @@
 #     -DLINATTN_BUILD_TESTS=OFF -DLINATTN_BUILD_EXAMPLES=OFF && cmake --build build/bench -j2
 #
 # Then benchmarks/report.py prints the summary of the performance targets and regenerates
-# docs/benchmarks.md and docs/benchmark_plot.svg from the JSON.
+# docs/benchmarks.md, docs/benchmark_plot.svg and README.md's headline table from the JSON.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,7 +40,7 @@ while (($# > 0)); do
     --build=*) build="${1#--build=}" ;;
     --no-docs) docs=0 ;;
     --) shift; extra=("$@"); break ;;
-    -h | --help) sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -91,7 +92,7 @@ done
 report=(python3 "$repo/benchmarks/report.py" --results "$out" --command "$command"
   --load-before "$load_before")
 if ((docs)); then
-  report+=(--md "$repo/docs/benchmarks.md" --svg "$repo/docs/benchmark_plot.svg")
+  report+=(--md "$repo/docs/benchmarks.md" --svg "$repo/docs/benchmark_plot.svg" --readme "$repo/README.md")
 fi
 echo "== ${report[*]}"
 "${report[@]}"
