@@ -80,7 +80,8 @@ void BM_decode_recurrent(benchmark::State& st, Index H, Index D) {
   if (!lb::all_finite(out)) st.SkipWithError("non-finite output");
   decode_counters<T>(st, double(H) * 4.0 * double(F) * double(M), pos, D, M, H);
   st.counters["ws_bytes"] = 0;  // step() uses the object's fixed 1-row scratch only
-  st.counters["state_bytes"] = double(H * (F * M + F) * Index(sizeof(T)));
+  // S and z with their low parts (the compensated sums, see LinearAttentionState).
+  st.counters["state_bytes"] = double(H * 2 * (F * M + F) * Index(sizeof(T)));
 }
 
 template <class T>

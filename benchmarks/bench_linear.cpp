@@ -114,7 +114,8 @@ void BM_causal(benchmark::State& st, Index D, linattn::CausalAlgorithm algorithm
   lb::set_common_counters(st, lb::linear_flops(N, N, phi.feature_dim(D), M), N, D, M, 1, 1);
   st.counters["ws_bytes"] = double(ws.bytes());
   st.counters["state_bytes"] =
-      double((state.S.size() + state.z.size() + state.m.size()) * Index(sizeof(T)));
+      double((state.S.size() + state.S_lo.size() + state.z.size() + state.z_lo.size() +
+              state.m.size()) * Index(sizeof(T)));
   st.counters["chunk"] = double(chunk);
 }
 
