@@ -167,6 +167,33 @@ TEST(guard, UnderflowingDenominatorGivesZeroRowInFloat) {
     EXPECT_LE(test::max_abs_diff(out, Eigen::MatrixXd::Ones(N, M)), 1e-14) << name;
 }
 
+// NormalizedCosine with every key exactly opposite the query: the exact denominator is 0, the
+// computed one rounding noise of either sign; it must count as 0 (a zero row), not divide noise
+// by noise (rows of 4 |V| were seen, in double too). Keys at other angles are unaffected.
+template <class S>
+void check_opposite_keys() {
+  for (const Index D : {1, 2, 5, 64}) {
+    const Index N = 70, M = 3;
+    const MatX<S> q = test::random_matrix<S>(1, D, 500 + D, 0.5, 2.0);
+    MatX<S> Q = q.replicate(N, 1), K(N, D);
+    const MatX<S> V = test::random_matrix<S>(N, M, 600 + D, -3.0, 3.0);
+    for (Index j = 0; j < N; ++j) K.row(j) = -S(0.25 + 0.5 * double(j % 7)) * q;  // all opposite
+    for (const auto& [name, out] : every_kernel<S>(Q, K, V, linattn::NormalizedCosine{}))
+      EXPECT_TRUE((out.array() == S(0)).all()) << name << " D=" << D << ":\n" << out.topRows(3);
+    // One aligned key among the opposite ones: every row that sees it returns its value.
+    K.row(5) = q;
+    for (const auto& [name, out] : every_kernel<S>(Q, K, V, linattn::NormalizedCosine{})) {
+      const bool causal = name.find("ausal") != std::string::npos || name.find("Recurrent") != std::string::npos;
+      for (Index i = causal ? 5 : 0; i < N; ++i)
+        EXPECT_LE(test::max_abs_diff(out.row(i), V.row(5)), 4.0 * N * 3.0 * std::numeric_limits<S>::epsilon())
+            << name << " D=" << D << " row " << i;
+    }
+  }
+}
+
+TEST(guard, OppositeKeysGiveZeroRowsNormalizedCosineFloat) { check_opposite_keys<float>(); }
+TEST(guard, OppositeKeysGiveZeroRowsNormalizedCosineDouble) { check_opposite_keys<double>(); }
+
 TEST(guard, GuardedInverse) {
   using linattn::guarded_inverse;
   EXPECT_EQ(guarded_inverse(0.f), 0.f);

@@ -128,7 +128,8 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
         }
       }
     }
-    prefix_normalize_tokens(st.z.data(), st.z_lo.data(), F, pqt.data(), pkt.data(), F, b);
+    prefix_normalize_tokens<may_cancel_v<Phi>>(st.z.data(), st.z_lo.data(), F, pqt.data(),
+                                               pkt.data(), F, b);
 
     const auto vr = V.middleRows(r0, b);
     const Scalar* v = nullptr;
@@ -192,6 +193,19 @@ void causal_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r
   den.setZero();
   for (Index j = 0; j < b; ++j) den.tail(b - j) += A.col(j).tail(b - j);
   den.noalias() += pq * st.z;
+  if constexpr (may_cancel_v<Phi>) {
+    // Is den_i rounding noise against |φq_i|·|z_i| (z_i: the prefix sum of φk up to row i), the
+    // same test as the recurrent form's? z_i from prefix sums down the chunk: O(b·F).
+    auto zi = ws.matrix(kSlotPrefix, b, F);
+    auto scale = ws.vector(kSlotRowB, b);
+    for (Index d = 0; d < F; ++d) {
+      Scalar running = st.z(d);
+      for (Index i = 0; i < b; ++i) zi(i, d) = std::abs(running += pk(i, d));
+    }
+    scale = pq.cwiseAbs().cwiseProduct(zi).rowwise().sum();
+    const Scalar t = cancellation_threshold<Scalar>(F);
+    den = (den.array() > t * scale.array()).select(den, Scalar(0));
+  }
   invert_guarded(den);
   // Scaling the rows of φq and A divides the output rows without touching the output twice.
   pq.array().colwise() *= den.array();

@@ -23,6 +23,9 @@ namespace linattn {
 /// Eigen::MatrixXf out = linattn::linear_attention(Q, K, V, linattn::EluPlusOne{});
 /// \endcode
 struct EluPlusOne {
+  /// Every feature is positive: denominators never cancel (see feature_map.hpp).
+  static constexpr bool nonnegative_features = true;
+
   Index feature_dim(Index input_dim) const noexcept { return input_dim; }
 
   template <class Derived>

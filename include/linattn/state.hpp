@@ -253,7 +253,12 @@ void recurrent_update_and_read(LinearAttentionState<Scalar>& st, const PQ& pq, P
     w = pq.cwiseQuotient(st.z + st.z_lo);
   } else {
     st.z_lo.noalias() += pk;
-    w = pq * guarded_inverse(pq.dot(st.z) + pq.dot(st.z_lo));
+    Scalar den = pq.dot(st.z) + pq.dot(st.z_lo);
+    if constexpr (may_cancel_v<Phi>) {
+      const Scalar scale = pq.cwiseAbs().dot((st.z + st.z_lo).cwiseAbs());
+      if (!(den > cancellation_threshold<Scalar>(st.z.size()) * scale)) den = 0;
+    }
+    w = pq * guarded_inverse(den);
   }
   fused_rank1_update_read(st.S.data(), st.S_lo.data(), st.S.outerStride(), st.S.rows(),
                           st.S.cols(), pk.data(), w.data(), v.data(), o.data());
@@ -269,6 +274,12 @@ void read_state(const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out) {
     for (Index d = 0; d < z.size(); ++d) pq.col(d) *= guarded_inverse(z(d));
   } else {
     den.noalias() = pq * z;
+    if constexpr (may_cancel_v<Phi>) {
+      using Scalar = typename ZVec::Scalar;
+      const Scalar t = cancellation_threshold<Scalar>(z.size());
+      for (Index i = 0; i < den.size(); ++i)
+        if (!(den(i) > t * pq.row(i).cwiseAbs().dot(z.cwiseAbs()))) den(i) = 0;
+    }
     invert_guarded(den);
     pq.array().colwise() *= den.array();
   }

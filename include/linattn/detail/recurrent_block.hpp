@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "../common.hpp"
+#include "blocking.hpp"
 
 namespace linattn::detail {
 
@@ -116,33 +117,42 @@ void recurrent_block(const Scalar* hi, Scalar* lo, Index lds, Index F, Index M,
 
 // The denominators of tokens [0, b): den_t = pq_t · (z + z_lo_t) with z_lo_t = z_lo +
 // Σ_{s≤t} pk_s, z_lo updated in place (z, the high part, is read only); then pq_t *=
-// guarded_inverse(den_t), so that recurrent_block's pq_t S_t is the output. Token-major pq, pk
-// (token t's F features contiguous at t·ld), so that the running sum is a few packets and each
-// token costs F/P packet operations and one horizontal sum.
-template <class Scalar>
+// guarded_inverse(den_t), so that recurrent_block's pq_t S_t is the output. With MayCancel
+// (features of both signs) a den_t within rounding noise of its terms' magnitude counts as 0
+// (see cancellation_threshold). Token-major pq, pk (token t's F features contiguous at t·ld),
+// so that the running sum is a few packets and each token costs F/P packet operations and one
+// horizontal sum.
+template <bool MayCancel, class Scalar>
 void prefix_normalize_tokens(const Scalar* z, Scalar* z_lo, Index F, Scalar* pq,
                              const Scalar* pk, Index ld, Index b) {
   using namespace Eigen::internal;
   using Packet = typename packet_traits<Scalar>::type;
   constexpr Index P = unpacket_traits<Packet>::size;
   const Index Fv = P > 1 ? F / P * P : 0;
+  const Scalar threshold = cancellation_threshold<Scalar>(F);
   for (Index t = 0; t < b; ++t) {
     Scalar* q = pq + t * ld;
     const Scalar* k = pk + t * ld;
-    Scalar den = 0;
+    Scalar den = 0, scale = 0;
     if constexpr (P > 1) {
-      Packet acc = pset1<Packet>(Scalar(0));
+      Packet acc = pset1<Packet>(Scalar(0)), acc_abs = acc;
       for (Index d = 0; d < Fv; d += P) {
         const Packet zz = padd(ploadu<Packet>(z_lo + d), ploadu<Packet>(k + d));
         pstoreu(z_lo + d, zz);
-        acc = pmadd(ploadu<Packet>(q + d), padd(zz, ploadu<Packet>(z + d)), acc);
+        const Packet qd = ploadu<Packet>(q + d), zt = padd(zz, ploadu<Packet>(z + d));
+        acc = pmadd(qd, zt, acc);
+        if constexpr (MayCancel) acc_abs = pmadd(pabs(qd), pabs(zt), acc_abs);
       }
       den = predux(acc);
+      if constexpr (MayCancel) scale = predux(acc_abs);
     }
     for (Index d = Fv; d < F; ++d) {
       z_lo[d] += k[d];
       den += q[d] * (z[d] + z_lo[d]);
+      if constexpr (MayCancel) scale += std::abs(q[d]) * std::abs(z[d] + z_lo[d]);
     }
+    if constexpr (MayCancel)
+      if (!(den > threshold * scale)) den = 0;
     Eigen::Map<Vector<Scalar>>(q, F) *= guarded_inverse(den);
   }
 }
