@@ -1,6 +1,7 @@
 /// \file detail/fast_exp.hpp
-/// \brief Fast exp on (-∞, 0] for float packets: the EluPlusOne functor and the shifted
-/// exponentials of softmax (internal).
+/// \brief exp on (-∞, 0] for packets (a fast float path on AVX2 / AVX-512): the EluPlusOne
+/// functor and the shifted exponentials of softmax, whose scalar and packet paths agree bit
+/// for bit (internal).
 #pragma once
 
 #include <Eigen/Core>
