@@ -296,6 +296,7 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
   using Scalar = typename DQ::Scalar;
   static_check_feature_map<Phi, Scalar>();
   check_qkv(function, Q, K, V, /*causal=*/true);
+  check_feature_map(function, phi, Q.cols());
   check_output(function, out, Q.rows(), V.cols());
   if (opts.chunk_size < 0)
     throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +

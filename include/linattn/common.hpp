@@ -53,9 +53,11 @@ inline Scalar guarded_inverse(Scalar den) noexcept {
 
 namespace detail {
 
+// float and double only, as the static_assert messages say: long double has no packet
+// math in Eigen, and the tolerances, ε and the fast exp paths are tuned for the two.
 template <class Scalar>
 constexpr bool is_supported_scalar_v =
-    std::is_floating_point_v<Scalar> && std::numeric_limits<Scalar>::has_infinity;
+    std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>;
 
 // Evaluates an operand once when re-reading it would cost more than a copy (a product, an
 // expensive coefficient-wise expression); plain matrices, Maps and Blocks are used in place.

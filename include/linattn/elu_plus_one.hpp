@@ -4,6 +4,8 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
+
 #include "common.hpp"
 #include "detail/fast_exp.hpp"
 #include "feature_map.hpp"
@@ -16,8 +18,11 @@ namespace linattn {
 ///
 /// Strictly positive, so every denominator is positive. It is evaluated branch-free as
 /// \f$e^{\min(x,0)} + \max(x,0)\f$, which is vectorised and, unlike elu(x) + 1, keeps its
-/// relative precision for very negative x (down to the underflow of exp). Non-finite input
-/// gives non-finite features.
+/// relative precision for very negative x. The argument of exp is clamped at -87 (float) or
+/// -708 (double), where e^x is still a normal number: a feature is never below
+/// \f$e^{-87} \approx 1.6\cdot10^{-38}\f$ (float). Each feature depends on its input value
+/// only, bit for bit: not on its position in the row, the input's layout or the build's
+/// vectorisation. NaN gives NaN, +inf gives +inf, -inf gives the floor \f$e^{-87}\f$.
 ///
 /// \code
 /// Eigen::MatrixXf out = linattn::linear_attention(Q, K, V, linattn::EluPlusOne{});
@@ -32,14 +37,19 @@ struct EluPlusOne {
   void map(const Eigen::MatrixBase<Derived>& x,
            MatrixRef<typename Derived::Scalar> phi) const {
     using S = typename Derived::Scalar;
-    const auto f = [](const auto& a) {
-      if constexpr (detail::use_fast_elu_v<S>)
-        return a.unaryExpr(detail::elu_plus_one_op<S>());
-      else
-        return a.min(S(0)).exp() + a.max(S(0));
-    };
-    if (!detail::map_single_row(x, phi, [&f](auto& row) { row = f(row); }))
-      phi.array() = f(x.array());
+    const detail::elu_plus_one_op<S> op;
+    if (detail::map_single_row(x, phi, [&op](auto& row) { row = row.unaryExpr(op); })) return;
+    if constexpr (detail::is_row_major_memory_v<Derived>) {
+      // Transposed into phi with packets, then mapped in place (see detail::copy_rows).
+      for (Index r0 = 0; r0 < x.rows(); r0 += detail::kMapRowBlock) {
+        const Index n = std::min(detail::kMapRowBlock, x.rows() - r0);
+        auto p = phi.middleRows(r0, n);
+        detail::copy_rows(x.middleRows(r0, n), p);
+        p.array() = p.array().unaryExpr(op);
+      }
+    } else {
+      phi.array() = x.array().unaryExpr(op);
+    }
   }
 
   /// \f$\nabla_x = \nabla_\varphi \odot \varphi'(x)\f$ with \f$\varphi'(x) = e^{\min(x, 0)}\f$.

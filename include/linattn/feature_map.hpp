@@ -20,7 +20,9 @@
 /// - *optional* `static constexpr bool normalizes_keys_per_feature = true`: declares the
 ///   SoftmaxSplit semantics, where the key side is a softmax of each feature over the attended
 ///   keys (§2 of the spec). The kernels then use the per-feature normalised algorithms; `map`
-///   is the query side.
+///   is the query side. The key features are then the D columns of K themselves, so such a
+///   map must have `feature_dim(D) == D`: every entry point that takes a map checks it and
+///   throws std::invalid_argument otherwise.
 ///
 /// A user map is checked at compile time by every kernel with a readable message:
 /// \code
@@ -38,10 +40,13 @@
 
 #include <Eigen/Core>
 
+#include <string>
 #include <type_traits>
 #include <utility>
 
+#include "checks.hpp"
 #include "common.hpp"
+#include "detail/blocking.hpp"
 
 namespace linattn {
 namespace detail {
@@ -106,6 +111,51 @@ constexpr void static_check_feature_map() {
                 "linattn::MatrixRef<typename Derived::Scalar> phi) const` (see "
                 "linattn/feature_map.hpp)");
 }
+
+// The run-time half of the concept: a map with per-feature key normalisation has its key
+// features in K's own D columns, and the kernels size the state with F, so F must be D (a
+// larger F would read past K). Called by every entry point before any work (and before any
+// parallel region, where nothing may throw).
+template <class Phi>
+void check_feature_map(const char* function, const Phi& phi, Index D) {
+  if constexpr (normalizes_keys_per_feature_v<Phi>) {
+    const Index F = phi.feature_dim(D);
+    if (F != D)
+      throw_invalid(function,
+                    "a feature map with normalizes_keys_per_feature must have feature_dim(D) == D, "
+                    "got F = " + std::to_string(F) + ", D = " + std::to_string(D));
+  } else {
+    (void)function, (void)phi, (void)D;
+  }
+}
+
+// dst = x for the n x D input of a map and a column-major destination block of the same shape
+// (the map then transforms dst in place). A row-major x (a whole matrix, a block, or a Map
+// with an outer stride, such as the columns of one head) is copied with packet transposes:
+// Eigen evaluates an expression whose storage order differs from its destination's with
+// scalar code, several times slower than the maps themselves.
+template <class Derived, class Dst>
+void copy_rows(const Eigen::MatrixBase<Derived>& x, Dst&& dst) {
+  using X = std::decay_t<Derived>;
+  using Out = std::decay_t<Dst>;
+  if constexpr (bool(X::IsRowMajor) && (int(X::Flags) & Eigen::DirectAccessBit) &&
+                !bool(Out::IsRowMajor) && (int(Out::Flags) & Eigen::DirectAccessBit)) {
+    if (x.innerStride() == 1 && dst.innerStride() == 1) {
+      // x, read column-major, is the D x n matrix x^T with leading dimension outerStride().
+      transpose_copy(x.derived().data(), x.outerStride(), x.cols(), x.rows(), dst.data(),
+                     dst.outerStride());
+      return;
+    }
+  }
+  dst = x;
+}
+
+// Whether copy_rows transposes: maps that evaluate f(x) in one pass for other inputs take
+// the copy-then-transform path for these.
+template <class Derived>
+inline constexpr bool is_row_major_memory_v =
+    bool(std::decay_t<Derived>::IsRowMajor) &&
+    (int(std::decay_t<Derived>::Flags) & Eigen::DirectAccessBit) != 0;
 
 // The largest block of rows a built-in map processes at once; its per-row scratch lives on
 // the stack, so the maps never allocate.

@@ -27,6 +27,7 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
   using Scalar = typename DQ::Scalar;
   static_check_feature_map<Phi, Scalar>();
   check_qkv(function, Q, K, V, /*causal=*/false);
+  check_feature_map(function, phi, Q.cols());
   check_output(function, out, Q.rows(), V.cols());
   auto& dst = writable(out);
   const Nested<DQ> q(Q.derived());

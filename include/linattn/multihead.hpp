@@ -153,6 +153,7 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
                     const ParallelOptions& par) {
   static_check_feature_map<Phi, typename DQ::Scalar>();
   const auto [D, M] = check_heads(fn, Q, K, V, heads, false);
+  check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
   check_output(fn, out, Q.rows(), V.cols());
   check_offsets(fn, "q_offsets", q_offsets, q_count, Q.rows());
   check_offsets(fn, "k_offsets", k_offsets, k_count, K.rows());
@@ -179,6 +180,7 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   using Scalar = typename DQ::Scalar;
   static_check_feature_map<Phi, Scalar>();
   const auto [D, M] = check_heads(fn, Q, K, V, heads, true);
+  check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
   check_output(fn, out, Q.rows(), V.cols());
   check_offsets(fn, "offsets", offsets, count, Q.rows());
   if (options.chunk_size < 0)

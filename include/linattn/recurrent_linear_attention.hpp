@@ -72,6 +72,7 @@ class RecurrentLinearAttention {
   RecurrentLinearAttention(Index key_dim, Index value_dim, FeatureMap phi = FeatureMap{})
       : phi_(std::move(phi)), key_dim_(key_dim), value_dim_(value_dim) {
     detail::check_dims("RecurrentLinearAttention", key_dim, value_dim);
+    detail::check_feature_map("RecurrentLinearAttention", phi_, key_dim);
     const Index F = phi_.feature_dim(key_dim);
     state_ = State(F, value_dim, normalizes_keys_per_feature_v<FeatureMap>);
     q_.resize(1, key_dim);
@@ -208,6 +209,7 @@ class LinearCrossAttention {
   LinearCrossAttention(Index key_dim, Index value_dim, FeatureMap phi = FeatureMap{})
       : phi_(std::move(phi)), key_dim_(key_dim), value_dim_(value_dim) {
     detail::check_dims("LinearCrossAttention", key_dim, value_dim);
+    detail::check_feature_map("LinearCrossAttention", phi_, key_dim);
     state_ = State(phi_.feature_dim(key_dim), value_dim, normalizes_keys_per_feature_v<FeatureMap>);
     q_.resize(1, key_dim);
     pq_.resize(1, state_.S.rows());

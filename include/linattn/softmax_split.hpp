@@ -49,8 +49,8 @@ struct SoftmaxSplit {
     for (Index r0 = 0; r0 < x.rows(); r0 += detail::kMapRowBlock) {
       const Index n = std::min(detail::kMapRowBlock, x.rows() - r0);
       auto p = phi.middleRows(r0, n);
-      scratch = x.middleRows(r0, n).rowwise().maxCoeff();
-      p = x.middleRows(r0, n);
+      detail::copy_rows(x.middleRows(r0, n), p);  // row-major inputs: packet transposes
+      scratch = p.rowwise().maxCoeff();
       detail::exp_shifted_rows(p, scratch);
       scratch = p.rowwise().sum().cwiseInverse();
       p.array().colwise() *= scratch.array();

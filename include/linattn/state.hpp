@@ -103,6 +103,7 @@ namespace detail {
 template <class Scalar, class Phi>
 void prepare_state(const char* function, LinearAttentionState<Scalar>& st, const Phi& phi,
                    Index key_dim, Index value_dim) {
+  check_feature_map(function, phi, key_dim);
   const Index F = phi.feature_dim(key_dim);
   const bool per_feature = normalizes_keys_per_feature_v<Phi>;
   if (st.empty()) {

@@ -1,6 +1,7 @@
 /// \file detail/fast_exp.hpp
-/// \brief Fast exp on (-∞, 0] for float packets: the EluPlusOne functor and the shifted
-/// exponentials of softmax (internal).
+/// \brief exp on (-∞, 0] for packets (a fast float path on AVX2 / AVX-512): the EluPlusOne
+/// functor and the shifted exponentials of softmax, whose scalar and packet paths agree bit
+/// for bit (internal).
 #pragma once
 
 #include <Eigen/Core>
@@ -35,44 +36,8 @@ EIGEN_STRONG_INLINE Packet pexp_nonpositive_clamped(const Packet& y) {
   return pmul(p, preinterpret<Packet>(plogical_shift_left<23>(biased)));
 }
 
-// φ(x) = exp(min(x, 0)) + max(x, 0), the EluPlusOne map. The argument of exp is clamped at -87
-// so that 2^m stays a normal number: features of inputs below -87 are exp(-87) ≈ 1.6e-38
-// instead of a denormal, a difference far below the denominator guard.
-template <class Scalar>
-struct elu_plus_one_op {
-  Scalar operator()(const Scalar& x) const {
-    return std::exp(x < Scalar(0) ? x : Scalar(0)) + (x > Scalar(0) ? x : Scalar(0));
-  }
-
-  template <class Packet>
-  Packet packetOp(const Packet& x) const {
-    using namespace Eigen::internal;
-    const Packet zero = pzero(x);
-    const Packet y = pmax(pmin(x, zero), pset1<Packet>(-87.0f));
-    return padd(pexp_nonpositive_clamped(y), pmax(x, zero));
-  }
-};
-
-// exp(x) for x <= 0, the shifted scores of a softmax (x - max): below -87 the result is 0
-// (exp would be a denormal there, under 1.6e-38 of the largest term, which is 1), so that the
-// -inf of a masked score gives exactly 0. NaN stays NaN.
-template <class Scalar>
-struct exp_nonpositive_op {
-  Scalar operator()(const Scalar& x) const { return std::exp(x); }
-
-  template <class Packet>
-  Packet packetOp(const Packet& x) const {
-    using namespace Eigen::internal;
-    const Packet zero = pzero(x);
-    const Packet lo = pset1<Packet>(-87.0f);
-    const Packet r = pexp_nonpositive_clamped(pmax(pmin(x, zero), lo));
-    // x - x is 0, or NaN for a NaN (or infinite) x; -inf is caught by the comparison first.
-    return pselect(pcmp_lt(x, lo), zero, padd(r, psub(x, x)));
-  }
-};
-
-// Whether the packet paths above are used: float with AVX2 or AVX-512 (where every primitive
-// they need is known to exist); elsewhere the kernels use Eigen's own vectorised exp.
+// Whether the fast float exp above is used: float with AVX2 or AVX-512 (where every primitive
+// it needs is known to exist); elsewhere Eigen's generic pexp_float / pexp_double.
 #if defined(EIGEN_VECTORIZE_AVX2) && !defined(EIGEN_DONT_VECTORIZE)
 template <class Scalar>
 inline constexpr bool use_fast_elu_v = std::is_same_v<Scalar, float>;
@@ -80,6 +45,88 @@ inline constexpr bool use_fast_elu_v = std::is_same_v<Scalar, float>;
 template <class Scalar>
 inline constexpr bool use_fast_elu_v = false;
 #endif
+
+// The lowest argument given to the packet exp: 2^m stays a normal number, so that no packet
+// path has to handle denormals. exp(-87) ≈ 1.6e-38 (float), exp(-708) ≈ 3.3e-308 (double).
+template <class Scalar>
+constexpr Scalar exp_arg_floor() noexcept {
+  return std::is_same_v<Scalar, float> ? Scalar(-87) : Scalar(-708);
+}
+
+// exp(y) for a packet y in [exp_arg_floor, 0]. Every operation is exact or correctly rounded
+// lane by lane (FMA or not per build, uniformly), so a lane's result does not depend on the
+// packet width. Eigen's own pexp<Packet16f> is a different polynomial from its Packet8f one:
+// the generic pexp_float is called directly for that reason.
+template <class Packet>
+EIGEN_STRONG_INLINE Packet pexp_nonpositive(const Packet& y) {
+  using S = typename Eigen::internal::unpacket_traits<Packet>::type;
+  if constexpr (use_fast_elu_v<S>)
+    return pexp_nonpositive_clamped(y);
+  else if constexpr (std::is_same_v<S, float>)
+    return Eigen::internal::pexp_float(y);
+  else
+    return Eigen::internal::pexp_double(y);
+}
+
+// The scalar operator() of the functors below: the packet code on a broadcast packet, first
+// lane. Eigen maps the unaligned head and the tail of every column (and a row shorter than a
+// packet) with operator(), the rest with packetOp; computing both the same way keeps every
+// feature independent of its position (and of the input's layout) bit for bit. `fallback`
+// serves builds without vectorisation, where operator() is the only path.
+template <class Scalar, class Op, class Fallback>
+EIGEN_STRONG_INLINE Scalar scalar_via_packet(const Op& op, const Scalar& x, const Fallback& fallback) {
+  using namespace Eigen::internal;
+  using Packet = typename packet_traits<Scalar>::type;
+  if constexpr (bool(packet_traits<Scalar>::Vectorizable) && packet_traits<Scalar>::size > 1)
+    return pfirst(op.packetOp(pset1<Packet>(x)));
+  else
+    return fallback(x);
+}
+
+// φ(x) = exp(min(x, 0)) + max(x, 0), the EluPlusOne map. The argument of exp is clamped at
+// exp_arg_floor: features of inputs below -87 (float) are exp(-87) ≈ 1.6e-38 instead of a
+// denormal, a difference far below the denominator guard. NaN stays NaN; -inf maps to
+// exp(-87), +inf to +inf.
+template <class Scalar>
+struct elu_plus_one_op {
+  Scalar operator()(const Scalar& x) const {
+    return scalar_via_packet(*this, x, [](const Scalar& v) {
+      const Scalar y = v < Scalar(0) ? v : Scalar(0);
+      return std::exp(y > exp_arg_floor<Scalar>() ? y : exp_arg_floor<Scalar>()) +
+             (v > Scalar(0) ? v : Scalar(0));
+    });
+  }
+
+  template <class Packet>
+  EIGEN_STRONG_INLINE Packet packetOp(const Packet& x) const {
+    using namespace Eigen::internal;
+    const Packet zero = pzero(x);
+    const Packet y = pmax(pmin(x, zero), pset1<Packet>(exp_arg_floor<Scalar>()));
+    return padd(pexp_nonpositive(y), pmax(x, zero));
+  }
+};
+
+// exp(x) for x <= 0, the shifted scores of a softmax (x - max): below exp_arg_floor the result
+// is 0 (exp would be a denormal there, under 1.6e-38 of the largest term, which is 1), so that
+// the -inf of a masked score gives exactly 0. NaN stays NaN.
+template <class Scalar>
+struct exp_nonpositive_op {
+  Scalar operator()(const Scalar& x) const {
+    return scalar_via_packet(*this, x, [](const Scalar& v) {
+      return v < exp_arg_floor<Scalar>() ? Scalar(0) : std::exp(v);
+    });
+  }
+
+  template <class Packet>
+  EIGEN_STRONG_INLINE Packet packetOp(const Packet& x) const {
+    using namespace Eigen::internal;
+    const Packet zero = pzero(x);
+    const Packet lo = pset1<Packet>(exp_arg_floor<Scalar>());
+    const Packet r = pexp_nonpositive(pmax(pmin(x, zero), lo));
+    // x - x is 0, or NaN for a NaN (or infinite) x; -inf is caught by the comparison first.
+    return pselect(pcmp_lt(x, lo), zero, padd(r, psub(x, x)));
+  }
+};
 
 // x(:, j) <- exp(x(:, j) - shift) for every column j of a column-major x, with shift a vector
 // of x.rows() entries (each row has its own shift, at most its maximum, so every argument is
@@ -118,14 +165,14 @@ template <class Scalar>
 struct functor_traits<linattn::detail::elu_plus_one_op<Scalar>> {
   enum {
     Cost = 20 * NumTraits<Scalar>::AddCost,
-    PacketAccess = linattn::detail::use_fast_elu_v<Scalar>,
+    PacketAccess = packet_traits<Scalar>::Vectorizable && packet_traits<Scalar>::HasExp,
   };
 };
 template <class Scalar>
 struct functor_traits<linattn::detail::exp_nonpositive_op<Scalar>> {
   enum {
     Cost = 20 * NumTraits<Scalar>::AddCost,
-    PacketAccess = linattn::detail::use_fast_elu_v<Scalar>,
+    PacketAccess = packet_traits<Scalar>::Vectorizable && packet_traits<Scalar>::HasExp,
   };
 };
 }  // namespace Eigen::internal
