@@ -23,6 +23,11 @@
 ///   is the query side. The key features are then the D columns of K themselves, so such a
 ///   map must have `feature_dim(D) == D`: every entry point that takes a map checks it and
 ///   throws std::invalid_argument otherwise.
+/// - *optional* `static constexpr bool nonnegative_features = true`: promises that every
+///   feature is >= 0 (as for EluPlusOne), so that denominators are sums of non-negative terms
+///   and cannot cancel. Without it the kernels also treat a denominator that is only rounding
+///   noise against the magnitude of its terms as 0 (the row is then 0; docs/SPEC.md §2), an
+///   O(F) test per row.
 ///
 /// A user map is checked at compile time by every kernel with a readable message:
 /// \code
