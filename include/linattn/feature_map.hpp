@@ -104,6 +104,19 @@ inline constexpr bool normalizes_keys_per_feature_v = detail::per_feature_flag<P
 
 namespace detail {
 
+// Maps that declare `static constexpr bool nonnegative_features = true` (EluPlusOne) and the
+// per-feature key softmax (SoftmaxSplit) have denominators that are sums of non-negative terms,
+// computed to a few ulps: they never cancel. Every other map (NormalizedCosine, user maps) may
+// have features of both signs, and a denominator that cancels to rounding noise.
+template <class Phi, class = void>
+struct declares_nonnegative : std::false_type {};
+template <class Phi>
+struct declares_nonnegative<Phi, std::void_t<decltype(Phi::nonnegative_features)>>
+    : std::bool_constant<Phi::nonnegative_features> {};
+template <class Phi>
+inline constexpr bool may_cancel_v =
+    !declares_nonnegative<Phi>::value && !normalizes_keys_per_feature_v<Phi>;
+
 template <class Phi, class Scalar>
 constexpr void static_check_feature_map() {
   static_assert(detail::has_feature_dim<Phi, Scalar>::value,

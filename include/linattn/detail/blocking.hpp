@@ -9,7 +9,6 @@
 #include <type_traits>
 
 #include "../common.hpp"
-#include "../feature_map.hpp"
 
 namespace linattn::detail {
 
@@ -112,19 +111,6 @@ void copy_from_row_major(const Scalar* src, Index rows, Index cols, Dst&& dst) {
   using RowMajor = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   dst = Eigen::Map<const RowMajor>(src, rows, cols);
 }
-
-// Maps that declare `static constexpr bool nonnegative_features = true` (EluPlusOne) and the
-// per-feature key softmax (SoftmaxSplit) have denominators that are sums of non-negative terms,
-// computed to a few ulps: they never cancel. Every other map (NormalizedCosine, user maps) may
-// have features of both signs, and a denominator that cancels to rounding noise.
-template <class Phi, class = void>
-struct declares_nonnegative : std::false_type {};
-template <class Phi>
-struct declares_nonnegative<Phi, std::void_t<decltype(Phi::nonnegative_features)>>
-    : std::bool_constant<Phi::nonnegative_features> {};
-template <class Phi>
-inline constexpr bool may_cancel_v =
-    !declares_nonnegative<Phi>::value && !normalizes_keys_per_feature_v<Phi>;
 
 // A denominator den = φ(q)·z whose terms have total magnitude scale = |φ(q)|·|z| is rounding
 // noise when den <= 4·F·u·scale (u the unit roundoff): that happens only when the similarities
