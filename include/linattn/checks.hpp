@@ -277,6 +277,7 @@ inline bool regions_overlap(const MemoryRegion& A, const MemoryRegion& B) {
       const I64 T = a_out.count > 1 ? a_out.stride : (b_out.count > 1 ? b_out.stride : 1);
       const overlap::SharedStride s{T, a_in, b_in, a_out.count, b_out.count};
       const double cost = double(s.cost(d, lo, hi));
+      if (cost <= 3) return s.overlaps(d, lo, hi);  // the usual case: look no further
       if (best < 0 || cost < best) {
         best = cost;
         enumerate = false;
