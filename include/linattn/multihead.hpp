@@ -212,7 +212,9 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 /// out. No input is copied; (sequence, head) pairs run in parallel. Equal to per-head,
 /// per-sequence linear_attention() calls; allocation-free with a reused MultiHeadWorkspace.
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
-///            std::invalid_argument; see linear_attention() for expression operands).
+///            std::invalid_argument). An expression operand is not checked and, unlike in
+///            linear_attention(), must not read `out`'s memory even if it is a product: each
+///            head evaluates its slice of it while other heads write.
 /// \throws std::invalid_argument on inconsistent shapes or offsets, or an overlapping `out`.
 /// \code
 /// // Two sequences of 100 and 28 tokens, packed one after the other, 8 heads of D = M = 64.
@@ -235,7 +237,9 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
 /// \brief Causal linear attention over B packed sequences (rows [offsets[b], offsets[b+1]))
 /// and H heads, each sequence starting from an empty state. See batched_linear_attention().
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
-///            std::invalid_argument; see linear_attention() for expression operands).
+///            std::invalid_argument). An expression operand is not checked and, unlike in
+///            linear_attention(), must not read `out`'s memory even if it is a product: each
+///            head evaluates its slice of it while other heads write.
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                      const Eigen::MatrixBase<DK>& K,
@@ -252,7 +256,9 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \brief Multi-head non-causal linear attention: Q N x (H·D), K L x (H·D), V L x (H·M),
 /// out N x (H·M), heads side by side; allocation-free with a reused MultiHeadWorkspace.
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
-///            std::invalid_argument; see linear_attention() for expression operands).
+///            std::invalid_argument). An expression operand is not checked and, unlike in
+///            linear_attention(), must not read `out`'s memory even if it is a product: each
+///            head evaluates its slice of it while other heads write.
 /// \code
 /// linattn::MultiHeadWorkspace<float> ws;
 /// Eigen::MatrixXf out(N, 8 * 64);
@@ -284,7 +290,9 @@ Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<D
 
 /// \brief Multi-head causal linear attention (each head from an empty state).
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
-///            std::invalid_argument; see linear_attention() for expression operands).
+///            std::invalid_argument). An expression operand is not checked and, unlike in
+///            linear_attention(), must not read `out`'s memory even if it is a product: each
+///            head evaluates its slice of it while other heads write.
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void multihead_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                        const Eigen::MatrixBase<DK>& K,
@@ -335,7 +343,9 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 
 /// \brief Multi-head softmax attention over the packed layout (heads in parallel).
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
-///            std::invalid_argument; see linear_attention() for expression operands).
+///            std::invalid_argument). An expression operand is not checked and, unlike in
+///            linear_attention(), must not read `out`'s memory even if it is a product: each
+///            head evaluates its slice of it while other heads write.
 template <class DQ, class DK, class DV, class DOut>
 void multihead_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                  const Eigen::MatrixBase<DV>& V, Index heads,
@@ -361,7 +371,9 @@ Matrix<typename DQ::Scalar> multihead_softmax_attention(
 
 /// \brief Multi-head causal softmax attention over the packed layout.
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
-///            std::invalid_argument; see linear_attention() for expression operands).
+///            std::invalid_argument). An expression operand is not checked and, unlike in
+///            linear_attention(), must not read `out`'s memory even if it is a product: each
+///            head evaluates its slice of it while other heads write.
 template <class DQ, class DK, class DV, class DOut>
 void multihead_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q,
                                         const Eigen::MatrixBase<DK>& K,
