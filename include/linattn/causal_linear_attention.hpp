@@ -298,6 +298,7 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
   check_qkv(function, Q, K, V, /*causal=*/true);
   check_feature_map(function, phi, Q.cols());
   check_output(function, out, Q.rows(), V.cols());
+  check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
   if (opts.chunk_size < 0)
     throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
                                 std::to_string(opts.chunk_size));
@@ -357,8 +358,10 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
 /// buffer: working memory is O(C·(C+F+M) + F·M).
 ///
 /// \param Q, K N x D; \param V N x M (N == L). Any Eigen expression.
+/// \param out N x M; must not overlap Q, K, V (checked: std::invalid_argument;
+///             see linear_attention() for expression operands).
 /// \throws std::invalid_argument on mismatched shapes, N ≠ L, D == 0, a state of the wrong
-/// shape, an output that is not N x M, or a negative chunk size.
+/// shape, an output that is not N x M or that overlaps Q, K or V, or a negative chunk size.
 /// \code
 /// linattn::LinearAttentionState<float> state;  // empty: start from zero
 /// linattn::Workspace<float> ws;
@@ -410,6 +413,8 @@ Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>&
 /// a masked position adds nothing to the state, but its query still reads the state (a
 /// query that has seen no key gets a zero row). Causality plus a key mask is what linear
 /// attention can express: masks must factor through positions, not be arbitrary N x N.
+/// \param out N x M; must not overlap Q, K, V or key_mask (checked: std::invalid_argument;
+///            see linear_attention() for expression operands).
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                     const Eigen::MatrixBase<DK>& K,
@@ -420,6 +425,7 @@ void masked_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                     Workspace<typename DQ::Scalar>& ws,
                                     const CausalOptions& options = {}) {
   detail::check_key_mask("masked_causal_linear_attention", key_mask, K.rows());
+  detail::check_no_overlap("masked_causal_linear_attention", out, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
   const auto keep = [&mask](Index j) { return bool(mask(j)); };
   detail::causal_linear_attention_impl("masked_causal_linear_attention", Q, K, V, phi, keep,

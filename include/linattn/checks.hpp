@@ -5,6 +5,8 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
+#include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -76,6 +78,252 @@ void check_key_mask(const char* function, const Eigen::DenseBase<DMask>& mask, I
   if (mask.size() != L || (mask.rows() != 1 && mask.cols() != 1))
     throw_invalid(function, "the key mask is " + shape_of(mask) + " but must be a vector of " +
                                 std::to_string(L) + " entries, one per key");
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Overlap of an output with an input. Every kernel reads its inputs while it writes its
+// output, in an order that differs between algorithms, so an output sharing memory with an
+// input gives wrong results in some algorithms and right ones in others; the entry points
+// reject it. The test is exact for strided 2-D views, because packed multi-head callers pass
+// disjoint column blocks of one buffer that interleave in memory (row i of Q lies between
+// rows i - 1 and i + 1 of `out`): an address-interval test would reject them.
+// Only addresses as integers are compared (never pointers into different objects).
+// ---------------------------------------------------------------------------------------------
+
+// count elements `stride` bytes apart; count 1 has stride 0, and strides are never negative.
+struct MemoryGenerator {
+  std::int64_t stride = 0, count = 1;
+};
+
+// The bytes base + i·g[0].stride + j·g[1].stride + [0, width) for i < g[0].count, j < g[1].count.
+struct MemoryRegion {
+  std::uintptr_t base = 0;
+  std::int64_t width = 1;
+  MemoryGenerator g[2];
+  bool known = false;  // false: an expression without memory of its own (cannot be checked)
+  bool empty = true;
+  std::int64_t extent() const { return g[0].stride * (g[0].count - 1) + g[1].stride * (g[1].count - 1) + width; }
+};
+
+// Builds the region of `count` elements `stride` bytes apart along each of two directions
+// (strides may be negative, as in a Map with a negative Stride: the set of bytes is the same
+// as with the opposite stride from the other end).
+inline MemoryRegion make_memory_region(std::uintptr_t base, std::int64_t width,
+                                       std::int64_t stride0, std::int64_t count0,
+                                       std::int64_t stride1, std::int64_t count1) {
+  MemoryRegion r;
+  r.known = true;
+  r.width = width;
+  r.empty = count0 <= 0 || count1 <= 0;
+  if (r.empty) return r;
+  const std::int64_t strides[2] = {stride0, stride1}, counts[2] = {count0, count1};
+  for (int k = 0; k < 2; ++k) {
+    if (counts[k] == 1 || strides[k] == 0) continue;  // one address along this direction
+    std::int64_t s = strides[k];
+    if (s < 0) {
+      s = -s;
+      base -= static_cast<std::uintptr_t>(s * (counts[k] - 1));
+    }
+    r.g[k] = {s, counts[k]};
+  }
+  r.base = base;
+  return r;
+}
+
+// The memory of an Eigen operand: its storage if it has direct access (a matrix, Block, Map,
+// Ref, Transpose of one, ...), else an unknown region.
+template <class Derived>
+MemoryRegion memory_region(const Eigen::DenseBase<Derived>& x) {
+  if constexpr ((int(Derived::Flags) & Eigen::DirectAccessBit) != 0) {
+    const auto& d = x.derived();
+    const std::int64_t w = sizeof(typename Derived::Scalar);
+    return make_memory_region(reinterpret_cast<std::uintptr_t>(d.data()), w,
+                              static_cast<std::int64_t>(d.innerStride()) * w,
+                              static_cast<std::int64_t>(d.innerSize()),
+                              static_cast<std::int64_t>(d.outerStride()) * w,
+                              static_cast<std::int64_t>(d.outerSize()));
+  } else {
+    (void)x;
+    return MemoryRegion{};
+  }
+}
+
+namespace overlap {
+
+using I64 = std::int64_t;
+
+inline I64 floor_div(I64 a, I64 b) {  // b > 0
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+inline I64 ceil_div(I64 a, I64 b) { return -floor_div(-a, b); }
+inline I64 mod(I64 a, I64 m) { return a - floor_div(a, m) * m; }
+inline I64 gcd(I64 a, I64 b) {
+  while (b != 0) {
+    const I64 t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+// x·y mod m for 0 <= x, y < m, without overflow.
+inline I64 mul_mod(I64 x, I64 y, I64 m) {
+  if (m <= (I64(1) << 31)) return x * y % m;
+  I64 r = 0;
+  for (; y > 0; y >>= 1, x = (x + x) % m)
+    if (y & 1) r = (r + x) % m;
+  return r;
+}
+// The inverse of a modulo m (gcd(a, m) == 1, m > 1).
+inline I64 inverse_mod(I64 a, I64 m) {
+  I64 r0 = m, r1 = mod(a, m), s0 = 0, s1 = 1;
+  while (r1 != 0) {
+    const I64 q = r0 / r1, r2 = r0 - q * r1, s2 = s0 - q * s1;
+    r0 = r1;
+    r1 = r2;
+    s0 = s1;
+    s1 = s2;
+  }
+  return mod(s0, m);
+}
+
+// Is there i < a.count, k < c.count with i·a.stride − k·c.stride = t?
+inline bool solve_pair(MemoryGenerator a, MemoryGenerator c, I64 t) {
+  if (a.count == 1) a.stride = 0;
+  if (c.count == 1) c.stride = 0;
+  if (a.stride == 0 && c.stride == 0) return t == 0;
+  if (a.stride == 0) return t <= 0 && (-t) % c.stride == 0 && (-t) / c.stride < c.count;
+  if (c.stride == 0) return t >= 0 && t % a.stride == 0 && t / a.stride < a.count;
+  const I64 g = gcd(a.stride, c.stride);
+  if (t % g != 0) return false;
+  const I64 ap = a.stride / g, cp = c.stride / g, tp = t / g;
+  // k = (i·ap − tp) / cp in [0, c.count) bounds i; the congruence i·ap ≡ tp (mod cp) picks it.
+  const I64 lo = std::max<I64>(0, ceil_div(tp, ap));
+  const I64 hi = std::min<I64>(a.count - 1, floor_div(tp + (c.count - 1) * cp, ap));
+  if (lo > hi) return false;
+  if (cp == 1) return true;
+  const I64 r = mul_mod(mod(tp, cp), inverse_mod(ap, cp), cp);
+  return lo + mod(r - lo, cp) <= hi;
+}
+
+// A = d + {i·a} + {j·T : j < ma}, B = {k·c} + {l·T : l < mb} (i < a.count, k < c.count): is
+// there a byte of A and a byte of B in common, i.e. d + i·a − k·c + (j − l)·T in [lo, hi]?
+// Loops over the e = j − l whose row offsets can reach [lo, hi]: a few when T is the larger
+// stride, as the caller arranges.
+struct SharedStride {
+  I64 T;
+  MemoryGenerator a, c;
+  I64 ma, mb;
+  I64 xmin() const { return -(c.stride * (c.count - 1)); }
+  I64 xmax() const { return a.stride * (a.count - 1); }
+  I64 e_lo(I64 d, I64 lo) const { return std::max(-(mb - 1), ceil_div(lo - d - xmax(), T)); }
+  I64 e_hi(I64 d, I64 hi) const { return std::min(ma - 1, floor_div(hi - d - xmin(), T)); }
+  I64 cost(I64 d, I64 lo, I64 hi) const { return std::max<I64>(0, e_hi(d, hi) - e_lo(d, lo) + 1); }
+  bool overlaps(I64 d, I64 lo, I64 hi) const {
+    const I64 g = gcd(a.count > 1 ? a.stride : 0, c.count > 1 ? c.stride : 0);
+    for (I64 e = e_lo(d, lo), e_end = e_hi(d, hi); e <= e_end; ++e) {
+      const I64 t_lo = std::max(lo - d - e * T, xmin()), t_hi = std::min(hi - d - e * T, xmax());
+      for (I64 t = g > 1 ? ceil_div(t_lo, g) * g : t_lo; t <= t_hi; t += std::max<I64>(g, 1))
+        if (solve_pair(a, c, t)) return true;
+    }
+    return false;
+  }
+};
+
+}  // namespace overlap
+
+/// Exact: do two regions share a byte? False when either is empty or unknown. O(1) when the
+/// regions share a stride (blocks of one matrix, vectors in one) or are far apart; otherwise
+/// O(number of rows or columns in the overlapping address range).
+inline bool regions_overlap(const MemoryRegion& A, const MemoryRegion& B) {
+  using overlap::I64;
+  if (!A.known || !B.known || A.empty || B.empty) return false;
+  // Disjoint address ranges (the common case of separate buffers).
+  if (A.base >= B.base ? A.base - B.base >= static_cast<std::uintptr_t>(B.extent())
+                       : B.base - A.base >= static_cast<std::uintptr_t>(A.extent()))
+    return false;
+  const I64 d = A.base >= B.base ? static_cast<I64>(A.base - B.base)
+                                 : -static_cast<I64>(B.base - A.base);
+  // Byte x of A and byte y of B meet when (element start of A) − (element start of B) lies
+  // in [lo, hi].
+  const I64 lo = -(A.width - 1), hi = B.width - 1;
+  // Each region is an inner direction plus an outer one (rows); try both assignments on each
+  // side and run the cheapest: a shared outer stride T makes the search O(1); otherwise the
+  // lines of one region are tried one by one against the other.
+  double best = -1;
+  overlap::SharedStride best_shared{};
+  bool enumerate = false;
+  int best_ia = 0, best_ib = 0;
+  bool lines_of_a = true;
+  for (int ia = 0; ia < 2; ++ia) {
+    for (int ib = 0; ib < 2; ++ib) {
+      const MemoryGenerator a_in = A.g[ia], a_out = A.g[1 - ia];
+      const MemoryGenerator b_in = B.g[ib], b_out = B.g[1 - ib];
+      if (a_out.count > 1 && b_out.count > 1 && a_out.stride != b_out.stride) {
+        // Lines of A against B (outer stride b_out), or lines of B against A.
+        const double span = double(A.extent()) + double(B.extent());
+        const double cost_a = double(a_out.count) * (span / double(b_out.stride) + 2);
+        const double cost_b = double(b_out.count) * (span / double(a_out.stride) + 2);
+        const double cost = std::min(cost_a, cost_b);
+        if (best < 0 || cost < best) {
+          best = cost;
+          enumerate = true;
+          best_ia = ia;
+          best_ib = ib;
+          lines_of_a = cost_a <= cost_b;
+        }
+        continue;
+      }
+      const I64 T = a_out.count > 1 ? a_out.stride : (b_out.count > 1 ? b_out.stride : 1);
+      const overlap::SharedStride s{T, a_in, b_in, a_out.count, b_out.count};
+      const double cost = double(s.cost(d, lo, hi));
+      if (cost <= 3) return s.overlaps(d, lo, hi);  // the usual case: look no further
+      if (best < 0 || cost < best) {
+        best = cost;
+        enumerate = false;
+        best_shared = s;
+      }
+    }
+  }
+  if (!enumerate) return best_shared.overlaps(d, lo, hi);
+  // Lines of X (one row of X at a time, as a region with one outer row) against Y.
+  const MemoryRegion& X = lines_of_a ? A : B;
+  const MemoryRegion& Y = lines_of_a ? B : A;
+  const int ix = lines_of_a ? best_ia : best_ib, iy = lines_of_a ? best_ib : best_ia;
+  const I64 dx = lines_of_a ? d : -d;  // offset of X from Y
+  const I64 xlo = lines_of_a ? lo : -hi, xhi = lines_of_a ? hi : -lo;
+  const MemoryGenerator x_in = X.g[ix], x_out = X.g[1 - ix], y_in = Y.g[iy], y_out = Y.g[1 - iy];
+  const overlap::SharedStride s{y_out.stride, x_in, y_in, 1, y_out.count};
+  // Only the lines whose bytes meet Y's address range.
+  const I64 line_bytes = x_in.stride * (x_in.count - 1) + X.width;
+  const I64 j_lo = std::max<I64>(0, overlap::floor_div(-dx - line_bytes, x_out.stride) + 1);
+  const I64 j_hi = std::min<I64>(x_out.count - 1, overlap::floor_div(Y.extent() - 1 - dx, x_out.stride));
+  for (I64 j = j_lo; j <= j_hi; ++j)
+    if (s.overlaps(dx + j * x_out.stride, xlo, xhi)) return true;
+  return false;
+}
+
+/// Do two Eigen operands share memory? False when either has no memory of its own.
+template <class DA, class DB>
+bool memory_overlaps(const Eigen::DenseBase<DA>& a, const Eigen::DenseBase<DB>& b) {
+  return regions_overlap(memory_region(a), memory_region(b));
+}
+
+// Rejects an output that shares memory with an input: check_no_overlap(function, out,
+// "Q", Q, "K", K, "V", V) throws std::invalid_argument naming the first input it overlaps.
+// Inputs without memory of their own (lazy expressions) cannot be checked; see the \param out
+// of linear_attention().
+template <class DOut>
+void check_no_overlap(const char*, const Eigen::DenseBase<DOut>&) {}
+
+template <class DOut, class DIn, class... Rest>
+void check_no_overlap(const char* function, const Eigen::DenseBase<DOut>& out, const char* name,
+                      const Eigen::DenseBase<DIn>& in, const Rest&... rest) {
+  if (memory_overlaps(out, in))
+    throw_invalid(function, std::string("the output overlaps the memory of ") + name + " (out is " +
+                                shape_of(out) + ", " + name + " is " + shape_of(in) +
+                                "); write into a separate buffer");
+  check_no_overlap(function, out, rest...);
 }
 
 }  // namespace linattn::detail

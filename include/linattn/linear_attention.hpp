@@ -29,6 +29,7 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
   check_qkv(function, Q, K, V, /*causal=*/false);
   check_feature_map(function, phi, Q.cols());
   check_output(function, out, Q.rows(), V.cols());
+  check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
   auto& dst = writable(out);
   const Nested<DQ> q(Q.derived());
   const Nested<DK> k(K.derived());
@@ -70,9 +71,19 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
 /// \param Q    N x D queries; \param K L x D keys; \param V L x M values. N ≠ L is allowed
 ///             (cross-attention). Any Eigen expression: blocks, Maps, row-major storage.
 /// \param phi  the feature map (see feature_map.hpp).
-/// \param out  N x M destination (a matrix, block or Map); it must not alias Q, K or V.
+/// \param out  N x M destination (a matrix, Block, Map or Ref); must not overlap Q, K, V
+///             (checked: std::invalid_argument). Disjoint blocks of one buffer are fine even
+///             when they interleave in memory, as Q, K, V and out of the packed multi-head
+///             layout (column blocks of one row-major matrix) do. An operand that is an
+///             expression rather than memory cannot be checked: a matrix product (`X * W`) is
+///             evaluated into a temporary before `out` is written, so it may read `out`'s
+///             memory; any other expression (`2 * V`, `A + B`, `V.reverse()`,
+///             `d.asDiagonal() * V`) is read while `out` is being written and must not read
+///             `out`'s memory (`.eval()` it first). Likewise an `out` that is an expression
+///             (`buf.reverse()`) is not checked.
 /// \param ws   scratch memory reused across calls.
-/// \throws std::invalid_argument if the shapes disagree, D == 0, or `out` is not N x M.
+/// \throws std::invalid_argument if the shapes disagree, D == 0, `out` is not N x M, or `out`
+/// overlaps Q, K or V.
 ///
 /// With no keys (L = 0) every output row is 0; with no queries (N = 0) nothing is written.
 /// Non-finite inputs give unspecified (possibly non-finite) values, never undefined behaviour.
@@ -112,6 +123,9 @@ Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// `key_mask(j)` is true; a masked key contributes nothing (as if it were removed). A query
 /// that sees no key gets a zero row.
 ///
+/// \param out N x M; must not overlap Q, K, V or key_mask (checked: std::invalid_argument;
+///            see linear_attention() for expression operands).
+///
 /// Linear attention never forms the N x L weights, so only masks that factor through the
 /// keys (or, causally, through positions: see causal_linear_attention) can be applied; an
 /// arbitrary N x L mask cannot be expressed without giving up linear cost.
@@ -126,6 +140,7 @@ void masked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matrix
                              const Eigen::MatrixBase<DOut>& out,
                              Workspace<typename DQ::Scalar>& ws) {
   detail::check_key_mask("masked_linear_attention", key_mask, K.rows());
+  detail::check_no_overlap("masked_linear_attention", out, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
   const auto keep = [&mask](Index j) { return bool(mask(j)); };
   detail::linear_attention_impl("masked_linear_attention", Q, K, V, phi, keep, out, ws);

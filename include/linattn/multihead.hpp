@@ -155,6 +155,7 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   const auto [D, M] = check_heads(fn, Q, K, V, heads, false);
   check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
   check_output(fn, out, Q.rows(), V.cols());
+  check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
   check_offsets(fn, "q_offsets", q_offsets, q_count, Q.rows());
   check_offsets(fn, "k_offsets", k_offsets, k_count, K.rows());
   if (q_count != k_count)
@@ -182,6 +183,7 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const auto [D, M] = check_heads(fn, Q, K, V, heads, true);
   check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
   check_output(fn, out, Q.rows(), V.cols());
+  check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
   check_offsets(fn, "offsets", offsets, count, Q.rows());
   if (options.chunk_size < 0)
     throw_invalid(fn, "chunk_size must be >= 0 (0 = default), got " +
@@ -213,7 +215,11 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 /// k_offsets[b+1]); head h uses columns [h·D, (h+1)·D) of Q and K and [h·M, (h+1)·M) of V and
 /// out. No input is copied; (sequence, head) pairs run in parallel. Equal to per-head,
 /// per-sequence linear_attention() calls; allocation-free with a reused MultiHeadWorkspace.
-/// \throws std::invalid_argument on inconsistent shapes or offsets.
+/// \param out must not overlap Q, K, V (checked once, before any head runs:
+///            std::invalid_argument). An expression operand is not checked and, unlike in
+///            linear_attention(), must not read `out`'s memory even if it is a product: each
+///            head evaluates its slice of it while other heads write.
+/// \throws std::invalid_argument on inconsistent shapes or offsets, or an overlapping `out`.
 /// \code
 /// // Two sequences of 100 and 28 tokens, packed one after the other, 8 heads of D = M = 64.
 /// linattn::MultiHeadWorkspace<float> ws;
@@ -234,6 +240,10 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
 
 /// \brief Causal linear attention over B packed sequences (rows [offsets[b], offsets[b+1]))
 /// and H heads, each sequence starting from an empty state. See batched_linear_attention().
+/// \param out must not overlap Q, K, V (checked once, before any head runs:
+///            std::invalid_argument). An expression operand is not checked and, unlike in
+///            linear_attention(), must not read `out`'s memory even if it is a product: each
+///            head evaluates its slice of it while other heads write.
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                      const Eigen::MatrixBase<DK>& K,
@@ -249,6 +259,10 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 
 /// \brief Multi-head non-causal linear attention: Q N x (H·D), K L x (H·D), V L x (H·M),
 /// out N x (H·M), heads side by side; allocation-free with a reused MultiHeadWorkspace.
+/// \param out must not overlap Q, K, V (checked once, before any head runs:
+///            std::invalid_argument). An expression operand is not checked and, unlike in
+///            linear_attention(), must not read `out`'s memory even if it is a product: each
+///            head evaluates its slice of it while other heads write.
 /// \code
 /// linattn::MultiHeadWorkspace<float> ws;
 /// Eigen::MatrixXf out(N, 8 * 64);
@@ -279,6 +293,10 @@ Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<D
 }
 
 /// \brief Multi-head causal linear attention (each head from an empty state).
+/// \param out must not overlap Q, K, V (checked once, before any head runs:
+///            std::invalid_argument). An expression operand is not checked and, unlike in
+///            linear_attention(), must not read `out`'s memory even if it is a product: each
+///            head evaluates its slice of it while other heads write.
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void multihead_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                        const Eigen::MatrixBase<DK>& K,
@@ -317,6 +335,7 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                        bool causal, const ParallelOptions& par) {
   const auto [D, M] = check_heads(fn, Q, K, V, heads, causal);
   check_output(fn, out, Q.rows(), V.cols());
+  check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
   auto& dst = writable(out);
   parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, int thread) {
     softmax_dispatch(fn, Q.middleCols(h * D, D), K.middleCols(h * D, D), V.middleCols(h * M, M),
@@ -327,6 +346,10 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 }  // namespace detail
 
 /// \brief Multi-head softmax attention over the packed layout (heads in parallel).
+/// \param out must not overlap Q, K, V (checked once, before any head runs:
+///            std::invalid_argument). An expression operand is not checked and, unlike in
+///            linear_attention(), must not read `out`'s memory even if it is a product: each
+///            head evaluates its slice of it while other heads write.
 template <class DQ, class DK, class DV, class DOut>
 void multihead_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                  const Eigen::MatrixBase<DV>& V, Index heads,
@@ -351,6 +374,10 @@ Matrix<typename DQ::Scalar> multihead_softmax_attention(
 }
 
 /// \brief Multi-head causal softmax attention over the packed layout.
+/// \param out must not overlap Q, K, V (checked once, before any head runs:
+///            std::invalid_argument). An expression operand is not checked and, unlike in
+///            linear_attention(), must not read `out`'s memory even if it is a product: each
+///            head evaluates its slice of it while other heads write.
 template <class DQ, class DK, class DV, class DOut>
 void multihead_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q,
                                         const Eigen::MatrixBase<DK>& K,
@@ -394,9 +421,13 @@ class MultiHeadRecurrentLinearAttention {
                             "heads must be positive, got " + std::to_string(heads));
     heads_.reserve(static_cast<std::size_t>(heads));
     for (Index h = 0; h < heads; ++h) heads_.emplace_back(key_dim, value_dim, phi);
+    aliased_out_.resize(heads * value_dim);
   }
 
   /// Consumes one token of every head; no allocation.
+  /// \param out H·M entries; it may share memory with q, k or v (the inputs are read as they
+  ///        were on entry), but an input that is an expression reading `out`'s memory
+  ///        (`2 * out`) must be evaluated first.
   /// \throws std::invalid_argument on wrong sizes.
   template <class DQ, class DK, class DV, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -407,12 +438,14 @@ class MultiHeadRecurrentLinearAttention {
     detail::check_token(fn, "k", k, H * D);
     detail::check_token(fn, "v", v, H * M);
     detail::check_token(fn, "out", out, H * M);
-    auto o = detail::writable(out).reshaped();
-    for (Index h = 0; h < H; ++h)
-      heads_[static_cast<std::size_t>(h)].step(q.reshaped().segment(h * D, D),
-                                               k.reshaped().segment(h * D, D),
-                                               v.reshaped().segment(h * M, M),
-                                               o.segment(h * M, M));
+    // Head h's output may cover inputs of later heads (when M > D): then go through a buffer.
+    if (detail::memory_overlaps(out, q) || detail::memory_overlaps(out, k) ||
+        detail::memory_overlaps(out, v)) {
+      step_heads(q, k, v, aliased_out_);
+      detail::writable(out).reshaped() = aliased_out_;
+    } else {
+      step_heads(q, k, v, detail::writable(out).reshaped());
+    }
   }
 
   /// Consumes one token of every head and returns the H·M outputs.
@@ -435,7 +468,19 @@ class MultiHeadRecurrentLinearAttention {
   const Head& head(Index h) const { return heads_.at(static_cast<std::size_t>(h)); }
 
  private:
+  template <class DQ, class DK, class DV, class O>
+  void step_heads(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                  const Eigen::MatrixBase<DV>& v, O&& o) {
+    const Index D = key_dim(), M = value_dim();
+    for (Index h = 0; h < heads(); ++h)
+      heads_[static_cast<std::size_t>(h)].step(q.reshaped().segment(h * D, D),
+                                               k.reshaped().segment(h * D, D),
+                                               v.reshaped().segment(h * M, M),
+                                               o.segment(h * M, M));
+  }
+
   std::vector<Head> heads_;
+  Vector<Scalar> aliased_out_;  // H·M: the outputs when `out` shares memory with an input
 };
 
 }  // namespace linattn

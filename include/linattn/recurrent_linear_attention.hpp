@@ -87,7 +87,8 @@ class RecurrentLinearAttention {
 
   /// Consumes one token and writes its output (M entries) into `out`, a vector of the
   /// caller's; performs no heap allocation. q, k: key_dim entries; v: value_dim entries
-  /// (row or column vectors, any expression).
+  /// (row or column vectors, any expression). `out` may share memory with q, k or v: all
+  /// three are copied before `out` is written.
   /// \throws std::invalid_argument on a wrong size.
   template <class DQ, class DK, class DV, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
@@ -241,7 +242,8 @@ class LinearCrossAttention {
   }
 
   /// Attends with one query (key_dim entries) over the memory, writing value_dim entries to
-  /// `out`; no allocation. An empty memory gives zeros.
+  /// `out`; no allocation. An empty memory gives zeros. `out` may share memory with q (q is
+  /// copied first).
   template <class DQ, class DOut>
   void query(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DOut>& out) {
     static_assert(std::is_same_v<typename DQ::Scalar, Scalar>,

@@ -138,6 +138,7 @@ void softmax_dispatch(const char* function, const Eigen::MatrixBase<DQ>& Q,
                       bool causal, Workspace<typename DQ::Scalar>& ws) {
   check_qkv(function, Q, K, V, causal);
   check_output(function, out, Q.rows(), V.cols());
+  check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
   auto& dst = writable(out);
   if (K.rows() == 0) {  // no keys: defined as a zero output, like linear attention
     dst.setZero();
@@ -162,7 +163,10 @@ void softmax_dispatch(const char* function, const Eigen::MatrixBase<DQ>& Q,
 /// exact for inputs of magnitude 100. The naive algorithm materialises the N x L scores.
 /// With L = 0 the output is 0.
 ///
-/// \throws std::invalid_argument if the shapes disagree, D == 0, or `out` is not N x M.
+/// \param out N x M; must not overlap Q, K, V (checked: std::invalid_argument;
+///             see linear_attention() for expression operands).
+/// \throws std::invalid_argument if the shapes disagree, D == 0, `out` is not N x M, or `out`
+/// overlaps Q, K or V.
 /// \code
 /// linattn::Workspace<float> ws;
 /// Eigen::MatrixXf out(Q.rows(), V.cols());
@@ -196,6 +200,8 @@ Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& Q,
 
 /// \brief Causal softmax attention: query i attends to keys j <= i (N == L). Same algorithms
 /// and rules as softmax_attention(); tiles entirely above the diagonal are skipped.
+/// \param out N x M; must not overlap Q, K, V (checked: std::invalid_argument;
+///             see linear_attention() for expression operands).
 template <class DQ, class DK, class DV, class DOut>
 void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
