@@ -6,6 +6,7 @@
 #include <Eigen/Core>
 
 #include <cstddef>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "causal_linear_attention.hpp"
 #include "checks.hpp"
 #include "common.hpp"
+#include "detail/result.hpp"
 #include "elu_plus_one.hpp"
 #include "linear_attention.hpp"
 #include "recurrent_linear_attention.hpp"
@@ -92,8 +94,10 @@ inline int thread_id() {
 }
 
 // Runs fn(task, thread) for task in [0, tasks), in parallel when OpenMP is on; thread indexes
-// the workspace and state of ws that the task may use. fn must not throw: every check
-// happens before this point.
+// the workspace and state of ws that the task may use. Every argument check happens before
+// this point, but a task can still run out of memory (a workspace grows on a thread's first
+// task): an exception escaping an OpenMP region calls std::terminate, so the first one is
+// kept, the remaining tasks are skipped and it is rethrown after the region.
 template <class Scalar, class Fn>
 void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<Scalar>& ws,
                     const Fn& fn) {
@@ -104,8 +108,24 @@ void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<
     return;
   }
 #ifdef _OPENMP
+  std::exception_ptr error;
+  bool failed = false;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (Index t = 0; t < tasks; ++t) fn(t, thread_id());
+  for (Index t = 0; t < tasks; ++t) {
+    bool skip;
+#pragma omp atomic read
+    skip = failed;
+    if (skip) continue;
+    try {
+      fn(t, thread_id());
+    } catch (...) {
+#pragma omp critical(linattn_parallel_tasks_error)
+      if (!error) error = std::current_exception();
+#pragma omp atomic write
+      failed = true;
+    }
+  }
+  if (error) std::rethrow_exception(error);
 #endif
 }
 
@@ -157,12 +177,17 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   if (q_count != k_count)
     throw_invalid(fn, "q_offsets and k_offsets must describe the same number of sequences");
   auto& dst = writable(out);
+  // Once, here: every task takes a block of each input, and a block of a lazy expression
+  // (X * Wq) evaluates the whole expression again for each (sequence, head).
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
   const Index B = static_cast<Index>(q_count) - 1;
   parallel_tasks<typename DQ::Scalar>(B * heads, par, ws, [&](Index t, int thread) {
     const Index b = t / heads, h = t % heads;
     const Index q0 = q_offsets[b], n = q_offsets[b + 1] - q0;
     const Index k0 = k_offsets[b], l = k_offsets[b + 1] - k0;
-    linear_attention(Q.block(q0, h * D, n, D), K.block(k0, h * D, l, D), V.block(k0, h * M, l, M),
+    linear_attention(q.block(q0, h * D, n, D), k.block(k0, h * D, l, D), v.block(k0, h * M, l, M),
                      phi, dst.block(q0, h * M, n, M), ws.for_thread(thread));
   });
 }
@@ -183,6 +208,9 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
     throw_invalid(fn, "chunk_size must be >= 0 (0 = default), got " +
                           std::to_string(options.chunk_size));
   auto& dst = writable(out);
+  const Nested<DQ> q(Q.derived());  // once, not per (sequence, head): see batched_linear
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
   const Index B = static_cast<Index>(count) - 1;
   parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, int thread) {
     const Index b = t / heads, h = t % heads;
@@ -196,8 +224,8 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
       state.reset();
     else
       state = make_state<Scalar>(phi, D, M);
-    causal_linear_attention(Q.block(r0, h * D, n, D), K.block(r0, h * D, n, D),
-                            V.block(r0, h * M, n, M), phi, state, dst.block(r0, h * M, n, M),
+    causal_linear_attention(q.block(r0, h * D, n, D), k.block(r0, h * D, n, D),
+                            v.block(r0, h * M, n, M), phi, state, dst.block(r0, h * M, n, M),
                             ws.for_thread(thread), options);
   });
 }
@@ -268,7 +296,7 @@ Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<D
                                                        const Eigen::MatrixBase<DV>& V,
                                                        Index heads, const Phi& phi = Phi{},
                                                        const ParallelOptions& par = {}) {
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   MultiHeadWorkspace<typename DQ::Scalar> ws;
   multihead_linear_attention(Q, K, V, heads, phi, out, ws, par);
   return out;
@@ -297,7 +325,7 @@ Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi = Phi{},
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   MultiHeadWorkspace<typename DQ::Scalar> ws;
   multihead_causal_linear_attention(Q, K, V, heads, phi, out, ws, options, par);
   return out;
@@ -314,8 +342,11 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const auto [D, M] = check_heads(fn, Q, K, V, heads, causal);
   check_output(fn, out, Q.rows(), V.cols());
   auto& dst = writable(out);
+  const Nested<DQ> q(Q.derived());  // once, not per head: see batched_linear
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
   parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, int thread) {
-    softmax_dispatch(fn, Q.middleCols(h * D, D), K.middleCols(h * D, D), V.middleCols(h * M, M),
+    softmax_dispatch(fn, q.middleCols(h * D, D), k.middleCols(h * D, D), v.middleCols(h * M, M),
                      dst.middleCols(h * M, M), algorithm, causal, ws.for_thread(thread));
   });
 }
@@ -340,7 +371,7 @@ Matrix<typename DQ::Scalar> multihead_softmax_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, Index heads,
     SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled, const ParallelOptions& par = {}) {
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   MultiHeadWorkspace<typename DQ::Scalar> ws;
   multihead_softmax_attention(Q, K, V, heads, out, ws, algorithm, par);
   return out;
@@ -365,7 +396,7 @@ Matrix<typename DQ::Scalar> multihead_causal_softmax_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, Index heads,
     SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled, const ParallelOptions& par = {}) {
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   MultiHeadWorkspace<typename DQ::Scalar> ws;
   multihead_causal_softmax_attention(Q, K, V, heads, out, ws, algorithm, par);
   return out;
@@ -403,11 +434,17 @@ class MultiHeadRecurrentLinearAttention {
     detail::check_token(fn, "k", k, H * D);
     detail::check_token(fn, "v", v, H * M);
     detail::check_token(fn, "out", out, H * M);
+    // Evaluated once before any head moves: a segment of a lazy expression (W * x) would
+    // evaluate all of it again for every head, and an allocation failing there would leave
+    // the first heads one token ahead of the others.
+    const detail::Nested<DQ> qe(q.derived());
+    const detail::Nested<DK> ke(k.derived());
+    const detail::Nested<DV> ve(v.derived());
     auto o = detail::writable(out).reshaped();
     for (Index h = 0; h < H; ++h)
-      heads_[static_cast<std::size_t>(h)].step(q.reshaped().segment(h * D, D),
-                                               k.reshaped().segment(h * D, D),
-                                               v.reshaped().segment(h * M, M),
+      heads_[static_cast<std::size_t>(h)].step(qe.reshaped().segment(h * D, D),
+                                               ke.reshaped().segment(h * D, D),
+                                               ve.reshaped().segment(h * M, M),
                                                o.segment(h * M, M));
   }
 
