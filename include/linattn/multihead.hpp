@@ -235,8 +235,12 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 /// \brief Non-causal linear attention over B packed sequences and H heads, written into
 /// `out`. Query rows [q_offsets[b], q_offsets[b+1]) attend to key rows [k_offsets[b],
 /// k_offsets[b+1]); head h uses columns [h·D, (h+1)·D) of Q and K and [h·M, (h+1)·M) of V and
-/// out. No input is copied; (sequence, head) pairs run in parallel. Equal to per-head,
-/// per-sequence linear_attention() calls; allocation-free with a reused MultiHeadWorkspace.
+/// out. No matrix, Map or block input is copied; an expression that is costly to re-read (a
+/// product such as X * Wq) is evaluated once into a temporary before the parallel region, as
+/// in every multi-head kernel. (sequence, head) pairs run in parallel. Equal to per-head,
+/// per-sequence linear_attention() calls; allocation-free with a reused MultiHeadWorkspace
+/// (and inputs that need no temporary). An exception in a task (a throwing feature map,
+/// std::bad_alloc) reaches the caller after the parallel region; `out` is then unspecified.
 /// \throws std::invalid_argument on inconsistent shapes or offsets.
 /// \code
 /// // Two sequences of 100 and 28 tokens, packed one after the other, 8 heads of D = M = 64.
