@@ -1427,4 +1427,189 @@ TEST(MultiHeadErrors, RecurrentWrongSizesThrow) {
   EXPECT_EQ(rnn.head(1).position(), 2);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// 8. Lazy inputs are evaluated once, not once per (sequence, head); exceptions in tasks
+// ---------------------------------------------------------------------------------------------
+
+// Copies a coefficient and counts it: X.unaryExpr(CountingCopy<S>{}) * W is a product whose
+// evaluations can be counted (each one reads every coefficient of X once, into the GEMM's
+// packed copy).
+std::atomic<long> g_coeff_reads{0};
+template <class S>
+struct CountingCopy {
+  S operator()(const S& x) const {
+    g_coeff_reads.fetch_add(1, std::memory_order_relaxed);
+    return x;
+  }
+};
+
+// The coefficient reads of `f`.
+template <class F>
+long reads_in(F&& f) {
+  g_coeff_reads = 0;
+  f();
+  return g_coeff_reads.load();
+}
+
+template <class S, class Map>
+void check_lazy_inputs_evaluated_once(const Map& phi) {
+  const std::string tag = tag_of<S, Map>("lazy inputs");
+  // Two sequences; P-dimensional token rows projected by W (large enough for Eigen's GEMM).
+  const Index H = 3, D = 8, M = 5, P = 16, N = 70, L = 70;
+  const Mat<S> X = test::random_matrix<S>(N, P, 141, -1, 1);
+  const Mat<S> Y = test::random_matrix<S>(L, P, 142, -1, 1);
+  const Mat<S> Wq = test::random_matrix<S>(P, H * D, 143, -0.5, 0.5);
+  const Mat<S> Wk = test::random_matrix<S>(P, H * D, 144, -0.5, 0.5);
+  const Mat<S> Wv = test::random_matrix<S>(P, H * M, 145, -1, 1);
+  const auto Qx = X.unaryExpr(CountingCopy<S>{}) * Wq;
+  const auto Kx = Y.unaryExpr(CountingCopy<S>{}) * Wk;
+  const auto Vx = Y.unaryExpr(CountingCopy<S>{}) * Wv;
+  Mat<S> Q, K, V;
+  const long once = reads_in([&] { Q = Qx; }) + reads_in([&] { K = Kx; }) + reads_in([&] { V = Vx; });
+  ASSERT_EQ(once, (N + 2 * L) * P) << "the counting expression does not count as expected";
+  const std::vector<Index> offsets = {0, 30, N};
+
+  // Each entry point, with the product expressions and with their values.
+  using Call = std::function<void(const ParallelOptions&, bool lazy, Mat<S>& out)>;
+  MultiHeadWorkspace<S> ws;
+  const std::vector<std::pair<std::string, Call>> calls = {
+      {"multihead_linear_attention",
+       [&](const ParallelOptions& par, bool lazy, Mat<S>& out) {
+         if (lazy)
+           linattn::multihead_linear_attention(Qx, Kx, Vx, H, phi, out, ws, par);
+         else
+           linattn::multihead_linear_attention(Q, K, V, H, phi, out, ws, par);
+       }},
+      {"multihead_linear_attention (returning)",
+       [&](const ParallelOptions& par, bool lazy, Mat<S>& out) {
+         out = lazy ? linattn::multihead_linear_attention(Qx, Kx, Vx, H, phi, par)
+                    : linattn::multihead_linear_attention(Q, K, V, H, phi, par);
+       }},
+      {"multihead_causal_linear_attention",
+       [&](const ParallelOptions& par, bool lazy, Mat<S>& out) {
+         if (lazy)
+           linattn::multihead_causal_linear_attention(Qx, Kx, Vx, H, phi, out, ws, {}, par);
+         else
+           linattn::multihead_causal_linear_attention(Q, K, V, H, phi, out, ws, {}, par);
+       }},
+      {"multihead_causal_linear_attention (returning)",
+       [&](const ParallelOptions& par, bool lazy, Mat<S>& out) {
+         out = lazy ? linattn::multihead_causal_linear_attention(Qx, Kx, Vx, H, phi, {}, par)
+                    : linattn::multihead_causal_linear_attention(Q, K, V, H, phi, {}, par);
+       }},
+      {"batched_linear_attention",
+       [&](const ParallelOptions& par, bool lazy, Mat<S>& out) {
+         if (lazy)
+           linattn::batched_linear_attention(Qx, Kx, Vx, offsets, offsets, H, phi, out, ws, par);
+         else
+           linattn::batched_linear_attention(Q, K, V, offsets, offsets, H, phi, out, ws, par);
+       }},
+      {"batched_causal_linear_attention",
+       [&](const ParallelOptions& par, bool lazy, Mat<S>& out) {
+         if (lazy)
+           linattn::batched_causal_linear_attention(Qx, Kx, Vx, offsets, H, phi, out, ws, {}, par);
+         else
+           linattn::batched_causal_linear_attention(Q, K, V, offsets, H, phi, out, ws, {}, par);
+       }},
+      {"multihead_softmax_attention",
+       [&](const ParallelOptions& par, bool lazy, Mat<S>& out) {
+         if (lazy)
+           linattn::multihead_softmax_attention(Qx, Kx, Vx, H, out, ws, SoftmaxAlgorithm::Tiled, par);
+         else
+           linattn::multihead_softmax_attention(Q, K, V, H, out, ws, SoftmaxAlgorithm::Tiled, par);
+       }},
+      {"multihead_softmax_attention (returning, naive)",
+       [&](const ParallelOptions& par, bool lazy, Mat<S>& out) {
+         out = lazy ? linattn::multihead_softmax_attention(Qx, Kx, Vx, H, SoftmaxAlgorithm::Naive, par)
+                    : linattn::multihead_softmax_attention(Q, K, V, H, SoftmaxAlgorithm::Naive, par);
+       }},
+      {"multihead_causal_softmax_attention",
+       [&](const ParallelOptions& par, bool lazy, Mat<S>& out) {
+         if (lazy)
+           linattn::multihead_causal_softmax_attention(Qx, Kx, Vx, H, out, ws, SoftmaxAlgorithm::Tiled, par);
+         else
+           linattn::multihead_causal_softmax_attention(Q, K, V, H, out, ws, SoftmaxAlgorithm::Tiled, par);
+       }},
+      {"multihead_causal_softmax_attention (returning)",
+       [&](const ParallelOptions& par, bool lazy, Mat<S>& out) {
+         out = lazy ? linattn::multihead_causal_softmax_attention(Qx, Kx, Vx, H, SoftmaxAlgorithm::Tiled, par)
+                    : linattn::multihead_causal_softmax_attention(Q, K, V, H, SoftmaxAlgorithm::Tiled, par);
+       }},
+  };
+  for (const int t : {1, 2, 3}) {
+    for (const auto& [name, call] : calls) {
+      Mat<S> expected = Mat<S>::Zero(N, H * M), got = Mat<S>::Zero(N, H * M);
+      call(threads(t), false, expected);
+      const long reads = reads_in([&] { call(threads(t), true, got); });
+      EXPECT_EQ(reads, once) << tag << " " << name << ", " << t
+                             << " thread(s): each input must be evaluated once, not "
+                             << double(reads) / double(once) << " times";
+      EXPECT_EQ(test::max_abs_diff(got, expected), 0.0)
+          << tag << " " << name << ", " << t << " thread(s): lazy inputs give other results";
+    }
+  }
+}
+
+TEST(MultiHeadLazyInputs, EachInputIsEvaluatedOnce) {
+  check_lazy_inputs_evaluated_once<float>(EluPlusOne{});
+  check_lazy_inputs_evaluated_once<double>(SoftmaxSplit{});
+}
+
+TEST(MultiHeadLazyInputs, RecurrentStepEvaluatesEachTokenOnce) {
+  const Index H = 4, D = 6, M = 5, P = 32, T = 20;
+  const Mat<float> X = test::random_matrix<float>(P, T, 151, -1, 1);  // token t: column t
+  const Mat<float> Wq = test::random_matrix<float>(H * D, P, 152, -0.3, 0.3);
+  const Mat<float> Wk = test::random_matrix<float>(H * D, P, 153, -0.3, 0.3);
+  const Mat<float> Wv = test::random_matrix<float>(H * M, P, 154, -1, 1);
+  MultiHeadRecurrentLinearAttention<EluPlusOne, float> lazy(H, D, M), plain(H, D, M);
+  Vec<float> a(H * M), b(H * M);
+  for (Index t = 0; t < T; ++t) {
+    const auto x = X.col(t).unaryExpr(CountingCopy<float>{});
+    const Vec<float> q = Wq * x, k = Wk * x, v = Wv * x;
+    const long reads = reads_in([&] { lazy.step(Wq * x, Wk * x, Wv * x, a); });
+    EXPECT_EQ(reads, 3 * P) << "token " << t << ": each input must be evaluated once, not "
+                            << double(reads) / double(3 * P) << " times";
+    plain.step(q, k, v, b);
+    EXPECT_EQ(test::max_abs_diff(a, b), 0.0) << "token " << t;
+  }
+}
+
+// A feature map that fails: the exception reaches the caller whatever the thread count.
+// Regression test: inside the OpenMP region an escaping exception called std::terminate.
+struct ThrowingMap {
+  Eigen::Index feature_dim(Eigen::Index d) const { return d; }
+  template <class Derived>
+  void map(const Eigen::MatrixBase<Derived>&, linattn::MatrixRef<typename Derived::Scalar>) const {
+    throw std::runtime_error("ThrowingMap");
+  }
+};
+
+TEST(MultiHeadThreads, ExceptionsInTasksReachTheCaller) {
+  const MhShape sh{4, 40, 40, 3, 2};
+  const Inputs<float> in = make_inputs<float>(sh, 161);
+  const std::vector<Index> offsets = {0, 10, 40};
+  for (const int t : {1, 2, 3}) {
+    MultiHeadWorkspace<float> ws;
+    Mat<float> out(sh.N, sh.H * sh.M);
+    EXPECT_THROW(linattn::multihead_linear_attention(in.Q, in.K, in.V, sh.H, ThrowingMap{}, out, ws,
+                                                     threads(t)),
+                 std::runtime_error)
+        << t << " thread(s)";
+    EXPECT_THROW(linattn::multihead_causal_linear_attention(in.Q, in.K, in.V, sh.H, ThrowingMap{},
+                                                            out, ws, {}, threads(t)),
+                 std::runtime_error)
+        << t << " thread(s)";
+    EXPECT_THROW(linattn::batched_causal_linear_attention(in.Q, in.K, in.V, offsets, sh.H,
+                                                          ThrowingMap{}, out, ws, {}, threads(t)),
+                 std::runtime_error)
+        << t << " thread(s)";
+    // The workspace still works afterwards.
+    linattn::multihead_linear_attention(in.Q, in.K, in.V, sh.H, EluPlusOne{}, out, ws, threads(t));
+    EXPECT_EQ(test::max_abs_diff(out, linattn::multihead_linear_attention(in.Q, in.K, in.V, sh.H)),
+              0.0)
+        << t << " thread(s)";
+  }
+}
+
 }  // namespace

@@ -15,8 +15,12 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "causal_reference.hpp"
@@ -548,6 +552,297 @@ TEST(recurrent_cross_attention, WrongSizesThrow) {
   expect_invalid([&] { cross.query(q3, out3); }, "LinearCrossAttention::query", "q size");
   expect_invalid([&] { cross.query(q4, out2); }, "LinearCrossAttention::query", "out size");
   expect_invalid([] { LinearCrossAttention<EluPlusOne, float> bad(0, 3); }, "LinearCrossAttention", "key_dim 0");
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// LinearCrossAttention: strong exception guarantee, const and concurrent queries, matrix queries
+// ---------------------------------------------------------------------------------------------
+
+// EluPlusOne that throws std::bad_alloc from its (fail_at + 1)-th call on: an allocation
+// failing part-way through absorbing a memory (absorb_keys maps 128 keys per call).
+struct FailingMap {
+  // Shared by the copies (the object keeps its own copy of the map).
+  std::shared_ptr<int> calls = std::make_shared<int>(0);
+  std::shared_ptr<int> fail_at = std::make_shared<int>(-1);  // -1: never
+  Index feature_dim(Index d) const { return d; }
+  template <class Derived>
+  void map(const Eigen::MatrixBase<Derived>& x, linattn::MatrixRef<typename Derived::Scalar> phi) const {
+    if (*fail_at >= 0 && (*calls)++ >= *fail_at) throw std::bad_alloc();
+    EluPlusOne{}.map(x, phi);
+  }
+};
+
+template <class S, class Map>
+Mat<S> query_all(const LinearCrossAttention<Map, S>& cross, const Mat<S>& Q) {
+  Mat<S> out(Q.rows(), cross.value_dim());
+  Vec<S> o(cross.value_dim());
+  for (Index i = 0; i < Q.rows(); ++i) {
+    cross.query(Q.row(i), o);
+    out.row(i) = o.transpose();
+  }
+  return out;
+}
+
+template <class S>
+void expect_same_state(const linattn::LinearAttentionState<S>& a,
+                       const linattn::LinearAttentionState<S>& b, const std::string& what) {
+  ASSERT_EQ(a.S.rows(), b.S.rows()) << what;
+  ASSERT_EQ(a.S.cols(), b.S.cols()) << what;
+  ASSERT_EQ(a.m.size(), b.m.size()) << what;
+  EXPECT_EQ(test::max_abs_diff(a.S, b.S), 0.0) << what << ": S changed";
+  EXPECT_EQ(test::max_abs_diff(a.z, b.z), 0.0) << what << ": z changed";
+  if (a.m.size() > 0) {
+    EXPECT_TRUE((a.m.array() == b.m.array()).all()) << what << ": m changed";
+  }
+}
+
+// Regression test: set_memory() used to zero the memory before checking the shapes, so a
+// rejected call left an empty memory (queries then returned zeros).
+template <class S, class Map>
+void check_failed_memory_calls_change_nothing(const Map& phi) {
+  const std::string tag = tag_of<Map>() + "/" + test::scalar_name<S>();
+  const Index L = 300, N = 20, D = 6, M = 5;
+  const Mat<S> Q = cref::qk_input<S, Map>(N, D, 81), K = cref::qk_input<S, Map>(L, D, 82);
+  const Mat<S> V = test::random_matrix<S>(L, M, 83);
+  LinearCrossAttention<Map, S> cross(D, M, phi);
+  cross.set_memory(K, V);
+  const auto before = cross.state();
+  const Mat<S> answers = query_all(cross, Q);
+  ASSERT_GT(test::max_abs(answers), 0.0) << tag;
+  const auto unchanged = [&](const std::string& what) {
+    expect_same_state(cross.state(), before, tag + ": " + what);
+    EXPECT_EQ(test::max_abs_diff(query_all(cross, Q), answers), 0.0)
+        << tag << ": " << what << " changed the query results";
+  };
+  for (const char* fn : {"set_memory", "add_memory"}) {
+    const std::string name = std::string("LinearCrossAttention::") + fn;
+    const auto call = [&](const auto& k, const auto& v) {
+      if (std::string(fn) == "set_memory") {
+        cross.set_memory(k, v);
+      } else {
+        cross.add_memory(k, v);
+      }
+    };
+    expect_invalid([&] { call(K.leftCols(D - 1), V); }, name, std::string(fn) + " K cols");
+    unchanged(std::string(fn) + " with K of D - 1 columns");
+    expect_invalid([&] { call(K, V.leftCols(M - 1)); }, name, std::string(fn) + " V cols");
+    unchanged(std::string(fn) + " with V of M - 1 columns");
+    expect_invalid([&] { call(K, V.topRows(L - 1)); }, name, std::string(fn) + " rows");
+    unchanged(std::string(fn) + " with K and V of different lengths");
+  }
+}
+
+TEST(recurrent_cross_attention, RejectedMemoryCallsLeaveTheMemory) {
+  check_failed_memory_calls_change_nothing<float>(EluPlusOne{});
+  check_failed_memory_calls_change_nothing<double>(EluPlusOne{});
+  check_failed_memory_calls_change_nothing<float>(SoftmaxSplit{});
+  check_failed_memory_calls_change_nothing<double>(NormalizedCosine{});
+}
+
+// The messages name the function called and give both shapes (set_memory's used to name
+// add_memory, which the caller never called).
+TEST(recurrent_cross_attention, MemoryErrorMessages) {
+  LinearCrossAttention<EluPlusOne, float> cross(4, 3);
+  const Eigen::MatrixXf K = Eigen::MatrixXf::Ones(5, 4), V = Eigen::MatrixXf::Ones(5, 3);
+  const std::string set = "linattn::LinearCrossAttention::set_memory: ",
+                    add = "linattn::LinearCrossAttention::add_memory: ";
+  const std::string tail = " but must be L x 4 and L x 3";
+  expect_invalid([&] { cross.set_memory(K.leftCols(3), V); }, set + "K is 5x3 and V is 5x3" + tail,
+                 "set_memory K cols");
+  expect_invalid([&] { cross.set_memory(K, V.topRows(4)); }, set + "K is 5x4 and V is 4x3" + tail,
+                 "set_memory rows");
+  expect_invalid([&] { cross.add_memory(K, V.leftCols(2)); }, add + "K is 5x4 and V is 5x2" + tail,
+                 "add_memory V cols");
+}
+
+// A failure part-way through absorbing the memory (here std::bad_alloc from the feature map
+// on its second block of 128 keys) leaves the previous memory: the strong guarantee.
+// Regression test: set_memory() zeroed the state first and both calls updated it in place,
+// so the first block was absorbed when the second failed.
+TEST(recurrent_cross_attention, FailureWhileAbsorbingLeavesTheMemory) {
+  const Index L = 300, N = 16, D = 5, M = 4;
+  const Mat<double> Q = test::random_matrix<double>(N, D, 91);
+  const Mat<double> K = test::random_matrix<double>(L, D, 92), V = test::random_matrix<double>(L, M, 93);
+  FailingMap phi;
+  LinearCrossAttention<FailingMap, double> cross(D, M, phi);
+  cross.set_memory(K.topRows(40), V.topRows(40));
+  const auto before = cross.state();
+  const Mat<double> answers = query_all(cross, Q);
+  for (const bool set : {true, false}) {
+    const std::string what = set ? "set_memory" : "add_memory";
+    *phi.calls = 0;
+    *phi.fail_at = 1;  // the second block of keys fails
+    EXPECT_THROW(set ? cross.set_memory(K, V) : cross.add_memory(K, V), std::bad_alloc) << what;
+    EXPECT_EQ(*phi.calls, 2) << what << ": the map was not called as planned";
+    *phi.fail_at = -1;
+    expect_same_state(cross.state(), before, what + " failing part-way");
+    EXPECT_EQ(test::max_abs_diff(query_all(cross, Q), answers), 0.0)
+        << what << " failing part-way changed the query results";
+  }
+  // And the calls work once the map does.
+  cross.add_memory(K.bottomRows(L - 40), V.bottomRows(L - 40));
+  LinearCrossAttention<EluPlusOne, double> whole(D, M);
+  whole.set_memory(K, V);
+  const double e = test::max_abs_diff(query_all(cross, Q), query_all(whole, Q));
+  EXPECT_LE(e, tight_tol<double>()) << "add_memory after the failures";
+}
+
+// query() is const and keeps no scratch in the object: several threads querying one object at
+// once get exactly the serial answers. Regression test: query() used to write the query and
+// its features into members (q_, pq_), so concurrent queries overwrote each other's.
+template <class S, class Map>
+void check_concurrent_queries(const Map& phi, Index D, Index M) {
+  const std::string tag = tag_of<Map>() + "/" + test::scalar_name<S>();
+  const Index L = 200, N = 257;
+  const Mat<S> Q = cref::qk_input<S, Map>(N, D, 101), K = cref::qk_input<S, Map>(L, D, 102);
+  const Mat<S> V = test::random_matrix<S>(L, M, 103);
+  LinearCrossAttention<Map, S> cross(D, M, phi);
+  cross.set_memory(K, V);
+  const LinearCrossAttention<Map, S>& shared = cross;
+  const Mat<S> serial = query_all(shared, Q);
+  constexpr int kThreads = 4, kRounds = 40;
+  std::vector<Mat<S>> got(kThreads, Mat<S>::Zero(N, M));
+  std::atomic<int> mismatches{0};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < kThreads; ++t) {
+    pool.emplace_back([&, t] {
+      Vec<S> o(M);
+      for (int r = 0; r < kRounds; ++r) {
+        for (Index j = 0; j < N; ++j) {
+          const Index i = (j * (t + 1) + r) % N;  // threads walk the queries in different orders
+          shared.query(Q.row(i), o);
+          if (!(o.transpose().array() == serial.row(i).array()).all()) ++mismatches;
+          got[static_cast<std::size_t>(t)].row(i) = o.transpose();
+        }
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  EXPECT_EQ(mismatches.load(), 0) << tag << ": concurrent queries differ from serial ones";
+  for (int t = 0; t < kThreads; ++t)
+    EXPECT_EQ(test::max_abs_diff(got[static_cast<std::size_t>(t)], serial), 0.0) << tag << " thread " << t;
+}
+
+TEST(recurrent_cross_attention, ConcurrentQueriesEqualSerialOnes) {
+  check_concurrent_queries<float>(EluPlusOne{}, 64, 64);
+  check_concurrent_queries<double>(SoftmaxSplit{}, 16, 8);
+  check_concurrent_queries<float>(NormalizedCosine{}, 33, 17);
+  check_concurrent_queries<float>(EluPlusOne{}, 300, 7);  // beyond the stack bound: heap path
+}
+
+// n queries at once (one GEMM) equal n single queries to rounding, in every form: out
+// parameter, with a Workspace, returning; against the double reference too.
+template <class S, class Map>
+void check_matrix_queries(const Map& phi) {
+  const std::string tag = tag_of<Map>() + "/" + test::scalar_name<S>();
+  double worst = 0, worst_ref = 0;
+  for (const Inputs& sh : kShapes) {
+    const Index L = sh.N, N = sh.N + 2, D = sh.D, M = sh.M;
+    const Mat<S> Q = cref::qk_input<S, Map>(N, D, test::seed_of({L, D, 111}));
+    const Mat<S> K = cref::qk_input<S, Map>(L, D, test::seed_of({L, D, 112}));
+    const Mat<S> V = test::random_matrix<S>(L, M, test::seed_of({L, D, 113}));
+    ref::Vec den;
+    const MatD expected = ref::linear_attention(cref::to_double(Q), cref::to_double(K), cref::to_double(V), phi, &den);
+    LinearCrossAttention<Map, S> cross(D, M, phi);
+    cross.set_memory(K, V);
+    const Mat<S> single = query_all(cross, Q);
+    Mat<S> out(N, M), out_ws(N, M);
+    cross.query(Q, out);
+    linattn::Workspace<S> ws;
+    cross.query(Q, out_ws, ws);
+    const Mat<S> returned = cross.query(Q);
+    const RowMat<S> Qr = Q;
+    const Mat<S> from_row_major = cross.query(Qr);
+    EXPECT_EQ(test::max_abs_diff(returned, out), 0.0) << tag << " returning vs out";
+    EXPECT_EQ(test::max_abs_diff(out_ws, out), 0.0) << tag << " workspace vs out";
+    // The map may take another (vectorised or not) path over row-major rows: rounding only.
+    EXPECT_LE(test::max_abs_diff(from_row_major, out), tight_tol<S>()) << tag << " row-major Q";
+    for (Index i = 0; i < N; ++i) {
+      if (den(i) < kMinDen) {
+        EXPECT_TRUE(test::all_finite(out.row(i))) << tag;
+        continue;
+      }
+      worst = std::max(worst, test::max_abs_diff(out.row(i), single.row(i)));
+      worst_ref = std::max(worst_ref, row_err(out.row(i).transpose(), expected, i, den));
+    }
+    EXPECT_LE(worst, tight_tol<S>()) << tag << " n queries vs single queries, L = " << L;
+    EXPECT_LE(worst_ref, tight_tol<S>()) << tag << " n queries vs reference, L = " << L;
+    // The rows of a larger matrix, a block as output (another n: the GEMM may round
+    // differently), one row, no row.
+    Mat<S> big = Mat<S>::Constant(N + 3, M + 2, S(7));
+    cross.query(Q.middleRows(1, N - 1), big.block(2, 1, N - 1, M));
+    EXPECT_LE(test::max_abs_diff(big.block(2, 1, N - 1, M), out.bottomRows(N - 1)), tight_tol<S>())
+        << tag;
+    EXPECT_EQ(big(0, 0), S(7)) << tag << " wrote outside the block";
+    EXPECT_EQ(big(N + 2, M + 1), S(7)) << tag << " wrote outside the block";
+    const Mat<S> one = cross.query(Q.topRows(1));
+    EXPECT_EQ(test::max_abs_diff(one, single.topRows(1)), 0.0) << tag << " a 1-row matrix";
+    EXPECT_EQ(cross.query(Q.topRows(0)).rows(), 0) << tag;
+  }
+  test::report_error(tag + " n queries vs single queries", worst);
+  test::report_error(tag + " n queries vs reference", worst_ref);
+}
+
+TEST(recurrent_cross_attention, MatrixQueriesEqualSingleQueries) {
+  check_matrix_queries<float>(EluPlusOne{});
+  check_matrix_queries<double>(EluPlusOne{});
+  check_matrix_queries<float>(SoftmaxSplit{});
+  check_matrix_queries<double>(SoftmaxSplit{});
+  check_matrix_queries<float>(NormalizedCosine{});
+  check_matrix_queries<double>(Relu{});
+}
+
+TEST(recurrent_cross_attention, MatrixQueriesWithWorkspaceAllocateNothing) {
+  const Index L = 100, N = 300, D = 16, M = 8;
+  const Mat<float> Q = test::random_matrix<float>(N, D, 121), K = test::random_matrix<float>(L, D, 122);
+  const Mat<float> V = test::random_matrix<float>(L, M, 123);
+  LinearCrossAttention<EluPlusOne, float> cross(D, M);
+  cross.set_memory(K, V);
+  linattn::Workspace<float> ws;
+  Mat<float> out(N, M), again(N, M), fewer(10, M);
+  cross.query(Q, out, ws);
+  int failures = 0;
+  {
+    NoMallocScope scope;
+    cross.query(Q, again, ws);
+    cross.query(Q.topRows(10), fewer, ws);
+    failures = scope.failures();
+  }
+  EXPECT_EQ(failures, 0) << "query(Q, out, ws) allocated with a reused workspace";
+  EXPECT_EQ(test::max_abs_diff(again, out), 0.0);
+  EXPECT_LE(test::max_abs_diff(fewer, out.topRows(10)), tight_tol<float>());
+}
+
+// A single query with key_dim or feature_dim beyond the stack bound still equals the reference.
+TEST(recurrent_cross_attention, LargeKeyDimQuery) {
+  const Index L = 50, N = 4, D = 300, M = 3;
+  const Mat<double> Q = test::random_matrix<double>(N, D, 131), K = test::random_matrix<double>(L, D, 132);
+  const Mat<double> V = test::random_matrix<double>(L, M, 133);
+  LinearCrossAttention<EluPlusOne, double> cross(D, M);
+  cross.set_memory(K, V);
+  const Mat<double> expected = linattn::linear_attention(Q, K, V);
+  linattn::Workspace<double> ws;
+  Vec<double> a(M), b(M);
+  for (Index i = 0; i < N; ++i) {
+    cross.query(Q.row(i), a);
+    cross.query(Q.row(i), b, ws);
+    EXPECT_LE(test::max_abs_diff(a.transpose(), expected.row(i)), tight_tol<double>()) << i;
+    EXPECT_EQ(test::max_abs_diff(a, b), 0.0) << i;
+  }
+}
+
+TEST(recurrent_cross_attention, MatrixQueryErrors) {
+  LinearCrossAttention<EluPlusOne, float> cross(4, 3);
+  const std::string fn = "linattn::LinearCrossAttention::query: ";
+  Eigen::MatrixXf out53(5, 3), out52(5, 2), out43(4, 3);
+  const Eigen::MatrixXf Q54 = Eigen::MatrixXf::Ones(5, 4), Q53 = Eigen::MatrixXf::Ones(5, 3);
+  expect_invalid([&] { cross.query(Q53, out53); }, fn + "Q is 5x3 and out is 5x3 but must be n x 4 and n x 3",
+                 "Q cols");
+  expect_invalid([&] { cross.query(Q54, out52); }, "out is 5x2", "out cols");
+  expect_invalid([&] { cross.query(Q54, out43); }, "out is 4x3", "out rows");
+  expect_invalid([&] { (void)cross.query(Q53); }, fn + "Q is 5x3 but must be n x 4", "returning");
+  EXPECT_NO_THROW(cross.query(Q54, out53));
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/blocking.hpp"
+#include "detail/result.hpp"
 #include "detail/fast_exp.hpp"
 #include "detail/recurrent_block.hpp"
 #include "elu_plus_one.hpp"
@@ -386,7 +387,7 @@ Matrix<typename DQ::Scalar> causal_linear_attention(
     const Eigen::MatrixBase<DV>& V, const Phi& phi,
     LinearAttentionState<typename DQ::Scalar>& state, const CausalOptions& options = {}) {
   detail::check_qkv("causal_linear_attention", Q, K, V, /*causal=*/true);
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   Workspace<typename DQ::Scalar> ws;
   causal_linear_attention(Q, K, V, phi, state, out, ws, options);
   return out;
@@ -439,7 +440,7 @@ Matrix<typename DQ::Scalar> masked_causal_linear_attention(
     const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask,
     const Phi& phi = Phi{}, const CausalOptions& options = {}) {
   detail::check_qkv("masked_causal_linear_attention", Q, K, V, /*causal=*/true);
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   Workspace<typename DQ::Scalar> ws;
   LinearAttentionState<typename DQ::Scalar> state;
   masked_causal_linear_attention(Q, K, V, key_mask, phi, state, out, ws, options);

@@ -11,6 +11,7 @@
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/blocking.hpp"
+#include "detail/result.hpp"
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
 #include "state.hpp"
@@ -113,7 +114,7 @@ Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                              const Eigen::MatrixBase<DV>& V,
                                              const Phi& phi = Phi{}) {
   detail::check_qkv("linear_attention", Q, K, V, /*causal=*/false);
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   Workspace<typename DQ::Scalar> ws;
   linear_attention(Q, K, V, phi, out, ws);
   return out;
@@ -154,7 +155,7 @@ Matrix<typename DQ::Scalar> masked_linear_attention(const Eigen::MatrixBase<DQ>&
                                                     const Eigen::DenseBase<DMask>& key_mask,
                                                     const Phi& phi = Phi{}) {
   detail::check_qkv("masked_linear_attention", Q, K, V, /*causal=*/false);
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   Workspace<typename DQ::Scalar> ws;
   masked_linear_attention(Q, K, V, key_mask, phi, out, ws);
   return out;

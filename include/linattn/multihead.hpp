@@ -6,6 +6,7 @@
 #include <Eigen/Core>
 
 #include <cstddef>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "causal_linear_attention.hpp"
 #include "checks.hpp"
 #include "common.hpp"
+#include "detail/result.hpp"
 #include "elu_plus_one.hpp"
 #include "linear_attention.hpp"
 #include "recurrent_linear_attention.hpp"
@@ -94,8 +96,10 @@ inline int thread_id() {
 }
 
 // Runs fn(task, thread) for task in [0, tasks), in parallel when OpenMP is on; thread indexes
-// the workspace and state of ws that the task may use. fn must not throw: every check
-// happens before this point.
+// the workspace and state of ws that the task may use. Every argument check happens before
+// this point, but a task can still run out of memory (a workspace grows on a thread's first
+// task): an exception escaping an OpenMP region calls std::terminate, so the first one is
+// kept, the remaining tasks are skipped and it is rethrown after the region.
 template <class Scalar, class Fn>
 void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<Scalar>& ws,
                     const Fn& fn) {
@@ -106,8 +110,24 @@ void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<
     return;
   }
 #ifdef _OPENMP
+  std::exception_ptr error;
+  bool failed = false;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (Index t = 0; t < tasks; ++t) fn(t, thread_id());
+  for (Index t = 0; t < tasks; ++t) {
+    bool skip;
+#pragma omp atomic read
+    skip = failed;
+    if (skip) continue;
+    try {
+      fn(t, thread_id());
+    } catch (...) {
+#pragma omp critical(linattn_parallel_tasks_error)
+      if (!error) error = std::current_exception();
+#pragma omp atomic write
+      failed = true;
+    }
+  }
+  if (error) std::rethrow_exception(error);
 #endif
 }
 
@@ -161,12 +181,17 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   if (q_count != k_count)
     throw_invalid(fn, "q_offsets and k_offsets must describe the same number of sequences");
   auto& dst = writable(out);
+  // Once, here: every task takes a block of each input, and a block of a lazy expression
+  // (X * Wq) evaluates the whole expression again for each (sequence, head).
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
   const Index B = static_cast<Index>(q_count) - 1;
   parallel_tasks<typename DQ::Scalar>(B * heads, par, ws, [&](Index t, int thread) {
     const Index b = t / heads, h = t % heads;
     const Index q0 = q_offsets[b], n = q_offsets[b + 1] - q0;
     const Index k0 = k_offsets[b], l = k_offsets[b + 1] - k0;
-    linear_attention(Q.block(q0, h * D, n, D), K.block(k0, h * D, l, D), V.block(k0, h * M, l, M),
+    linear_attention(q.block(q0, h * D, n, D), k.block(k0, h * D, l, D), v.block(k0, h * M, l, M),
                      phi, dst.block(q0, h * M, n, M), ws.for_thread(thread));
   });
 }
@@ -189,6 +214,9 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
     throw_invalid(fn, "chunk_size must be >= 0 (0 = default), got " +
                           std::to_string(options.chunk_size));
   auto& dst = writable(out);
+  const Nested<DQ> q(Q.derived());  // once, not per (sequence, head): see batched_linear
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
   const Index B = static_cast<Index>(count) - 1;
   parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, int thread) {
     const Index b = t / heads, h = t % heads;
@@ -202,8 +230,8 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
       state.reset();
     else
       state = make_state<Scalar>(phi, D, M);
-    causal_linear_attention(Q.block(r0, h * D, n, D), K.block(r0, h * D, n, D),
-                            V.block(r0, h * M, n, M), phi, state, dst.block(r0, h * M, n, M),
+    causal_linear_attention(q.block(r0, h * D, n, D), k.block(r0, h * D, n, D),
+                            v.block(r0, h * M, n, M), phi, state, dst.block(r0, h * M, n, M),
                             ws.for_thread(thread), options);
   });
 }
@@ -213,12 +241,15 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 /// \brief Non-causal linear attention over B packed sequences and H heads, written into
 /// `out`. Query rows [q_offsets[b], q_offsets[b+1]) attend to key rows [k_offsets[b],
 /// k_offsets[b+1]); head h uses columns [h·D, (h+1)·D) of Q and K and [h·M, (h+1)·M) of V and
-/// out. No input is copied; (sequence, head) pairs run in parallel. Equal to per-head,
-/// per-sequence linear_attention() calls; allocation-free with a reused MultiHeadWorkspace.
+/// out. No matrix, Map or block input is copied; an expression that is costly to re-read (a
+/// product such as X * Wq) is evaluated once into a temporary before the parallel region, as
+/// in every multi-head kernel. (sequence, head) pairs run in parallel. Equal to per-head,
+/// per-sequence linear_attention() calls; allocation-free with a reused MultiHeadWorkspace
+/// (and inputs that need no temporary). An exception in a task (a throwing feature map,
+/// std::bad_alloc) reaches the caller after the parallel region; `out` is then unspecified.
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
-///            std::invalid_argument). An expression operand is not checked and, unlike in
-///            linear_attention(), must not read `out`'s memory even if it is a product: each
-///            head evaluates its slice of it while other heads write.
+///            std::invalid_argument). A product operand is evaluated before any head runs and
+///            may read `out`'s memory; any other expression operand must not.
 /// \throws std::invalid_argument on inconsistent shapes or offsets, or an overlapping `out`.
 /// \code
 /// // Two sequences of 100 and 28 tokens, packed one after the other, 8 heads of D = M = 64.
@@ -241,9 +272,8 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
 /// \brief Causal linear attention over B packed sequences (rows [offsets[b], offsets[b+1]))
 /// and H heads, each sequence starting from an empty state. See batched_linear_attention().
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
-///            std::invalid_argument). An expression operand is not checked and, unlike in
-///            linear_attention(), must not read `out`'s memory even if it is a product: each
-///            head evaluates its slice of it while other heads write.
+///            std::invalid_argument). A product operand is evaluated before any head runs
+///            and may read `out`'s memory; any other expression operand must not.
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                      const Eigen::MatrixBase<DK>& K,
@@ -260,9 +290,8 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \brief Multi-head non-causal linear attention: Q N x (H·D), K L x (H·D), V L x (H·M),
 /// out N x (H·M), heads side by side; allocation-free with a reused MultiHeadWorkspace.
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
-///            std::invalid_argument). An expression operand is not checked and, unlike in
-///            linear_attention(), must not read `out`'s memory even if it is a product: each
-///            head evaluates its slice of it while other heads write.
+///            std::invalid_argument). A product operand is evaluated before any head runs
+///            and may read `out`'s memory; any other expression operand must not.
 /// \code
 /// linattn::MultiHeadWorkspace<float> ws;
 /// Eigen::MatrixXf out(N, 8 * 64);
@@ -286,7 +315,7 @@ Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<D
                                                        const Eigen::MatrixBase<DV>& V,
                                                        Index heads, const Phi& phi = Phi{},
                                                        const ParallelOptions& par = {}) {
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   MultiHeadWorkspace<typename DQ::Scalar> ws;
   multihead_linear_attention(Q, K, V, heads, phi, out, ws, par);
   return out;
@@ -294,9 +323,8 @@ Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<D
 
 /// \brief Multi-head causal linear attention (each head from an empty state).
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
-///            std::invalid_argument). An expression operand is not checked and, unlike in
-///            linear_attention(), must not read `out`'s memory even if it is a product: each
-///            head evaluates its slice of it while other heads write.
+///            std::invalid_argument). A product operand is evaluated before any head runs
+///            and may read `out`'s memory; any other expression operand must not.
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void multihead_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                        const Eigen::MatrixBase<DK>& K,
@@ -319,7 +347,7 @@ Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi = Phi{},
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   MultiHeadWorkspace<typename DQ::Scalar> ws;
   multihead_causal_linear_attention(Q, K, V, heads, phi, out, ws, options, par);
   return out;
@@ -337,8 +365,11 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   check_output(fn, out, Q.rows(), V.cols());
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
   auto& dst = writable(out);
+  const Nested<DQ> q(Q.derived());  // once, not per head: see batched_linear
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
   parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, int thread) {
-    softmax_dispatch(fn, Q.middleCols(h * D, D), K.middleCols(h * D, D), V.middleCols(h * M, M),
+    softmax_dispatch(fn, q.middleCols(h * D, D), k.middleCols(h * D, D), v.middleCols(h * M, M),
                      dst.middleCols(h * M, M), algorithm, causal, ws.for_thread(thread));
   });
 }
@@ -347,9 +378,8 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 
 /// \brief Multi-head softmax attention over the packed layout (heads in parallel).
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
-///            std::invalid_argument). An expression operand is not checked and, unlike in
-///            linear_attention(), must not read `out`'s memory even if it is a product: each
-///            head evaluates its slice of it while other heads write.
+///            std::invalid_argument). A product operand is evaluated before any head runs
+///            and may read `out`'s memory; any other expression operand must not.
 template <class DQ, class DK, class DV, class DOut>
 void multihead_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                  const Eigen::MatrixBase<DV>& V, Index heads,
@@ -367,7 +397,7 @@ Matrix<typename DQ::Scalar> multihead_softmax_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, Index heads,
     SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled, const ParallelOptions& par = {}) {
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   MultiHeadWorkspace<typename DQ::Scalar> ws;
   multihead_softmax_attention(Q, K, V, heads, out, ws, algorithm, par);
   return out;
@@ -375,9 +405,8 @@ Matrix<typename DQ::Scalar> multihead_softmax_attention(
 
 /// \brief Multi-head causal softmax attention over the packed layout.
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
-///            std::invalid_argument). An expression operand is not checked and, unlike in
-///            linear_attention(), must not read `out`'s memory even if it is a product: each
-///            head evaluates its slice of it while other heads write.
+///            std::invalid_argument). A product operand is evaluated before any head runs
+///            and may read `out`'s memory; any other expression operand must not.
 template <class DQ, class DK, class DV, class DOut>
 void multihead_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q,
                                         const Eigen::MatrixBase<DK>& K,
@@ -396,7 +425,7 @@ Matrix<typename DQ::Scalar> multihead_causal_softmax_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, Index heads,
     SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled, const ParallelOptions& par = {}) {
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   MultiHeadWorkspace<typename DQ::Scalar> ws;
   multihead_causal_softmax_attention(Q, K, V, heads, out, ws, algorithm, par);
   return out;
@@ -438,13 +467,19 @@ class MultiHeadRecurrentLinearAttention {
     detail::check_token(fn, "k", k, H * D);
     detail::check_token(fn, "v", v, H * M);
     detail::check_token(fn, "out", out, H * M);
+    // Evaluated once before any head moves: a segment of a lazy expression (W * x) would
+    // evaluate all of it again for every head, and an allocation failing there would leave
+    // the first heads one token ahead of the others.
+    const detail::Nested<DQ> qe(q.derived());
+    const detail::Nested<DK> ke(k.derived());
+    const detail::Nested<DV> ve(v.derived());
     // Head h's output may cover inputs of later heads (when M > D): then go through a buffer.
     if (detail::memory_overlaps(out, q) || detail::memory_overlaps(out, k) ||
         detail::memory_overlaps(out, v)) {
-      step_heads(q, k, v, aliased_out_);
+      step_heads(qe, ke, ve, aliased_out_);
       detail::writable(out).reshaped() = aliased_out_;
     } else {
-      step_heads(q, k, v, detail::writable(out).reshaped());
+      step_heads(qe, ke, ve, detail::writable(out).reshaped());
     }
   }
 

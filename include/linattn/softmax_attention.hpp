@@ -12,6 +12,7 @@
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/blocking.hpp"
+#include "detail/result.hpp"
 #include "detail/fast_exp.hpp"
 #include "workspace.hpp"
 
@@ -192,7 +193,7 @@ Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& Q,
                                               const Eigen::MatrixBase<DV>& V,
                                               SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled) {
   detail::check_qkv("softmax_attention", Q, K, V, false);
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   Workspace<typename DQ::Scalar> ws;
   softmax_attention(Q, K, V, out, ws, algorithm);
   return out;
@@ -219,7 +220,7 @@ Matrix<typename DQ::Scalar> causal_softmax_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled) {
   detail::check_qkv("causal_softmax_attention", Q, K, V, true);
-  Matrix<typename DQ::Scalar> out(Q.rows(), V.cols());
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   Workspace<typename DQ::Scalar> ws;
   causal_softmax_attention(Q, K, V, out, ws, algorithm);
   return out;
