@@ -31,12 +31,13 @@ using linattn::SoftmaxSplit;
 using test::Index;
 using test::Mat;
 using test::MatD;
+using test::expect_invalid;
 
 // Errors measured here, divided by the row's condition (see err_on_regular_rows), are below
 // ~5e-7 (float) and ~1e-14 (double); the bounds keep ~10x.
 template <class S>
 double tight_tol(double scale = 1.0) {
-  return (sizeof(S) == sizeof(float) ? 5e-6 : 1e-13) * std::max(1.0, scale);
+  return test::bound<S>(5e-6, 1e-13, scale);
 }
 
 // Rows whose reference denominator is below this are in the guard regime (ε = 1e-6 in float,
@@ -304,19 +305,6 @@ TEST(masks, MaskedCausalSoftmaxSplitStable) {
 // ---------------------------------------------------------------------------------------------
 // Errors
 // ---------------------------------------------------------------------------------------------
-
-template <class F>
-void expect_invalid(F&& f, const std::string& needle, const std::string& what) {
-  try {
-    f();
-    ADD_FAILURE() << what << ": no exception";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << what << ": message \"" << e.what() << "\" lacks \"" << needle << "\"";
-  } catch (...) {
-    ADD_FAILURE() << what << ": not std::invalid_argument";
-  }
-}
 
 TEST(masks, WrongMaskLengthThrows) {
   const Mat<float> Q = test::random_matrix<float>(10, 4, 51), K = test::random_matrix<float>(10, 4, 52);
