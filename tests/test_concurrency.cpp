@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "causal_reference.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -49,21 +50,13 @@ struct Inputs {
   }
 };
 
-// What one caller owns: outputs, workspaces and a state.
+// What one caller owns: outputs and workspaces (the causal states are local to the calls).
 template <class S>
 struct Scratch {
   linattn::Workspace<S> ws;
   linattn::MultiHeadWorkspace<S> mws;
-  linattn::LinearAttentionState<S> state;
   std::vector<Mat<S>> out;
 };
-
-CausalOptions causal_options(CausalAlgorithm algorithm, Index chunk) {
-  CausalOptions o;
-  o.algorithm = algorithm;
-  o.chunk_size = chunk;
-  return o;
-}
 
 const std::vector<std::string>& kernel_names() {
   static const std::vector<std::string> names = {
@@ -90,18 +83,18 @@ void run_all(const Inputs<S>& in, Scratch<S>& s) {
   linattn::masked_linear_attention(in.Q, in.K, in.V, in.keep, linattn::EluPlusOne{}, s.out[k++],
                                    s.ws);
   const auto causal = [&](const auto& phi, const CausalOptions& opts) {
-    s.state.reset();
-    linattn::causal_linear_attention(in.Q, in.K, in.V, phi, s.state, s.out[k++], s.ws, opts);
+    linattn::LinearAttentionState<S> state;  // sized by the call for its map
+    linattn::causal_linear_attention(in.Q, in.K, in.V, phi, state, s.out[k++], s.ws, opts);
   };
-  causal(linattn::EluPlusOne{}, causal_options(CausalAlgorithm::Chunked, 64));
-  causal(linattn::SoftmaxSplit{}, causal_options(CausalAlgorithm::Chunked, 64));
-  causal(linattn::EluPlusOne{}, causal_options(CausalAlgorithm::Recurrent, 0));
-  causal(linattn::NormalizedCosine{}, causal_options(CausalAlgorithm::Recurrent, 0));
+  causal(linattn::EluPlusOne{}, cref::options(CausalAlgorithm::Chunked, 64));
+  causal(linattn::SoftmaxSplit{}, cref::options(CausalAlgorithm::Chunked, 64));
+  causal(linattn::EluPlusOne{}, cref::options(CausalAlgorithm::Recurrent, 0));
+  causal(linattn::NormalizedCosine{}, cref::options(CausalAlgorithm::Recurrent, 0));
   {
     linattn::LinearAttentionState<S> st;  // the masked kernel sizes its own
     linattn::masked_causal_linear_attention(in.Q, in.K, in.V, in.keep, linattn::EluPlusOne{}, st,
                                             s.out[k++], s.ws,
-                                            causal_options(CausalAlgorithm::Chunked, 32));
+                                            cref::options(CausalAlgorithm::Chunked, 32));
   }
   linattn::softmax_attention(in.Q, in.K, in.V, s.out[k++], s.ws);
   linattn::causal_softmax_attention(in.Q, in.K, in.V, s.out[k++], s.ws);

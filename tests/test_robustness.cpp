@@ -29,20 +29,11 @@ using linattn::CausalOptions;
 using linattn::EluPlusOne;
 using linattn::NormalizedCosine;
 using linattn::SoftmaxSplit;
+using cref::algorithm_name;
+using cref::options;
 using test::Index;
 using test::Mat;
 using test::MatD;
-
-CausalOptions options(CausalAlgorithm algorithm, Index chunk) {
-  CausalOptions o;
-  o.algorithm = algorithm;
-  o.chunk_size = chunk;
-  return o;
-}
-
-const char* algorithm_name(CausalAlgorithm a) {
-  return a == CausalAlgorithm::Chunked ? "chunked" : "recurrent";
-}
 
 // max |out - expected| over the rows whose reference denominator is at least min_den (the
 // others only have to be finite); the counts go to `rc`.
