@@ -67,11 +67,14 @@ inline Inputs make_inputs(const test::Shape& sh, std::uint32_t salt, double qk =
 
 // Runs the kernel on the shape list and compares with the reference. Returns the max error.
 #ifndef LINATTN_TEST_LAYOUT_PART
-// Bounds of the shape-list comparison per unit of max |V|: a few times the largest error
-// measured (reported as .../shape_list; Release, portable and -march=native builds).
-constexpr double kShapeListFloat = 1e-4, kShapeListDouble = 1e-10;
-// The rows compared (reference denominator above min_den) out of all rows of the shape list.
-constexpr double kMinComparedFraction = 0.9;
+// Bounds of the shape-list comparison per unit of max |V| (it was 1e-4 in float): a few times
+// the largest error measured, reported as .../shape_list (Release, portable: at most 3.8e-6 in
+// float and 8.9e-15 in double in absolute terms, with max |V| between 3 and 30).
+constexpr double kShapeListFloat = 5e-6, kShapeListDouble = 3e-14;
+// The rows compared (reference denominator above min_den) out of all rows of the shape list:
+// all of them for EluPlusOne and SoftmaxSplit; NormalizedCosine skips the rows whose keys
+// point away from the query.
+constexpr double kMinComparedFraction = 0.8;
 
 template <class Map, class S>
 double check_shape_list(double qk, double v) {
@@ -189,7 +192,7 @@ void check_layouts() {
   const Mat<S> plain = linattn::linear_attention(Q, K, V, Map{});
   const MatD expected = ref::linear_attention(Q.template cast<double>(), K.template cast<double>(),
                                               V.template cast<double>(), Map{});
-  const double tol = test::tolerance<S>(test::max_abs(V));
+  const double tol = test::bound<S>(5e-6, 3e-14, test::max_abs(V));  // as the shape list
   ASSERT_LE(test::max_abs_diff(plain, expected), tol) << map_name<Map>();
   const std::string what = std::string(map_name<Map>()) + "/" + test::scalar_name<S>();
 
@@ -365,7 +368,9 @@ TEST(LinearAttentionEmpty, EveryMap) {
 // Large inputs: magnitude 100 in float.
 // ---------------------------------------------------------------------------------------------
 
-constexpr double kMagnitude100Float = 1e-4;
+// Measured (|V| <= 1): 3.6e-7 (SoftmaxSplit), 1.2e-7 (EluPlusOne); 89% of the EluPlusOne rows
+// and 92% of the NormalizedCosine rows are compared (the others have a tiny denominator).
+constexpr double kMagnitude100Float = 2e-6;
 
 template <class Map>
 void check_magnitude_100(bool match_all_rows, double min_fraction) {
@@ -414,12 +419,12 @@ TEST(LinearAttentionLargeInputs, SoftmaxSplitFloatMagnitude100) {
 }
 TEST(LinearAttentionLargeInputs, NormalizedCosineFloatMagnitude100) {
   // (Near-)opposite keys give tiny denominators at any scale; those rows are not compared.
-  check_magnitude_100<linattn::NormalizedCosine>(false, 0.5);
+  check_magnitude_100<linattn::NormalizedCosine>(false, 0.85);
 }
 TEST(LinearAttentionLargeInputs, EluPlusOneFloatMagnitude100) {
   // e^{-100} underflows towards 0: rows whose every feature product underflows have a
   // denominator near ε and are only checked to be finite; the others must match.
-  check_magnitude_100<linattn::EluPlusOne>(false, 0.5);
+  check_magnitude_100<linattn::EluPlusOne>(false, 0.8);
 }
 
 TEST(LinearAttentionLargeInputs, EluPlusOneUnderflowingDenominatorStaysFinite) {
