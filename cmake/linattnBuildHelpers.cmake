@@ -7,15 +7,32 @@
 include_guard(GLOBAL)
 include(CheckCXXCompilerFlag)
 
-if(LINATTN_NATIVE)
+# Options of the test builds (.ci/test runs one build directory per combination).
+option(LINATTN_TESTS_NATIVE
+  "Compile the unit tests with -march=native too (their ctest tests get the label native)" OFF)
+option(LINATTN_TSAN "Build the tests with ThreadSanitizer (use with LINATTN_OPENMP=OFF)" OFF)
+# Off by default: measured, it does not pay (test_errors, Release: 32.1 s CPU without, 33.9 s
+# with; a test TU's time goes to instantiating and optimising the kernels, not to parsing
+# Eigen and GoogleTest, and each build directory pays for the ~115 MB PCHs).
+option(LINATTN_TEST_PCH
+  "Precompile Eigen/Core, GoogleTest and linattn.hpp once for all test targets" OFF)
+if(LINATTN_TSAN AND LINATTN_SANITIZE)
+  message(FATAL_ERROR "linattn: LINATTN_TSAN and LINATTN_SANITIZE (ASan) cannot be combined")
+endif()
+if(LINATTN_TSAN AND LINATTN_USES_OPENMP)
+  message(WARNING "linattn: LINATTN_TSAN with OpenMP: libgomp is not TSan-instrumented and "
+    "its barriers are reported as races; configure with -DLINATTN_OPENMP=OFF")
+endif()
+
+if(LINATTN_NATIVE OR LINATTN_TESTS_NATIVE)
   check_cxx_compiler_flag("-march=native" LINATTN_COMPILER_HAS_MARCH_NATIVE)
   if(NOT LINATTN_COMPILER_HAS_MARCH_NATIVE)
     message(STATUS "linattn: compiler does not accept -march=native, LINATTN_NATIVE ignored")
   endif()
 endif()
 
-if(LINATTN_SANITIZE AND NOT CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
-  message(WARNING "linattn: LINATTN_SANITIZE is only supported with GCC/Clang; ignored")
+if((LINATTN_SANITIZE OR LINATTN_TSAN) AND NOT CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+  message(WARNING "linattn: LINATTN_SANITIZE/LINATTN_TSAN are only supported with GCC/Clang; ignored")
 endif()
 
 # Write <content> to <path> only when it differs from what is there, so that
@@ -39,18 +56,28 @@ function(linattn_target_warnings target)
   endif()
 endfunction()
 
-# ASan + UBSan on a target's compile and link step (when LINATTN_SANITIZE=ON).
+# ASan + UBSan (LINATTN_SANITIZE=ON) or TSan (LINATTN_TSAN=ON) on a target's compile and link
+# step.
 function(linattn_target_sanitizers target)
-  if(LINATTN_SANITIZE AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
-    set(_flags -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all)
-    target_compile_options(${target} PRIVATE ${_flags})
-    target_link_options(${target} PRIVATE ${_flags})
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+    return()
   endif()
+  if(LINATTN_SANITIZE)
+    set(_flags -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all)
+  elseif(LINATTN_TSAN)
+    set(_flags -fsanitize=thread -fno-omit-frame-pointer)
+  else()
+    return()
+  endif()
+  target_compile_options(${target} PRIVATE ${_flags})
+  target_link_options(${target} PRIVATE ${_flags})
 endfunction()
 
-# -march=native on a target (when LINATTN_NATIVE=ON and supported).
+# -march=native on a target (when LINATTN_NATIVE=ON and supported; FORCE: whatever
+# LINATTN_NATIVE says, for the unit tests of LINATTN_TESTS_NATIVE).
 function(linattn_target_native target)
-  if(LINATTN_NATIVE AND LINATTN_COMPILER_HAS_MARCH_NATIVE)
+  cmake_parse_arguments(PARSE_ARGV 1 ARG "FORCE" "" "")
+  if((LINATTN_NATIVE OR ARG_FORCE) AND LINATTN_COMPILER_HAS_MARCH_NATIVE)
     target_compile_options(${target} PRIVATE -march=native)
     # GCC 12's AVX-512 intrinsics (`__m512 __Y = __Y;` in _mm512_undefined_ps, GCC bug
     # 105593) make every inlined Eigen GEMM or packet transpose report -W(maybe-)uninitialized:
@@ -67,7 +94,9 @@ endfunction()
 # GoogleTest executable linking linattn::linattn + GTest::gtest_main, with our
 # warnings and (optionally) sanitizers, registered through gtest_discover_tests.
 # LABELS defaults to "unit". Label long-running tests "unit;slow" (LABELS unit
-# slow): the sanitizer stage of .ci/test skips "slow".
+# slow): the sanitizer stage of .ci/test skips "slow". With LINATTN_TESTS_NATIVE=ON
+# the executable is compiled with -march=native and its tests also get the label
+# "native". Its precompiled header is attached by linattn_test_precompile_headers().
 # Requires find_package(GTest) and include(GoogleTest) (done in tests/).
 # ---------------------------------------------------------------------------
 function(linattn_add_test name)
@@ -91,6 +120,11 @@ function(linattn_add_test name)
   endif()
   linattn_target_warnings(${name})
   linattn_target_sanitizers(${name})
+  if(LINATTN_TESTS_NATIVE)
+    linattn_target_native(${name} FORCE)
+    list(APPEND ARG_LABELS native)
+  endif()
+  set_property(GLOBAL APPEND PROPERTY LINATTN_TEST_TARGETS ${name})
 
   gtest_discover_tests(${name}
     TEST_LIST ${name}_TESTS
@@ -111,6 +145,80 @@ if(${name}_TESTS)
 endif()
 ")
   set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES "${_labels_file}")
+endfunction()
+
+# ---------------------------------------------------------------------------
+# linattn_test_precompile_headers()
+#
+# Call once after every linattn_add_test() and target_compile_definitions() of
+# the test targets (with LINATTN_TEST_PCH=ON). Eigen/Core, GoogleTest and
+# linattn.hpp are parsed in every test TU; one precompiled header per kind of TU
+# saves that parse in all but the first. The kinds: TUs that include
+# tests/eigen_assert_hook.hpp (it must come before Eigen, so it is the first
+# header of their PCH) and TUs compiled with EIGEN_RUNTIME_NO_MALLOC (it
+# changes Eigen's headers) each get their own PCH.
+# ---------------------------------------------------------------------------
+function(linattn_test_precompile_headers)
+  if(NOT LINATTN_TEST_PCH OR CMAKE_VERSION VERSION_LESS 3.16)
+    return()
+  endif()
+  get_property(_targets GLOBAL PROPERTY LINATTN_TEST_TARGETS)
+  set(_hook "${PROJECT_SOURCE_DIR}/tests/eigen_assert_hook.hpp")
+  set(_common <Eigen/Core> <gtest/gtest.h> <linattn/linattn.hpp>
+    <algorithm> <cmath> <limits> <stdexcept> <string> <vector>)
+  foreach(_t IN LISTS _targets)
+    set(_uses_hook 0)
+    set(_own_assert 0)
+    get_target_property(_sources ${_t} SOURCES)
+    foreach(_src IN LISTS _sources)
+      get_filename_component(_abs "${_src}" ABSOLUTE BASE_DIR "${CMAKE_CURRENT_SOURCE_DIR}")
+      if(EXISTS "${_abs}")
+        file(STRINGS "${_abs}" _hits REGEX "#include \"eigen_assert_hook.hpp\"")
+        if(_hits)
+          set(_uses_hook 1)
+        endif()
+        file(STRINGS "${_abs}" _hits REGEX "^#define eigen_assert")
+        if(_hits)
+          set(_own_assert 1)
+        endif()
+      endif()
+    endforeach()
+    if(_own_assert)  # defines eigen_assert before Eigen itself: no header may come first
+      continue()
+    endif()
+    get_target_property(_defs ${_t} COMPILE_DEFINITIONS)
+    set(_no_malloc 0)
+    if(_defs AND "EIGEN_RUNTIME_NO_MALLOC" IN_LIST _defs)
+      set(_no_malloc 1)
+    endif()
+    set(_kind "linattn_test_pch_${_uses_hook}${_no_malloc}")
+    if(NOT TARGET ${_kind})
+      # The PCH is made by a target of its own with only the flags every test shares, so that
+      # no test's private definitions (LINATTN_EXPECTED_VERSION, ...) are baked into it.
+      set(_stub "${CMAKE_CURRENT_BINARY_DIR}/${_kind}.cpp")
+      linattn_write_if_different("${_stub}" "// Generated: owner of a precompiled header.\n")
+      add_library(${_kind} OBJECT "${_stub}")
+      if(TARGET GTest::gtest)
+        target_link_libraries(${_kind} PRIVATE linattn::linattn GTest::gtest)
+      else()
+        target_link_libraries(${_kind} PRIVATE linattn::linattn GTest::GTest)
+      endif()
+      linattn_target_warnings(${_kind})
+      linattn_target_sanitizers(${_kind})
+      if(LINATTN_TESTS_NATIVE)
+        linattn_target_native(${_kind} FORCE)
+      endif()
+      if(_no_malloc)
+        target_compile_definitions(${_kind} PRIVATE EIGEN_RUNTIME_NO_MALLOC)
+      endif()
+      if(_uses_hook)
+        target_precompile_headers(${_kind} PRIVATE "${_hook}" ${_common})
+      else()
+        target_precompile_headers(${_kind} PRIVATE ${_common})
+      endif()
+    endif()
+    target_precompile_headers(${_t} REUSE_FROM ${_kind})
+  endforeach()
 endfunction()
 
 # ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 #include "reference.hpp"
 #include "test_util.hpp"
 
+#include <linattn/causal_linear_attention.hpp>
 #include <linattn/common.hpp>
 #include <linattn/elu_plus_one.hpp>
 #include <linattn/feature_map.hpp>
@@ -167,6 +168,20 @@ inline BoolVec random_mask(Index n, std::uint32_t seed, double p) {
   BoolVec m(n);
   for (Index j = 0; j < n; ++j) m(j) = keep(gen);
   return m;
+}
+
+/// CausalOptions with an algorithm and a chunk size.
+inline linattn::CausalOptions options(linattn::CausalAlgorithm algorithm, Index chunk) {
+  linattn::CausalOptions o;
+  o.algorithm = algorithm;
+  o.chunk_size = chunk;
+  return o;
+}
+
+inline const char* algorithm_name(linattn::CausalAlgorithm a) {
+  return a == linattn::CausalAlgorithm::Chunked     ? "chunked"
+         : a == linattn::CausalAlgorithm::Recurrent ? "recurrent"
+                                                    : "auto";
 }
 
 /// Double copy of any Eigen matrix.

@@ -40,3 +40,22 @@ class NoMallocScope {
  private:
   int before_;
 };
+
+namespace eigen_hook {
+/// The detector's self-test, shared by the targets that use it: a heap allocation under
+/// set_is_malloc_allowed(false) must be reported (else every no-allocation test of the target
+/// would pass vacuously, for instance if EIGEN_RUNTIME_NO_MALLOC were not defined for it).
+inline void expect_detector_works() {
+  g_expect = true;
+  int seen = 0;
+  {
+    NoMallocScope scope;
+    Eigen::MatrixXf m(100, 100);  // must be reported
+    m.setZero();
+    seen = scope.failures();
+  }
+  g_expect = false;
+  EXPECT_GE(seen, 1) << "a heap allocation under set_is_malloc_allowed(false) went unnoticed: "
+                        "is EIGEN_RUNTIME_NO_MALLOC defined for this target?";
+}
+}  // namespace eigen_hook

@@ -67,9 +67,19 @@ inline Inputs make_inputs(const test::Shape& sh, std::uint32_t salt, double qk =
 
 // Runs the kernel on the shape list and compares with the reference. Returns the max error.
 #ifndef LINATTN_TEST_LAYOUT_PART
+// Bounds of the shape-list comparison per unit of max |V| (it was 1e-4 in float): a few times
+// the largest error measured, reported as .../shape_list (Release, portable: at most 3.8e-6 in
+// float and 8.9e-15 in double in absolute terms, with max |V| between 3 and 30).
+constexpr double kShapeListFloat = 5e-6, kShapeListDouble = 3e-14;
+// The rows compared (reference denominator above min_den) out of all rows of the shape list:
+// all of them for EluPlusOne and SoftmaxSplit; NormalizedCosine skips the rows whose keys
+// point away from the query.
+constexpr double kMinComparedFraction = 0.8;
+
 template <class Map, class S>
 double check_shape_list(double qk, double v) {
   double worst = 0;
+  test::RowComparison all;
   for (const test::Shape& sh : test::shapes()) {
     const Inputs in = make_inputs(sh, 100, qk, v);
     const Mat<S> Q = in.Q.cast<S>(), K = in.K.cast<S>(), V = in.V.cast<S>();
@@ -79,12 +89,16 @@ double check_shape_list(double qk, double v) {
                                                 V.template cast<double>(), Map{}, &den);
     const auto rc = test::compare_well_conditioned_rows(out, expected, den, min_den<Map>(sh.L),
                                                         test::max_abs(V));
-    EXPECT_LE(rc.max_err, test::tolerance<S>(test::max_abs(V))) << map_name<Map>() << " " << sh;
+    EXPECT_LE(rc.max_err, test::bound<S>(kShapeListFloat, kShapeListDouble, test::max_abs(V)))
+        << map_name<Map>() << " " << sh;
     if (!std::is_same_v<Map, linattn::NormalizedCosine>) {  // positive features: none skipped
       EXPECT_EQ(rc.skipped, 0) << map_name<Map>() << " " << sh;
     }
-    worst = std::max(worst, rc.max_err);
+    worst = std::max(worst, rc.max_err / std::max(1.0, test::max_abs(V)));
+    all += rc;
   }
+  test::expect_enough_rows(all, kMinComparedFraction, std::string(map_name<Map>()) + "/" +
+                                                          test::scalar_name<S>() + " shape list");
   return worst;
 }
 
@@ -178,7 +192,7 @@ void check_layouts() {
   const Mat<S> plain = linattn::linear_attention(Q, K, V, Map{});
   const MatD expected = ref::linear_attention(Q.template cast<double>(), K.template cast<double>(),
                                               V.template cast<double>(), Map{});
-  const double tol = test::tolerance<S>(test::max_abs(V));
+  const double tol = test::bound<S>(5e-6, 3e-14, test::max_abs(V));  // as the shape list
   ASSERT_LE(test::max_abs_diff(plain, expected), tol) << map_name<Map>();
   const std::string what = std::string(map_name<Map>()) + "/" + test::scalar_name<S>();
 
@@ -354,8 +368,12 @@ TEST(LinearAttentionEmpty, EveryMap) {
 // Large inputs: magnitude 100 in float.
 // ---------------------------------------------------------------------------------------------
 
+// Measured (|V| <= 1): 3.6e-7 (SoftmaxSplit), 1.2e-7 (EluPlusOne); 89% of the EluPlusOne rows
+// and 92% of the NormalizedCosine rows are compared (the others have a tiny denominator).
+constexpr double kMagnitude100Float = 2e-6;
+
 template <class Map>
-void check_magnitude_100(bool match_all_rows) {
+void check_magnitude_100(bool match_all_rows, double min_fraction) {
   double worst = 0;
   Index compared = 0, total = 0;
   for (const test::Shape& sh : test::shapes()) {
@@ -377,7 +395,8 @@ void check_magnitude_100(bool match_all_rows) {
                                                 V.cast<double>(), Map{}, &den);
     const auto rc = test::compare_well_conditioned_rows(out, expected, den, min_den<Map>(sh.L),
                                                         test::max_abs(V));
-    EXPECT_LE(rc.max_err, test::tolerance<float>(test::max_abs(V))) << map_name<Map>() << " " << sh;
+    EXPECT_LE(rc.max_err, test::bound<float>(kMagnitude100Float, 0, test::max_abs(V)))
+        << map_name<Map>() << " " << sh;
     if (match_all_rows) {
       EXPECT_EQ(rc.skipped, 0) << map_name<Map>() << " " << sh;
     }
@@ -385,23 +404,27 @@ void check_magnitude_100(bool match_all_rows) {
     compared += rc.compared;
     total += sh.N;
   }
-  std::cout << "[ info     ] " << map_name<Map>() << " at magnitude 100: " << compared << " of "
-            << total << " rows compared (the others have a tiny denominator)\n";
+  test::RowComparison counted;
+  counted.compared = compared;
+  counted.skipped = total - compared;
+  test::expect_enough_rows(counted, min_fraction,
+                           std::string(map_name<Map>()) + " at magnitude 100 (the others have a "
+                                                          "tiny denominator)");
   test::report_error(std::string("linear_attention/") + map_name<Map>() + "/float/magnitude_100",
                      worst);
 }
 
 TEST(LinearAttentionLargeInputs, SoftmaxSplitFloatMagnitude100) {
-  check_magnitude_100<linattn::SoftmaxSplit>(true);
+  check_magnitude_100<linattn::SoftmaxSplit>(true, 1.0);
 }
 TEST(LinearAttentionLargeInputs, NormalizedCosineFloatMagnitude100) {
   // (Near-)opposite keys give tiny denominators at any scale; those rows are not compared.
-  check_magnitude_100<linattn::NormalizedCosine>(false);
+  check_magnitude_100<linattn::NormalizedCosine>(false, 0.85);
 }
 TEST(LinearAttentionLargeInputs, EluPlusOneFloatMagnitude100) {
   // e^{-100} underflows towards 0: rows whose every feature product underflows have a
   // denominator near ε and are only checked to be finite; the others must match.
-  check_magnitude_100<linattn::EluPlusOne>(false);
+  check_magnitude_100<linattn::EluPlusOne>(false, 0.8);
 }
 
 TEST(LinearAttentionLargeInputs, EluPlusOneUnderflowingDenominatorStaysFinite) {
@@ -462,7 +485,10 @@ TEST(LinearAttentionZeroVectors, NormalizedCosineIsScaleInvariant) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// NaN input: unspecified values, but no crash and the right shape (linear_attention.hpp).
+// NaN input: unspecified values, but no crash and no UB (linear_attention.hpp; ASan and UBSan
+// watch this in .ci/test). What is specified still holds: the rows whose query is finite do not
+// see a non-finite query of another row, and the Workspace carries nothing from a poisoned
+// call into the next one.
 // ---------------------------------------------------------------------------------------------
 
 template <class Map>
@@ -470,6 +496,8 @@ void check_nan() {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const Eigen::MatrixXf Q0 = test::random_matrix<float>(300, 4, 601), K0 = test::random_matrix<float>(270, 4, 602);
   const Eigen::MatrixXf V0 = test::random_matrix<float>(270, 3, 603);
+  const Eigen::MatrixXf clean = linattn::linear_attention(Q0, K0, V0, Map{});
+  linattn::Workspace<float> ws;
   for (int which = 0; which < 4; ++which) {
     Eigen::MatrixXf Q = Q0, K = K0, V = V0;
     if (which == 0) Q(5, 2) = nan;
@@ -479,13 +507,19 @@ void check_nan() {
       Q.setConstant(nan);
       K.setConstant(std::numeric_limits<float>::infinity());
     }
-    const Eigen::MatrixXf out = linattn::linear_attention(Q, K, V, Map{});
-    EXPECT_EQ(out.rows(), 300);
-    EXPECT_EQ(out.cols(), 3);
+    const std::string what = std::string(map_name<Map>()) + " case " + std::to_string(which);
+    Eigen::MatrixXf out(300, 3);
+    linattn::linear_attention(Q, K, V, Map{}, out, ws);
+    if (which == 0) {  // only row 5's query is NaN: every other row is exact
+      EXPECT_EQ(test::max_abs_diff(out.topRows(5), clean.topRows(5)), 0.0) << what;
+      EXPECT_EQ(test::max_abs_diff(out.bottomRows(294), clean.bottomRows(294)), 0.0) << what;
+    }
+    linattn::linear_attention(Q0, K0, V0, Map{}, out, ws);
+    EXPECT_EQ(test::max_abs_diff(out, clean), 0.0) << what << ": the next call with the same workspace";
   }
 }
 
-TEST(LinearAttentionNaN, DoesNotCrash) {
+TEST(LinearAttentionNaN, OtherRowsAndLaterCallsAreExact) {
   check_nan<linattn::EluPlusOne>();
   check_nan<linattn::SoftmaxSplit>();
   check_nan<linattn::NormalizedCosine>();

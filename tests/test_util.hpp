@@ -13,7 +13,9 @@
 #include <ostream>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace test {
@@ -98,9 +100,61 @@ struct Tol<double> {
 
 /// The tolerance for an attention output whose values have magnitude up to `scale` (max |V|):
 /// attention outputs are (near-)convex combinations of value rows, so their error scales with V.
+/// Loose (1e-4 in float, ~100x the usual error): new tests use test::bound with measured
+/// figures instead.
 template <class S>
 double tolerance(double scale) {
   return Tol<S>::rel * std::max(1.0, scale);
+}
+
+/// A bound set from a measured error: `f` in float, `d` in double (a few times the error the
+/// test reports through report_error), times max(1, scale) (scale = max |V| for attention
+/// outputs, which are near-convex combinations of value rows).
+template <class S>
+double bound(double f, double d, double scale = 1.0) {
+  return (sizeof(S) == sizeof(float) ? f : d) * std::max(1.0, scale);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Typed-suite boilerplate: run a check for every (map, scalar) pair.
+// ---------------------------------------------------------------------------------------------
+
+template <class S>
+struct ScalarTag {
+  using type = S;
+};
+
+/// Calls f(Map{}, ScalarTag<S>{}) for every Map of the list and S in {float, double}:
+///   test::for_each_map_scalar<EluPlusOne, SoftmaxSplit>([](auto phi, auto s) {
+///     check<typename decltype(s)::type>(phi);
+///   });
+template <class... Maps, class F>
+void for_each_map_scalar(F&& f) {
+  (f(Maps{}, ScalarTag<float>{}), ...);
+  (f(Maps{}, ScalarTag<double>{}), ...);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------
+
+/// Expects f() to throw std::invalid_argument whose message contains every needle.
+template <class F>
+void expect_invalid(F&& f, const std::vector<std::string>& needles, const std::string& what) {
+  try {
+    f();
+    ADD_FAILURE() << what << ": no exception";
+  } catch (const std::invalid_argument& e) {
+    for (const std::string& needle : needles)
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+          << what << ": message \"" << e.what() << "\" lacks \"" << needle << "\"";
+  } catch (...) {
+    ADD_FAILURE() << what << ": not std::invalid_argument";
+  }
+}
+template <class F>
+void expect_invalid(F&& f, const std::string& needle, const std::string& what) {
+  expect_invalid(std::forward<F>(f), std::vector<std::string>{needle}, what);
 }
 
 // The error helpers are plain functions over Eigen::Ref (an expression argument is evaluated
@@ -167,7 +221,26 @@ inline bool all_finite(const CRefD& a) { return detail::all_finite_impl(a); }
 struct RowComparison {
   double max_err = 0;
   Index compared = 0, skipped = 0;
+  /// Accumulates another comparison (of another shape).
+  RowComparison& operator+=(const RowComparison& o) {
+    max_err = std::max(max_err, o.max_err);
+    compared += o.compared;
+    skipped += o.skipped;
+    return *this;
+  }
 };
+
+/// A row-skipping comparison means little when most rows are skipped: expects at least
+/// `min_fraction` of the rows to have been compared (and at least one), and says how many were.
+inline void expect_enough_rows(const RowComparison& rc, double min_fraction,
+                               const std::string& what) {
+  const Index total = rc.compared + rc.skipped;
+  std::cout << "[ rows     ] " << what << ": " << rc.compared << " of " << total
+            << " rows compared" << std::endl;
+  EXPECT_GE(rc.compared, 1) << what << ": no row compared";
+  EXPECT_GE(static_cast<double>(rc.compared), min_fraction * static_cast<double>(total))
+      << what << ": only " << rc.compared << " of " << total << " rows compared";
+}
 template <class A>
 RowComparison compare_well_conditioned_rows_impl(const A& out, const CRefD& expected,
                                                  const Eigen::VectorXd& den, double min_den,
