@@ -146,7 +146,7 @@ Mat masked_causal(const Mat& Q, const Mat& K, const Mat& V, const BoolVec& keep,
         num += w * V.row(j);
         den += w;
       }
-      out.row(i) = num / std::max(den, ref::eps());
+      out.row(i) = num * linattn::guarded_inverse(den);  // SPEC §2: degenerate rows are 0
     }
   }
   return out;

@@ -5,13 +5,13 @@
 // generic reference calls a *user's* map one row at a time. Every output row is evaluated as a
 // sum over key pairs,
 //
-//     out_i = Σ_j sim(q_i, k_j) v_j / max(Σ_j sim(q_i, k_j), ε)       (j ≤ i when causal),
+//     out_i = Σ_j sim(q_i, k_j) v_j / Σ_j sim(q_i, k_j)   (0 when the sum is degenerate)       (j ≤ i when causal),
 //
 // never through the re-associated S / z form the library uses.
 //
-// The guard ε is linattn::denominator_epsilon<double>() = 1e-12. The float kernels guard with
-// denominator_epsilon<float>() = 1e-6 instead; the tests keep every denominator far above both
-// (or check only the rows whose reference denominator is), so the guard never explains a
+// The guard (docs/SPEC.md §2): a row whose denominator is below the smallest normal double is 0
+// (linattn::guarded_inverse). The tests keep every denominator far above it (or check only the
+// rows whose reference denominator is well conditioned), so the guard never explains a
 // difference between a kernel and this reference.
 #pragma once
 
@@ -41,7 +41,7 @@ inline double eps() { return linattn::denominator_epsilon<double>(); }
 // Building blocks
 // ---------------------------------------------------------------------------------------------
 
-/// out_i = Σ_{j ∈ keys(i)} w(i, j) v_j / max(Σ_j w(i, j), ε), keys(i) = all j, or j ≤ i.
+/// out_i = Σ_{j ∈ keys(i)} w(i, j) v_j / Σ_j w(i, j) (0 when degenerate), keys(i) = all j, or j ≤ i.
 /// `den`, if given, receives the unguarded denominators Σ_j w(i, j).
 template <class Weight>
 Mat normalized_sum(Index N, Index L, const Mat& V, bool causal, const Weight& w,
@@ -57,7 +57,7 @@ Mat normalized_sum(Index N, Index L, const Mat& V, bool causal, const Weight& w,
       num += wij * V.row(j);
       d += wij;
     }
-    out.row(i) = num / std::max(d, eps());
+    out.row(i) = num * linattn::guarded_inverse(d);  // SPEC §2: degenerate rows are 0
     if (den) (*den)(i) = d;
   }
   return out;
