@@ -5,7 +5,7 @@
 // generic reference calls a *user's* map one row at a time. Every output row is evaluated as a
 // sum over key pairs,
 //
-//     out_i = Σ_j sim(q_i, k_j) v_j / Σ_j sim(q_i, k_j)   (0 when the sum is degenerate)       (j ≤ i when causal),
+//     out_i = Σ_j sim(q_i, k_j) v_j / Σ_j sim(q_i, k_j)   (j ≤ i when causal; 0 when degenerate),
 //
 // never through the re-associated S / z form the library uses.
 //
