@@ -363,6 +363,12 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
 ///             see linear_attention() for expression operands).
 /// \throws std::invalid_argument on mismatched shapes, N ≠ L, D == 0, a state of the wrong
 /// shape, an output that is not N x M or that overlaps Q, K or V, or a negative chunk size.
+///
+/// Non-finite inputs (NaN, ±inf) never cause undefined behaviour; the rows that can see them
+/// (query i sees keys and values j ≤ i) and the state carried out are unspecified. Rows before
+/// the first non-finite key or value are exact with the recurrent algorithm; the chunked one
+/// may also spoil the earlier rows of that token's chunk (its in-chunk product multiplies the
+/// chunk's later values by zero weights, and 0 · inf is NaN).
 /// \code
 /// linattn::LinearAttentionState<float> state;  // empty: start from zero
 /// linattn::Workspace<float> ws;
