@@ -453,11 +453,13 @@ class MultiHeadRecurrentLinearAttention {
     aliased_out_.resize(heads * value_dim);
   }
 
-  /// Consumes one token of every head; no allocation.
+  /// Consumes one token of every head; no allocation (for inputs that need no temporary: a
+  /// costly expression such as W * x is evaluated once, before any head moves).
   /// \param out H·M entries; it may share memory with q, k or v (the inputs are read as they
   ///        were on entry), but an input that is an expression reading `out`'s memory
   ///        (`2 * out`) must be evaluated first.
-  /// \throws std::invalid_argument on wrong sizes.
+  /// \throws std::invalid_argument on wrong sizes, with no head moved. Only a feature map
+  /// that throws can stop the step part-way (the heads before it have then moved).
   template <class DQ, class DK, class DV, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOut>& out) {
