@@ -372,6 +372,10 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
 /// the first non-finite key or value are exact with the recurrent algorithm; the chunked one
 /// may also spoil the earlier rows of that token's chunk (its in-chunk product multiplies the
 /// chunk's later values by zero weights, and 0 · inf is NaN).
+///
+/// Exceptions: argument errors are thrown before anything is written. A failure during the
+/// computation (std::bad_alloc while a new Workspace grows, or a throwing user feature map)
+/// leaves `out` and `state` partly advanced: keep a copy of the state if you must retry.
 /// \code
 /// linattn::LinearAttentionState<float> state;  // empty: start from zero
 /// linattn::Workspace<float> ws;
