@@ -262,7 +262,7 @@ Mat<S> with_subnormals(Index rows, Index cols, std::uint32_t seed) {
   return X;
 }
 
-// Known library bug (reported): NormalizedCosine maps a row whose norm is below 1 / max
+// Former library bug (fixed; SubnormalRowNormalizedCosineFloat checks it): NormalizedCosine mapped a row whose norm is below 1 / max
 // (every entry subnormal) to inf·x: 1 / ‖x‖ overflows. Unless `whole_row_for_cosine`, the
 // NormalizedCosine kernels get inputs whose row 5 (the all-subnormal one) is replaced by row 6.
 template <class S>
@@ -351,7 +351,8 @@ void subnormal_inputs(bool whole_row_for_cosine = false) {
 // float only: subnormals are reached far sooner in float, the kernels are the same templates in
 // double, and every instantiation here costs compile time in each CI stage.
 TEST(Robustness, SubnormalInputsFloat) { subnormal_inputs<float>(); }
-// Fails today (the NormalizedCosine bug above).
-TEST(Robustness, DISABLED_SubnormalRowNormalizedCosineFloat) { subnormal_inputs<float>(true); }
+// The NormalizedCosine bug above is fixed (feature maps normalise rows of any magnitude): the
+// all-subnormal row is checked strictly.
+TEST(Robustness, SubnormalRowNormalizedCosineFloat) { subnormal_inputs<float>(true); }
 
 }  // namespace
