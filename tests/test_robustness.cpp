@@ -262,9 +262,10 @@ Mat<S> with_subnormals(Index rows, Index cols, std::uint32_t seed) {
   return X;
 }
 
-// Former library bug (fixed; SubnormalRowNormalizedCosineFloat checks it): NormalizedCosine mapped a row whose norm is below 1 / max
-// (every entry subnormal) to inf·x: 1 / ‖x‖ overflows. Unless `whole_row_for_cosine`, the
-// NormalizedCosine kernels get inputs whose row 5 (the all-subnormal one) is replaced by row 6.
+// A former library bug (fixed; SubnormalRowNormalizedCosineFloat checks it): NormalizedCosine
+// mapped a row whose norm is below 1 / max (every entry subnormal) to inf·x, as 1 / ‖x‖
+// overflowed. Unless `whole_row_for_cosine`, the NormalizedCosine kernels get inputs whose row 5
+// (the all-subnormal one) is replaced by row 6.
 template <class S>
 void subnormal_inputs(bool whole_row_for_cosine = false) {
   const std::string tag = std::string("subnormal/") + test::scalar_name<S>();
