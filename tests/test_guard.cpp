@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "causal_reference.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -33,14 +34,7 @@ CausalOptions options(CausalAlgorithm algo) {
 }
 
 /// max(x, 0): a query whose positive features meet no key's has den = 0 exactly.
-struct Relu {
-  Index feature_dim(Index d) const { return d; }
-  template <class Derived>
-  void map(const Eigen::MatrixBase<Derived>& x,
-           linattn::MatrixRef<typename Derived::Scalar> phi) const {
-    phi = x.cwiseMax(typename Derived::Scalar(0));
-  }
-};
+using Relu = cref::Relu;
 
 // Every kernel and algorithm on (Q, K, V): name -> output. Causal forms need N == L.
 template <class S, class Map>
