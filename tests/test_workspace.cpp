@@ -147,7 +147,11 @@ void check_linear_no_alloc(const char* name, int threads) {
               }),
               "")
         << name << " into a block / row-major Map";
-    EXPECT_EQ(test::max_abs_diff(big.block(1, 2, sh.N, sh.M), first), 0.0) << name;
+    // A few ulps, not bit for bit: with -march=native Eigen's products take paths that depend
+    // on the alignment of the output block (seen: 1 ulp under AVX-512).
+    EXPECT_LE(test::max_abs_diff(big.block(1, 2, sh.N, sh.M), first),
+              4 * test::Tol<S>::ulps * std::max(1.0, test::max_abs(first)))
+        << name;
   }
 }
 
