@@ -27,11 +27,8 @@ using test::Index;
 template <class S>
 using MatX = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic>;
 
-CausalOptions options(CausalAlgorithm algo) {
-  CausalOptions o;
-  o.algorithm = algo;
-  return o;
-}
+// cref::options(algorithm, chunk) with the default chunk size.
+CausalOptions options(CausalAlgorithm algo) { return cref::options(algo, 0); }
 
 /// max(x, 0): a query whose positive features meet no key's has den = 0 exactly.
 using Relu = cref::Relu;
