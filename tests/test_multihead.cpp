@@ -1541,7 +1541,9 @@ void check_lazy_inputs_evaluated_once(const Map& phi) {
        }},
   };
   for (const int t : {1, 2, 3}) {
-    for (const auto& [name, call] : calls) {
+    for (const auto& entry : calls) {
+      const auto& name = entry.first;
+      const auto& call = entry.second;  // captured below: not a structured binding (C++17)
       Mat<S> expected = Mat<S>::Zero(N, H * M), got = Mat<S>::Zero(N, H * M);
       call(threads(t), false, expected);
       const long reads = reads_in([&] { call(threads(t), true, got); });

@@ -99,8 +99,8 @@ constexpr bool is_row_major_direct_v =
     (int(std::decay_t<X>::Flags) & Eigen::DirectAccessBit) && std::decay_t<X>::IsRowMajor;
 
 // Rows [r0, r0 + b) of the RNN form for every other map: map the block's queries and keys
-// (vectorised, in the maps' column-major layout), turn them token-major (one packet transpose
-// each), compute every token's denominator in one sweep (so that scaled queries give the
+// token-major (map_token_major: an elementwise map of row-major inputs directly, else in the
+// maps' column-major layout and then one packet transpose each), compute every token's denominator in one sweep (so that scaled queries give the
 // outputs directly), then feed the tokens through S a few at a time (recurrent_block). Values
 // and outputs are used in place when the caller's are row-major, else go through row-major
 // buffers. Masked keys become zero φ(k) and zero copied values: they add nothing.
@@ -112,14 +112,10 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
     causal_rows_per_token(phi, Q, K, V, r0, b, st, keep, dst, ws);
   } else {
     const Index F = st.S.rows(), M = st.S.cols();
-    auto pq = ws.matrix(kSlotPhiQ, b, F);
-    auto pk = ws.matrix(kSlotPhiK, b, F);
-    phi.map(Q.middleRows(r0, b), pq);
-    phi.map(K.middleRows(r0, b), pk);
     auto pqt = ws.matrix(kSlotExtra, F, b);  // column i: token i's features
     auto pkt = ws.matrix(kSlotKeys, F, b);
-    copy_to_row_major(pq, pqt.data());
-    copy_to_row_major(pk, pkt.data());
+    map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F));
+    map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F));
     bool masked = false;
     if constexpr (!std::is_same_v<Keep, NoMask>) {
       for (Index i = 0; i < b; ++i) {
@@ -180,46 +176,48 @@ void causal_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r
                   LinearAttentionState<Scalar>& st, const Keep& keep, Out& dst,
                   Workspace<Scalar>& ws) {
   const Index F = st.S.rows();
-  auto pq = ws.matrix(kSlotPhiQ, b, F);
-  auto pk = ws.matrix(kSlotPhiK, b, F);
   auto A = ws.matrix(kSlotScores, b, b);
   auto den = ws.vector(kSlotRowA, b);
-  phi.map(Q.middleRows(r0, b), pq);
-  phi.map(K.middleRows(r0, b), pk);
-  if constexpr (!std::is_same_v<Keep, NoMask>)
-    for (Index j = 0; j < b; ++j)
-      if (!keep(r0 + j)) pk.row(j).setZero();
   const auto vr = V.middleRows(r0, b);
   auto ob = dst.middleRows(r0, b);
-  A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
-  // The chunk's own terms first, the carried z last: added one by one to a large z, each term
-  // would be rounded against it (in float, lost entirely once z is 2^24 times larger).
-  den.setZero();
-  for (Index j = 0; j < b; ++j) den.tail(b - j) += A.col(j).tail(b - j);
-  den.noalias() += pq * st.z;
-  if constexpr (may_cancel_v<Phi>) {
-    // Is den_i rounding noise against |φq_i|·|z_i| (z_i: the prefix sum of φk up to row i), the
-    // same test as the recurrent form's? z_i from prefix sums down the chunk: O(b·F).
-    auto zi = ws.matrix(kSlotPrefix, b, F);
-    auto scale = ws.vector(kSlotRowB, b);
-    for (Index d = 0; d < F; ++d) {
-      Scalar running = st.z(d);
-      for (Index i = 0; i < b; ++i) zi(i, d) = std::abs(running += pk(i, d));
-    }
-    scale = pq.cwiseAbs().cwiseProduct(zi).rowwise().sum();
-    const Scalar t = cancellation_threshold<Scalar>(F);
-    den = (den.array() > t * scale.array()).select(den, Scalar(0));
-  }
-  invert_guarded(den);
-  // Scaling the rows of φq and A divides the output rows without touching the output twice.
-  pq.array().colwise() *= den.array();
-  for (Index j = 0; j < b; ++j) A.col(j).tail(b - j).array() *= den.tail(b - j).array();
-  ob.noalias() = pq * st.S;
-  ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
-  // The chunk's sums go into the low parts, then one exact fold: the state keeps its precision
-  // however long the sequence (see LinearAttentionState).
-  st.S_lo.noalias() += pk.transpose() * vr;
-  st.z_lo.noalias() += pk.colwise().sum().transpose();
+  // pq, pk: the chunk's b x F features (with_mapped_rows: a buffer or a token-major view).
+  with_mapped_rows(phi, Q.middleRows(r0, b), F, kSlotPhiQ, ws, [&](auto&& pq) {
+    with_mapped_rows(phi, K.middleRows(r0, b), F, kSlotPhiK, ws, [&](auto&& pk) {
+      if constexpr (!std::is_same_v<Keep, NoMask>)
+        for (Index j = 0; j < b; ++j)
+          if (!keep(r0 + j)) pk.row(j).setZero();
+      A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
+      // The chunk's own terms first, the carried z last: added one by one to a large z, each
+      // term would be rounded against it (in float, lost entirely once z is 2^24 times larger).
+      den.setZero();
+      for (Index j = 0; j < b; ++j) den.tail(b - j) += A.col(j).tail(b - j);
+      den.noalias() += pq * st.z;
+      if constexpr (may_cancel_v<Phi>) {
+        // Is den_i rounding noise against |φq_i|·|z_i| (z_i: the prefix sum of φk up to row i),
+        // the same test as the recurrent form's? z_i from prefix sums down the chunk: O(b·F).
+        auto zi = ws.matrix(kSlotPrefix, b, F);
+        auto scale = ws.vector(kSlotRowB, b);
+        for (Index d = 0; d < F; ++d) {
+          Scalar running = st.z(d);
+          for (Index i = 0; i < b; ++i) zi(i, d) = std::abs(running += pk(i, d));
+        }
+        scale = pq.cwiseAbs().cwiseProduct(zi).rowwise().sum();
+        const Scalar t = cancellation_threshold<Scalar>(F);
+        den = (den.array() > t * scale.array()).select(den, Scalar(0));
+      }
+      invert_guarded(den);
+      // Scaling the rows of φq and A divides the output rows without touching the output
+      // twice.
+      pq.array().colwise() *= den.array();
+      for (Index j = 0; j < b; ++j) A.col(j).tail(b - j).array() *= den.tail(b - j).array();
+      ob.noalias() = pq * st.S;
+      ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
+      // The chunk's sums go into the low parts, then one exact fold: the state keeps its
+      // precision however long the sequence (see LinearAttentionState).
+      st.S_lo.noalias() += pk.transpose() * vr;
+      st.z_lo.noalias() += pk.colwise().sum().transpose();
+    });
+  });
   fold_state(st.S, st.S_lo, st.z, st.z_lo);
 }
 

@@ -30,6 +30,8 @@ namespace linattn {
 struct EluPlusOne {
   /// Every feature is positive: denominators never cancel (see feature_map.hpp).
   static constexpr bool nonnegative_features = true;
+  /// One function of each entry: row-major inputs are mapped without transposes.
+  static constexpr bool elementwise = true;
 
   Index feature_dim(Index input_dim) const noexcept { return input_dim; }
 

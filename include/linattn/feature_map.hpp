@@ -28,6 +28,12 @@
 ///   and cannot cancel. Without it the kernels also treat a denominator that is only rounding
 ///   noise against the magnitude of its terms as 0 (the row is then 0; docs/SPEC.md §2), an
 ///   O(F) test per row.
+/// - *optional* `static constexpr bool elementwise = true`: promises that `map` applies one
+///   scalar function to every entry (F = D; no entry depends on another, its row or its
+///   position), so that `map` works on a matrix of any shape. The kernels then map row-major
+///   inputs (token-major memory, as frameworks hold activations) straight into the token-major
+///   buffers they compute with, `phi.map(x.transpose(), buffer)`, instead of transposing the
+///   input in and the features back out.
 ///
 /// A user map is checked at compile time by every kernel with a readable message:
 /// \code
@@ -117,6 +123,12 @@ template <class Phi>
 inline constexpr bool may_cancel_v =
     !declares_nonnegative<Phi>::value && !normalizes_keys_per_feature_v<Phi>;
 
+template <class Phi, class = void>
+struct declares_elementwise : std::false_type {};
+template <class Phi>
+struct declares_elementwise<Phi, std::void_t<decltype(Phi::elementwise)>>
+    : std::bool_constant<Phi::elementwise> {};
+
 template <class Phi, class Scalar>
 constexpr void static_check_feature_map() {
   static_assert(detail::has_feature_dim<Phi, Scalar>::value,
@@ -174,6 +186,29 @@ template <class Derived>
 inline constexpr bool is_row_major_memory_v =
     bool(std::decay_t<Derived>::IsRowMajor) &&
     (int(std::decay_t<Derived>::Flags) & Eigen::DirectAccessBit) != 0;
+
+// Whether map_token_major maps x (n x D) without a transpose: an elementwise map of row-major
+// memory, whose transpose is the column-major D x n matrix the token-major buffer wants.
+template <class Phi, class Derived>
+inline constexpr bool maps_token_major_v = declares_elementwise<Phi>::value &&
+                                           !normalizes_keys_per_feature_v<Phi> &&
+                                           is_row_major_memory_v<Derived>;
+
+// φ of the rows of x (n x D) into pt (F x n, column-major: column i holds token i's features),
+// the token-major layout of the recurrent kernel and of the row-major paths. An elementwise map
+// of row-major x maps x^T straight into pt; otherwise the rows are mapped into `scratch` (any
+// n x F column-major buffer) and transposed into pt with packets.
+template <class Phi, class Derived, class Pt, class Scratch>
+void map_token_major(const Phi& phi, const Eigen::MatrixBase<Derived>& x, Pt& pt,
+                     Scratch&& scratch) {
+  if constexpr (maps_token_major_v<Phi, Derived>) {
+    (void)scratch;
+    phi.map(x.transpose(), pt);
+  } else {
+    phi.map(x, scratch);
+    copy_to_row_major(scratch, pt.data());
+  }
+}
 
 // The largest block of rows a built-in map processes at once; its per-row scratch lives on
 // the stack, so the maps never allocate.

@@ -50,10 +50,10 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
   absorb_keys(phi, k, v, S, S_lo, z, z_lo, m, keep, ws);
   for (Index i0 = 0; i0 < N; i0 += kLinearRowBlock) {
     const Index b = std::min(kLinearRowBlock, N - i0);
-    auto pq = ws.matrix(kSlotPhiQ, b, F);
     auto den = ws.vector(kSlotRowA, b);
-    phi.map(q.middleRows(i0, b), pq);
-    read_state<Phi>(S, z, pq, den, dst.middleRows(i0, b));
+    prefetch_rows(q.middleRows(i0 + b, std::min(kLinearRowBlock, N - i0 - b)));  // the next block
+    with_mapped_rows(phi, q.middleRows(i0, b), F, kSlotPhiQ, ws,
+                     [&](auto&& pq) { read_state<Phi>(S, z, pq, den, dst.middleRows(i0, b)); });
   }
 }
 

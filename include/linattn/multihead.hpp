@@ -131,7 +131,9 @@ void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<
 #endif
 }
 
-// Q is N x (H·D), K is L x (H·D), V is L x (H·M); returns D and M.
+// Q is N x (H·D), K is L x (H·D), V is L x (H·M); returns D and M. Callers copy them into plain
+// variables: their lambdas capture them, and C++17 does not allow capturing a structured
+// binding (clang rejects it, GCC accepts it).
 template <class DQ, class DK, class DV>
 std::pair<Index, Index> check_heads(const char* function, const Eigen::MatrixBase<DQ>& Q,
                                     const Eigen::MatrixBase<DK>& K,
@@ -172,7 +174,8 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
                     const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
                     const ParallelOptions& par) {
   static_check_feature_map<Phi, typename DQ::Scalar>();
-  const auto [D, M] = check_heads(fn, Q, K, V, heads, false);
+  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, false);
+  const Index D = dims.first, M = dims.second;
   check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
   check_output(fn, out, Q.rows(), V.cols());
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
@@ -205,7 +208,8 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                            const CausalOptions& options, const ParallelOptions& par) {
   using Scalar = typename DQ::Scalar;
   static_check_feature_map<Phi, Scalar>();
-  const auto [D, M] = check_heads(fn, Q, K, V, heads, true);
+  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
+  const Index D = dims.first, M = dims.second;
   check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
   check_output(fn, out, Q.rows(), V.cols());
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
@@ -361,7 +365,8 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                        Index heads, const Eigen::MatrixBase<DOut>& out,
                        MultiHeadWorkspace<typename DQ::Scalar>& ws, SoftmaxAlgorithm algorithm,
                        bool causal, const ParallelOptions& par) {
-  const auto [D, M] = check_heads(fn, Q, K, V, heads, causal);
+  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, causal);
+  const Index D = dims.first, M = dims.second;
   check_output(fn, out, Q.rows(), V.cols());
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
   auto& dst = writable(out);

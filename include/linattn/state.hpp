@@ -157,8 +157,10 @@ void raise_maxima(SMat& S, SMat& S_lo, ZVec& z, ZVec& z_lo, MVec& m, const NewMa
   for (Index d = 0; d < m.size(); ++d) {
     if (new_max(d) > m(d)) {
       const Scalar c = std::exp(m(d) - new_max(d));
-      S.row(d) *= c;
-      S_lo.row(d) *= c;
+      if (S.cols() > 0) {  // M = 0: S may be a Map of no memory, whose rows must not be formed
+        S.row(d) *= c;
+        S_lo.row(d) *= c;
+      }
       z(d) *= c;
       z_lo(d) *= c;
       m(d) = new_max(d);
@@ -265,6 +267,24 @@ void recurrent_update_and_read(LinearAttentionState<Scalar>& st, const PQ& pq, P
                           st.S.cols(), pk.data(), w.data(), v.data(), o.data());
 }
 
+// Calls fn(p) with p = φ(x), the n x F features of the rows of x, in workspace slot `slot`:
+// a column-major buffer, or for an elementwise map of row-major x (maps_token_major_v) the
+// transposed view of a token-major F x n buffer that the map filled without a transpose. The
+// kernels' products and row operations read either alike.
+template <class Phi, class X, class Scalar, class Fn>
+void with_mapped_rows(const Phi& phi, const X& x, Index F, int slot, Workspace<Scalar>& ws,
+                      Fn&& fn) {
+  if constexpr (maps_token_major_v<Phi, X>) {
+    auto pt = ws.matrix(slot, F, x.rows());
+    phi.map(x.transpose(), pt);
+    fn(pt.transpose());
+  } else {
+    auto p = ws.matrix(slot, x.rows(), F);
+    phi.map(x, p);
+    fn(p);
+  }
+}
+
 // Reads a folded state (low parts below an ulp of the high parts, which this read ignores) with
 // already-mapped query rows pq (n x F, overwritten): out = pq S · guarded_inverse(pq z), or for
 // per-feature key softmax out = (pq ./ z) S.
@@ -304,9 +324,23 @@ void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, SMat& S_lo, 
   const Index L = K.rows(), F = S.rows();
   for (Index j0 = 0; j0 < L; j0 += kLinearRowBlock) {
     const Index b = std::min(kLinearRowBlock, L - j0);
-    auto pk = ws.matrix(kSlotPhiK, b, F);
+    const auto kb = K.middleRows(j0, b);
+    const Index next = std::min(kLinearRowBlock, L - j0 - b);  // rows of the next block
+    prefetch_rows(K.middleRows(j0 + b, next));
+    prefetch_rows(V.middleRows(j0 + b, next));
+    // pk: the block's b x F key features, a column-major buffer or the transposed view of a
+    // token-major one.
+    const auto add = [&](auto&& pk) {
+      if constexpr (masked)  // after exp: a fully masked feature has m = -inf and NaN here
+        for (Index j = 0; j < b; ++j)
+          if (!keep(j0 + j)) pk.row(j).setZero();
+      S_lo.noalias() += pk.transpose() * V.middleRows(j0, b);
+      z_lo.noalias() += pk.colwise().sum().transpose();
+      fold_state(S, S_lo, z, z_lo);
+    };
     if constexpr (normalizes_keys_per_feature_v<Phi>) {
-      pk = K.middleRows(j0, b);
+      auto pk = ws.matrix(kSlotPhiK, b, F);
+      pk = kb;
       if constexpr (masked)
         for (Index j = 0; j < b; ++j)
           if (!keep(j0 + j)) pk.row(j).setConstant(-std::numeric_limits<Scalar>::infinity());
@@ -314,15 +348,10 @@ void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, SMat& S_lo, 
       block_max = pk.colwise().maxCoeff().transpose();
       raise_maxima(S, S_lo, z, z_lo, m, block_max);
       exp_shifted_cols(pk, m);
+      add(pk);
     } else {
-      phi.map(K.middleRows(j0, b), pk);
+      with_mapped_rows(phi, kb, F, kSlotPhiK, ws, add);
     }
-    if constexpr (masked)  // after exp: a fully masked feature has m = -inf and NaN here
-      for (Index j = 0; j < b; ++j)
-        if (!keep(j0 + j)) pk.row(j).setZero();
-    S_lo.noalias() += pk.transpose() * V.middleRows(j0, b);
-    z_lo.noalias() += pk.colwise().sum().transpose();
-    fold_state(S, S_lo, z, z_lo);
   }
 }
 

@@ -83,6 +83,28 @@ void transpose_copy(const Scalar* src, Index src_ld, Index rows, Index cols, Sca
 #pragma GCC diagnostic pop
 #endif
 
+// Asks for the rows of x (row-major memory with unit inner stride) to be brought into the
+// cache ahead of use. A head's columns of a packed row-major N x (H·D) buffer are short runs
+// (D values) far apart, often one or two per 4 KiB page, which the hardware prefetchers do not
+// follow; the kernels call this for their next block of rows while they work on the current
+// one. Any other x is left to the hardware.
+template <class X>
+void prefetch_rows(const X& x) {
+  using Plain = std::decay_t<X>;
+  if constexpr ((int(Plain::Flags) & Eigen::DirectAccessBit) && bool(Plain::IsRowMajor)) {
+#if defined(__GNUC__) || defined(__clang__)
+    using Scalar = typename Plain::Scalar;
+    if (x.innerStride() != 1 || x.outerStride() == x.cols()) return;
+    constexpr Index line = 64 / Index(sizeof(Scalar));
+    const Scalar* p = x.data();
+    for (Index r = 0; r < x.rows(); ++r, p += x.outerStride())
+      for (Index c = 0; c < x.cols(); c += line) __builtin_prefetch(p + c, 0, 2);
+#endif
+  } else {
+    (void)x;
+  }
+}
+
 // Copies an expression into a row-major buffer (b x n, leading dimension n), transposing
 // with packets when the source is column-major memory with unit inner stride.
 template <class Src, class Scalar>
