@@ -37,6 +37,9 @@ using BoolVec = Eigen::Matrix<bool, Eigen::Dynamic, 1>;
 /// A user-defined feature map, as the feature_map.hpp documentation shows it: ReLU, F = D.
 /// Not strictly positive: a query with no positive entry has a zero denominator (and a zero row).
 struct Relu {
+  // A user map on the kernels' token-major path for row-major inputs (feature_map.hpp), whose
+  // features may be 0: denominators of 0 and the cancellation test go through it too.
+  static constexpr bool elementwise = true;
   Eigen::Index feature_dim(Eigen::Index d) const { return d; }
   template <class Derived>
   void map(const Eigen::MatrixBase<Derived>& x,

@@ -28,6 +28,7 @@ using test::RowMat;
 
 /// φ(x) = max(x, 0): no parameters, F = D, no backward (the example of feature_map.hpp).
 struct Relu {
+  static constexpr bool elementwise = true;
   Index feature_dim(Index d) const { return d; }
   template <class Derived>
   void map(const Eigen::MatrixBase<Derived>& x,
@@ -305,6 +306,34 @@ TYPED_TEST(FeatureMapConformance, AcceptsMapsBlocksAndRowMajorInputs) {
   Mat<S> out_big = Mat<S>::Zero(n + 2, F + 4);
   map.map(x, out_big.block(1, 2, n, F));
   EXPECT_LE(test::max_abs_diff(out_big.block(1, 2, n, F), phi), tol);
+}
+
+TYPED_TEST(FeatureMapConformance, ElementwiseMapsAreEntrywise) {
+  // A map declaring `elementwise` is applied by the kernels to the transpose of row-major
+  // inputs (token-major buffers): φ(xᵀ) must be φ(x)ᵀ bit for bit, for any shape, including
+  // the transpose of a strided row-major block (one head of a packed buffer).
+  using S = typename TestFixture::S;
+  using Info = typename TestFixture::Info;
+  using Map = typename TestFixture::Map;
+  if constexpr (linattn::detail::declares_elementwise<Map>::value) {
+    for (const Index D : {1, 7, 64}) {
+      const auto map = Info::make(D);
+      ASSERT_EQ(map.feature_dim(D), D);
+      const Mat<S> x = test::random_matrix<S>(300, D, test::seed_of({D, 9}), -100, 100);
+      const Mat<S> phi = TestFixture::apply(map, x);
+      Mat<S> phi_t(D, x.rows());
+      map.map(x.transpose(), phi_t);
+      EXPECT_EQ(test::max_abs_diff(phi_t.transpose(), phi), 0.0) << "D=" << D;
+      RowMat<S> packed = RowMat<S>::Zero(x.rows(), 3 * D);
+      packed.middleCols(D, D) = x;
+      const RowMat<S>& cpacked = packed;
+      Mat<S> phi_b(D, x.rows());
+      map.map(cpacked.middleCols(D, D).transpose(), phi_b);
+      EXPECT_EQ(test::max_abs_diff(phi_b.transpose(), phi), 0.0) << "D=" << D << " (strided)";
+    }
+  } else {
+    GTEST_SKIP() << "not elementwise";
+  }
 }
 
 TYPED_TEST(FeatureMapConformance, FiniteForInputsOfMagnitude100) {

@@ -18,6 +18,7 @@
 #include "state.hpp"
 #include "linear_attention.hpp"
 #include "causal_linear_attention.hpp"
+#include "linear_attention_backward.hpp"
 #include "recurrent_linear_attention.hpp"
 #include "multihead.hpp"
 #include "softmax_attention.hpp"

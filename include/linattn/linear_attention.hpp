@@ -51,7 +51,7 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
   for (Index i0 = 0; i0 < N; i0 += kLinearRowBlock) {
     const Index b = std::min(kLinearRowBlock, N - i0);
     auto den = ws.vector(kSlotRowA, b);
-    prefetch_rows(q.middleRows(i0 + b, std::min(kLinearRowBlock, N - i0 - b)));  // the next block
+    prefetch_rows(q, i0 + b, std::min(kLinearRowBlock, N - i0 - b));  // the next block
     with_mapped_rows(phi, q.middleRows(i0, b), F, kSlotPhiQ, ws,
                      [&](auto&& pq) { read_state<Phi>(S, z, pq, den, dst.middleRows(i0, b)); });
   }

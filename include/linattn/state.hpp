@@ -326,8 +326,8 @@ void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, SMat& S_lo, 
     const Index b = std::min(kLinearRowBlock, L - j0);
     const auto kb = K.middleRows(j0, b);
     const Index next = std::min(kLinearRowBlock, L - j0 - b);  // rows of the next block
-    prefetch_rows(K.middleRows(j0 + b, next));
-    prefetch_rows(V.middleRows(j0 + b, next));
+    prefetch_rows(K, j0 + b, next);
+    prefetch_rows(V, j0 + b, next);
     // pk: the block's b x F key features, a column-major buffer or the transposed view of a
     // token-major one.
     const auto add = [&](auto&& pk) {

@@ -83,25 +83,28 @@ void transpose_copy(const Scalar* src, Index src_ld, Index rows, Index cols, Sca
 #pragma GCC diagnostic pop
 #endif
 
-// Asks for the rows of x (row-major memory with unit inner stride) to be brought into the
-// cache ahead of use. A head's columns of a packed row-major N x (H·D) buffer are short runs
-// (D values) far apart, often one or two per 4 KiB page, which the hardware prefetchers do not
-// follow; the kernels call this for their next block of rows while they work on the current
-// one. Any other x is left to the hardware.
+// Asks for rows [start, start + n) of x to be brought into the cache ahead of use, when x is
+// row-major memory with unit inner stride and rows further apart than their length. A head's
+// columns of a packed row-major N x (H·D) buffer are short runs (D values) far apart, often
+// one or two per 4 KiB page, which the hardware prefetchers do not follow; the non-causal
+// kernel calls this for its next block of rows while it works on the current one (measured:
+// 35.4 -> 31.7 ms for 8 heads, N = 16384). Anything else is left to the hardware. No block of
+// x is formed unless there is memory to point into (x may be a Map of no memory when a
+// dimension is 0).
 template <class X>
-void prefetch_rows(const X& x) {
+void prefetch_rows(const X& x, Index start, Index n) {
   using Plain = std::decay_t<X>;
   if constexpr ((int(Plain::Flags) & Eigen::DirectAccessBit) && bool(Plain::IsRowMajor)) {
 #if defined(__GNUC__) || defined(__clang__)
     using Scalar = typename Plain::Scalar;
-    if (x.innerStride() != 1 || x.outerStride() == x.cols()) return;
+    if (n <= 0 || x.cols() == 0 || x.innerStride() != 1 || x.outerStride() == x.cols()) return;
     constexpr Index line = 64 / Index(sizeof(Scalar));
-    const Scalar* p = x.data();
-    for (Index r = 0; r < x.rows(); ++r, p += x.outerStride())
+    const Scalar* p = x.data() + start * x.outerStride();
+    for (Index r = 0; r < n; ++r, p += x.outerStride())
       for (Index c = 0; c < x.cols(); c += line) __builtin_prefetch(p + c, 0, 2);
 #endif
   } else {
-    (void)x;
+    (void)x, (void)start, (void)n;
   }
 }
 

@@ -1,0 +1,675 @@
+/// \file linear_attention_backward.hpp
+/// \brief Gradients of non-causal and causal linear attention (paper §3.3.1), in O(F·M)
+/// working memory: no N x L matrix, no per-token state.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "causal_linear_attention.hpp"
+#include "checks.hpp"
+#include "common.hpp"
+#include "detail/blocking.hpp"
+#include "elu_plus_one.hpp"
+#include "feature_map.hpp"
+#include "state.hpp"
+#include "workspace.hpp"
+
+namespace linattn {
+
+/// \brief The gradients of a scalar loss with respect to the inputs of an attention call:
+/// `dQ`, `dK`, `dV` have the shapes of Q, K, V.
+/// \code
+/// auto g = linattn::linear_attention_backward(Q, K, V, dOut);  // dOut = ∂L/∂out
+/// // g.dQ = ∂L/∂Q, g.dK = ∂L/∂K, g.dV = ∂L/∂V
+/// \endcode
+template <class Scalar>
+struct AttentionGradients {
+  Matrix<Scalar> dQ;  ///< N x D
+  Matrix<Scalar> dK;  ///< L x D
+  Matrix<Scalar> dV;  ///< L x M
+};
+
+/// \brief The gradient of a loss with respect to a causal state (S, z) (see
+/// LinearAttentionState): `dS` is F x M, `dz` has F entries. Empty means zero.
+///
+/// The backward of a call that continued from a state returns the gradient of that initial
+/// state, and accepts the gradient of the state the call left behind (coming from the calls
+/// that continued from it): a sequence trained in pieces, last piece first, gets exactly the
+/// gradients of the one-shot call.
+template <class Scalar>
+struct StateGradient {
+  Matrix<Scalar> dS;  ///< F x M
+  Vector<Scalar> dz;  ///< F
+
+  /// True when it holds no gradient (read as zero).
+  bool empty() const noexcept { return dS.size() == 0 && dz.size() == 0; }
+};
+
+namespace detail {
+
+template <class Phi, class Scalar>
+constexpr void static_check_backward() {
+  static_check_feature_map<Phi, Scalar>();
+  static_assert(has_backward_v<Phi, Scalar> || normalizes_keys_per_feature_v<Phi>,
+                "linattn: the gradient of attention with this feature map needs its "
+                "vector-Jacobian product: add `template <class DX, class DG> void backward(const "
+                "Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi, "
+                "linattn::MatrixRef<typename DX::Scalar> grad_x) const` (see "
+                "linattn/feature_map.hpp)");
+}
+
+// The shapes every backward entry point checks: Q, K, V as for the forward, dOut N x M, and the
+// three outputs the shapes of Q, K, V, none of them overlapping an input.
+template <class DQ, class DK, class DV, class DG, class DdQ, class DdK, class DdV>
+void check_backward(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                    const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                    const Eigen::MatrixBase<DG>& dOut, const Eigen::MatrixBase<DdQ>& dQ,
+                    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
+                    bool causal) {
+  check_qkv(function, Q, K, V, causal);
+  static_assert(std::is_same_v<typename DQ::Scalar, typename DG::Scalar>,
+                "linattn: dOut must have the scalar type of Q, K and V");
+  if (dOut.rows() != Q.rows() || dOut.cols() != V.cols())
+    throw_invalid(function, "dOut is " + shape_of(dOut) + " but must be " +
+                                shape_string(Q.rows(), V.cols()) + " (Q is " + shape_of(Q) +
+                                ", K is " + shape_of(K) + ", V is " + shape_of(V) + ")");
+  const auto check_grad = [&](const char* name, Index rows, Index cols, Index r, Index c) {
+    if (rows != r || cols != c)
+      throw_invalid(function, std::string(name) + " is " + shape_string(rows, cols) +
+                                  " but must be " + shape_string(r, c));
+  };
+  check_grad("dQ", dQ.rows(), dQ.cols(), Q.rows(), Q.cols());
+  check_grad("dK", dK.rows(), dK.cols(), K.rows(), K.cols());
+  check_grad("dV", dV.rows(), dV.cols(), V.rows(), V.cols());
+  check_no_overlap(function, dQ, "Q", Q, "K", K, "V", V, "dOut", dOut);
+  check_no_overlap(function, dK, "Q", Q, "K", K, "V", V, "dOut", dOut);
+  check_no_overlap(function, dV, "Q", Q, "K", K, "V", V, "dOut", dOut);
+  if (memory_overlaps(dQ, dK) || memory_overlaps(dQ, dV) || memory_overlaps(dK, dV))
+    throw_invalid(function, "dQ, dK and dV must not share memory");
+}
+
+// 1 / den for the rows of a block, 0 where the forward's guard zeroes the row (den below
+// denominator_epsilon(), or for maps that may cancel, rounding noise against |φq|·|z|): the
+// output of such a row is the constant 0, and so is its gradient.
+template <class Phi, class PQ, class ZVec, class Den>
+void guarded_row_inverses(const PQ& pq, const ZVec& z, Den& den) {
+  using Scalar = typename ZVec::Scalar;
+  if constexpr (may_cancel_v<Phi>) {
+    const Scalar t = cancellation_threshold<Scalar>(z.size());
+    for (Index i = 0; i < den.size(); ++i)
+      if (!(den(i) > t * pq.row(i).cwiseAbs().dot(z.cwiseAbs()))) den(i) = 0;
+  }
+  invert_guarded(den);
+}
+
+// grad_x = J_φ(x)ᵀ grad_phi for a block of rows, into `out` (a block of the caller's dQ or
+// dK): directly when it is column-major memory (what `backward` takes), else through the
+// workspace slot kSlotKeys.
+template <class Phi, class X, class GPhi, class Out>
+void map_backward_into(const Phi& phi, const X& x, const GPhi& grad_phi, Out&& out,
+                       Workspace<typename X::Scalar>& ws) {
+  using Scalar = typename X::Scalar;
+  if constexpr (std::is_constructible_v<MatrixRef<Scalar>, std::decay_t<Out>&>) {
+    phi.backward(x, grad_phi, out);
+  } else {
+    auto t = ws.matrix(kSlotKeys, x.rows(), x.cols());
+    phi.backward(x, grad_phi, t);
+    out = t;
+  }
+}
+
+// Non-causal backward for product maps (spec §4): with S, z the key sums and, per query block,
+// a = φ(Q_b), inv = 1 / den, out = (a S) ∘ inv, Ĝ = G ∘ inv, c = −rowdot(G, out) ∘ inv:
+//   ∇a = Ĝ Sᵀ + c zᵀ,  R += aᵀ Ĝ,  r += aᵀ c;  then per key block, with φk = φ(K_b):
+//   ∇φk = V_b Rᵀ + 1 rᵀ,  dV_b = φk R.
+// Keys with keep(j) == false take no part: their gradients are 0.
+template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class OQ, class OK,
+          class OV>
+void linear_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                             const DG& G, const Keep& keep, OQ& dQ, OK& dK, OV& dV,
+                             Workspace<typename DQ::Scalar>& ws) {
+  constexpr bool masked = !std::is_same_v<Keep, NoMask>;
+  const Index N = Q.rows(), L = K.rows(), M = V.cols();
+  const Index F = phi.feature_dim(Q.cols());
+  auto S = ws.matrix(kSlotState, F, M);
+  auto S_lo = ws.matrix(kSlotStateLow, F, M);
+  auto z = ws.vector(kSlotNormalizer, F);
+  auto z_lo = ws.vector(kSlotNormalizerLow, F);
+  auto m = ws.vector(kSlotExtra, 0);
+  S.setZero();
+  S_lo.setZero();
+  z.setZero();
+  z_lo.setZero();
+  absorb_keys(phi, K, V, S, S_lo, z, z_lo, m, keep, ws);
+  // R, r reuse the low parts' slots: absorb_keys folded them away.
+  auto R = S_lo;
+  auto r = z_lo;
+  R.setZero();
+  r.setZero();
+  for (Index i0 = 0; i0 < N; i0 += kLinearRowBlock) {
+    const Index b = std::min(kLinearRowBlock, N - i0);
+    auto a = ws.matrix(kSlotPhiQ, b, F);
+    auto ga = ws.matrix(kSlotPhiK, b, F);
+    auto gh = ws.matrix(kSlotScores, b, M);  // out, then Ĝ
+    auto inv = ws.vector(kSlotRowA, b);
+    auto c = ws.vector(kSlotRowB, b);
+    const auto qb = Q.middleRows(i0, b);
+    const auto gb = G.middleRows(i0, b);
+    phi.map(qb, a);
+    inv.noalias() = a * z;
+    guarded_row_inverses<Phi>(a, z, inv);
+    gh.noalias() = a * S;
+    gh.array().colwise() *= inv.array();  // out
+    c = -(gb.cwiseProduct(gh).rowwise().sum().cwiseProduct(inv));
+    gh = gb;
+    gh.array().colwise() *= inv.array();  // Ĝ
+    ga.noalias() = gh * S.transpose();
+    ga.noalias() += c * z.transpose();
+    map_backward_into(phi, qb, ga, dQ.middleRows(i0, b), ws);
+    R.noalias() += a.transpose() * gh;
+    r.noalias() += a.transpose() * c;
+  }
+  for (Index j0 = 0; j0 < L; j0 += kLinearRowBlock) {
+    const Index b = std::min(kLinearRowBlock, L - j0);
+    auto pk = ws.matrix(kSlotPhiQ, b, F);
+    auto gk = ws.matrix(kSlotPhiK, b, F);
+    const auto kb = K.middleRows(j0, b);
+    const auto vb = V.middleRows(j0, b);
+    phi.map(kb, pk);
+    gk.noalias() = vb * R.transpose();
+    gk.rowwise() += r.transpose();
+    if constexpr (masked)
+      for (Index j = 0; j < b; ++j)
+        if (!keep(j0 + j)) {
+          pk.row(j).setZero();
+          gk.row(j).setZero();
+        }
+    dV.middleRows(j0, b).noalias() = pk * R;
+    map_backward_into(phi, kb, gk, dK.middleRows(j0, b), ws);
+    if constexpr (masked)  // a user map's backward need not give 0 for a zero gradient row
+      for (Index j = 0; j < b; ++j)
+        if (!keep(j0 + j)) dK.row(j0 + j).setZero();
+  }
+}
+
+// Non-causal backward for the per-feature key softmax (SoftmaxSplit): out = P T with
+// P = softmax_rows(Q) and T = Eᵀ V, E = softmax_cols(K) (kept as exp(K − m) / z). Then
+//   ∇P = G Tᵀ (→ dQ through the row softmax),  ∇T = Pᵀ G,  dV = E ∇T,
+//   dK = E ∘ (V ∇Tᵀ − 1 sᵀ)  with s_d = Σ_j E_jd (v_j · ∇T_d) = T_d · ∇T_d.
+template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class OQ, class OK,
+          class OV>
+void linear_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                                 const DG& G, const Keep& keep, OQ& dQ, OK& dK, OV& dV,
+                                 Workspace<typename DQ::Scalar>& ws) {
+  using Scalar = typename DQ::Scalar;
+  constexpr bool masked = !std::is_same_v<Keep, NoMask>;
+  const Index N = Q.rows(), L = K.rows(), M = V.cols(), F = Q.cols();
+  auto T = ws.matrix(kSlotState, F, M);
+  auto S_lo = ws.matrix(kSlotStateLow, F, M);
+  auto z = ws.vector(kSlotNormalizer, F);
+  auto z_lo = ws.vector(kSlotNormalizerLow, F);
+  auto m = ws.vector(kSlotExtra, F);
+  T.setZero();
+  S_lo.setZero();
+  z.setZero();
+  z_lo.setZero();
+  m.setConstant(-std::numeric_limits<Scalar>::infinity());
+  absorb_keys(phi, K, V, T, S_lo, z, z_lo, m, keep, ws);
+  // T = diag(1/z) S: the per-feature means of the values. z(d) = 0 only without keys.
+  if (M > 0)  // (M = 0: T may be a Map of no memory, whose rows must not be formed)
+    for (Index d = 0; d < F; ++d) T.row(d) *= guarded_inverse(z(d));
+  auto gT = S_lo;  // ∇T, in the low part's slot (folded away)
+  gT.setZero();
+  for (Index i0 = 0; i0 < N; i0 += kLinearRowBlock) {
+    const Index b = std::min(kLinearRowBlock, N - i0);
+    auto p = ws.matrix(kSlotPhiQ, b, F);
+    auto gp = ws.matrix(kSlotPhiK, b, F);
+    const auto qb = Q.middleRows(i0, b);
+    const auto gb = G.middleRows(i0, b);
+    phi.map(qb, p);
+    gp.noalias() = gb * T.transpose();
+    map_backward_into(phi, qb, gp, dQ.middleRows(i0, b), ws);
+    gT.noalias() += p.transpose() * gb;
+  }
+  auto s = z_lo;  // s_d = T_d · ∇T_d
+  s = T.cwiseProduct(gT).rowwise().sum();
+  for (Index j0 = 0; j0 < L; j0 += kLinearRowBlock) {
+    const Index b = std::min(kLinearRowBlock, L - j0);
+    auto E = ws.matrix(kSlotPhiQ, b, F);
+    auto gE = ws.matrix(kSlotPhiK, b, F);
+    const auto vb = V.middleRows(j0, b);
+    E = K.middleRows(j0, b);
+    exp_shifted_cols(E, m);
+    for (Index d = 0; d < F; ++d) E.col(d) *= guarded_inverse(z(d));
+    if constexpr (masked)
+      for (Index j = 0; j < b; ++j)
+        if (!keep(j0 + j)) E.row(j).setZero();
+    dV.middleRows(j0, b).noalias() = E * gT;
+    gE.noalias() = vb * gT.transpose();
+    gE.rowwise() -= s.transpose();
+    dK.middleRows(j0, b) = E.cwiseProduct(gE);
+  }
+}
+
+// The causal backward's chunk of b rows starting at r0, shared by both sweeps: a = φ(Q_R) and
+// k̃ = φ(K_R) (masked keys zero) into the workspace.
+template <class Phi, class DQ, class DK, class Keep, class A, class Kt>
+void map_chunk(const Phi& phi, const DQ& Q, const DK& K, const Keep& keep, Index r0, Index b,
+               A& a, Kt& kt) {
+  phi.map(Q.middleRows(r0, b), a);
+  phi.map(K.middleRows(r0, b), kt);
+  if constexpr (!std::is_same_v<Keep, NoMask>)
+    for (Index j = 0; j < b; ++j)
+      if (!keep(r0 + j)) kt.row(j).setZero();
+}
+
+// Causal backward for product maps (spec §4), chunked. Forward sweep over chunks R with the
+// state (S, z) at the chunk's start: A = tril(a k̃ᵀ), den = A 1 + a z (the forward's order and
+// guard), out = (a S + A V_R) ∘ inv, Ĝ = G_R ∘ inv, c = −rowdot(G_R, out) ∘ inv,
+// B = tril(Ĝ V_Rᵀ + c 1ᵀ), ∇a = Ĝ Sᵀ + c zᵀ + B k̃ (→ dQ_R); Ĝ and c wait in dV_R and the
+// first column of dK_R. Backward sweep, last chunk first, with (R, r) = Σ over later rows of
+// (aᵀ Ĝ, aᵀ c) (plus the final state's gradient): dV_R = k̃ R + Aᵀ Ĝ,
+// ∇k̃ = V_R Rᵀ + 1 rᵀ + Bᵀ a (→ dK_R). Working memory O(C·(C + F + M) + F·M).
+template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class OQ, class OK,
+          class OV>
+void causal_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                             const DG& G, const Keep& keep,
+                             const LinearAttentionState<typename DQ::Scalar>* initial,
+                             const StateGradient<typename DQ::Scalar>* d_final, OQ& dQ, OK& dK,
+                             OV& dV, StateGradient<typename DQ::Scalar>* d_initial, Index C,
+                             Workspace<typename DQ::Scalar>& ws) {
+  using Scalar = typename DQ::Scalar;
+  constexpr bool masked = !std::is_same_v<Keep, NoMask>;
+  const Index N = Q.rows(), M = V.cols();
+  const Index F = phi.feature_dim(Q.cols());
+  auto S = ws.matrix(kSlotState, F, M);
+  auto z = ws.vector(kSlotNormalizer, F);
+  if (initial != nullptr && !initial->empty()) {
+    S = initial->S;
+    z = initial->z;
+    if (initial->S_lo.size() != 0) S += initial->S_lo;
+    if (initial->z_lo.size() != 0) z += initial->z_lo;
+  } else {
+    S.setZero();
+    z.setZero();
+  }
+  for (Index r0 = 0; r0 < N; r0 += C) {
+    const Index b = std::min(C, N - r0);
+    auto a = ws.matrix(kSlotPhiQ, b, F);
+    auto kt = ws.matrix(kSlotPhiK, b, F);
+    auto A = ws.matrix(kSlotScores, b, b);
+    auto out = ws.matrix(kSlotPrefix, b, M);  // out, then Ĝ
+    auto inv = ws.vector(kSlotRowA, b);
+    auto c = ws.vector(kSlotRowB, b);
+    auto ga = ws.matrix(kSlotExtra, b, F);
+    const auto vr = V.middleRows(r0, b);
+    const auto gr = G.middleRows(r0, b);
+    map_chunk(phi, Q, K, keep, r0, b, a, kt);
+    A.template triangularView<Eigen::Lower>() = a * kt.transpose();
+    inv.setZero();
+    for (Index j = 0; j < b; ++j) inv.tail(b - j) += A.col(j).tail(b - j);
+    inv.noalias() += a * z;
+    if constexpr (may_cancel_v<Phi>) {  // the forward's test (causal_chunk)
+      auto zi = ws.matrix(kSlotKeys, b, F);
+      for (Index d = 0; d < F; ++d) {
+        Scalar running = z(d);
+        for (Index i = 0; i < b; ++i) zi(i, d) = std::abs(running += kt(i, d));
+      }
+      const Scalar t = cancellation_threshold<Scalar>(F);
+      for (Index i = 0; i < b; ++i)
+        if (!(inv(i) > t * a.row(i).cwiseAbs().dot(zi.row(i)))) inv(i) = 0;
+    }
+    invert_guarded(inv);
+    out.noalias() = a * S;
+    out.noalias() += A.template triangularView<Eigen::Lower>() * vr;
+    out.array().colwise() *= inv.array();
+    c = -(gr.cwiseProduct(out).rowwise().sum().cwiseProduct(inv));
+    out = gr;
+    out.array().colwise() *= inv.array();  // Ĝ
+    A.template triangularView<Eigen::Lower>() = out * vr.transpose();  // B
+    for (Index j = 0; j < b; ++j) A.col(j).tail(b - j) += c.tail(b - j);
+    ga.noalias() = out * S.transpose();
+    ga.noalias() += c * z.transpose();
+    ga.noalias() += A.template triangularView<Eigen::Lower>() * kt;
+    map_backward_into(phi, Q.middleRows(r0, b), ga, dQ.middleRows(r0, b), ws);
+    S.noalias() += kt.transpose() * vr;
+    z.noalias() += kt.colwise().sum().transpose();
+    dV.middleRows(r0, b) = out;
+    dK.col(0).segment(r0, b) = c;
+  }
+  auto R = ws.matrix(kSlotStateLow, F, M);
+  auto r = ws.vector(kSlotNormalizerLow, F);
+  if (d_final != nullptr && !d_final->empty()) {
+    R = d_final->dS;
+    r = d_final->dz;
+  } else {
+    R.setZero();
+    r.setZero();
+  }
+  const Index last = N == 0 ? 0 : (N - 1) / C * C;
+  for (Index r0 = last; r0 >= 0 && N > 0; r0 -= C) {
+    const Index b = std::min(C, N - r0);
+    auto a = ws.matrix(kSlotPhiQ, b, F);
+    auto kt = ws.matrix(kSlotPhiK, b, F);
+    auto A = ws.matrix(kSlotScores, b, b);
+    auto B = ws.matrix(kSlotRowA, b, b);
+    auto gh = ws.matrix(kSlotPrefix, b, M);
+    auto c = ws.vector(kSlotRowB, b);
+    auto gk = ws.matrix(kSlotExtra, b, F);
+    const auto vr = V.middleRows(r0, b);
+    map_chunk(phi, Q, K, keep, r0, b, a, kt);
+    gh = dV.middleRows(r0, b);
+    c = dK.col(0).segment(r0, b);
+    A.template triangularView<Eigen::Lower>() = a * kt.transpose();
+    B.template triangularView<Eigen::Lower>() = gh * vr.transpose();
+    for (Index j = 0; j < b; ++j) B.col(j).tail(b - j) += c.tail(b - j);
+    auto dv = dV.middleRows(r0, b);
+    dv.noalias() = kt * R;
+    dv.noalias() += A.template triangularView<Eigen::Lower>().transpose() * gh;
+    gk.noalias() = vr * R.transpose();
+    gk.rowwise() += r.transpose();
+    gk.noalias() += B.template triangularView<Eigen::Lower>().transpose() * a;
+    if constexpr (masked)
+      for (Index j = 0; j < b; ++j)
+        if (!keep(r0 + j)) {
+          gk.row(j).setZero();
+          dv.row(j).setZero();
+        }
+    map_backward_into(phi, K.middleRows(r0, b), gk, dK.middleRows(r0, b), ws);
+    if constexpr (masked)
+      for (Index j = 0; j < b; ++j)
+        if (!keep(r0 + j)) dK.row(r0 + j).setZero();
+    R.noalias() += a.transpose() * gh;
+    r.noalias() += a.transpose() * c;
+  }
+  if (d_initial != nullptr) {
+    d_initial->dS = R;
+    d_initial->dz = r;
+  }
+}
+
+template <class DQ, class DK, class DV, class DG, class Phi, class Keep, class DdQ, class DdK,
+          class DdV>
+void causal_linear_attention_backward_impl(
+    const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, const Phi& phi,
+    const Keep& keep, const LinearAttentionState<typename DQ::Scalar>* initial,
+    const StateGradient<typename DQ::Scalar>* d_final, const Eigen::MatrixBase<DdQ>& dQ,
+    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
+    StateGradient<typename DQ::Scalar>* d_initial, Workspace<typename DQ::Scalar>& ws,
+    const CausalOptions& opts) {
+  using Scalar = typename DQ::Scalar;
+  static_check_backward<Phi, Scalar>();
+  static_assert(!normalizes_keys_per_feature_v<Phi>,
+                "linattn: the causal gradient of SoftmaxSplit (the per-feature prefix softmax) "
+                "is not available yet; its non-causal gradient is (linear_attention_backward)");
+  check_backward(function, Q, K, V, dOut, dQ, dK, dV, /*causal=*/true);
+  check_feature_map(function, phi, Q.cols());
+  if (opts.chunk_size < 0)
+    throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
+                                std::to_string(opts.chunk_size));
+  const Index F = phi.feature_dim(Q.cols()), M = V.cols();
+  const auto state_shape = [&](Index rows, Index cols, Index n) {
+    return rows == F && cols == M && n == F;
+  };
+  if (initial != nullptr && !initial->empty() &&
+      !(state_shape(initial->S.rows(), initial->S.cols(), initial->z.size()) &&
+        initial->m.size() == 0 &&
+        (initial->S_lo.size() == 0 || (initial->S_lo.rows() == F && initial->S_lo.cols() == M)) &&
+        (initial->z_lo.size() == 0 || initial->z_lo.size() == F)))
+    throw_invalid(function, "the initial state (S is " + shape_of(initial->S) + ", z has " +
+                                std::to_string(initial->z.size()) + " entries) does not fit F = " +
+                                std::to_string(F) + ", M = " + std::to_string(M));
+  if (d_final != nullptr && !d_final->empty() &&
+      !state_shape(d_final->dS.rows(), d_final->dS.cols(), d_final->dz.size()))
+    throw_invalid(function, "the final state's gradient (dS is " + shape_of(d_final->dS) +
+                                ", dz has " + std::to_string(d_final->dz.size()) +
+                                " entries) does not fit F = " + std::to_string(F) + ", M = " +
+                                std::to_string(M));
+  auto& gq = writable(dQ);
+  auto& gk = writable(dK);
+  auto& gv = writable(dV);
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
+  const Nested<DG> g(dOut.derived());
+  const Index C = opts.chunk_size > 0 ? opts.chunk_size : kDefaultChunk;
+  causal_backward_product(phi, q, k, v, g, keep, initial, d_final, gq, gk, gv, d_initial, C, ws);
+}
+
+template <class DQ, class DK, class DV, class DG, class Phi, class Keep, class DdQ, class DdK,
+          class DdV>
+void linear_attention_backward_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                                    const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                                    const Eigen::MatrixBase<DG>& dOut, const Phi& phi,
+                                    const Keep& keep, const Eigen::MatrixBase<DdQ>& dQ,
+                                    const Eigen::MatrixBase<DdK>& dK,
+                                    const Eigen::MatrixBase<DdV>& dV,
+                                    Workspace<typename DQ::Scalar>& ws) {
+  using Scalar = typename DQ::Scalar;
+  static_check_backward<Phi, Scalar>();
+  check_backward(function, Q, K, V, dOut, dQ, dK, dV, /*causal=*/false);
+  check_feature_map(function, phi, Q.cols());
+  auto& gq = writable(dQ);
+  auto& gk = writable(dK);
+  auto& gv = writable(dV);
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
+  const Nested<DG> g(dOut.derived());
+  if constexpr (normalizes_keys_per_feature_v<Phi>)
+    linear_backward_per_feature(phi, q, k, v, g, keep, gq, gk, gv, ws);
+  else
+    linear_backward_product(phi, q, k, v, g, keep, gq, gk, gv, ws);
+}
+
+}  // namespace detail
+
+/// \brief Gradients of non-causal linear attention, written into caller buffers; allocates
+/// nothing when `ws` already served a call of the same shape.
+///
+/// For \f$\mathrm{out}_i = \varphi(q_i)^\top S / d_i\f$ with \f$d_i = \varphi(q_i)^\top z\f$
+/// (linear_attention()) and an upstream gradient \f$G = \partial L/\partial\,\mathrm{out}\f$,
+/// with \f$\hat g_i = g_i / d_i\f$ and \f$c_i = -g_i^\top \mathrm{out}_i / d_i\f$:
+/// \f[ \nabla\varphi(q_i) = S \hat g_i + c_i z, \qquad
+///     \nabla\varphi(k_j) = R v_j + r, \qquad \nabla v_j = R^\top \varphi(k_j), \f]
+/// \f$R = \sum_i \varphi(q_i) \hat g_i^\top\f$, \f$r = \sum_i c_i \varphi(q_i)\f$, then chained
+/// through the map's `backward`. Rows that the forward's guard sets to 0 have zero gradients.
+/// SoftmaxSplit differentiates both softmaxes (docs/SPEC.md §4). Working memory O(F·M +
+/// 128·(F + M)), independent of N and L: never an N x L matrix.
+///
+/// \param dOut N x M, the gradient of the loss with respect to the output.
+/// \param dQ, dK, dV outputs of the shapes of Q, K, V; must not overlap each other or any input
+///        (checked: std::invalid_argument).
+/// \throws std::invalid_argument on mismatched shapes or overlapping outputs.
+/// \code
+/// linattn::Workspace<float> ws;
+/// Eigen::MatrixXf dQ(N, D), dK(L, D), dV(L, M);
+/// linattn::linear_attention_backward(Q, K, V, dOut, linattn::EluPlusOne{}, dQ, dK, dV, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
+void linear_attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                               const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut,
+                               const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ,
+                               const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
+                               Workspace<typename DQ::Scalar>& ws) {
+  detail::linear_attention_backward_impl("linear_attention_backward", Q, K, V, dOut, phi,
+                                         detail::NoMask{}, dQ, dK, dV, ws);
+}
+
+/// \brief Gradients of non-causal linear attention (see the out-parameter form).
+template <class DQ, class DK, class DV, class DG, class Phi = EluPlusOne>
+AttentionGradients<typename DQ::Scalar> linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, const Phi& phi = Phi{}) {
+  using Scalar = typename DQ::Scalar;
+  AttentionGradients<Scalar> g{Matrix<Scalar>(Q.rows(), Q.cols()),
+                               Matrix<Scalar>(K.rows(), K.cols()),
+                               Matrix<Scalar>(V.rows(), V.cols())};
+  Workspace<Scalar> ws;
+  linear_attention_backward(Q, K, V, dOut, phi, g.dQ, g.dK, g.dV, ws);
+  return g;
+}
+
+/// \brief Gradients of masked_linear_attention() (masked keys get zero gradients).
+template <class DQ, class DK, class DV, class DG, class DMask, class Phi, class DdQ, class DdK,
+          class DdV>
+void masked_linear_attention_backward(const Eigen::MatrixBase<DQ>& Q,
+                                      const Eigen::MatrixBase<DK>& K,
+                                      const Eigen::MatrixBase<DV>& V,
+                                      const Eigen::MatrixBase<DG>& dOut,
+                                      const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
+                                      const Eigen::MatrixBase<DdQ>& dQ,
+                                      const Eigen::MatrixBase<DdK>& dK,
+                                      const Eigen::MatrixBase<DdV>& dV,
+                                      Workspace<typename DQ::Scalar>& ws) {
+  constexpr const char* fn = "masked_linear_attention_backward";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, dQ, "the key mask", key_mask);
+  detail::check_no_overlap(fn, dK, "the key mask", key_mask);
+  detail::check_no_overlap(fn, dV, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  detail::linear_attention_backward_impl(fn, Q, K, V, dOut, phi, keep, dQ, dK, dV, ws);
+}
+
+/// \brief Gradients of masked_linear_attention(), returned.
+template <class DQ, class DK, class DV, class DG, class DMask, class Phi = EluPlusOne>
+AttentionGradients<typename DQ::Scalar> masked_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut,
+    const Eigen::DenseBase<DMask>& key_mask, const Phi& phi = Phi{}) {
+  using Scalar = typename DQ::Scalar;
+  AttentionGradients<Scalar> g{Matrix<Scalar>(Q.rows(), Q.cols()),
+                               Matrix<Scalar>(K.rows(), K.cols()),
+                               Matrix<Scalar>(V.rows(), V.cols())};
+  Workspace<Scalar> ws;
+  masked_linear_attention_backward(Q, K, V, dOut, key_mask, phi, g.dQ, g.dK, g.dV, ws);
+  return g;
+}
+
+/// \brief Gradients of causal linear attention continuing from `initial` (the forward's state
+/// overload), written into caller buffers; allocation-free once `ws` has the shape.
+///
+/// Memory-efficient (paper §3.3.1, docs/SPEC.md §4): a forward sweep recomputes the states
+/// chunk by chunk for dQ, a backward sweep accumulates \f$R_j = \sum_{i \ge j}
+/// \varphi(q_i) \hat g_i^\top\f$ (and its normaliser column) for dK and dV. No per-token state
+/// is stored: working memory is O(C·(C + F + M) + F·M), independent of N (C: the chunk size of
+/// `options`, 48 by default). The guarded rows of the forward have zero gradients.
+///
+/// \param initial the state the forward call started from (empty: zero), unchanged.
+/// \param d_final the gradient of the loss with respect to the state the forward call left
+///        (empty: zero), from the calls that continued from it.
+/// \param d_initial receives the gradient with respect to `initial`: pass it as `d_final` of
+///        the backward of the previous piece of the sequence.
+/// \param dQ, dK, dV outputs of the shapes of Q, K, V; must not overlap each other or any input.
+/// \throws std::invalid_argument on mismatched shapes, a state or state gradient that does not
+/// fit F x M, overlapping outputs, or a negative chunk size.
+///
+/// SoftmaxSplit's causal gradient is not available yet (a static_assert says so).
+/// \code
+/// // A sequence in two pieces: forward a then b, backward b then a.
+/// linattn::LinearAttentionState<double> s0, s1;  // s0: empty (zero)
+/// auto s_mid = s0;
+/// auto out_a = linattn::causal_linear_attention(Qa, Ka, Va, phi, s_mid);
+/// s1 = s_mid;
+/// auto out_b = linattn::causal_linear_attention(Qb, Kb, Vb, phi, s1);
+/// linattn::StateGradient<double> d_mid, d_start, none;
+/// linattn::Workspace<double> ws;
+/// linattn::causal_linear_attention_backward(Qb, Kb, Vb, dOut_b, phi, s_mid, none,
+///                                           dQb, dKb, dVb, d_mid, ws);
+/// linattn::causal_linear_attention_backward(Qa, Ka, Va, dOut_a, phi, s0, d_mid,
+///                                           dQa, dKa, dVa, d_start, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
+void causal_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, const Phi& phi,
+    const LinearAttentionState<typename DQ::Scalar>& initial,
+    const StateGradient<typename DQ::Scalar>& d_final, const Eigen::MatrixBase<DdQ>& dQ,
+    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
+    StateGradient<typename DQ::Scalar>& d_initial, Workspace<typename DQ::Scalar>& ws,
+    const CausalOptions& options = {}) {
+  detail::causal_linear_attention_backward_impl("causal_linear_attention_backward", Q, K, V,
+                                                dOut, phi, detail::NoMask{}, &initial, &d_final,
+                                                dQ, dK, dV, &d_initial, ws, options);
+}
+
+/// \brief Gradients of causal linear attention from an empty state, into caller buffers.
+template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
+void causal_linear_attention_backward(const Eigen::MatrixBase<DQ>& Q,
+                                      const Eigen::MatrixBase<DK>& K,
+                                      const Eigen::MatrixBase<DV>& V,
+                                      const Eigen::MatrixBase<DG>& dOut, const Phi& phi,
+                                      const Eigen::MatrixBase<DdQ>& dQ,
+                                      const Eigen::MatrixBase<DdK>& dK,
+                                      const Eigen::MatrixBase<DdV>& dV,
+                                      Workspace<typename DQ::Scalar>& ws,
+                                      const CausalOptions& options = {}) {
+  detail::causal_linear_attention_backward_impl("causal_linear_attention_backward", Q, K, V,
+                                                dOut, phi, detail::NoMask{}, nullptr, nullptr,
+                                                dQ, dK, dV, nullptr, ws, options);
+}
+
+/// \brief Gradients of causal linear attention from an empty state, returned.
+/// \code
+/// auto g = linattn::causal_linear_attention_backward(Q, K, V, dOut);  // EluPlusOne
+/// \endcode
+template <class DQ, class DK, class DV, class DG, class Phi = EluPlusOne>
+AttentionGradients<typename DQ::Scalar> causal_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, const Phi& phi = Phi{},
+    const CausalOptions& options = {}) {
+  using Scalar = typename DQ::Scalar;
+  AttentionGradients<Scalar> g{Matrix<Scalar>(Q.rows(), Q.cols()),
+                               Matrix<Scalar>(K.rows(), K.cols()),
+                               Matrix<Scalar>(V.rows(), V.cols())};
+  Workspace<Scalar> ws;
+  causal_linear_attention_backward(Q, K, V, dOut, phi, g.dQ, g.dK, g.dV, ws, options);
+  return g;
+}
+
+/// \brief Gradients of masked_causal_linear_attention() from an empty state (masked keys get
+/// zero gradients), into caller buffers.
+template <class DQ, class DK, class DV, class DG, class DMask, class Phi, class DdQ, class DdK,
+          class DdV>
+void masked_causal_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut,
+    const Eigen::DenseBase<DMask>& key_mask, const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ,
+    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
+    Workspace<typename DQ::Scalar>& ws, const CausalOptions& options = {}) {
+  constexpr const char* fn = "masked_causal_linear_attention_backward";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, dQ, "the key mask", key_mask);
+  detail::check_no_overlap(fn, dK, "the key mask", key_mask);
+  detail::check_no_overlap(fn, dV, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  detail::causal_linear_attention_backward_impl(fn, Q, K, V, dOut, phi, keep, nullptr, nullptr,
+                                                dQ, dK, dV, nullptr, ws, options);
+}
+
+/// \brief Gradients of masked_causal_linear_attention(), returned.
+template <class DQ, class DK, class DV, class DG, class DMask, class Phi = EluPlusOne>
+AttentionGradients<typename DQ::Scalar> masked_causal_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut,
+    const Eigen::DenseBase<DMask>& key_mask, const Phi& phi = Phi{},
+    const CausalOptions& options = {}) {
+  using Scalar = typename DQ::Scalar;
+  AttentionGradients<Scalar> g{Matrix<Scalar>(Q.rows(), Q.cols()),
+                               Matrix<Scalar>(K.rows(), K.cols()),
+                               Matrix<Scalar>(V.rows(), V.cols())};
+  Workspace<Scalar> ws;
+  masked_causal_linear_attention_backward(Q, K, V, dOut, key_mask, phi, g.dQ, g.dK, g.dV, ws,
+                                          options);
+  return g;
+}
+
+}  // namespace linattn
