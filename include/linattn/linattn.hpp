@@ -21,4 +21,5 @@
 #include "linear_attention_backward.hpp"
 #include "recurrent_linear_attention.hpp"
 #include "multihead.hpp"
+#include "multihead_backward.hpp"
 #include "softmax_attention.hpp"

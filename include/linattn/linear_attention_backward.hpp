@@ -52,6 +52,12 @@ struct StateGradient {
 
 namespace detail {
 
+// Uninitialised gradients of the shapes of Q (N x QD), K (L x QD) and V (L x VM).
+template <class Scalar>
+AttentionGradients<Scalar> gradients_like(Index N, Index L, Index QD, Index VM) {
+  return {Matrix<Scalar>(N, QD), Matrix<Scalar>(L, QD), Matrix<Scalar>(L, VM)};
+}
+
 template <class Phi, class Scalar>
 constexpr void static_check_backward() {
   static_check_feature_map<Phi, Scalar>();
@@ -508,9 +514,7 @@ AttentionGradients<typename DQ::Scalar> linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, const Phi& phi = Phi{}) {
   using Scalar = typename DQ::Scalar;
-  AttentionGradients<Scalar> g{Matrix<Scalar>(Q.rows(), Q.cols()),
-                               Matrix<Scalar>(K.rows(), K.cols()),
-                               Matrix<Scalar>(V.rows(), V.cols())};
+  auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
   Workspace<Scalar> ws;
   linear_attention_backward(Q, K, V, dOut, phi, g.dQ, g.dK, g.dV, ws);
   return g;
@@ -545,9 +549,7 @@ AttentionGradients<typename DQ::Scalar> masked_linear_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut,
     const Eigen::DenseBase<DMask>& key_mask, const Phi& phi = Phi{}) {
   using Scalar = typename DQ::Scalar;
-  AttentionGradients<Scalar> g{Matrix<Scalar>(Q.rows(), Q.cols()),
-                               Matrix<Scalar>(K.rows(), K.cols()),
-                               Matrix<Scalar>(V.rows(), V.cols())};
+  auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
   Workspace<Scalar> ws;
   masked_linear_attention_backward(Q, K, V, dOut, key_mask, phi, g.dQ, g.dK, g.dV, ws);
   return g;
@@ -626,9 +628,7 @@ AttentionGradients<typename DQ::Scalar> causal_linear_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, const Phi& phi = Phi{},
     const CausalOptions& options = {}) {
   using Scalar = typename DQ::Scalar;
-  AttentionGradients<Scalar> g{Matrix<Scalar>(Q.rows(), Q.cols()),
-                               Matrix<Scalar>(K.rows(), K.cols()),
-                               Matrix<Scalar>(V.rows(), V.cols())};
+  auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
   Workspace<Scalar> ws;
   causal_linear_attention_backward(Q, K, V, dOut, phi, g.dQ, g.dK, g.dV, ws, options);
   return g;
@@ -663,9 +663,7 @@ AttentionGradients<typename DQ::Scalar> masked_causal_linear_attention_backward(
     const Eigen::DenseBase<DMask>& key_mask, const Phi& phi = Phi{},
     const CausalOptions& options = {}) {
   using Scalar = typename DQ::Scalar;
-  AttentionGradients<Scalar> g{Matrix<Scalar>(Q.rows(), Q.cols()),
-                               Matrix<Scalar>(K.rows(), K.cols()),
-                               Matrix<Scalar>(V.rows(), V.cols())};
+  auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
   Workspace<Scalar> ws;
   masked_causal_linear_attention_backward(Q, K, V, dOut, key_mask, phi, g.dQ, g.dK, g.dV, ws,
                                           options);

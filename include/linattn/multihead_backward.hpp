@@ -1,0 +1,137 @@
+/// \file multihead_backward.hpp
+/// \brief Gradients of the multi-head linear attention kernels over the packed layout, parallel
+/// over heads like the forward ones.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <string>
+#include <utility>
+
+#include "checks.hpp"
+#include "common.hpp"
+#include "elu_plus_one.hpp"
+#include "linear_attention_backward.hpp"
+#include "multihead.hpp"
+
+namespace linattn {
+namespace detail {
+
+template <bool Causal, class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK,
+          class DdV>
+void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
+                               const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                               const Eigen::MatrixBase<DG>& dOut, Index heads, const Phi& phi,
+                               const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+                               const Eigen::MatrixBase<DdV>& dV,
+                               MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                               const CausalOptions& options, const ParallelOptions& par) {
+  using Scalar = typename DQ::Scalar;
+  static_check_backward<Phi, Scalar>();
+  static_assert(!(Causal && normalizes_keys_per_feature_v<Phi>),
+                "linattn: the causal gradient of SoftmaxSplit (the per-feature prefix softmax) "
+                "is not available yet; its non-causal gradient is");
+  // Every check before the parallel region, where nothing may throw.
+  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, Causal);
+  const Index D = dims.first, M = dims.second;
+  check_feature_map(fn, phi, D);
+  check_backward(fn, Q, K, V, dOut, dQ, dK, dV, Causal);
+  if (options.chunk_size < 0)
+    throw_invalid(fn, "chunk_size must be >= 0 (0 = default), got " +
+                          std::to_string(options.chunk_size));
+  auto& gq = writable(dQ);
+  auto& gk = writable(dK);
+  auto& gv = writable(dV);
+  // Once, not per head: see batched_linear.
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
+  const Nested<DG> g(dOut.derived());
+  const Index C = options.chunk_size > 0 ? options.chunk_size : kDefaultChunk;
+  parallel_tasks<Scalar>(heads, par, ws, [&](Index h, int thread) {
+    const auto qh = q.middleCols(h * D, D);
+    const auto kh = k.middleCols(h * D, D);
+    const auto vh = v.middleCols(h * M, M);
+    const auto gh = g.middleCols(h * M, M);
+    auto dqh = gq.middleCols(h * D, D);
+    auto dkh = gk.middleCols(h * D, D);
+    auto dvh = gv.middleCols(h * M, M);
+    Workspace<Scalar>& w = ws.for_thread(thread);
+    if constexpr (Causal)
+      causal_backward_product(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh, dvh,
+                              nullptr, C, w);
+    else if constexpr (normalizes_keys_per_feature_v<Phi>)
+      linear_backward_per_feature(phi, qh, kh, vh, gh, NoMask{}, dqh, dkh, dvh, w);
+    else
+      linear_backward_product(phi, qh, kh, vh, gh, NoMask{}, dqh, dkh, dvh, w);
+  });
+}
+
+}  // namespace detail
+
+/// \brief Gradients of multihead_linear_attention() (Q N x (H·D), K L x (H·D), V L x (H·M),
+/// dOut N x (H·M)), written into dQ, dK, dV of the shapes of Q, K, V; heads run in parallel.
+/// Equal, bit for bit, to linear_attention_backward() on each head's columns. Allocation-free
+/// with a reused MultiHeadWorkspace.
+/// \throws std::invalid_argument on inconsistent shapes or overlapping outputs (checked before
+/// any head runs).
+/// \code
+/// linattn::MultiHeadWorkspace<float> ws;
+/// Eigen::MatrixXf dQ(N, 8 * 64), dK(L, 8 * 64), dV(L, 8 * 64);
+/// linattn::multihead_linear_attention_backward(Q, K, V, dOut, 8, linattn::EluPlusOne{},
+///                                              dQ, dK, dV, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
+void multihead_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
+    const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+    const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const ParallelOptions& par = {}) {
+  detail::multihead_linear_backward<false>("multihead_linear_attention_backward", Q, K, V, dOut,
+                                           heads, phi, dQ, dK, dV, ws, CausalOptions{}, par);
+}
+
+/// \brief Gradients of multihead_linear_attention(), returned.
+template <class DQ, class DK, class DV, class DG, class Phi = EluPlusOne>
+AttentionGradients<typename DQ::Scalar> multihead_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
+    const Phi& phi = Phi{}, const ParallelOptions& par = {}) {
+  auto g = detail::gradients_like<typename DQ::Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
+  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  multihead_linear_attention_backward(Q, K, V, dOut, heads, phi, g.dQ, g.dK, g.dV, ws, par);
+  return g;
+}
+
+/// \brief Gradients of multihead_causal_linear_attention() (each head from an empty state),
+/// into dQ, dK, dV; heads run in parallel, each with the O(F·M) working memory of
+/// causal_linear_attention_backward(), which it equals bit for bit on each head's columns.
+template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
+void multihead_causal_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
+    const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+    const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  detail::multihead_linear_backward<true>("multihead_causal_linear_attention_backward", Q, K, V,
+                                          dOut, heads, phi, dQ, dK, dV, ws, options, par);
+}
+
+/// \brief Gradients of multihead_causal_linear_attention(), returned.
+/// \code
+/// auto g = linattn::multihead_causal_linear_attention_backward(Q, K, V, dOut, 8);
+/// \endcode
+template <class DQ, class DK, class DV, class DG, class Phi = EluPlusOne>
+AttentionGradients<typename DQ::Scalar> multihead_causal_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
+    const Phi& phi = Phi{}, const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  auto g = detail::gradients_like<typename DQ::Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
+  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  multihead_causal_linear_attention_backward(Q, K, V, dOut, heads, phi, g.dQ, g.dK, g.dV, ws,
+                                             options, par);
+  return g;
+}
+
+}  // namespace linattn
