@@ -290,8 +290,8 @@ TEST(LinearAttentionBackward, WorkingMemoryIsIndependentOfN) {
   }
 }
 
-// The multi-head backward equals the single-head backward on each head's columns, bit for bit,
-// for 1 and 3 threads and for column- and row-major packed inputs.
+// The multi-head backward equals the single-head backward on each head's columns (bit for bit
+// in portable builds), for 1 and 3 threads and for column- and row-major packed inputs.
 template <class S, class Map>
 void check_multihead(const Map& phi, bool causal, const std::string& what) {
   const Index N = 70, H = 3, D = 4, M = 5;
@@ -327,9 +327,14 @@ void check_multihead(const Map& phi, bool causal, const std::string& what) {
       gr = linattn::multihead_linear_attention_backward(Qr, Kr, Vr, Wr, H, phi, par);
     }
     const std::string tag = what + ", " + std::to_string(threads) + " thread(s)";
-    EXPECT_EQ(test::max_abs_diff(g.dQ, eQ), 0.0) << tag;
-    EXPECT_EQ(test::max_abs_diff(g.dK, eK), 0.0) << tag;
-    EXPECT_EQ(test::max_abs_diff(g.dV, eV), 0.0) << tag;
+    // A few ulps, not bit for bit: with -march=native Eigen's products and vectorised exp take
+    // paths that depend on the alignment of the output block (seen: 1 ulp under AVX-512), as
+    // for the forward kernels (test_multihead.cpp). Portable builds agree bit for bit.
+    const double ulps = 4 * test::Tol<S>::ulps *
+                        std::max({1.0, test::max_abs(eQ), test::max_abs(eK), test::max_abs(eV)});
+    EXPECT_LE(test::max_abs_diff(g.dQ, eQ), ulps) << tag;
+    EXPECT_LE(test::max_abs_diff(g.dK, eK), ulps) << tag;
+    EXPECT_LE(test::max_abs_diff(g.dV, eV), ulps) << tag;
     // Row-major packed memory goes through other products: equal to rounding.
     const double tol = 64 * std::numeric_limits<S>::epsilon() *
                        std::max({test::max_abs(eQ), test::max_abs(eK), test::max_abs(eV)});

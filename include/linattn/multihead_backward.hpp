@@ -71,8 +71,9 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 
 /// \brief Gradients of multihead_linear_attention() (Q N x (H·D), K L x (H·D), V L x (H·M),
 /// dOut N x (H·M)), written into dQ, dK, dV of the shapes of Q, K, V; heads run in parallel.
-/// Equal, bit for bit, to linear_attention_backward() on each head's columns. Allocation-free
-/// with a reused MultiHeadWorkspace.
+/// Equal to linear_attention_backward() on each head's columns (bit for bit in portable builds;
+/// with AVX-512, Eigen's products may round an output block differently by its alignment: a
+/// few ulps). Allocation-free with a reused MultiHeadWorkspace.
 /// \throws std::invalid_argument on inconsistent shapes or overlapping outputs (checked before
 /// any head runs).
 /// \code
@@ -106,7 +107,8 @@ AttentionGradients<typename DQ::Scalar> multihead_linear_attention_backward(
 
 /// \brief Gradients of multihead_causal_linear_attention() (each head from an empty state),
 /// into dQ, dK, dV; heads run in parallel, each with the O(F·M) working memory of
-/// causal_linear_attention_backward(), which it equals bit for bit on each head's columns.
+/// causal_linear_attention_backward(), which it equals on each head's columns (see
+/// multihead_linear_attention_backward()).
 template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
 void multihead_causal_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
