@@ -23,3 +23,4 @@
 #include "multihead.hpp"
 #include "multihead_backward.hpp"
 #include "softmax_attention.hpp"
+#include "softmax_attention_backward.hpp"

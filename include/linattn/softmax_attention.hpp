@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <string>
+#include <type_traits>
 
 #include "checks.hpp"
 #include "common.hpp"
@@ -76,59 +78,73 @@ void softmax_attention_naive(const DQ& Q, const DK& K, const DV& V, Out& out, bo
   out = inv.asDiagonal() * out;
 }
 
-template <class DQ, class DK, class DV, class Out>
-void softmax_attention_tiled(const DQ& Q, const DK& K, const DV& V, Out& out, bool causal,
-                             Workspace<typename DQ::Scalar>& ws) {
+// The online softmax of query rows i0 .. i0 + bq (Q(i0 : i0 + bq, :)) over their keys (all L, or
+// j <= i when causal), unnormalised: acc (bq x M) = Σ_j e^{s_ij − m_i} v_j, m_i the row's
+// maximum score, l_i = Σ_j e^{s_ij − m_i}, with s = q kᵀ / √D. Scratch: the slots kSlotPhiQ,
+// kSlotScores, kSlotKeys and kSlotNormalizer of ws.
+template <class DQ, class DK, class DV, class Acc, class Max, class Sum>
+void softmax_rows_tiled(const DQ& Q, const DK& K, const DV& V, Index i0, Index bq, bool causal,
+                        Acc& acc_all, Max& m_all, Sum& l_all, Workspace<typename DQ::Scalar>& ws) {
   using Scalar = typename DQ::Scalar;
-  const Index N = Q.rows(), L = K.rows(), D = Q.cols();
+  const Index L = K.rows(), D = Q.cols();
   const Scalar scale = Scalar(1) / std::sqrt(Scalar(D));
-  for (Index i0 = 0; i0 < N; i0 += kSoftmaxQueryTile<Scalar>) {
-    const Index bq = std::min(kSoftmaxQueryTile<Scalar>, N - i0);
-    auto qs = ws.matrix(kSlotPhiQ, bq, D);
-    qs.noalias() = Q.middleRows(i0, bq) * scale;
-    auto acc_all = out.middleRows(i0, bq);
-    auto m_all = ws.vector(kSlotRowA, bq);
-    auto l_all = ws.vector(kSlotRowB, bq);
-    acc_all.setZero();
-    m_all.setConstant(-std::numeric_limits<Scalar>::infinity());
-    l_all.setZero();
-    const Index key_end = causal ? i0 + bq : L, key_tile = softmax_key_tile<Scalar>(bq);
-    for (Index j0 = 0; j0 < key_end; j0 += key_tile) {
-      const Index bk = std::min(key_tile, key_end - j0);
-      // Causal: query rows above j0 see no key of this tile; only the rows from r0 take part.
-      const Index r0 = causal ? std::max<Index>(0, j0 - i0) : 0, br = bq - r0;
-      auto acc = acc_all.bottomRows(br);
-      auto m = m_all.tail(br);
-      auto l = l_all.tail(br);
-      auto s = ws.matrix(kSlotScores, br, bk);
-      if (br >= kSoftmaxCopyKeysMinRows) {
-        // Packing K(j0 : j0 + bk, :)ᵀ for the product reads 4 keys from each of the D columns
-        // of K at a time; with a power-of-two sequence length all those columns fall into one
-        // L1 set and every line is fetched again for the next 4 keys. One transposed copy
-        // reads each line once, and the product then packs from a small contiguous buffer.
-        auto kt = ws.matrix(kSlotKeys, D, bk);
-        copy_to_row_major(K.middleRows(j0, bk), kt.data());
-        s.noalias() = qs.bottomRows(br) * kt;
-      } else {
-        s.noalias() = qs.bottomRows(br) * K.middleRows(j0, bk).transpose();
-      }
-      if (causal && j0 + bk > i0 + r0 + 1) mask_above_diagonal(s, i0 + r0, j0);
-      // Every row has a finite score in the first tile it sees (key 0, or key i0 + r0 for the
-      // first row of a causal tile), so m is finite from then on and no -inf - -inf arises.
-      auto corr = ws.vector(kSlotNormalizer, br);
-      corr = s.rowwise().maxCoeff();
-      for (Index i = 0; i < br; ++i) {
-        const Scalar new_m = std::max(m(i), corr(i));
-        corr(i) = std::exp(m(i) - new_m);
-        m(i) = new_m;
-      }
-      l = l.cwiseProduct(corr);
-      acc = corr.asDiagonal() * acc;
-      exp_shifted_rows(s, m, &l);
-      acc.noalias() += s * V.middleRows(j0, bk);
+  auto qs = ws.matrix(kSlotPhiQ, bq, D);
+  qs.noalias() = Q.middleRows(i0, bq) * scale;
+  acc_all.setZero();
+  m_all.setConstant(-std::numeric_limits<Scalar>::infinity());
+  l_all.setZero();
+  const Index key_end = causal ? i0 + bq : L, key_tile = softmax_key_tile<Scalar>(bq);
+  for (Index j0 = 0; j0 < key_end; j0 += key_tile) {
+    const Index bk = std::min(key_tile, key_end - j0);
+    // Causal: query rows above j0 see no key of this tile; only the rows from r0 take part.
+    const Index r0 = causal ? std::max<Index>(0, j0 - i0) : 0, br = bq - r0;
+    auto acc = acc_all.bottomRows(br);
+    auto m = m_all.tail(br);
+    auto l = l_all.tail(br);
+    auto s = ws.matrix(kSlotScores, br, bk);
+    if (br >= kSoftmaxCopyKeysMinRows) {
+      // Packing K(j0 : j0 + bk, :)ᵀ for the product reads 4 keys from each of the D columns
+      // of K at a time; with a power-of-two sequence length all those columns fall into one
+      // L1 set and every line is fetched again for the next 4 keys. One transposed copy
+      // reads each line once, and the product then packs from a small contiguous buffer.
+      auto kt = ws.matrix(kSlotKeys, D, bk);
+      copy_to_row_major(K.middleRows(j0, bk), kt.data());
+      s.noalias() = qs.bottomRows(br) * kt;
+    } else {
+      s.noalias() = qs.bottomRows(br) * K.middleRows(j0, bk).transpose();
     }
-    l_all = l_all.cwiseInverse();
-    acc_all = l_all.asDiagonal() * acc_all;
+    if (causal && j0 + bk > i0 + r0 + 1) mask_above_diagonal(s, i0 + r0, j0);
+    // Every row has a finite score in the first tile it sees (key 0, or key i0 + r0 for the
+    // first row of a causal tile), so m is finite from then on and no -inf - -inf arises.
+    auto corr = ws.vector(kSlotNormalizer, br);
+    corr = s.rowwise().maxCoeff();
+    for (Index i = 0; i < br; ++i) {
+      const Scalar new_m = std::max(m(i), corr(i));
+      corr(i) = std::exp(m(i) - new_m);
+      m(i) = new_m;
+    }
+    l = l.cwiseProduct(corr);
+    acc = corr.asDiagonal() * acc;
+    exp_shifted_rows(s, m, &l);
+    acc.noalias() += s * V.middleRows(j0, bk);
+  }
+}
+
+// The tiled forward; with lse (an N-vector), also the log-sum-exp of each row's scaled scores,
+// ℓ_i = m_i + log l_i, which the backward recomputes the probabilities from.
+template <class DQ, class DK, class DV, class Out, class Lse = Vector<typename DQ::Scalar>>
+void softmax_attention_tiled(const DQ& Q, const DK& K, const DV& V, Out& out, bool causal,
+                             Workspace<typename DQ::Scalar>& ws, Lse* lse = nullptr) {
+  const Index N = Q.rows();
+  for (Index i0 = 0; i0 < N; i0 += kSoftmaxQueryTile<typename DQ::Scalar>) {
+    const Index bq = std::min(kSoftmaxQueryTile<typename DQ::Scalar>, N - i0);
+    auto acc = out.middleRows(i0, bq);
+    auto m = ws.vector(kSlotRowA, bq);
+    auto l = ws.vector(kSlotRowB, bq);
+    softmax_rows_tiled(Q, K, V, i0, bq, causal, acc, m, l, ws);
+    if (lse != nullptr) lse->segment(i0, bq) = m.array() + l.array().log();
+    l = l.cwiseInverse();
+    acc = l.asDiagonal() * acc;
   }
 }
 
@@ -152,6 +168,37 @@ void softmax_dispatch(const char* function, const Eigen::MatrixBase<DQ>& Q,
     softmax_attention_naive(q, k, v, dst, causal, ws);
   else
     softmax_attention_tiled(q, k, v, dst, causal, ws);
+}
+
+// The tiled forward that also writes each row's log-sum-exp (softmax_attention(..., lse, ws)).
+template <class DQ, class DK, class DV, class DOut, class DL>
+void softmax_dispatch_lse(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                          const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                          const Eigen::MatrixBase<DOut>& out, const Eigen::MatrixBase<DL>& lse,
+                          bool causal, Workspace<typename DQ::Scalar>& ws) {
+  static_assert(DL::IsVectorAtCompileTime,
+                "linattn: lse must be a vector type (e.g. Eigen::VectorXf or a Map of one)");
+  static_assert(std::is_same_v<typename DL::Scalar, typename DQ::Scalar>,
+                "linattn: lse must have the scalar type of Q, K and V");
+  check_qkv(function, Q, K, V, causal);
+  check_output(function, out, Q.rows(), V.cols());
+  if (lse.size() != Q.rows())
+    throw_invalid(function, "lse has " + std::to_string(lse.size()) + " entries but must have " +
+                                std::to_string(Q.rows()) + " (one per query; Q is " + shape_of(Q) +
+                                ")");
+  check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
+  check_no_overlap(function, lse, "Q", Q, "K", K, "V", V, "the output", out);
+  auto& dst = writable(out);
+  auto& l = writable(lse);
+  if (K.rows() == 0) {  // no keys: a zero output, and log Σ over no terms
+    dst.setZero();
+    l.setConstant(-std::numeric_limits<typename DQ::Scalar>::infinity());
+    return;
+  }
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
+  softmax_attention_tiled(q, k, v, dst, causal, ws, &l);
 }
 
 }  // namespace detail
@@ -224,6 +271,37 @@ Matrix<typename DQ::Scalar> causal_softmax_attention(
   Workspace<typename DQ::Scalar> ws;
   causal_softmax_attention(Q, K, V, out, ws, algorithm);
   return out;
+}
+
+
+/// \brief Tiled softmax attention that also returns the log-sum-exp of each row's scaled
+/// scores, \f$\ell_i = \log \sum_j \exp(q_i^\top k_j / \sqrt{D})\f$ (over \f$j \le i\f$ when
+/// causal): what softmax_attention_backward() recomputes the probabilities from, tile by tile,
+/// when it is given the forward's output (FlashAttention-2's scheme, docs/SPEC.md §4). Rows
+/// with no keys (L = 0) get \f$-\infty\f$.
+/// \param lse a vector of N entries (any Eigen vector expression with storage); must not
+///        overlap the inputs or `out`.
+/// \code
+/// Eigen::MatrixXf out(N, M);
+/// Eigen::VectorXf lse(N);
+/// linattn::Workspace<float> ws;
+/// linattn::softmax_attention(Q, K, V, out, lse, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DOut, class DL>
+void softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                       const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
+                       const Eigen::MatrixBase<DL>& lse, Workspace<typename DQ::Scalar>& ws) {
+  detail::softmax_dispatch_lse("softmax_attention", Q, K, V, out, lse, false, ws);
+}
+
+/// \brief Tiled causal softmax attention that also returns each row's log-sum-exp (see the
+/// non-causal overload).
+template <class DQ, class DK, class DV, class DOut, class DL>
+void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
+                              const Eigen::MatrixBase<DL>& lse,
+                              Workspace<typename DQ::Scalar>& ws) {
+  detail::softmax_dispatch_lse("causal_softmax_attention", Q, K, V, out, lse, true, ws);
 }
 
 }  // namespace linattn

@@ -132,7 +132,7 @@ struct exp_nonpositive_op {
 // of x.rows() entries (each row has its own shift, at most its maximum, so every argument is
 // <= 0); with row_sums, also row_sums += the new rows' sums, in the same pass. Column by
 // column because Eigen evaluates exp of a broadcast (colwise() - v) with scalar code.
-template <class X, class Shift, class Sums = Shift>
+template <class X, class Shift, class Sums = void>
 void exp_shifted_rows(X&& x, const Shift& shift, Sums* row_sums = nullptr) {
   using S = typename std::decay_t<X>::Scalar;
   for (Index j = 0; j < x.cols(); ++j) {
@@ -141,7 +141,8 @@ void exp_shifted_rows(X&& x, const Shift& shift, Sums* row_sums = nullptr) {
       c = (c - shift.array()).unaryExpr(exp_nonpositive_op<S>());
     else
       c = (c - shift.array()).exp();
-    if (row_sums) row_sums->array() += c;
+    if constexpr (!std::is_void_v<Sums>)
+      if (row_sums) row_sums->array() += c;
   }
 }
 
