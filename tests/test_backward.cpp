@@ -52,10 +52,10 @@ void check_against_finite_differences(const Map& phi, bool causal, const Shape& 
     return linattn::linear_attention(q, k, v, phi);
   };
   linattn::AttentionGradients<double> g;
-  if constexpr (!linattn::normalizes_keys_per_feature_v<Map>) {  // (no causal SoftmaxSplit yet)
-    if (causal) g = linattn::causal_linear_attention_backward(Q, K, V, W, phi, opts);
-  }
-  if (!causal) g = linattn::linear_attention_backward(Q, K, V, W, phi);
+  if (causal)
+    g = linattn::causal_linear_attention_backward(Q, K, V, W, phi, opts);
+  else
+    g = linattn::linear_attention_backward(Q, K, V, W, phi);
   const char* names[] = {"dQ", "dK", "dV"};
   const MatD* grads[] = {&g.dQ, &g.dK, &g.dV};
   MatD fd[3];
@@ -103,16 +103,19 @@ TEST(CausalLinearAttentionBackward, MatchesFiniteDifferences) {
       const std::string c = " chunk=" + std::to_string(chunk);
       check_against_finite_differences(EluPlusOne{}, true, sh, opts, "EluPlusOne" + c);
       check_against_finite_differences(NormalizedCosine{}, true, sh, opts, "NormalizedCosine" + c);
+      if (chunk == 0)  // token by token: no chunks
+        check_against_finite_differences(SoftmaxSplit{}, true, sh, opts, "SoftmaxSplit");
     }
 }
 
 // A sequence trained in pieces: forward piece a then piece b carrying the state, backward b
 // (its initial state's gradient) then a: the gradients of one shot, to rounding.
-TEST(CausalLinearAttentionBackward, PiecesEqualOneShot) {
+template <class Map>
+void check_pieces(const Map& phi, const std::string& what) {
+  SCOPED_TRACE(what);
   const Index N = 90, D = 4, M = 3, cut = 37;
   const MatD Q = test::random_matrix(N, D, 11, -2, 2), K = test::random_matrix(N, D, 12, -2, 2);
   const MatD V = test::random_matrix(N, M, 13), W = test::random_matrix(N, M, 14);
-  const EluPlusOne phi;
   const auto one = linattn::causal_linear_attention_backward(Q, K, V, W, phi);
 
   linattn::LinearAttentionState<double> start, mid;
@@ -164,7 +167,12 @@ TEST(CausalLinearAttentionBackward, PiecesEqualOneShot) {
   // Measured 1.4e-9: the state's entries are sums of many tokens (up to ~30), so rounding of
   // the loss over the step dominates the difference quotient.
   EXPECT_LE(worst / scale, 1e-8);
-  test::report_error("state gradient vs finite differences (relative)", worst / scale);
+  test::report_error(what + " state gradient vs finite differences (relative)", worst / scale);
+}
+
+TEST(CausalLinearAttentionBackward, PiecesEqualOneShot) {
+  check_pieces(EluPlusOne{}, "EluPlusOne");
+  check_pieces(SoftmaxSplit{}, "SoftmaxSplit");
 }
 
 // Float against double, relative to the double gradient's scale; inputs of magnitude 100 too.
@@ -179,13 +187,10 @@ TEST(LinearAttentionBackward, FloatMatchesDouble) {
                        Wf = W.cast<float>();
       linattn::AttentionGradients<double> gd;
       linattn::AttentionGradients<float> gf;
-      if constexpr (!linattn::normalizes_keys_per_feature_v<std::decay_t<decltype(phi)>>) {
-        if (causal) {
-          gd = linattn::causal_linear_attention_backward(Q, K, V, W, phi);
-          gf = linattn::causal_linear_attention_backward(Qf, Kf, Vf, Wf, phi);
-        }
-      }
-      if (!causal) {
+      if (causal) {
+        gd = linattn::causal_linear_attention_backward(Q, K, V, W, phi);
+        gf = linattn::causal_linear_attention_backward(Qf, Kf, Vf, Wf, phi);
+      } else {
         gd = linattn::linear_attention_backward(Q, K, V, W, phi);
         gf = linattn::linear_attention_backward(Qf, Kf, Vf, Wf, phi);
       }
@@ -196,7 +201,7 @@ TEST(LinearAttentionBackward, FloatMatchesDouble) {
                                  relative_error(gf.dK.cast<double>(), gd.dK),
                                  relative_error(gf.dV.cast<double>(), gd.dV)});
       test::report_error(tag + " float vs double (relative)", e);
-      // Measured at most 1.9e-6 (SoftmaxSplit at magnitude 100), else 2e-7 ... 4e-7.
+      // Measured at most 3.3e-6 (causal SoftmaxSplit at magnitude 100), else 2e-7 ... 4e-7.
       EXPECT_LE(e, 1e-5) << tag;
     };
     check(EluPlusOne{}, false, "EluPlusOne non-causal");
@@ -204,6 +209,7 @@ TEST(LinearAttentionBackward, FloatMatchesDouble) {
     check(NormalizedCosine{}, false, "NormalizedCosine non-causal");
     check(NormalizedCosine{}, true, "NormalizedCosine causal");
     check(SoftmaxSplit{}, false, "SoftmaxSplit non-causal");
+    check(SoftmaxSplit{}, true, "SoftmaxSplit causal");
   }
 }
 
@@ -243,6 +249,17 @@ TEST(LinearAttentionBackward, MasksDropKeys) {
   EXPECT_LE(relative_error(g.dQ, finite_difference(forward, Q, K, V, W, 0)), kFiniteDifferenceTol);
   EXPECT_LE(relative_error(g.dK, finite_difference(forward, Q, K, V, W, 1)), kFiniteDifferenceTol);
   EXPECT_LE(relative_error(g.dV, finite_difference(forward, Q, K, V, W, 2)), kFiniteDifferenceTol);
+  // SoftmaxSplit, whose first key is masked too (a prefix with no key: output 0).
+  Eigen::Array<bool, Eigen::Dynamic, 1> keep2 = keep;
+  keep2(0) = false;
+  const auto forward2 = [&](const MatD& q, const MatD& k, const MatD& v) -> MatD {
+    return linattn::masked_causal_linear_attention(q, k, v, keep2, SoftmaxSplit{});
+  };
+  const auto g2 =
+      linattn::masked_causal_linear_attention_backward(Q, K, V, W, keep2, SoftmaxSplit{});
+  EXPECT_LE(relative_error(g2.dQ, finite_difference(forward2, Q, K, V, W, 0)), kFiniteDifferenceTol);
+  EXPECT_LE(relative_error(g2.dK, finite_difference(forward2, Q, K, V, W, 1)), kFiniteDifferenceTol);
+  EXPECT_LE(relative_error(g2.dV, finite_difference(forward2, Q, K, V, W, 2)), kFiniteDifferenceTol);
 }
 
 // Working memory does not grow with N: the same Workspace bytes for N = 500 and N = 5000, and
@@ -258,7 +275,11 @@ TEST(LinearAttentionBackward, WorkingMemoryIsIndependentOfN) {
       linattn::causal_linear_attention_backward(Q, K, V, W, EluPlusOne{}, dQ, dK, dV, ws);
     else
       linattn::linear_attention_backward(Q, K, V, W, EluPlusOne{}, dQ, dK, dV, ws);
-    return ws.bytes();
+    const std::size_t product_bytes = ws.bytes();
+    linattn::Workspace<float> ws2;  // causal SoftmaxSplit: token by token, O(F·M + 128·F)
+    linattn::causal_linear_attention_backward(Q, K, V, W, SoftmaxSplit{}, dQ, dK, dV, ws2);
+    EXPECT_LT(ws2.bytes(), std::size_t(5000 * D * sizeof(float)));
+    return product_bytes + (causal ? ws2.bytes() : 0);
   };
   for (const bool causal : {false, true}) {
     const std::size_t small = bytes(500, causal), large = bytes(5000, causal);
@@ -281,10 +302,10 @@ void check_multihead(const Map& phi, bool causal, const std::string& what) {
     linattn::AttentionGradients<S> g;
     const auto q = Q.middleCols(h * D, D), k = K.middleCols(h * D, D);
     const auto v = V.middleCols(h * M, M), w = W.middleCols(h * M, M);
-    if constexpr (!linattn::normalizes_keys_per_feature_v<Map>) {
-      if (causal) g = linattn::causal_linear_attention_backward(q, k, v, w, phi);
-    }
-    if (!causal) g = linattn::linear_attention_backward(q, k, v, w, phi);
+    if (causal)
+      g = linattn::causal_linear_attention_backward(q, k, v, w, phi);
+    else
+      g = linattn::linear_attention_backward(q, k, v, w, phi);
     eQ.middleCols(h * D, D) = g.dQ;
     eK.middleCols(h * D, D) = g.dK;
     eV.middleCols(h * M, M) = g.dV;
@@ -294,13 +315,10 @@ void check_multihead(const Map& phi, bool causal, const std::string& what) {
     linattn::ParallelOptions par;
     par.num_threads = threads;
     linattn::AttentionGradients<S> g, gr;
-    if constexpr (!linattn::normalizes_keys_per_feature_v<Map>) {
-      if (causal) {
-        g = linattn::multihead_causal_linear_attention_backward(Q, K, V, W, H, phi, {}, par);
-        gr = linattn::multihead_causal_linear_attention_backward(Qr, Kr, Vr, Wr, H, phi, {}, par);
-      }
-    }
-    if (!causal) {
+    if (causal) {
+      g = linattn::multihead_causal_linear_attention_backward(Q, K, V, W, H, phi, {}, par);
+      gr = linattn::multihead_causal_linear_attention_backward(Qr, Kr, Vr, Wr, H, phi, {}, par);
+    } else {
       g = linattn::multihead_linear_attention_backward(Q, K, V, W, H, phi, par);
       gr = linattn::multihead_linear_attention_backward(Qr, Kr, Vr, Wr, H, phi, par);
     }
@@ -327,6 +345,7 @@ TEST(MultiHeadBackward, EqualsPerHeadBackward) {
   check_multihead<double>(SoftmaxSplit{}, false, "SoftmaxSplit non-causal double");
   check_multihead<float>(EluPlusOne{}, true, "EluPlusOne causal float");
   check_multihead<double>(NormalizedCosine{}, true, "NormalizedCosine causal double");
+  check_multihead<float>(SoftmaxSplit{}, true, "SoftmaxSplit causal float");
 }
 
 TEST(MultiHeadBackward, ErrorMessages) {

@@ -399,6 +399,145 @@ void causal_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV&
   }
 }
 
+// Causal backward for the per-feature key softmax (SoftmaxSplit), token by token (spec §4):
+// with p_i = φ(q_i), per feature d the prefix sums A_id = Σ_{j≤i} e^{k_jd} v_j, B_id =
+// Σ_{j≤i} e^{k_jd} and U_id = A_id / B_id, out_i = Σ_d p_id U_id. A forward sweep keeps
+// (A, B) relative to the running key maximum m_d (the forward kernel's representation: every
+// term at most 1) and stores, per (i, d), s_id = g_iᵀ U_id (∂L/∂p_id) in dQ and
+// λ_id = log(p_id / B_id) in dK. A backward sweep keeps, relative to a running maximum μ_d of
+// the λ's,
+//   Ŵ_d = Σ_{i≥j} e^{λ_id − μ_d} g_i   and   r̂_d = Σ_{i≥j} e^{λ_id − μ_d} s_id,
+// so that with α_d = e^{k_jd + μ_d} (at most 1: B_id includes e^{k_jd} for i ≥ j)
+//   dv_j = Σ_d α_d Ŵ_d,   dk_jd = α_d (v_jᵀ Ŵ_d − r̂_d),
+// and no exponential of a key or 1/B is ever formed alone: magnitudes of 100 stay finite in
+// float. Finally dQ = J_φᵀ s per block of rows. Working memory O(F·M) plus a block of queries.
+// A carried-in state (S, z, m) starts (A, B) at (e^m S, e^m z); its gradient is
+// (e^{m+μ} Ŵ, −e^{m+μ} r̂) after the sweep; the final state's gradient (dS, dz) starts Ŵ, r̂ at
+// (dS, −dz) with μ = −m_N.
+template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class OQ, class OK,
+          class OV>
+void causal_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                                 const DG& G, const Keep& keep,
+                                 const LinearAttentionState<typename DQ::Scalar>* initial,
+                                 const StateGradient<typename DQ::Scalar>* d_final, OQ& dQ,
+                                 OK& dK, OV& dV, StateGradient<typename DQ::Scalar>* d_initial,
+                                 Workspace<typename DQ::Scalar>& ws) {
+  using Scalar = typename DQ::Scalar;
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  const Index N = Q.rows(), M = V.cols(), F = Q.cols();
+  auto A = ws.matrix(kSlotState, F, M);
+  auto B = ws.vector(kSlotNormalizer, F);
+  auto m = ws.vector(kSlotExtra, F);
+  auto m0 = ws.vector(kSlotRowB, F);
+  auto e = ws.vector(kSlotRowA, F);
+  const bool carried = initial != nullptr && !initial->empty();
+  if (carried) {
+    A = initial->S;
+    B = initial->z;
+    if (initial->S_lo.size() != 0) A += initial->S_lo;
+    if (initial->z_lo.size() != 0) B += initial->z_lo;
+    m = initial->m;
+  } else {
+    A.setZero();
+    B.setZero();
+    m.setConstant(kNegInf);
+  }
+  m0 = m;
+  for (Index r0 = 0; r0 < N; r0 += kLinearRowBlock) {
+    const Index b = std::min(kLinearRowBlock, N - r0);
+    auto p = ws.matrix(kSlotPhiQ, b, F);
+    phi.map(Q.middleRows(r0, b), p);
+    for (Index i = 0; i < b; ++i) {
+      const Index t = r0 + i;
+      if (keep(t)) {
+        for (Index d = 0; d < F; ++d) {
+          const Scalar k = K(t, d);
+          if (k > m(d)) {  // rescale to the new maximum (from -inf: A, B are 0 and stay 0)
+            const Scalar f = std::exp(m(d) - k);
+            A.row(d) *= f;
+            B(d) *= f;
+            m(d) = k;
+          }
+          e(d) = std::exp(k - m(d));
+        }
+        A.noalias() += e * V.row(t);
+        B += e;
+      }
+      auto s = dQ.row(t);
+      auto lambda = dK.row(t);
+      s.noalias() = (A * G.row(t).transpose()).transpose();
+      for (Index d = 0; d < F; ++d) {
+        if (B(d) > Scalar(0)) {  // at least 1 once a key is in (its own term is e^0)
+          s(d) /= B(d);
+          lambda(d) = std::log(p(i, d)) - m(d) - std::log(B(d));
+        } else {  // no key yet: U_id is defined as 0, and so is its gradient
+          s(d) = Scalar(0);
+          lambda(d) = kNegInf;
+        }
+      }
+    }
+  }
+  auto W = ws.matrix(kSlotStateLow, F, M);
+  auto r = ws.vector(kSlotNormalizerLow, F);
+  auto mu = ws.vector(kSlotPrefix, F);
+  const bool final_grad = d_final != nullptr && !d_final->empty();
+  for (Index d = 0; d < F; ++d) {
+    if (final_grad && m(d) > kNegInf) {
+      W.row(d) = d_final->dS.row(d);
+      r(d) = -d_final->dz(d);
+      mu(d) = -m(d);
+    } else {
+      W.row(d).setZero();
+      r(d) = Scalar(0);
+      mu(d) = kNegInf;
+    }
+  }
+  auto w = e;
+  auto alpha = ws.vector(kSlotKeys, F);
+  for (Index t = N - 1; t >= 0; --t) {
+    auto grad_k = dK.row(t);  // λ_t until overwritten below
+    const auto s = dQ.row(t);
+    for (Index d = 0; d < F; ++d) {
+      const Scalar l = grad_k(d);
+      if (l > mu(d)) {
+        const Scalar f = std::exp(mu(d) - l);
+        W.row(d) *= f;
+        r(d) *= f;
+        mu(d) = l;
+      }
+      w(d) = l > kNegInf ? std::exp(l - mu(d)) : Scalar(0);
+    }
+    W.noalias() += w * G.row(t);
+    r += w.cwiseProduct(s.transpose());
+    if (!keep(t)) {
+      grad_k.setZero();
+      dV.row(t).setZero();
+      continue;
+    }
+    for (Index d = 0; d < F; ++d)
+      alpha(d) = mu(d) > kNegInf ? std::exp(K(t, d) + mu(d)) : Scalar(0);
+    dV.row(t).noalias() = alpha.transpose() * W;
+    grad_k.noalias() = (W * V.row(t).transpose() - r).cwiseProduct(alpha).transpose();
+  }
+  if (d_initial != nullptr) {
+    d_initial->dS.resize(F, M);
+    d_initial->dz.resize(F);
+    for (Index d = 0; d < F; ++d) {
+      const Scalar c = carried && m0(d) > kNegInf && mu(d) > kNegInf ? std::exp(m0(d) + mu(d))
+                                                                      : Scalar(0);
+      d_initial->dS.row(d) = c * W.row(d);
+      d_initial->dz(d) = -c * r(d);
+    }
+  }
+  // dQ = J_φ(q)ᵀ s, a block at a time (s moves to scratch: backward may write grad_x first).
+  for (Index r0 = 0; r0 < N; r0 += kLinearRowBlock) {
+    const Index b = std::min(kLinearRowBlock, N - r0);
+    auto sb = ws.matrix(kSlotPhiK, b, F);
+    sb = dQ.middleRows(r0, b);
+    map_backward_into(phi, Q.middleRows(r0, b), sb, dQ.middleRows(r0, b), ws);
+  }
+}
+
 template <class DQ, class DK, class DV, class DG, class Phi, class Keep, class DdQ, class DdK,
           class DdV>
 void causal_linear_attention_backward_impl(
@@ -411,9 +550,6 @@ void causal_linear_attention_backward_impl(
     const CausalOptions& opts) {
   using Scalar = typename DQ::Scalar;
   static_check_backward<Phi, Scalar>();
-  static_assert(!normalizes_keys_per_feature_v<Phi>,
-                "linattn: the causal gradient of SoftmaxSplit (the per-feature prefix softmax) "
-                "is not available yet; its non-causal gradient is (linear_attention_backward)");
   check_backward(function, Q, K, V, dOut, dQ, dK, dV, /*causal=*/true);
   check_feature_map(function, phi, Q.cols());
   if (opts.chunk_size < 0)
@@ -425,7 +561,7 @@ void causal_linear_attention_backward_impl(
   };
   if (initial != nullptr && !initial->empty() &&
       !(state_shape(initial->S.rows(), initial->S.cols(), initial->z.size()) &&
-        initial->m.size() == 0 &&
+        initial->m.size() == (normalizes_keys_per_feature_v<Phi> ? F : 0) &&
         (initial->S_lo.size() == 0 || (initial->S_lo.rows() == F && initial->S_lo.cols() == M)) &&
         (initial->z_lo.size() == 0 || initial->z_lo.size() == F)))
     throw_invalid(function, "the initial state (S is " + shape_of(initial->S) + ", z has " +
@@ -445,7 +581,12 @@ void causal_linear_attention_backward_impl(
   const Nested<DV> v(V.derived());
   const Nested<DG> g(dOut.derived());
   const Index C = opts.chunk_size > 0 ? opts.chunk_size : kDefaultChunk;
-  causal_backward_product(phi, q, k, v, g, keep, initial, d_final, gq, gk, gv, d_initial, C, ws);
+  if constexpr (normalizes_keys_per_feature_v<Phi>)
+    causal_backward_per_feature(phi, q, k, v, g, keep, initial, d_final, gq, gk, gv, d_initial,
+                                ws);
+  else
+    causal_backward_product(phi, q, k, v, g, keep, initial, d_final, gq, gk, gv, d_initial, C,
+                            ws);
 }
 
 template <class DQ, class DK, class DV, class DG, class Phi, class Keep, class DdQ, class DdK,
@@ -573,7 +714,8 @@ AttentionGradients<typename DQ::Scalar> masked_linear_attention_backward(
 /// \throws std::invalid_argument on mismatched shapes, a state or state gradient that does not
 /// fit F x M, overlapping outputs, or a negative chunk size.
 ///
-/// SoftmaxSplit's causal gradient is not available yet (a static_assert says so).
+/// SoftmaxSplit's causal gradient runs token by token in the forward's running-maximum
+/// representation (docs/SPEC.md §4): O(F·M) memory, finite for inputs of magnitude 100.
 /// \code
 /// // A sequence in two pieces: forward a then b, backward b then a.
 /// linattn::LinearAttentionState<double> s0, s1;  // s0: empty (zero)

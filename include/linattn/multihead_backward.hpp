@@ -28,9 +28,6 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                                const CausalOptions& options, const ParallelOptions& par) {
   using Scalar = typename DQ::Scalar;
   static_check_backward<Phi, Scalar>();
-  static_assert(!(Causal && normalizes_keys_per_feature_v<Phi>),
-                "linattn: the causal gradient of SoftmaxSplit (the per-feature prefix softmax) "
-                "is not available yet; its non-causal gradient is");
   // Every check before the parallel region, where nothing may throw.
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, Causal);
   const Index D = dims.first, M = dims.second;
@@ -57,7 +54,10 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
     auto dkh = gk.middleCols(h * D, D);
     auto dvh = gv.middleCols(h * M, M);
     Workspace<Scalar>& w = ws.for_thread(thread);
-    if constexpr (Causal)
+    if constexpr (Causal && normalizes_keys_per_feature_v<Phi>)
+      causal_backward_per_feature(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh, dvh,
+                                  nullptr, w);
+    else if constexpr (Causal)
       causal_backward_product(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh, dvh,
                               nullptr, C, w);
     else if constexpr (normalizes_keys_per_feature_v<Phi>)
