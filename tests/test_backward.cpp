@@ -74,6 +74,29 @@ void check_against_finite_differences(const Map& phi, bool causal, const Shape& 
   test::report_error(what + " " + shape_name(sh) + " vs finite differences (relative)", worst);
 }
 
+// A user map with its own vector-Jacobian product and F = 2D ≠ D: φ(x) = [softplus(x),
+// softplus(−x)], positive and smooth. Its gradient must chain through `backward`.
+struct SoftplusPair {
+  Index feature_dim(Index d) const { return 2 * d; }
+  template <class Derived>
+  void map(const Eigen::MatrixBase<Derived>& x,
+           linattn::MatrixRef<typename Derived::Scalar> phi) const {
+    const Index d = x.cols();
+    phi.leftCols(d) = x.array().exp().log1p().matrix();
+    phi.rightCols(d) = (-x.array()).exp().log1p().matrix();
+  }
+  // d softplus(x)/dx = σ(x) = 1 / (1 + e^{−x}).
+  template <class DX, class DG>
+  void backward(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi,
+                linattn::MatrixRef<typename DX::Scalar> grad_x) const {
+    const Index d = x.cols();
+    const auto sig = (1 + (-x.array()).exp()).inverse();
+    grad_x = (grad_phi.leftCols(d).array() * sig -
+              grad_phi.rightCols(d).array() * (1 - sig))
+                 .matrix();
+  }
+};
+
 const std::vector<Shape>& non_causal_shapes() {
   // N = 1; N != L; blocks of 128 rows crossed on both sides (150, 131); D != M.
   static const std::vector<Shape> shapes = {{1, 1, 3, 2}, {1, 7, 4, 5}, {9, 4, 3, 6},
@@ -92,6 +115,7 @@ TEST(LinearAttentionBackward, MatchesFiniteDifferences) {
     check_against_finite_differences(EluPlusOne{}, false, sh, {}, "EluPlusOne");
     check_against_finite_differences(NormalizedCosine{}, false, sh, {}, "NormalizedCosine");
     check_against_finite_differences(SoftmaxSplit{}, false, sh, {}, "SoftmaxSplit");
+    check_against_finite_differences(SoftplusPair{}, false, sh, {}, "user map SoftplusPair");
   }
 }
 
@@ -103,6 +127,7 @@ TEST(CausalLinearAttentionBackward, MatchesFiniteDifferences) {
       const std::string c = " chunk=" + std::to_string(chunk);
       check_against_finite_differences(EluPlusOne{}, true, sh, opts, "EluPlusOne" + c);
       check_against_finite_differences(NormalizedCosine{}, true, sh, opts, "NormalizedCosine" + c);
+      check_against_finite_differences(SoftplusPair{}, true, sh, opts, "user map SoftplusPair" + c);
       if (chunk == 0)  // token by token: no chunks
         check_against_finite_differences(SoftmaxSplit{}, true, sh, opts, "SoftmaxSplit");
     }

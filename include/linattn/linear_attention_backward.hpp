@@ -9,6 +9,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "causal_linear_attention.hpp"
 #include "checks.hpp"
@@ -115,16 +116,33 @@ void guarded_row_inverses(const PQ& pq, const ZVec& z, Den& den) {
 
 // grad_x = J_φ(x)ᵀ grad_phi for a block of rows, into `out` (a block of the caller's dQ or
 // dK): directly when it is column-major memory (what `backward` takes), else through the
-// workspace slot kSlotKeys.
+// workspace slot kSlotKeys. Row-major x (token-major framework memory) is first transposed into
+// kSlotBackwardX with packets, and a row-major `out` written back the same way: with mixed
+// storage orders Eigen evaluates a map's elementwise backward one scalar at a time (EluPlusOne's
+// exp became scalar expf; measured 2.3x the column-major time for 8 heads, N = 16384).
 template <class Phi, class X, class GPhi, class Out>
 void map_backward_into(const Phi& phi, const X& x, const GPhi& grad_phi, Out&& out,
                        Workspace<typename X::Scalar>& ws) {
   using Scalar = typename X::Scalar;
+  if constexpr (is_row_major_memory_v<X>) {
+    if (x.innerStride() == 1 && x.rows() > 0 && x.cols() > 0) {
+      auto xc = ws.matrix(kSlotBackwardX, x.rows(), x.cols());
+      copy_rows(x, xc);
+      map_backward_into(phi, xc, grad_phi, std::forward<Out>(out), ws);
+      return;
+    }
+  }
   if constexpr (std::is_constructible_v<MatrixRef<Scalar>, std::decay_t<Out>&>) {
     phi.backward(x, grad_phi, out);
   } else {
     auto t = ws.matrix(kSlotKeys, x.rows(), x.cols());
     phi.backward(x, grad_phi, t);
+    if constexpr (is_row_major_memory_v<Out>) {
+      if (out.innerStride() == 1 && t.size() > 0) {
+        transpose_copy(t.data(), t.rows(), t.rows(), t.cols(), out.data(), out.outerStride());
+        return;
+      }
+    }
     out = t;
   }
 }

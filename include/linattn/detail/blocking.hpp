@@ -30,6 +30,7 @@ enum Slot : int {
   kSlotKeys = 9,
   kSlotStateLow = 10,
   kSlotNormalizerLow = 11,
+  kSlotBackwardX = 12,  // a column-major copy of row-major inputs for a map's backward
 };
 
 // Chunk length of the chunked causal algorithm when the caller does not choose one: a
