@@ -293,11 +293,12 @@ void map_chunk(const Phi& phi, const DQ& Q, const DK& K, const Keep& keep, Index
 }
 
 // Causal backward for product maps (spec §4), chunked. Forward sweep over chunks R with the
-// state (S, z) at the chunk's start: A = tril(a k̃ᵀ), den = A 1 + a z (the forward's order and
-// guard), out = (a S + A V_R) ∘ inv, Ĝ = G_R ∘ inv, c = −rowdot(G_R, out) ∘ inv,
-// B = tril(Ĝ V_Rᵀ + c 1ᵀ), ∇a = Ĝ Sᵀ + c zᵀ + B k̃ (→ dQ_R); Ĝ and c wait in dV_R and the
-// first column of dK_R. Backward sweep, last chunk first, with (R, r) = Σ over later rows of
-// (aᵀ Ĝ, aᵀ c) (plus the final state's gradient): dV_R = k̃ R + Aᵀ Ĝ,
+// state (S, z) at the chunk's start: z_i = z + Σ_{j≤i} k̃_j (per row), den = a ∘ z_i summed per
+// row (the forward's guard), Ĝ = G_R ∘ inv, P = Ĝ Sᵀ + tril(Ĝ V_Rᵀ) k̃ (= S_i ĝ_i per row),
+// c = −rowdot(a, P) ∘ inv (since ĝ_iᵀ out_i d_i = a_iᵀ S_i ĝ_i: the output is never formed),
+// ∇a = P + c ∘ z_i (→ dQ_R); Ĝ and c wait in dV_R and the first column of dK_R. Backward
+// sweep, last chunk first, with (R, r) = Σ over later rows of (aᵀ Ĝ, aᵀ c) (plus the final
+// state's gradient), A = tril(a k̃ᵀ), B = tril(Ĝ V_Rᵀ + c 1ᵀ): dV_R = k̃ R + Aᵀ Ĝ,
 // ∇k̃ = V_R Rᵀ + 1 rᵀ + Bᵀ a (→ dK_R). Working memory O(C·(C + F + M) + F·M).
 template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class OQ, class OK,
           class OV>
@@ -326,44 +327,43 @@ void causal_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV&
     const Index b = std::min(C, N - r0);
     auto a = ws.matrix(kSlotPhiQ, b, F);
     auto kt = ws.matrix(kSlotPhiK, b, F);
-    auto A = ws.matrix(kSlotScores, b, b);
-    auto out = ws.matrix(kSlotPrefix, b, M);  // out, then Ĝ
+    auto B = ws.matrix(kSlotScores, b, b);
+    auto gh = ws.matrix(kSlotPrefix, b, M);
     auto inv = ws.vector(kSlotRowA, b);
     auto c = ws.vector(kSlotRowB, b);
     auto ga = ws.matrix(kSlotExtra, b, F);
+    auto zi = ws.matrix(kSlotKeys, b, F);
     const auto vr = V.middleRows(r0, b);
     const auto gr = G.middleRows(r0, b);
     map_chunk(phi, Q, K, keep, r0, b, a, kt);
-    A.template triangularView<Eigen::Lower>() = a * kt.transpose();
-    inv.setZero();
-    for (Index j = 0; j < b; ++j) inv.tail(b - j) += A.col(j).tail(b - j);
-    inv.noalias() += a * z;
+    // zi: each row's z (the carried z plus the chunk's keys up to it); den = a zi.
+    for (Index d = 0; d < F; ++d) {
+      Scalar running = z(d);
+      for (Index i = 0; i < b; ++i) zi(i, d) = running += kt(i, d);
+    }
+    inv = a.cwiseProduct(zi).rowwise().sum();
     if constexpr (may_cancel_v<Phi>) {  // the forward's test (causal_chunk)
-      auto zi = ws.matrix(kSlotKeys, b, F);
-      for (Index d = 0; d < F; ++d) {
-        Scalar running = z(d);
-        for (Index i = 0; i < b; ++i) zi(i, d) = std::abs(running += kt(i, d));
-      }
       const Scalar t = cancellation_threshold<Scalar>(F);
       for (Index i = 0; i < b; ++i)
-        if (!(inv(i) > t * a.row(i).cwiseAbs().dot(zi.row(i)))) inv(i) = 0;
+        if (!(inv(i) > t * a.row(i).cwiseAbs().dot(zi.row(i).cwiseAbs()))) inv(i) = 0;
     }
     invert_guarded(inv);
-    out.noalias() = a * S;
-    out.noalias() += A.template triangularView<Eigen::Lower>() * vr;
-    out.array().colwise() *= inv.array();
-    c = -(gr.cwiseProduct(out).rowwise().sum().cwiseProduct(inv));
-    out = gr;
-    out.array().colwise() *= inv.array();  // Ĝ
-    A.template triangularView<Eigen::Lower>() = out * vr.transpose();  // B
-    for (Index j = 0; j < b; ++j) A.col(j).tail(b - j) += c.tail(b - j);
-    ga.noalias() = out * S.transpose();
-    ga.noalias() += c * z.transpose();
-    ga.noalias() += A.template triangularView<Eigen::Lower>() * kt;
+    gh = gr;
+    gh.array().colwise() *= inv.array();  // Ĝ
+    // P = S_i ĝ_i for every row (S_i: the state after token i): ga = Ĝ Sᵀ + tril(Ĝ V_Rᵀ) k̃.
+    // The output is not formed: ĝ_iᵀ out_i d_i = ĝ_iᵀ S_iᵀ a_i = a_iᵀ P_i gives c.
+    // Full products on zeroed triangles: Eigen's general GEMM beats its triangular products at
+    // chunk sizes (measured).
+    B.noalias() = gh * vr.transpose();
+    B.template triangularView<Eigen::StrictlyUpper>().setZero();
+    ga.noalias() = gh * S.transpose();
+    ga.noalias() += B * kt;
+    c = -(a.cwiseProduct(ga).rowwise().sum().cwiseProduct(inv));
+    ga += c.asDiagonal() * zi;  // ∇a = S_i ĝ_i + c_i z_i
+    z = zi.row(b - 1).transpose();  // (before map_backward_into, which may reuse zi's slot)
     map_backward_into(phi, Q.middleRows(r0, b), ga, dQ.middleRows(r0, b), ws);
     S.noalias() += kt.transpose() * vr;
-    z.noalias() += kt.colwise().sum().transpose();
-    dV.middleRows(r0, b) = out;
+    dV.middleRows(r0, b) = gh;
     dK.col(0).segment(r0, b) = c;
   }
   auto R = ws.matrix(kSlotStateLow, F, M);
@@ -389,15 +389,17 @@ void causal_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV&
     map_chunk(phi, Q, K, keep, r0, b, a, kt);
     gh = dV.middleRows(r0, b);
     c = dK.col(0).segment(r0, b);
-    A.template triangularView<Eigen::Lower>() = a * kt.transpose();
-    B.template triangularView<Eigen::Lower>() = gh * vr.transpose();
+    A.noalias() = a * kt.transpose();
+    A.template triangularView<Eigen::StrictlyUpper>().setZero();
+    B.noalias() = gh * vr.transpose();
+    B.template triangularView<Eigen::StrictlyUpper>().setZero();
     for (Index j = 0; j < b; ++j) B.col(j).tail(b - j) += c.tail(b - j);
     auto dv = dV.middleRows(r0, b);
     dv.noalias() = kt * R;
-    dv.noalias() += A.template triangularView<Eigen::Lower>().transpose() * gh;
+    dv.noalias() += A.transpose() * gh;
     gk.noalias() = vr * R.transpose();
     gk.rowwise() += r.transpose();
-    gk.noalias() += B.template triangularView<Eigen::Lower>().transpose() * a;
+    gk.noalias() += B.transpose() * a;
     if constexpr (masked)
       for (Index j = 0; j < b; ++j)
         if (!keep(r0 + j)) {
