@@ -105,8 +105,10 @@ const std::vector<Shape>& non_causal_shapes() {
 }
 
 const std::vector<Shape>& causal_shapes() {
-  // N = 1; N not a multiple of the default chunk (48) nor of 7; D != M.
-  static const std::vector<Shape> shapes = {{1, 1, 3, 2}, {20, 20, 4, 3}, {101, 101, 3, 5}};
+  // N = 1; N not a multiple of the default chunk (48), of 7 or of the recurrent blocks (128);
+  // D != M.
+  static const std::vector<Shape> shapes = {{1, 1, 3, 2}, {20, 20, 4, 3}, {101, 101, 3, 5},
+                                            {200, 200, 2, 3}};  // (blocks of 128 tokens)
   return shapes;
 }
 
@@ -121,14 +123,15 @@ TEST(LinearAttentionBackward, MatchesFiniteDifferences) {
 
 TEST(CausalLinearAttentionBackward, MatchesFiniteDifferences) {
   for (const Shape& sh : causal_shapes())
-    for (const Index chunk : {0, 7}) {
+    for (const Index chunk : {-1, 0, 7}) {  // -1: the recurrent (token by token) backward
       CausalOptions opts;
-      opts.chunk_size = chunk;
-      const std::string c = " chunk=" + std::to_string(chunk);
+      opts.algorithm = chunk < 0 ? CausalAlgorithm::Recurrent : CausalAlgorithm::Chunked;
+      opts.chunk_size = std::max<Index>(chunk, 0);
+      const std::string c = chunk < 0 ? " recurrent" : " chunk=" + std::to_string(chunk);
       check_against_finite_differences(EluPlusOne{}, true, sh, opts, "EluPlusOne" + c);
       check_against_finite_differences(NormalizedCosine{}, true, sh, opts, "NormalizedCosine" + c);
       check_against_finite_differences(SoftplusPair{}, true, sh, opts, "user map SoftplusPair" + c);
-      if (chunk == 0)  // token by token: no chunks
+      if (chunk < 0)  // SoftmaxSplit: always token by token
         check_against_finite_differences(SoftmaxSplit{}, true, sh, opts, "SoftmaxSplit");
     }
 }
@@ -136,12 +139,12 @@ TEST(CausalLinearAttentionBackward, MatchesFiniteDifferences) {
 // A sequence trained in pieces: forward piece a then piece b carrying the state, backward b
 // (its initial state's gradient) then a: the gradients of one shot, to rounding.
 template <class Map>
-void check_pieces(const Map& phi, const std::string& what) {
+void check_pieces(const Map& phi, const std::string& what, const CausalOptions& opts = {}) {
   SCOPED_TRACE(what);
   const Index N = 90, D = 4, M = 3, cut = 37;
   const MatD Q = test::random_matrix(N, D, 11, -2, 2), K = test::random_matrix(N, D, 12, -2, 2);
   const MatD V = test::random_matrix(N, M, 13), W = test::random_matrix(N, M, 14);
-  const auto one = linattn::causal_linear_attention_backward(Q, K, V, W, phi);
+  const auto one = linattn::causal_linear_attention_backward(Q, K, V, W, phi, opts);
 
   linattn::LinearAttentionState<double> start, mid;
   (void)linattn::causal_linear_attention(Q.topRows(cut), K.topRows(cut), V.topRows(cut), phi, mid);
@@ -152,10 +155,10 @@ void check_pieces(const Map& phi, const std::string& what) {
   linattn::causal_linear_attention_backward(Q.bottomRows(rest), K.bottomRows(rest),
                                             V.bottomRows(rest), W.bottomRows(rest), phi, mid, none,
                                             dQ.bottomRows(rest), dK.bottomRows(rest),
-                                            dV.bottomRows(rest), d_mid, ws);
+                                            dV.bottomRows(rest), d_mid, ws, opts);
   linattn::causal_linear_attention_backward(Q.topRows(cut), K.topRows(cut), V.topRows(cut),
                                             W.topRows(cut), phi, start, d_mid, dQ.topRows(cut),
-                                            dK.topRows(cut), dV.topRows(cut), d_start, ws);
+                                            dK.topRows(cut), dV.topRows(cut), d_start, ws, opts);
   const double tol = 1e-13;
   EXPECT_LE(relative_error(dQ, one.dQ), tol);
   EXPECT_LE(relative_error(dK, one.dK), tol);
@@ -196,7 +199,11 @@ void check_pieces(const Map& phi, const std::string& what) {
 }
 
 TEST(CausalLinearAttentionBackward, PiecesEqualOneShot) {
-  check_pieces(EluPlusOne{}, "EluPlusOne");
+  check_pieces(EluPlusOne{}, "EluPlusOne");  // (Auto: the recurrent backward at this shape)
+  CausalOptions chunked;
+  chunked.algorithm = CausalAlgorithm::Chunked;
+  chunked.chunk_size = 16;
+  check_pieces(EluPlusOne{}, "EluPlusOne chunked", chunked);
   check_pieces(SoftmaxSplit{}, "SoftmaxSplit");
 }
 
@@ -207,14 +214,15 @@ TEST(LinearAttentionBackward, FloatMatchesDouble) {
     const MatD Q = test::random_matrix(N, D, 21, -magnitude, magnitude);
     const MatD K = test::random_matrix(N, D, 22, -magnitude, magnitude);
     const MatD V = test::random_matrix(N, M, 23), W = test::random_matrix(N, M, 24);
-    const auto check = [&](const auto& phi, bool causal, const std::string& what) {
+    const auto check = [&](const auto& phi, bool causal, const std::string& what,
+                           const CausalOptions& opts = {}) {
       const Mat<float> Qf = Q.cast<float>(), Kf = K.cast<float>(), Vf = V.cast<float>(),
                        Wf = W.cast<float>();
       linattn::AttentionGradients<double> gd;
       linattn::AttentionGradients<float> gf;
       if (causal) {
-        gd = linattn::causal_linear_attention_backward(Q, K, V, W, phi);
-        gf = linattn::causal_linear_attention_backward(Qf, Kf, Vf, Wf, phi);
+        gd = linattn::causal_linear_attention_backward(Q, K, V, W, phi, opts);
+        gf = linattn::causal_linear_attention_backward(Qf, Kf, Vf, Wf, phi, opts);
       } else {
         gd = linattn::linear_attention_backward(Q, K, V, W, phi);
         gf = linattn::linear_attention_backward(Qf, Kf, Vf, Wf, phi);
@@ -231,6 +239,9 @@ TEST(LinearAttentionBackward, FloatMatchesDouble) {
     };
     check(EluPlusOne{}, false, "EluPlusOne non-causal");
     check(EluPlusOne{}, true, "EluPlusOne causal");
+    CausalOptions chunked;
+    chunked.algorithm = CausalAlgorithm::Chunked;
+    check(EluPlusOne{}, true, "EluPlusOne causal chunked", chunked);
     check(NormalizedCosine{}, false, "NormalizedCosine non-causal");
     check(NormalizedCosine{}, true, "NormalizedCosine causal");
     check(SoftmaxSplit{}, false, "SoftmaxSplit non-causal");
@@ -274,6 +285,14 @@ TEST(LinearAttentionBackward, MasksDropKeys) {
   EXPECT_LE(relative_error(g.dQ, finite_difference(forward, Q, K, V, W, 0)), kFiniteDifferenceTol);
   EXPECT_LE(relative_error(g.dK, finite_difference(forward, Q, K, V, W, 1)), kFiniteDifferenceTol);
   EXPECT_LE(relative_error(g.dV, finite_difference(forward, Q, K, V, W, 2)), kFiniteDifferenceTol);
+  CausalOptions chunked;
+  chunked.algorithm = CausalAlgorithm::Chunked;
+  chunked.chunk_size = 16;
+  const auto gc =
+      linattn::masked_causal_linear_attention_backward(Q, K, V, W, keep, EluPlusOne{}, chunked);
+  EXPECT_LE(relative_error(gc.dQ, g.dQ), 1e-13);
+  EXPECT_LE(relative_error(gc.dK, g.dK), 1e-13);
+  EXPECT_LE(relative_error(gc.dV, g.dV), 1e-13);
   // SoftmaxSplit, whose first key is masked too (a prefix with no key: output 0).
   Eigen::Array<bool, Eigen::Dynamic, 1> keep2 = keep;
   keep2(0) = false;
@@ -296,9 +315,13 @@ TEST(LinearAttentionBackward, WorkingMemoryIsIndependentOfN) {
     const Mat<float> V = test::random_matrix<float>(N, M, 43), W = test::random_matrix<float>(N, M, 44);
     Mat<float> dQ(N, D), dK(N, D), dV(N, M);
     linattn::Workspace<float> ws;
-    if (causal)
+    if (causal) {
       linattn::causal_linear_attention_backward(Q, K, V, W, EluPlusOne{}, dQ, dK, dV, ws);
-    else
+      CausalOptions chunked;  // both algorithms, in one workspace
+      chunked.algorithm = CausalAlgorithm::Chunked;
+      linattn::causal_linear_attention_backward(Q, K, V, W, EluPlusOne{}, dQ, dK, dV, ws,
+                                                chunked);
+    } else
       linattn::linear_attention_backward(Q, K, V, W, EluPlusOne{}, dQ, dK, dV, ws);
     const std::size_t product_bytes = ws.bytes();
     linattn::Workspace<float> ws2;  // causal SoftmaxSplit: token by token, O(F·M + 128·F)
@@ -317,7 +340,8 @@ TEST(LinearAttentionBackward, WorkingMemoryIsIndependentOfN) {
 // The multi-head backward equals the single-head backward on each head's columns (bit for bit
 // in portable builds), for 1 and 3 threads and for column- and row-major packed inputs.
 template <class S, class Map>
-void check_multihead(const Map& phi, bool causal, const std::string& what) {
+void check_multihead(const Map& phi, bool causal, const std::string& what,
+                     const CausalOptions& opts = {}) {
   const Index N = 70, H = 3, D = 4, M = 5;
   const Mat<S> Q = test::random_matrix<S>(N, H * D, 51, -2, 2);
   const Mat<S> K = test::random_matrix<S>(N, H * D, 52, -2, 2);
@@ -328,7 +352,7 @@ void check_multihead(const Map& phi, bool causal, const std::string& what) {
     const auto q = Q.middleCols(h * D, D), k = K.middleCols(h * D, D);
     const auto v = V.middleCols(h * M, M), w = W.middleCols(h * M, M);
     if (causal)
-      g = linattn::causal_linear_attention_backward(q, k, v, w, phi);
+      g = linattn::causal_linear_attention_backward(q, k, v, w, phi, opts);
     else
       g = linattn::linear_attention_backward(q, k, v, w, phi);
     eQ.middleCols(h * D, D) = g.dQ;
@@ -341,8 +365,8 @@ void check_multihead(const Map& phi, bool causal, const std::string& what) {
     par.num_threads = threads;
     linattn::AttentionGradients<S> g, gr;
     if (causal) {
-      g = linattn::multihead_causal_linear_attention_backward(Q, K, V, W, H, phi, {}, par);
-      gr = linattn::multihead_causal_linear_attention_backward(Qr, Kr, Vr, Wr, H, phi, {}, par);
+      g = linattn::multihead_causal_linear_attention_backward(Q, K, V, W, H, phi, opts, par);
+      gr = linattn::multihead_causal_linear_attention_backward(Qr, Kr, Vr, Wr, H, phi, opts, par);
     } else {
       g = linattn::multihead_linear_attention_backward(Q, K, V, W, H, phi, par);
       gr = linattn::multihead_linear_attention_backward(Qr, Kr, Vr, Wr, H, phi, par);
@@ -369,6 +393,9 @@ TEST(MultiHeadBackward, EqualsPerHeadBackward) {
   check_multihead<float>(EluPlusOne{}, false, "EluPlusOne non-causal float");
   check_multihead<double>(SoftmaxSplit{}, false, "SoftmaxSplit non-causal double");
   check_multihead<float>(EluPlusOne{}, true, "EluPlusOne causal float");
+  CausalOptions chunked;
+  chunked.algorithm = CausalAlgorithm::Chunked;
+  check_multihead<float>(EluPlusOne{}, true, "EluPlusOne causal chunked float", chunked);
   check_multihead<double>(NormalizedCosine{}, true, "NormalizedCosine causal double");
   check_multihead<float>(SoftmaxSplit{}, true, "SoftmaxSplit causal float");
 }

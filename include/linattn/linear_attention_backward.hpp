@@ -15,6 +15,7 @@
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/blocking.hpp"
+#include "detail/recurrent_block.hpp"
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
 #include "state.hpp"
@@ -419,6 +420,172 @@ void causal_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV&
   }
 }
 
+// Which causal backward runs for product maps: the forward's rule (CausalAlgorithm::Auto is
+// Recurrent while the F x M state fits in L2).
+inline bool backward_is_recurrent(const CausalOptions& opts, Index F, Index M) {
+  return opts.algorithm == CausalAlgorithm::Recurrent ||
+         (opts.algorithm == CausalAlgorithm::Auto && F * M <= kAutoRecurrentMaxState);
+}
+
+// Causal backward for product maps, token by token with the forward's register-blocked
+// recurrence (recurrent_block: several tokens per pass over a state held row by row), in
+// blocks of 128 tokens. Every read of a state is "state after token t times a vector", so each
+// gradient term is one such pass (spec §4):
+//   forward sweep, S_t = Σ_{j≤t} k̃_j v_jᵀ:  P_t = S_t ĝ_t  (state Sᵀ, rows m: += v_t(m) k̃_t)
+//     then c_t = −inv_t a_tᵀ P_t (a_tᵀ S_t ĝ_t = ĝ_tᵀ out_t d_t) and ∇a_t = P_t + c_t z_t;
+//   backward sweep (tokens in reverse), R_t = Σ_{i≥t} a_i ĝ_iᵀ:
+//     dv_t = R_tᵀ k̃_t   (state R, rows d: += a_t(d) ĝ_t)
+//     ∇k̃_t = R_t v_t + r_t  (state Rᵀ, rows m: += ĝ_t(m) a_t; r_t = Σ_{i≥t} c_i a_i).
+// Three passes of the forward's kind, against the forward's one. Ĝ and c wait between the
+// sweeps in dV and the first column of dK, as in causal_backward_product. States are kept as
+// high and low parts (the block's tokens go into the low part, folded once per block), like the
+// forward's. Working memory O(F·M + 128·(F + M)).
+template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class OQ, class OK,
+          class OV>
+void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                               const DG& G, const Keep& keep,
+                               const LinearAttentionState<typename DQ::Scalar>* initial,
+                               const StateGradient<typename DQ::Scalar>* d_final, OQ& dQ,
+                               OK& dK, OV& dV, StateGradient<typename DQ::Scalar>* d_initial,
+                               Workspace<typename DQ::Scalar>& ws) {
+  using Scalar = typename DQ::Scalar;
+  constexpr bool masked = !std::is_same_v<Keep, NoMask>;
+  const Index N = Q.rows(), M = V.cols();
+  const Index F = phi.feature_dim(Q.cols());
+  // The token-major buffers of a block: a and k̃ (F x b, column t = token t), Ĝ and V (b x M
+  // row-major).
+  const auto map_block = [&](Index r0, Index b) {
+    auto at = ws.matrix(kSlotPhiQ, F, b);
+    auto kt = ws.matrix(kSlotPhiK, F, b);
+    map_token_major(phi, Q.middleRows(r0, b), at, ws.matrix(kSlotScores, b, F));
+    map_token_major(phi, K.middleRows(r0, b), kt, ws.matrix(kSlotScores, b, F));
+    Scalar* vb = ws.matrix(kSlotBackwardB, M, b).data();
+    copy_to_row_major(V.middleRows(r0, b), vb);
+    if constexpr (masked)  // zero, not skip: 0 * inf in a masked value would poison a state
+      for (Index t = 0; t < b; ++t)
+        if (!keep(r0 + t)) {
+          kt.col(t).setZero();
+          std::fill(vb + t * M, vb + (t + 1) * M, Scalar(0));
+        }
+  };
+  // --- Forward sweep. Sᵀ as a row-major M x F state is S itself, column-major F x M.
+  auto S = ws.matrix(kSlotState, F, M);
+  auto S_lo = ws.matrix(kSlotStateLow, F, M);
+  auto z = ws.vector(kSlotNormalizer, F);
+  auto z_lo = ws.vector(kSlotNormalizerLow, F);
+  if (initial != nullptr && !initial->empty()) {
+    S = initial->S;
+    z = initial->z;
+    if (initial->S_lo.size() != 0) S += initial->S_lo;
+    if (initial->z_lo.size() != 0) z += initial->z_lo;
+  } else {
+    S.setZero();
+    z.setZero();
+  }
+  S_lo.setZero();
+  z_lo.setZero();
+  const Scalar threshold = cancellation_threshold<Scalar>(F);
+  for (Index r0 = 0; r0 < N; r0 += kLinearRowBlock) {
+    const Index b = std::min(kLinearRowBlock, N - r0);
+    map_block(r0, b);
+    auto at = ws.matrix(kSlotPhiQ, F, b);
+    auto kt = ws.matrix(kSlotPhiK, F, b);
+    auto zt = ws.matrix(kSlotExtra, F, b);
+    auto inv = ws.vector(kSlotRowA, b);
+    auto c = ws.vector(kSlotRowB, b);
+    for (Index t = 0; t < b; ++t) {  // z_t and the guarded denominators, as the forward
+      z_lo += kt.col(t);
+      zt.col(t) = z + z_lo;
+      inv(t) = at.col(t).dot(zt.col(t));
+      if constexpr (may_cancel_v<Phi>)
+        if (!(inv(t) > threshold * at.col(t).cwiseAbs().dot(zt.col(t).cwiseAbs()))) inv(t) = 0;
+    }
+    invert_guarded(inv);
+    Scalar* gh = ws.matrix(kSlotPrefix, M, b).data();  // Ĝ, row-major b x M
+    copy_to_row_major(G.middleRows(r0, b), gh);
+    for (Index t = 0; t < b; ++t) Eigen::Map<Vector<Scalar>>(gh + t * M, M) *= inv(t);
+    auto P = ws.matrix(kSlotBackwardA, F, b);
+    recurrent_block(S.data(), S_lo.data(), F, M, F, gh, ws.matrix(kSlotBackwardB, M, b).data(),
+                    M, 1, b, kt.data(), F, P.data(), F);
+    S += S_lo;
+    S_lo.setZero();
+    z += z_lo;
+    z_lo.setZero();
+    for (Index t = 0; t < b; ++t) {
+      c(t) = -inv(t) * at.col(t).dot(P.col(t));
+      P.col(t) += c(t) * zt.col(t);  // ∇a_t
+    }
+    auto ga = ws.matrix(kSlotExtra, b, F);
+    copy_to_row_major(P, ga.data());  // (F x b token-major) -> b x F
+    map_backward_into(phi, Q.middleRows(r0, b), ga, dQ.middleRows(r0, b), ws);
+    copy_from_row_major(gh, b, M, dV.middleRows(r0, b));
+    dK.col(0).segment(r0, b) = c;
+  }
+  // --- Backward sweep. R as a row-major F x M state is Rᵀ column-major (Rt, M x F); Rᵀ as a
+  // row-major M x F state is R column-major (Rc, F x M).
+  auto Rt = ws.matrix(kSlotState, M, F);
+  auto Rt_lo = ws.matrix(kSlotStateLow, M, F);
+  auto Rc = ws.matrix(kSlotBackwardC, F, M);
+  auto Rc_lo = ws.matrix(kSlotNormalizerLow, F, M);
+  auto r = ws.vector(kSlotNormalizer, F);
+  if (d_final != nullptr && !d_final->empty()) {
+    Rc = d_final->dS;
+    Rt = d_final->dS.transpose();
+    r = d_final->dz;
+  } else {
+    Rc.setZero();
+    Rt.setZero();
+    r.setZero();
+  }
+  Rt_lo.setZero();
+  Rc_lo.setZero();
+  const Index last = N == 0 ? 0 : (N - 1) / kLinearRowBlock * kLinearRowBlock;
+  for (Index r0 = last; r0 >= 0 && N > 0; r0 -= kLinearRowBlock) {
+    const Index b = std::min(kLinearRowBlock, N - r0);
+    map_block(r0, b);
+    auto at = ws.matrix(kSlotPhiQ, F, b);
+    auto kt = ws.matrix(kSlotPhiK, F, b);
+    const Scalar* vb = ws.matrix(kSlotBackwardB, M, b).data();
+    Scalar* gh = ws.matrix(kSlotPrefix, M, b).data();
+    copy_to_row_major(dV.middleRows(r0, b), gh);
+    auto c = ws.vector(kSlotRowB, b);
+    c = dK.col(0).segment(r0, b);
+    Scalar* dv = ws.matrix(kSlotScores, M, b).data();  // row-major b x M
+    auto gkt = ws.matrix(kSlotBackwardA, F, b);
+    // Tokens last to first: pointers at token b − 1, negative token strides.
+    const Index lt = b - 1;
+    recurrent_block(Rt.data(), Rt_lo.data(), M, F, M, kt.data() + lt * F, at.data() + lt * F,
+                    -F, 1, b, gh + lt * M, -M, dv + lt * M, -M);
+    recurrent_block(Rc.data(), Rc_lo.data(), F, M, F, vb + lt * M, gh + lt * M, -M, 1, b,
+                    at.data() + lt * F, -F, gkt.data() + lt * F, -F);
+    Rt += Rt_lo;
+    Rt_lo.setZero();
+    Rc += Rc_lo;
+    Rc_lo.setZero();
+    for (Index t = b - 1; t >= 0; --t) {
+      r += c(t) * at.col(t);
+      gkt.col(t) += r;
+    }
+    if constexpr (masked)
+      for (Index t = 0; t < b; ++t)
+        if (!keep(r0 + t)) {
+          gkt.col(t).setZero();
+          std::fill(dv + t * M, dv + (t + 1) * M, Scalar(0));
+        }
+    copy_from_row_major(dv, b, M, dV.middleRows(r0, b));
+    auto gk = ws.matrix(kSlotExtra, b, F);
+    copy_to_row_major(gkt, gk.data());
+    map_backward_into(phi, K.middleRows(r0, b), gk, dK.middleRows(r0, b), ws);
+    if constexpr (masked)  // a user map's backward need not give 0 for a zero gradient row
+      for (Index t = 0; t < b; ++t)
+        if (!keep(r0 + t)) dK.row(r0 + t).setZero();
+  }
+  if (d_initial != nullptr) {
+    d_initial->dS = Rc;
+    d_initial->dz = r;
+  }
+}
+
 // Causal backward for the per-feature key softmax (SoftmaxSplit), token by token (spec §4):
 // with p_i = φ(q_i), per feature d the prefix sums A_id = Σ_{j≤i} e^{k_jd} v_j, B_id =
 // Σ_{j≤i} e^{k_jd} and U_id = A_id / B_id, out_i = Σ_d p_id U_id. A forward sweep keeps
@@ -604,6 +771,9 @@ void causal_linear_attention_backward_impl(
   if constexpr (normalizes_keys_per_feature_v<Phi>)
     causal_backward_per_feature(phi, q, k, v, g, keep, initial, d_final, gq, gk, gv, d_initial,
                                 ws);
+  else if (backward_is_recurrent(opts, F, M))
+    causal_backward_recurrent(phi, q, k, v, g, keep, initial, d_final, gq, gk, gv, d_initial,
+                              ws);
   else
     causal_backward_product(phi, q, k, v, g, keep, initial, d_final, gq, gk, gv, d_initial, C,
                             ws);
@@ -720,10 +890,13 @@ AttentionGradients<typename DQ::Scalar> masked_linear_attention_backward(
 /// overload), written into caller buffers; allocation-free once `ws` has the shape.
 ///
 /// Memory-efficient (paper §3.3.1, docs/SPEC.md §4): a forward sweep recomputes the states
-/// chunk by chunk for dQ, a backward sweep accumulates \f$R_j = \sum_{i \ge j}
+/// for dQ, a backward sweep accumulates \f$R_j = \sum_{i \ge j}
 /// \varphi(q_i) \hat g_i^\top\f$ (and its normaliser column) for dK and dV. No per-token state
-/// is stored: working memory is O(C·(C + F + M) + F·M), independent of N (C: the chunk size of
-/// `options`, 48 by default). The guarded rows of the forward have zero gradients.
+/// is stored. `options.algorithm` picks the sweeps' form as for the forward: Recurrent (token by
+/// token with the forward's register-blocked kernel, what Auto picks while F·M <= 128·128;
+/// working memory O(F·M + 128·(F + M))) or Chunked (GEMMs per chunk of `options.chunk_size`
+/// rows, 48 by default; O(C·(C + F + M) + F·M)). Both are independent of N. SoftmaxSplit always
+/// runs token by token. The guarded rows of the forward have zero gradients.
 ///
 /// \param initial the state the forward call started from (empty: zero), unchanged.
 /// \param d_final the gradient of the loss with respect to the state the forward call left

@@ -33,6 +33,7 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Index D = dims.first, M = dims.second;
   check_feature_map(fn, phi, D);
   check_backward(fn, Q, K, V, dOut, dQ, dK, dV, Causal);
+  const Index F = phi.feature_dim(D);
   if (options.chunk_size < 0)
     throw_invalid(fn, "chunk_size must be >= 0 (0 = default), got " +
                           std::to_string(options.chunk_size));
@@ -57,9 +58,14 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
     if constexpr (Causal && normalizes_keys_per_feature_v<Phi>)
       causal_backward_per_feature(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh, dvh,
                                   nullptr, w);
-    else if constexpr (Causal)
-      causal_backward_product(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh, dvh,
-                              nullptr, C, w);
+    else if constexpr (Causal) {
+      if (backward_is_recurrent(options, F, M))
+        causal_backward_recurrent(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh,
+                                  dvh, nullptr, w);
+      else
+        causal_backward_product(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh, dvh,
+                                nullptr, C, w);
+    }
     else if constexpr (normalizes_keys_per_feature_v<Phi>)
       linear_backward_per_feature(phi, qh, kh, vh, gh, NoMask{}, dqh, dkh, dvh, w);
     else

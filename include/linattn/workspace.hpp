@@ -33,7 +33,7 @@ namespace linattn {
 template <class Scalar>
 class Workspace {
  public:
-  static constexpr int kSlots = 13;
+  static constexpr int kSlots = 16;
 
   /// A rows x cols column-major view of buffer `slot`, grown if it is too small. Its contents
   /// are unspecified.

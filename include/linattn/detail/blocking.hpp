@@ -31,6 +31,9 @@ enum Slot : int {
   kSlotStateLow = 10,
   kSlotNormalizerLow = 11,
   kSlotBackwardX = 12,  // a column-major copy of row-major inputs for a map's backward
+  kSlotBackwardA = 13,  // the recurrent causal backward's token-major buffers and state
+  kSlotBackwardB = 14,
+  kSlotBackwardC = 15,
 };
 
 // Chunk length of the chunked causal algorithm when the caller does not choose one: a
