@@ -111,6 +111,10 @@ function(linattn_add_test name)
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 600)
   endif()
+  # The sanitizer stage runs `ctest -L unit -LE slow`: a slow test would be built for nothing.
+  if(LINATTN_SANITIZE AND "slow" IN_LIST ARG_LABELS)
+    return()
+  endif()
 
   add_executable(${name} ${_sources})
   if(TARGET GTest::gtest_main)

@@ -617,6 +617,7 @@ void causal_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const
   auto m = ws.vector(kSlotExtra, F);
   auto m0 = ws.vector(kSlotRowB, F);
   auto e = ws.vector(kSlotRowA, F);
+  auto tmp = ws.vector(kSlotScores, F);
   const bool carried = initial != nullptr && !initial->empty();
   if (carried) {
     A = initial->S;
@@ -652,7 +653,8 @@ void causal_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const
       }
       auto s = dQ.row(t);
       auto lambda = dK.row(t);
-      s.noalias() = (A * G.row(t).transpose()).transpose();
+      tmp.noalias() = A * G.row(t).transpose();  // (into a buffer: no temporary is allocated)
+      s = tmp.transpose();
       for (Index d = 0; d < F; ++d) {
         if (B(d) > Scalar(0)) {  // at least 1 once a key is in (its own term is e^0)
           s(d) /= B(d);
@@ -704,7 +706,8 @@ void causal_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const
     for (Index d = 0; d < F; ++d)
       alpha(d) = mu(d) > kNegInf ? std::exp(K(t, d) + mu(d)) : Scalar(0);
     dV.row(t).noalias() = alpha.transpose() * W;
-    grad_k.noalias() = (W * V.row(t).transpose() - r).cwiseProduct(alpha).transpose();
+    tmp.noalias() = W * V.row(t).transpose();
+    grad_k = (tmp - r).cwiseProduct(alpha).transpose();
   }
   if (d_initial != nullptr) {
     d_initial->dS.resize(F, M);
