@@ -288,6 +288,20 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
   return true;
 }
 
+// Whether the recurrent algorithm runs for these options and a state of F·M entries.
+inline bool causal_runs_recurrent(const CausalOptions& opts, Index state_size) {
+  return opts.algorithm == CausalAlgorithm::Recurrent ||
+         (opts.algorithm == CausalAlgorithm::Auto && state_size <= kAutoRecurrentMaxState);
+}
+
+// The rows the causal kernel handles as one unit (and folds the state after): 128 tokens for
+// the recurrent algorithm, one chunk for the chunked one. A sequence cut into calls at
+// multiples of it gives the one-shot call's outputs and state bit for bit.
+inline Index causal_block_rows(const CausalOptions& opts, Index state_size) {
+  if (causal_runs_recurrent(opts, state_size)) return kLinearRowBlock;
+  return opts.chunk_size > 0 ? opts.chunk_size : kDefaultChunk;
+}
+
 template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
 void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
                                   const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -314,10 +328,8 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
   const Nested<DV> v(V.derived());
   const Index N = q.rows();
   const Index F = st.S.rows(), M = st.S.cols();
-  const bool recurrent =
-      opts.algorithm == CausalAlgorithm::Recurrent ||
-      (opts.algorithm == CausalAlgorithm::Auto && st.S.size() <= kAutoRecurrentMaxState);
-  const Index C = recurrent ? kLinearRowBlock : (opts.chunk_size > 0 ? opts.chunk_size : kDefaultChunk);
+  const bool recurrent = causal_runs_recurrent(opts, st.S.size());
+  const Index C = causal_block_rows(opts, st.S.size());
   if (normalizes_keys_per_feature_v<Phi> && !recurrent) {
     // A chunk may fall back to the token path, whose buffers have other shapes: size every
     // slot for both now, so that repeated calls stay allocation-free whichever path runs.

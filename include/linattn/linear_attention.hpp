@@ -20,6 +20,21 @@
 namespace linattn {
 namespace detail {
 
+// out = the rows of q read through a folded state (S, z), 128 rows at a time (the second half
+// of non-causal attention, after absorb_keys).
+template <class Phi, class DQ, class SMat, class ZVec, class Out>
+void read_queries(const Phi& phi, const DQ& q, const SMat& S, const ZVec& z, Out&& dst,
+                  Workspace<typename DQ::Scalar>& ws) {
+  const Index N = q.rows(), F = S.rows();
+  for (Index i0 = 0; i0 < N; i0 += kLinearRowBlock) {
+    const Index b = std::min(kLinearRowBlock, N - i0);
+    auto den = ws.vector(kSlotRowA, b);
+    prefetch_rows(q, i0 + b, std::min(kLinearRowBlock, N - i0 - b));  // the next block
+    with_mapped_rows(phi, q.middleRows(i0, b), F, kSlotPhiQ, ws,
+                     [&](auto&& pq) { read_state<Phi>(S, z, pq, den, dst.middleRows(i0, b)); });
+  }
+}
+
 template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
 void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
                            const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -35,7 +50,7 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
   const Nested<DQ> q(Q.derived());
   const Nested<DK> k(K.derived());
   const Nested<DV> v(V.derived());
-  const Index N = q.rows(), M = v.cols();
+  const Index M = v.cols();
   const Index F = phi.feature_dim(q.cols());
   auto S = ws.matrix(kSlotState, F, M);
   auto S_lo = ws.matrix(kSlotStateLow, F, M);
@@ -48,13 +63,7 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
   z_lo.setZero();
   m.setConstant(-std::numeric_limits<Scalar>::infinity());
   absorb_keys(phi, k, v, S, S_lo, z, z_lo, m, keep, ws);
-  for (Index i0 = 0; i0 < N; i0 += kLinearRowBlock) {
-    const Index b = std::min(kLinearRowBlock, N - i0);
-    auto den = ws.vector(kSlotRowA, b);
-    prefetch_rows(q, i0 + b, std::min(kLinearRowBlock, N - i0 - b));  // the next block
-    with_mapped_rows(phi, q.middleRows(i0, b), F, kSlotPhiQ, ws,
-                     [&](auto&& pq) { read_state<Phi>(S, z, pq, den, dst.middleRows(i0, b)); });
-  }
+  read_queries(phi, q, S, z, dst, ws);
 }
 
 }  // namespace detail

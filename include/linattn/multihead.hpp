@@ -5,8 +5,10 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <cstddef>
 #include <exception>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -47,33 +49,38 @@ class MultiHeadWorkspace {
     if (static_cast<int>(per_thread_.size()) <= t) per_thread_.resize(static_cast<std::size_t>(t) + 1);
     return per_thread_[static_cast<std::size_t>(t)];
   }
-  /// The causal state that thread `t` starts each (sequence, head) from, creating states up
-  /// to it; the causal kernels size and reset it.
-  LinearAttentionState<Scalar>& state_for_thread(int t) {
+  /// The `count` causal states that thread `t` carries through the heads it runs together
+  /// (one per head), creating them as needed; the causal kernels size and reset them.
+  LinearAttentionState<Scalar>* states_for_thread(int t, Index count) {
     if (static_cast<int>(states_.size()) <= t) states_.resize(static_cast<std::size_t>(t) + 1);
-    return states_[static_cast<std::size_t>(t)];
+    auto& mine = states_[static_cast<std::size_t>(t)];
+    if (static_cast<Index>(mine.size()) < count) mine.resize(static_cast<std::size_t>(count));
+    return mine.data();
   }
-  /// Makes sure `threads` workspaces and states exist (allocating only the vectors of them),
-  /// so that threads never grow the vectors concurrently.
+  /// The first causal state of thread `t` (see states_for_thread()).
+  LinearAttentionState<Scalar>& state_for_thread(int t) { return *states_for_thread(t, 1); }
+  /// Makes sure `threads` workspaces and lists of states exist (allocating only the vectors of
+  /// them), so that threads never grow the outer vectors concurrently.
   void reserve_threads(int threads) {
     if (threads <= 0) return;
     for_thread(threads - 1);
-    state_for_thread(threads - 1);
+    if (static_cast<int>(states_.size()) < threads) states_.resize(static_cast<std::size_t>(threads));
   }
   /// Bytes held by all threads' buffers and states.
   std::size_t bytes() const noexcept {
     std::size_t total = 0;
     for (const auto& w : per_thread_) total += w.bytes();
-    for (const auto& st : states_)
-      total += static_cast<std::size_t>(st.S.size() + st.z.size() + st.m.size() + st.S_lo.size() +
-                                        st.z_lo.size()) *
-               sizeof(Scalar);
+    for (const auto& mine : states_)
+      for (const auto& st : mine)
+        total += static_cast<std::size_t>(st.S.size() + st.z.size() + st.m.size() +
+                                          st.S_lo.size() + st.z_lo.size()) *
+                 sizeof(Scalar);
     return total;
   }
 
  private:
   std::vector<Workspace<Scalar>> per_thread_;
-  std::vector<LinearAttentionState<Scalar>> states_;
+  std::vector<std::vector<LinearAttentionState<Scalar>>> states_;
 };
 
 namespace detail {
@@ -164,6 +171,35 @@ inline void check_offsets(const char* function, const char* name, const Index* o
                                   std::to_string(offsets[b - 1]) + ")");
 }
 
+// Rows of a sequence that every head of a group takes before the group moves on: measured
+// best of 128 ... 2048 on row-major memory, and neutral on column-major.
+inline constexpr Index kHeadInterleaveRows = 1024;
+
+// The multi-head kernels walk a sequence once per group of heads, every head of the group on
+// rows [r, r + 1024) before any moves on, rather than one head over the whole sequence after
+// another. On the packed row-major N x (H·D) layout (PyTorch's contiguous [N, H, D]) one head's
+// columns are a short run in every row, 256 bytes of each 2 KiB for 8 heads of 64 floats: a
+// head alone reads memory with a stride that the hardware prefetchers do not follow, while the
+// heads of a group read the same rows one after another. Measured (8 heads, D = M = 64,
+// N = 16384, one thread, median): causal 77 -> 48 ms, non-causal 73 -> 51 ms, within about
+// 10 % of column-major memory, which the grouping leaves as fast as it was. Each head's own
+// computation is unchanged (the same blocks of rows, the same products), so the outputs do
+// not depend on the grouping or on the thread count.
+// Groups per sequence: as few as keep `threads` busy, at most one per head.
+inline Index head_groups(Index sequences, Index heads, int threads) {
+  const Index per_sequence = (Index(threads) + sequences - 1) / std::max<Index>(sequences, 1);
+  return std::clamp<Index>(per_sequence, 1, heads);
+}
+
+// Heads [first, first + count) of group g of `groups`.
+struct HeadRange {
+  Index first, count;
+};
+inline HeadRange head_range(Index g, Index groups, Index heads) {
+  const Index first = g * heads / groups;
+  return {first, (g + 1) * heads / groups - first};
+}
+
 // The batched kernels behind batched_*() and multihead_*(): `fn` names the public function in
 // error messages; q_offsets and k_offsets hold q_count and k_count entries (one more than the
 // number of sequences, which must agree).
@@ -189,13 +225,56 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   const Nested<DQ> q(Q.derived());
   const Nested<DK> k(K.derived());
   const Nested<DV> v(V.derived());
+  using Scalar = typename DQ::Scalar;
   const Index B = static_cast<Index>(q_count) - 1;
-  parallel_tasks<typename DQ::Scalar>(B * heads, par, ws, [&](Index t, int thread) {
-    const Index b = t / heads, h = t % heads;
+  const Index F = phi.feature_dim(D);
+  const Index G = head_groups(B, heads, resolve_threads(par));
+  parallel_tasks<Scalar>(B * G, par, ws, [&](Index t, int thread) {
+    const Index b = t / G;
+    const HeadRange hr = head_range(t % G, G, heads);
     const Index q0 = q_offsets[b], n = q_offsets[b + 1] - q0;
     const Index k0 = k_offsets[b], l = k_offsets[b + 1] - k0;
-    linear_attention(q.block(q0, h * D, n, D), k.block(k0, h * D, l, D), v.block(k0, h * M, l, M),
-                     phi, dst.block(q0, h * M, n, M), ws.for_thread(thread));
+    Workspace<Scalar>& w = ws.for_thread(thread);
+    // The group's sums side by side in the slots a single-head call uses, head i's F x M S
+    // column-major as linear_attention() lays out its own, and each head's arrays starting on
+    // Eigen's alignment like that call's buffers (products may round by alignment): every head
+    // runs the same products as a single-head call, bit for bit.
+    constexpr Index A = std::max<Index>(1, EIGEN_MAX_ALIGN_BYTES / Index(sizeof(Scalar)));
+    const auto padded = [](Index size) { return (size + A - 1) / A * A; };
+    const Index per_feature = normalizes_keys_per_feature_v<Phi> ? F : 0;
+    const Index sS = padded(F * M), sz = padded(F), sm = padded(per_feature);
+    auto S_all = w.vector(kSlotState, hr.count * sS);
+    auto S_lo_all = w.vector(kSlotStateLow, hr.count * sS);
+    auto z_all = w.vector(kSlotNormalizer, hr.count * sz);
+    auto z_lo_all = w.vector(kSlotNormalizerLow, hr.count * sz);
+    auto m_all = w.vector(kSlotExtra, hr.count * sm);
+    S_all.setZero();
+    S_lo_all.setZero();
+    z_all.setZero();
+    z_lo_all.setZero();
+    m_all.setConstant(-std::numeric_limits<Scalar>::infinity());
+    using MatMap = Eigen::Map<Matrix<Scalar>>;
+    using VecMap = Eigen::Map<Vector<Scalar>>;
+    const auto S = [&](Index i) { return MatMap(S_all.data() + i * sS, F, M); };
+    const auto z = [&](Index i) { return VecMap(z_all.data() + i * sz, F); };
+    for (Index j0 = 0; j0 < l; j0 += kHeadInterleaveRows) {
+      const Index r = std::min(kHeadInterleaveRows, l - j0);
+      for (Index i = 0; i < hr.count; ++i) {
+        const Index h = hr.first + i;
+        MatMap Si = S(i), S_lo(S_lo_all.data() + i * sS, F, M);
+        VecMap zi = z(i), z_lo(z_lo_all.data() + i * sz, F), m(m_all.data() + i * sm, per_feature);
+        absorb_keys(phi, k.block(k0 + j0, h * D, r, D), v.block(k0 + j0, h * M, r, M), Si, S_lo,
+                    zi, z_lo, m, NoMask{}, w);
+      }
+    }
+    for (Index i0 = 0; i0 < n; i0 += kHeadInterleaveRows) {
+      const Index r = std::min(kHeadInterleaveRows, n - i0);
+      for (Index i = 0; i < hr.count; ++i) {
+        const Index h = hr.first + i;
+        read_queries(phi, q.block(q0 + i0, h * D, r, D), S(i), z(i),
+                     dst.block(q0 + i0, h * M, r, M), w);
+      }
+    }
   });
 }
 
@@ -222,21 +301,38 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Nested<DK> k(K.derived());
   const Nested<DV> v(V.derived());
   const Index B = static_cast<Index>(count) - 1;
-  parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, int thread) {
-    const Index b = t / heads, h = t % heads;
+  const Index F = phi.feature_dim(D);
+  // Each head's rows go to the kernel in pieces that are whole multiples of its unit (128
+  // tokens or one chunk): the pieces then continue one another bit for bit.
+  const Index unit = causal_block_rows(options, F * M);
+  const Index rows = unit * std::max<Index>(1, kHeadInterleaveRows / unit);
+  const Index G = head_groups(B, heads, resolve_threads(par));
+  parallel_tasks<Scalar>(B * G, par, ws, [&](Index t, int thread) {
+    const Index b = t / G;
+    const HeadRange hr = head_range(t % G, G, heads);
     const Index r0 = offsets[b], n = offsets[b + 1] - r0;
+    Workspace<Scalar>& w = ws.for_thread(thread);
     // Each (sequence, head) starts from an empty state: the thread's own, sized on its first
     // task and reset after that, so that a reused workspace makes the call allocation-free.
-    LinearAttentionState<Scalar>& state = ws.state_for_thread(thread);
-    const Index F = phi.feature_dim(D);
-    if (state.S.rows() == F && state.S.cols() == M &&
-        state.m.size() == (normalizes_keys_per_feature_v<Phi> ? F : 0))
-      state.reset();
-    else
-      state = make_state<Scalar>(phi, D, M);
-    causal_linear_attention(q.block(r0, h * D, n, D), k.block(r0, h * D, n, D),
-                            v.block(r0, h * M, n, M), phi, state, dst.block(r0, h * M, n, M),
-                            ws.for_thread(thread), options);
+    LinearAttentionState<Scalar>* states = ws.states_for_thread(thread, hr.count);
+    for (Index i = 0; i < hr.count; ++i) {
+      LinearAttentionState<Scalar>& state = states[i];
+      if (state.S.rows() == F && state.S.cols() == M &&
+          state.m.size() == (normalizes_keys_per_feature_v<Phi> ? F : 0))
+        state.reset();
+      else
+        state = make_state<Scalar>(phi, D, M);
+    }
+    for (Index i0 = 0; i0 < n; i0 += rows) {
+      const Index r = std::min(rows, n - i0);
+      for (Index i = 0; i < hr.count; ++i) {
+        const Index h = hr.first + i;
+        causal_linear_attention_impl(fn, q.block(r0 + i0, h * D, r, D),
+                                     k.block(r0 + i0, h * D, r, D), v.block(r0 + i0, h * M, r, M),
+                                     phi, NoMask{}, states[i], dst.block(r0 + i0, h * M, r, M), w,
+                                     options);
+      }
+    }
   });
 }
 
