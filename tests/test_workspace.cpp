@@ -209,6 +209,37 @@ TEST(WorkspaceNoMalloc, TiledCausalSoftmaxSecondCallAllocatesNothing) {
   check_softmax_no_alloc<double>(true, 1);
 }
 
+// The layers' generation steps (attention_layer.hpp): LinearAttentionLayer::step for every map,
+// and SoftmaxAttentionLayer::step while its KV cache has room; a token as a row of a matrix and
+// the output as a column vector (the forms the step converts).
+template <class Layer>
+void check_layer_step_no_alloc(const Layer& layer, typename Layer::State& state,
+                               const std::string& name) {
+  using S = typename decltype(layer.Wq)::Scalar;
+  const Mat<S> X = test::random_matrix<S>(40, layer.d_model(), 6);
+  Eigen::Matrix<S, Eigen::Dynamic, 1> y(layer.d_model());
+  layer.step(X.row(0), state, y);
+  for (Index i = 1; i < X.rows(); ++i)
+    EXPECT_EQ(allocations_in([&] { layer.step(X.row(i), state, y); }), "") << name << " step " << i;
+  EXPECT_TRUE(test::all_finite(y)) << name;
+}
+
+TEST(WorkspaceNoMalloc, LayerStepsAllocateNothing) {
+  const auto linear = [](auto phi, auto scalar, const char* name) {
+    using S = typename decltype(scalar)::type;
+    const linattn::LinearAttentionLayer<decltype(phi), S> layer(24, 3);
+    auto state = layer.make_state();
+    check_layer_step_no_alloc(layer, state, std::string("LinearAttentionLayer/") + name);
+  };
+  linear(linattn::EluPlusOne{}, test::ScalarTag<float>{}, "EluPlusOne/float");
+  linear(linattn::EluPlusOne{}, test::ScalarTag<double>{}, "EluPlusOne/double");
+  linear(linattn::SoftmaxSplit{}, test::ScalarTag<float>{}, "SoftmaxSplit/float");
+  linear(linattn::NormalizedCosine{}, test::ScalarTag<float>{}, "NormalizedCosine/float");
+  const linattn::SoftmaxAttentionLayer<float> softmax(24, 3);
+  auto cache = softmax.make_state(40);
+  check_layer_step_no_alloc(softmax, cache, "SoftmaxAttentionLayer/float");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Workspace::bytes(): stable across calls, independent of N (and of L) for linear attention.
 // ---------------------------------------------------------------------------------------------

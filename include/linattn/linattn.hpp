@@ -24,3 +24,4 @@
 #include "multihead_backward.hpp"
 #include "softmax_attention.hpp"
 #include "softmax_attention_backward.hpp"
+#include "attention_layer.hpp"
