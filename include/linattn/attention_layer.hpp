@@ -449,14 +449,19 @@ class SoftmaxAttentionLayer : public detail::AttentionProjections<Scalar> {
           scores_(capacity),
           buf_(layer) {}
 
-    // Room for n more tokens (doubling).
+    // Room for n more tokens (doubling). Everything is allocated before anything moves: a
+    // failed allocation leaves the cache as it was.
     void reserve_more(Index n) {
       const Index need = length_ + n;
       if (need <= keys_.rows()) return;
       const Index cap = std::max(need, 2 * keys_.rows());
-      keys_.conservativeResize(cap, Eigen::NoChange);
-      values_.conservativeResize(cap, Eigen::NoChange);
-      scores_.resize(cap);
+      RowMatrix keys(cap, keys_.cols()), values(cap, values_.cols());
+      Vector<Scalar> scores(cap);
+      keys.topRows(length_) = keys_.topRows(length_);
+      values.topRows(length_) = values_.topRows(length_);
+      keys_.swap(keys);
+      values_.swap(values);
+      scores_.swap(scores);
     }
 
     RowMatrix keys_, values_;  // token-major: appending a token writes one contiguous row

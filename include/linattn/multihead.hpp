@@ -185,10 +185,14 @@ inline constexpr Index kHeadInterleaveRows = 1024;
 // 10 % of column-major memory, which the grouping leaves as fast as it was. Each head's own
 // computation is unchanged (the same blocks of rows, the same products), so the outputs do
 // not depend on the grouping or on the thread count.
-// Groups per sequence: as few as keep `threads` busy, at most one per head.
+// Groups per sequence: one thread runs all heads as one group; one sequence on several threads
+// is split into one group per thread (every head costs the same); several sequences on several
+// threads keep one task per (sequence, head), whose dynamic schedule balances sequences of
+// different lengths (two sequences of 1000 and 100 rows on two threads would otherwise run
+// 1000 rows on one thread and 100 on the other).
 inline Index head_groups(Index sequences, Index heads, int threads) {
-  const Index per_sequence = (Index(threads) + sequences - 1) / std::max<Index>(sequences, 1);
-  return std::clamp<Index>(per_sequence, 1, heads);
+  if (threads <= 1) return 1;
+  return sequences <= 1 ? std::min<Index>(heads, threads) : heads;
 }
 
 // Heads [first, first + count) of group g of `groups`.
