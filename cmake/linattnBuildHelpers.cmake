@@ -11,11 +11,10 @@ include(CheckCXXCompilerFlag)
 option(LINATTN_TESTS_NATIVE
   "Compile the unit tests with -march=native too (their ctest tests get the label native)" OFF)
 option(LINATTN_TSAN "Build the tests with ThreadSanitizer (use with LINATTN_OPENMP=OFF)" OFF)
-# Off by default: measured, it does not pay (test_errors, Release: 32.1 s CPU without, 33.9 s
-# with; a test TU's time goes to instantiating and optimising the kernels, not to parsing
-# Eigen and GoogleTest, and each build directory pays for the ~115 MB PCHs).
-option(LINATTN_TEST_PCH
-  "Precompile Eigen/Core, GoogleTest and linattn.hpp once for all test targets" OFF)
+# One executable per group of test files (see linattn_add_test): the default.
+option(LINATTN_TEST_UNITY
+  "Compile each group of unit-test files as one translation unit (OFF: one executable per file)"
+  ON)
 if(LINATTN_TSAN AND LINATTN_SANITIZE)
   message(FATAL_ERROR "linattn: LINATTN_TSAN and LINATTN_SANITIZE (ASan) cannot be combined")
 endif()
@@ -89,18 +88,35 @@ function(linattn_target_native target)
 endfunction()
 
 # ---------------------------------------------------------------------------
-# linattn_add_test(<name> <source>... [LABELS <label>...] [TIMEOUT <seconds>])
+# linattn_add_test(<name> <source> [GROUP <group>] [DEFINES <macro[=value]>...]
+#                  [LABELS <label>...] [TIMEOUT <seconds>])
 #
-# GoogleTest executable linking linattn::linattn + GTest::gtest_main, with our
+# A GoogleTest executable linking linattn::linattn + GTest::gtest_main, with our
 # warnings and (optionally) sanitizers, registered through gtest_discover_tests.
 # LABELS defaults to "unit". Label long-running tests "unit;slow" (LABELS unit
 # slow): the sanitizer stage of .ci/test skips "slow". With LINATTN_TESTS_NATIVE=ON
 # the executable is compiled with -march=native and its tests also get the label
-# "native". Its precompiled header is attached by linattn_test_precompile_headers().
+# "native". DEFINES are preprocessor macros of this test file only.
+#
+# GROUP: with LINATTN_TEST_UNITY=ON (the default) the file is not built on its
+# own but joins the executable <group>, which linattn_add_test_groups() makes of
+# all its members as one translation unit. Test files instantiate the same kernels
+# for the same Eigen types, and a test TU's compile time is almost all spent
+# instantiating and optimising them (parsing the headers is ~2 s of 30-270 s), so
+# one TU per group compiles each instantiation once instead of once per file.
+# Every member of a group must have the same LABELS and TIMEOUT.
+#
+# Rules for a grouped test file (linattn_add_test_groups() checks the first):
+#  - its #include lines are hoisted to the top of the group's TU at global scope
+#    (omp.h under #ifdef _OPENMP); anything else conditional stays in the file;
+#  - it is included inside `namespace <name> { ... }`, so it must not
+#    open namespaces that have to be global (specialisations of std or Eigen
+#    templates, replacements of operator new: put those in a header);
+#  - its GoogleTest suite/test names must not repeat another member's.
 # Requires find_package(GTest) and include(GoogleTest) (done in tests/).
 # ---------------------------------------------------------------------------
 function(linattn_add_test name)
-  cmake_parse_arguments(PARSE_ARGV 1 ARG "" "TIMEOUT" "LABELS;SOURCES")
+  cmake_parse_arguments(PARSE_ARGV 1 ARG "" "TIMEOUT;GROUP" "LABELS;SOURCES;DEFINES")
   set(_sources ${ARG_UNPARSED_ARGUMENTS} ${ARG_SOURCES})
   if(NOT _sources)
     message(FATAL_ERROR "linattn_add_test(${name}): no sources given")
@@ -116,7 +132,41 @@ function(linattn_add_test name)
     return()
   endif()
 
+  if(ARG_GROUP AND LINATTN_TEST_UNITY)
+    list(LENGTH _sources _n)
+    if(NOT _n EQUAL 1)
+      message(FATAL_ERROR "linattn_add_test(${name}): a grouped test has exactly one source")
+    endif()
+    get_filename_component(_abs "${_sources}" ABSOLUTE BASE_DIR "${CMAKE_CURRENT_SOURCE_DIR}")
+    set(_group "${ARG_GROUP}")
+    get_property(_known GLOBAL PROPERTY LINATTN_TEST_GROUPS)
+    if(NOT _group IN_LIST _known)
+      set_property(GLOBAL APPEND PROPERTY LINATTN_TEST_GROUPS "${_group}")
+      set_property(GLOBAL PROPERTY LINATTN_TEST_GROUP_${_group}_LABELS "${ARG_LABELS}")
+      set_property(GLOBAL PROPERTY LINATTN_TEST_GROUP_${_group}_TIMEOUT "${ARG_TIMEOUT}")
+    else()
+      get_property(_labels GLOBAL PROPERTY LINATTN_TEST_GROUP_${_group}_LABELS)
+      get_property(_timeout GLOBAL PROPERTY LINATTN_TEST_GROUP_${_group}_TIMEOUT)
+      if(NOT _labels STREQUAL "${ARG_LABELS}" OR NOT _timeout STREQUAL "${ARG_TIMEOUT}")
+        message(FATAL_ERROR "linattn_add_test(${name}): group ${_group} has LABELS "
+          "'${_labels}' and TIMEOUT ${_timeout}; every member must have the same")
+      endif()
+    endif()
+    set_property(GLOBAL APPEND PROPERTY LINATTN_TEST_GROUP_${_group}_MEMBERS "${name}")
+    set_property(GLOBAL PROPERTY LINATTN_TEST_MEMBER_${name}_SOURCE "${_abs}")
+    set_property(GLOBAL PROPERTY LINATTN_TEST_MEMBER_${name}_DEFINES "${ARG_DEFINES}")
+    return()
+  endif()
+
   add_executable(${name} ${_sources})
+  if(ARG_DEFINES)
+    target_compile_definitions(${name} PRIVATE ${ARG_DEFINES})
+  endif()
+  _linattn_setup_test(${name} "${ARG_LABELS}" "${ARG_TIMEOUT}")
+endfunction()
+
+# Links, flags and registers a test executable (one file or one group).
+function(_linattn_setup_test name labels timeout)
   if(TARGET GTest::gtest_main)
     target_link_libraries(${name} PRIVATE linattn::linattn GTest::gtest GTest::gtest_main)
   else()  # FindGTest of CMake < 3.20 only defines the old names
@@ -126,14 +176,13 @@ function(linattn_add_test name)
   linattn_target_sanitizers(${name})
   if(LINATTN_TESTS_NATIVE)
     linattn_target_native(${name} FORCE)
-    list(APPEND ARG_LABELS native)
+    list(APPEND labels native)
   endif()
-  set_property(GLOBAL APPEND PROPERTY LINATTN_TEST_TARGETS ${name})
 
   gtest_discover_tests(${name}
     TEST_LIST ${name}_TESTS
     DISCOVERY_TIMEOUT 120
-    PROPERTIES TIMEOUT ${ARG_TIMEOUT})
+    PROPERTIES TIMEOUT ${timeout})
 
   # OMP_NUM_THREADS=1: with OpenMP linked, Eigen would split each of the kernels' small
   # products over threads, which on a loaded CI machine costs far more than it gains; tests of
@@ -145,83 +194,88 @@ function(linattn_add_test name)
   file(WRITE "${_labels_file}"
 "# Generated by linattn_add_test(${name}).
 if(${name}_TESTS)
-  set_tests_properties(\${${name}_TESTS} PROPERTIES LABELS \"${ARG_LABELS}\" ENVIRONMENT OMP_NUM_THREADS=1)
+  set_tests_properties(\${${name}_TESTS} PROPERTIES LABELS \"${labels}\" ENVIRONMENT OMP_NUM_THREADS=1)
 endif()
 ")
   set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES "${_labels_file}")
 endfunction()
 
 # ---------------------------------------------------------------------------
-# linattn_test_precompile_headers()
+# linattn_add_test_groups()
 #
-# Call once after every linattn_add_test() and target_compile_definitions() of
-# the test targets (with LINATTN_TEST_PCH=ON). Eigen/Core, GoogleTest and
-# linattn.hpp are parsed in every test TU; one precompiled header per kind of TU
-# saves that parse in all but the first. The kinds: TUs that include
-# tests/eigen_assert_hook.hpp (it must come before Eigen, so it is the first
-# header of their PCH) and TUs compiled with EIGEN_RUNTIME_NO_MALLOC (it
-# changes Eigen's headers) each get their own PCH.
+# Call once after every linattn_add_test(). Makes one executable per GROUP from a
+# generated source, <binary dir>/<group>.cpp:
+#
+#   #include "eigen_assert_hook.hpp"   // first, if a member includes it (it must precede Eigen)
+#   #include <...>                     // every other #include of the members, once
+#   namespace <member> {
+#   #define <member's DEFINES>
+#   #include "<member's source>"       // its own #includes are now no-ops (include guards)
+#   #undef ...
+#   }
+#
+# The group is compiled with EIGEN_RUNTIME_NO_MALLOC (the allocation checks of
+# test_causal, test_recurrent and test_multihead need it before Eigen is included;
+# for the others it only adds a flag test to each allocation), and, when a member
+# includes eigen_assert_hook.hpp, with Eigen's assertions active for all members.
 # ---------------------------------------------------------------------------
-function(linattn_test_precompile_headers)
-  if(NOT LINATTN_TEST_PCH OR CMAKE_VERSION VERSION_LESS 3.16)
-    return()
-  endif()
-  get_property(_targets GLOBAL PROPERTY LINATTN_TEST_TARGETS)
-  set(_hook "${PROJECT_SOURCE_DIR}/tests/eigen_assert_hook.hpp")
-  set(_common <Eigen/Core> <gtest/gtest.h> <linattn/linattn.hpp>
-    <algorithm> <cmath> <limits> <stdexcept> <string> <vector>)
-  foreach(_t IN LISTS _targets)
-    set(_uses_hook 0)
-    set(_own_assert 0)
-    get_target_property(_sources ${_t} SOURCES)
-    foreach(_src IN LISTS _sources)
-      get_filename_component(_abs "${_src}" ABSOLUTE BASE_DIR "${CMAKE_CURRENT_SOURCE_DIR}")
-      if(EXISTS "${_abs}")
-        file(STRINGS "${_abs}" _hits REGEX "#include \"eigen_assert_hook.hpp\"")
-        if(_hits)
-          set(_uses_hook 1)
+function(linattn_add_test_groups)
+  get_property(_groups GLOBAL PROPERTY LINATTN_TEST_GROUPS)
+  foreach(_group IN LISTS _groups)
+    get_property(_members GLOBAL PROPERTY LINATTN_TEST_GROUP_${_group}_MEMBERS)
+    get_property(_labels GLOBAL PROPERTY LINATTN_TEST_GROUP_${_group}_LABELS)
+    get_property(_timeout GLOBAL PROPERTY LINATTN_TEST_GROUP_${_group}_TIMEOUT)
+    set(_hook "")
+    set(_system "")
+    set(_local "")
+    set(_body "")
+    foreach(_m IN LISTS _members)
+      get_property(_src GLOBAL PROPERTY LINATTN_TEST_MEMBER_${_m}_SOURCE)
+      get_property(_defs GLOBAL PROPERTY LINATTN_TEST_MEMBER_${_m}_DEFINES)
+      list(REMOVE_ITEM _defs EIGEN_RUNTIME_NO_MALLOC)  # defined for the whole group
+      file(STRINGS "${_src}" _lines REGEX "^[ \t]*#[ \t]*include[ \t]*[<\"]")
+      foreach(_line IN LISTS _lines)
+        string(REGEX REPLACE "^[ \t]*#[ \t]*include[ \t]*([<\"][^>\"]+[>\"]).*$" "\\1" _inc "${_line}")
+        if(_inc STREQUAL "\"eigen_assert_hook.hpp\"")
+          set(_hook "#include \"eigen_assert_hook.hpp\"  // before any Eigen header\n")
+        elseif(_inc MATCHES "^<" AND NOT _inc IN_LIST _system)
+          list(APPEND _system "${_inc}")
+        elseif(_inc MATCHES "^\"" AND NOT _inc IN_LIST _local)
+          list(APPEND _local "${_inc}")
         endif()
-        file(STRINGS "${_abs}" _hits REGEX "^#define eigen_assert")
-        if(_hits)
-          set(_own_assert 1)
-        endif()
+      endforeach()
+      string(APPEND _body "namespace ${_m} {\n")
+      foreach(_d IN LISTS _defs)
+        string(REPLACE "=" " " _d "${_d}")
+        string(APPEND _body "#define ${_d}\n")
+      endforeach()
+      string(APPEND _body "#include \"${_src}\"\n")
+      foreach(_d IN LISTS _defs)
+        string(REGEX REPLACE "=.*$" "" _d "${_d}")
+        string(APPEND _body "#undef ${_d}\n")
+      endforeach()
+      string(APPEND _body "}  // namespace ${_m}\n")
+    endforeach()
+    set(_text "// Generated by linattn_add_test_groups() (cmake/linattnBuildHelpers.cmake): the\n")
+    string(APPEND _text "// test files of group ${_group} as one translation unit. Do not edit.\n")
+    string(APPEND _text "${_hook}")
+    foreach(_inc IN LISTS _system)
+      if(_inc STREQUAL "<omp.h>")
+        string(APPEND _text "#ifdef _OPENMP\n#include <omp.h>\n#endif\n")
+      else()
+        string(APPEND _text "#include ${_inc}\n")
       endif()
     endforeach()
-    if(_own_assert)  # defines eigen_assert before Eigen itself: no header may come first
-      continue()
-    endif()
-    get_target_property(_defs ${_t} COMPILE_DEFINITIONS)
-    set(_no_malloc 0)
-    if(_defs AND "EIGEN_RUNTIME_NO_MALLOC" IN_LIST _defs)
-      set(_no_malloc 1)
-    endif()
-    set(_kind "linattn_test_pch_${_uses_hook}${_no_malloc}")
-    if(NOT TARGET ${_kind})
-      # The PCH is made by a target of its own with only the flags every test shares, so that
-      # no test's private definitions (LINATTN_EXPECTED_VERSION, ...) are baked into it.
-      set(_stub "${CMAKE_CURRENT_BINARY_DIR}/${_kind}.cpp")
-      linattn_write_if_different("${_stub}" "// Generated: owner of a precompiled header.\n")
-      add_library(${_kind} OBJECT "${_stub}")
-      if(TARGET GTest::gtest)
-        target_link_libraries(${_kind} PRIVATE linattn::linattn GTest::gtest)
-      else()
-        target_link_libraries(${_kind} PRIVATE linattn::linattn GTest::GTest)
-      endif()
-      linattn_target_warnings(${_kind})
-      linattn_target_sanitizers(${_kind})
-      if(LINATTN_TESTS_NATIVE)
-        linattn_target_native(${_kind} FORCE)
-      endif()
-      if(_no_malloc)
-        target_compile_definitions(${_kind} PRIVATE EIGEN_RUNTIME_NO_MALLOC)
-      endif()
-      if(_uses_hook)
-        target_precompile_headers(${_kind} PRIVATE "${_hook}" ${_common})
-      else()
-        target_precompile_headers(${_kind} PRIVATE ${_common})
-      endif()
-    endif()
-    target_precompile_headers(${_t} REUSE_FROM ${_kind})
+    foreach(_inc IN LISTS _local)
+      string(APPEND _text "#include ${_inc}\n")
+    endforeach()
+    string(APPEND _text "${_body}")
+    set(_unity "${CMAKE_CURRENT_BINARY_DIR}/${_group}.cpp")
+    linattn_write_if_different("${_unity}" "${_text}")
+    add_executable(${_group} "${_unity}")
+    target_include_directories(${_group} PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
+    target_compile_definitions(${_group} PRIVATE EIGEN_RUNTIME_NO_MALLOC)
+    _linattn_setup_test(${_group} "${_labels}" "${_timeout}")
   endforeach()
 endfunction()
 

@@ -242,8 +242,9 @@ TEST(SoftmaxAttentionBackward, WorkingMemoryIsLinearInNAndReuseAllocatesNothing)
       const std::size_t total = bytes(N, causal), per_row = 2 * std::size_t(N) * sizeof(float);
       ASSERT_GE(total, per_row);
       EXPECT_LE(total - per_row, std::size_t(512) * 1024) << (causal ? "causal " : "") << N;
-      if (N >= 2000)  // where one N x L score matrix would be 16 MB
+      if (N >= 2000) {  // where one N x L score matrix would be 16 MB
         EXPECT_LT(total, std::size_t(N) * N * sizeof(float) / 32) << (causal ? "causal " : "") << N;
+      }
     }
 }
 
