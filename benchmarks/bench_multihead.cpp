@@ -14,12 +14,18 @@
 //   - tiled softmax (non-causal and causal) at 1 and 2 threads;
 //   - the paper's CPU algorithm (paper_baseline.hpp) on [H, N, D], one thread: mh_paper_linear
 //     and mh_paper_causal, measured in the same run as linattn (report.py prints the ratios);
+//   - row-major against column-major call by call (mh_layout_pair_*: both calls in every
+//     iteration, so that the drift of a shared machine cannot favour either);
 //   - the Eigen GEMMs of the same shapes (8 heads' worth, over the packed layout).
 // See bench_common.hpp.
 #include <linattn/linattn.hpp>
 
 #include "bench_common.hpp"
 #include "paper_baseline.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
 
 namespace lb = linattn_bench;
 using lb::Index;
@@ -46,6 +52,29 @@ const char* layout_name(Layout l) {
     case Layout::HndBatched: return "hnd_batched";
   }
   return "?";
+}
+
+// One packed multi-head call of `kind` (EluPlusOne, tiled softmax) into `o`.
+template <class DQ, class DK, class DV, class DO, class T>
+void run_packed(Kind kind, const DQ& q, const DK& k, const DV& v, DO& o,
+                linattn::MultiHeadWorkspace<T>& mws, const linattn::ParallelOptions& par) {
+  const linattn::EluPlusOne phi{};
+  const linattn::SoftmaxAlgorithm tiled = linattn::SoftmaxAlgorithm::Tiled;
+  switch (kind) {
+    case Kind::Linear:
+      linattn::multihead_linear_attention(q, k, v, kHeads, phi, o, mws, par);
+      break;
+    case Kind::Causal:
+      linattn::multihead_causal_linear_attention(q, k, v, kHeads, phi, o, mws,
+                                                 linattn::CausalOptions{}, par);
+      break;
+    case Kind::Softmax:
+      linattn::multihead_softmax_attention(q, k, v, kHeads, o, mws, tiled, par);
+      break;
+    case Kind::CausalSoftmax:
+      linattn::multihead_causal_softmax_attention(q, k, v, kHeads, o, mws, tiled, par);
+      break;
+  }
 }
 
 template <class T>
@@ -89,22 +118,8 @@ void BM_multihead(benchmark::State& st, Kind kind, Layout layout, Form form, int
       }
     }
   };
-  const auto packed = [&](const auto& q, const auto& k, const auto& v, const auto& o) {
-    switch (kind) {
-      case Kind::Linear:
-        linattn::multihead_linear_attention(q, k, v, H, phi, o, mws, par);
-        break;
-      case Kind::Causal:
-        linattn::multihead_causal_linear_attention(q, k, v, H, phi, o, mws,
-                                                   linattn::CausalOptions{}, par);
-        break;
-      case Kind::Softmax:
-        linattn::multihead_softmax_attention(q, k, v, H, o, mws, tiled, par);
-        break;
-      case Kind::CausalSoftmax:
-        linattn::multihead_causal_softmax_attention(q, k, v, H, o, mws, tiled, par);
-        break;
-    }
+  const auto packed = [&](const auto& q, const auto& k, const auto& v, auto& o) {
+    run_packed(kind, q, k, v, o, mws, par);
   };
   // The returning forms as a user writes them: a new result (and, inside, a new workspace)
   // per call, destroyed at the end of the iteration.
@@ -170,6 +185,65 @@ void BM_multihead(benchmark::State& st, Kind kind, Layout layout, Form form, int
   if (kind == Kind::Causal)  // one state per head, made by the kernel for each call
     st.counters["state_bytes"] = double(H * (F * M + F) * Index(sizeof(T)));
   lb::set_threads(1);
+}
+
+// Row-major against column-major packed inputs, call by call, one thread: each iteration makes
+// the column-major call and the row-major one (the same memory viewed through a row-major Map)
+// back to back, alternating which goes first. The machine's drift during a run (clock, other
+// tenants of the shared VM: the column-major time alone moved by 20% between two runs of the
+// suite) then falls on both, which separate benchmarks run minutes apart cannot promise.
+// Counters: col_ms and row_ms, the medians of the calls, and row_vs_col, the median of the
+// per-iteration ratios (the figure report.py checks against its target). The reported time is
+// that of both calls.
+template <class T>
+void BM_layout_pair(benchmark::State& st, Kind kind) {
+  const Index N = st.range(0), H = kHeads, D = kDim, M = kDim;
+  const Mat<T> Q = lb::random_matrix<T>(N, H * D, 51), K = lb::random_matrix<T>(N, H * D, 52),
+               V = lb::random_matrix<T>(N, H * M, 53);
+  Mat<T> out_col = Mat<T>::Zero(N, H * M), out_row = Mat<T>::Zero(N, H * M);
+  Eigen::Map<const RowMat<T>> Qr(Q.data(), N, H * D), Kr(K.data(), N, H * D),
+      Vr(V.data(), N, H * M);
+  Eigen::Map<RowMat<T>> Or(out_row.data(), N, H * M);
+  linattn::MultiHeadWorkspace<T> mws;
+  linattn::ParallelOptions par;
+  par.num_threads = 1;
+  lb::set_threads(1);
+  const auto call = [&](bool row) {
+    if (row)
+      run_packed(kind, Qr, Kr, Vr, Or, mws, par);
+    else
+      run_packed(kind, Q, K, V, out_col, mws, par);
+  };
+  call(false);  // sizes the workspace and faults both outputs in
+  call(true);
+  std::vector<double> t_col, t_row, ratio;
+  bool row_first = false;
+  for (auto _ : st) {
+    double t[2] = {0, 0};  // [column-major, row-major]
+    for (const bool row : {row_first, !row_first}) {
+      const auto t0 = std::chrono::steady_clock::now();
+      call(row);
+      benchmark::ClobberMemory();
+      t[row] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    st.SetIterationTime(t[0] + t[1]);
+    t_col.push_back(t[0]);
+    t_row.push_back(t[1]);
+    ratio.push_back(t[1] / t[0]);
+    row_first = !row_first;
+  }
+  // Row-major memory viewed as the transpose of the column-major buffer holds other values, so
+  // the two outputs differ; each must be finite.
+  if (!lb::all_finite(out_col) || !lb::all_finite(out_row)) st.SkipWithError("non-finite output");
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    const std::size_t n = v.size();
+    return n == 0 ? 0.0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
+  };
+  st.counters["col_ms"] = 1e3 * median(t_col);
+  st.counters["row_ms"] = 1e3 * median(t_row);
+  st.counters["row_vs_col"] = median(ratio);
+  st.SetComplexityN(N);
 }
 
 // The paper's CPU algorithm on [H, N, D] row-major memory, one thread. After the timed loop
@@ -243,6 +317,21 @@ void register_all(const lb::Profile& p) {
             benchmark::oN, [kind = kind](benchmark::State& st) {
               BM_multihead<float>(st, kind, Layout::Col, Form::Ret, 1);
             });
+  }
+  // Row-major vs column-major call by call, at the largest two sizes of the sweep.
+  const std::vector<Index> pair_ns(p.mh_ns.end() - std::min<std::ptrdiff_t>(2, p.mh_ns.size()),
+                                   p.mh_ns.end());
+  for (const auto& [kind, name] : linear_kinds) {
+    const std::string pair_name = (kind == Kind::Linear ? "mh_layout_pair_linear/phi:elu"
+                                                        : "mh_layout_pair_causal/phi:elu/alg:auto");
+    // Not lb::add: the time is the manual one (both calls), not UseRealTime's.
+    auto* b = benchmark::RegisterBenchmark((pair_name + tail(1)).c_str(),
+                                           [kind = kind](benchmark::State& st) {
+                                             BM_layout_pair<float>(st, kind);
+                                           });
+    b->ArgName("N")->UseManualTime()->Unit(benchmark::kMillisecond);
+    b->Iterations(p.name == "smoke" ? 2 : 20);
+    for (Index n : pair_ns) b->Arg(int64_t(n));
   }
   lb::add("mh_paper_linear/phi:elu/layout:hnd" + tail(1), p.mh_ns, "N", benchmark::oN,
           [](benchmark::State& st) { BM_paper<float>(st, false); });

@@ -89,7 +89,7 @@ class Run:
         self.program = program
         # Options Google Benchmark writes into the name are not parameters of the kernel.
         parts = [p for p in self.name.split("/")
-                 if p != "real_time" and not p.startswith(("min_warmup_time:", "repeats:"))]
+                 if p not in ("real_time", "manual_time") and not p.startswith(("min_warmup_time:", "repeats:"))]
         self.kind = parts[0]
         self.params: dict[str, str] = {}
         for p in parts[1:]:
@@ -465,6 +465,11 @@ def summary(res: Results) -> tuple[list[str], list[str]]:
     specs.append(("single head causal (Auto), row-major N×D (Map)", "causal", dict(sh, alg="auto", layout="row"),
                   dict(sh, alg="auto")))
     L += ratio_table(res, specs, TARGET_ROW_VS_COL, warn)
+    L += ["", "The same comparison call by call (`mh_layout_pair_*`: every iteration makes both calls back to "
+          "back, alternating which goes first, so that the drift of the machine during the run falls on both; "
+          "median of the per-iteration ratios). This is the figure checked against the target; the table above "
+          "divides the times of two benchmarks run minutes apart.", ""]
+    L += pair_table(res, warn)
 
     # 10. Returning vs out-parameter forms.
     section(f"10. Returning form (new result and workspace per call) vs the out-parameter form with a reused "
@@ -626,6 +631,45 @@ def speedup(base: Run | None, r: Run | None) -> str:
     return f"{base.wall / r.wall:.2f}× ({base.cpu / r.cpu:.2f}×)"
 
 
+PAIR_KINDS = (("mh_layout_pair_linear", {"phi": "elu"}, "multi-head non-causal"),
+              ("mh_layout_pair_causal", {"phi": "elu", "alg": "auto"}, "multi-head causal"))
+
+
+def pair_table(res: Results, warn: list[str]) -> list[str]:
+    """Row-major ÷ column-major from the paired benchmarks (counter row_vs_col), per N; a ratio above
+    TARGET_ROW_VS_COL at the largest N makes a warning."""
+    rows = []
+    for kind, p, label in PAIR_KINDS:
+        q = dict(TARGET, **p)
+        ns = res.sizes(kind, **q)
+        if not ns:
+            continue
+        cells = []
+        for n in ns:
+            r = res.find(kind, n, **q)
+            cells.append(f"N = {fmt_n(n)}: {r.get('row_vs_col', float('nan')):.2f} "
+                         f"({fmt_time(r.get('row_ms', 0) * 1e-3)} vs {fmt_time(r.get('col_ms', 0) * 1e-3)}, "
+                         f"{r.iterations} pairs)")
+        last = res.find(kind, ns[-1], **q)
+        x = last.get("row_vs_col", float("nan"))
+        rows.append([label, "; ".join(cells)])
+        if not x <= TARGET_ROW_VS_COL:
+            warn.append(f"{label}, row-major call by call: {x:.2f} at N = {ns[-1]}, above the target "
+                        f"{TARGET_ROW_VS_COL:.2f}")
+    if not rows:
+        return ["(no mh_layout_pair_* runs in these results)"]
+    return table(["", "row-major ÷ column-major, median of the pairs (median times)"], rows, "ll")
+
+
+def pair_ratio(res: Results, kind: str, n: int) -> float | None:
+    """row_vs_col of the paired benchmark `kind` at N = n, if it ran."""
+    for k, p, _ in PAIR_KINDS:
+        if k == kind:
+            r = res.find(kind, n, **dict(TARGET, **p))
+            return r.get("row_vs_col") if r else None
+    return None
+
+
 def ratio_table(res: Results, specs: list[tuple], target: float, warn: list[str]) -> list[str]:
     """Rows (label, kind, params of the variant, params of the reference): time ratios per N ≥ 1024,
     wall (cpu). A ratio above `target` at the largest N in both wall and cpu time makes a warning."""
@@ -708,9 +752,13 @@ def headline(res: Results, load_before: str, link: str) -> list[str]:
          f"{vs_softmax(cau, csm, 'causal tiled softmax')}; {vs_paper(cau, pc, hc, paper + ' causal CPU algorithm')}"],
     ]
     if rl and rc:
+        pair_l = pair_ratio(res, "mh_layout_pair_linear", n)
+        pair_c = pair_ratio(res, "mh_layout_pair_causal", n)
+        paired = (f"; call by call (both layouts in each iteration): non-causal {pair_l:.2f}×, causal {pair_c:.2f}×"
+                  if pair_l is not None and pair_c is not None else "")
         rows.append(["row-major inputs (N×(H·D) `Map`)",
                      f"non-causal {t(rl)}: {ratio(rl, lin)} the column-major time; "
-                     f"causal {t(rc)}: {ratio(rc, cau)}"])
+                     f"causal {t(rc)}: {ratio(rc, cau)}{paired}"])
     if fl and fc:
         rows.append(["returning form (`MatrixXf out = multihead_…(Q, K, V, 8)`)",
                      f"non-causal {t(fl)}: {ratio(fl, lin)} the out-parameter form with a reused workspace; "
@@ -730,6 +778,19 @@ def headline(res: Results, load_before: str, link: str) -> list[str]:
             txt += (f" (a softmax KV-cache step: {fmt_time(smp[0].wall)} at {fmt_n(smp[0].size)}, "
                     f"{fmt_time(smp[-1].wall)} at {fmt_n(smp[-1].size)})")
         rows.append(["decode step, 8 heads", txt])
+    gen = []
+    for m, label in (("img784", "784"), ("img3072", "3072")):
+        ns = res.sizes("gen_step", model=m, attn="linear", batch="1")
+        if not ns:
+            continue
+        tokens = int(res.find("gen_step", ns[0], model=m, attn="linear", batch="1").get("tokens", 0))
+        t = {a: integrate_steps(gen_step_times(res, m, a, 1), tokens) for a in ("linear", "kv", "softmax")}
+        if t["linear"] and t["softmax"] and t["kv"]:
+            gen.append(f"{label} tokens: {1 / t['linear']:.3g} images/s, {t['softmax'] / t['linear']:.0f}× "
+                       f"softmax recomputing its prefix (paper, GPU: {PAPER_GEN_SPEEDUP[m]:.0f}×), "
+                       f"{t['kv'] / t['linear']:.1f}× softmax with a KV cache")
+    if gen:
+        rows.append(["image generation (the paper's §4.2; batch 1, whole decoder)", "; ".join(gen)])
     model = cpu_model()
     isa = ctx.get("linattn_isa", "?")
     intro = (f"One {ctx.get('linattn_profile', '?')} run (`bash .ci/bench`) on {model} ({isa}; "
@@ -1040,6 +1101,184 @@ def svg_plot(res: Results, path: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------
+# Image generation (bench_generation: the paper's section 4.2)
+# ------------------------------------------------------------------------------------------------
+
+# The paper's speed-ups of linear attention over plain softmax (images per second, GPU), Table 3
+# and Table 4 of Katharopoulos et al. 2020: constants of the paper, not measurements.
+PAPER_GEN_SPEEDUP = {"img784": 317.0, "img3072": 4462.0}
+GEN_MODELS = (("img784", "784 tokens (28×28), 8 layers"), ("img3072", "3072 tokens (32×32×3), 16 layers"),
+              ("tiny", "64 tokens, 2 layers (smoke)"))
+GEN_ATTN = (("linear", "linear (recurrent state)"), ("kv", "softmax, KV cache"),
+            ("softmax", "softmax, recomputed prefix (the paper's)"))
+
+
+def gen_step_times(res: Results, model: str, attn: str, batch: int) -> list[tuple[int, float]]:
+    """(position, seconds per step of the whole batch) of gen_step, by position."""
+    q = dict(model=model, attn=attn, batch=str(batch))
+    pts = []
+    for n in res.sizes("gen_step", **q):
+        r = res.find("gen_step", n, **q)
+        if r:
+            pts.append((n, r.wall / float(r.get("steps_per_iteration", 1.0))))
+    return pts
+
+
+def integrate_steps(pts: list[tuple[int, float]], tokens: int) -> float | None:
+    """Σ_{p=1}^{tokens} t(p) from the step times at the measured positions: composite Simpson's rule
+    where the knots allow it (odd count; exact for the quadratic cost of recomputation), trapezoids
+    otherwise. The first knot (position 1) stands for position 0."""
+    if not pts:
+        return None
+    if len(pts) == 1:
+        return pts[0][1] * tokens
+    xs = [0.0] + [float(x) for x, _ in pts[1:]]
+    ys = [y for _, y in pts]
+    if xs[-1] <= 0:
+        return None
+    scale = tokens / xs[-1]
+    h = [xs[i + 1] - xs[i] for i in range(len(xs) - 1)]
+    even = max(h) - min(h) <= 0.02 * max(h)
+    if len(pts) % 2 == 1 and even:
+        step = (xs[-1] - xs[0]) / (len(xs) - 1)
+        total = ys[0] + ys[-1] + sum((4 if i % 2 else 2) * ys[i] for i in range(1, len(ys) - 1))
+        return total * step / 3 * scale
+    return sum((ys[i] + ys[i + 1]) / 2 * h[i] for i in range(len(h))) * scale
+
+
+def generation(res: Results) -> list[str]:
+    """Section 12: images per second with each attention, the ratios next to the paper's, the time
+    per token against position, and the memory a sequence keeps."""
+    L: list[str] = []
+    models = [(m, lab) for m, lab in GEN_MODELS if res.sizes("gen_step", model=m, attn="linear", batch="1")]
+    if not models:
+        return ["(no gen_step runs in these results)"]
+    rows = []
+    for m, lab in models:
+        tokens = int(res.find("gen_step", res.sizes("gen_step", model=m, attn="linear", batch="1")[0],
+                              model=m, attn="linear", batch="1").get("tokens", 0))
+        for batch in (1, 8):
+            per_image = {}
+            for a, _ in GEN_ATTN:
+                total = integrate_steps(gen_step_times(res, m, a, batch), tokens)
+                per_image[a] = total / batch if total else None
+            if not per_image.get("linear"):
+                continue
+
+            def ips(a):
+                t = per_image.get(a)
+                return f"{1.0 / t:.3g}" if t else "–"
+
+            def vs(a):
+                t = per_image.get(a)
+                return f"{t / per_image['linear']:.0f}×" if t else "–"
+
+            seq = res.find("gen_seq", 0, model=m, attn="linear", batch=str(batch))
+            check = (f"{fmt_time(seq.wall / batch)} measured end to end vs {fmt_time(per_image['linear'])} integrated"
+                     if seq else "–")
+            paper = PAPER_GEN_SPEEDUP.get(m)
+            rows.append([lab, str(batch), ips("linear"), ips("kv"), ips("softmax"), vs("softmax"),
+                         f"{paper:.0f}×" if paper else "–", vs("kv"), check])
+    L += table(["model", "batch", "linear img/s", "KV-cache img/s", "recompute img/s",
+                "linear vs recompute", "paper (GPU)", "linear vs KV cache", "linear, s per image"], rows,
+               "lrrrrrrrl")
+    L += ["", "Images per second are per sequence of the batch, integrated from the step times at the "
+          "measured positions (Simpson's rule; `gen_step`); the last column checks the integration against "
+          "whole images generated end to end (`gen_seq`). The paper's ratios are for plain softmax "
+          "(recomputed prefix) on a GPU with its largest batch; here one CPU thread.", ""]
+    # Time per token against position, batch 1.
+    for m, lab in models:
+        series = {a: dict(gen_step_times(res, m, a, 1)) for a, _ in GEN_ATTN}
+        positions = sorted(set().union(*[set(v) for v in series.values()]))
+        rows = []
+        for pos in positions:
+            rows.append([fmt_n(pos)] + [fmt_time(series[a].get(pos)) if series[a].get(pos) else "–"
+                                        for a, _ in GEN_ATTN])
+        L += [f"Time per generated token against position, {lab}, batch 1:", ""]
+        L += table(["position"] + [t for _, t in GEN_ATTN], rows, "rrrr")
+        L.append("")
+    # Memory kept per sequence at the last position.
+    rows = []
+    for m, lab in models:
+        for a, t in GEN_ATTN:
+            ns = res.sizes("gen_step", model=m, attn=a, batch="1")
+            if ns:
+                r = res.find("gen_step", ns[-1], model=m, attn=a, batch="1")
+                rows.append([lab, t, fmt_bytes(r.get("state_bytes")), fmt_bytes(r.get("step_bytes"))])
+    L += ["Memory of one sequence at the last position: what it keeps between steps, and the largest buffers "
+          "of a step (computed from their shapes):", ""]
+    L += table(["model", "attention", "kept between steps", "buffers of a step"], rows, "llrr")
+    return L
+
+
+def gen_plot(res: Results, path: str) -> bool:
+    """docs/generation_plot.svg: time per token against position (batch 1, the largest model), log y."""
+    models = [m for m, _ in GEN_MODELS if res.sizes("gen_step", model=m, attn="linear", batch="1")]
+    if not models:
+        return False
+    m = "img3072" if "img3072" in models else models[0]
+    colors = {"linear": "#2ca02c", "kv": "#ff7f0e", "softmax": "#d62728"}
+    series = [(t, colors[a], gen_step_times(res, m, a, 1)) for a, t in GEN_ATTN]
+    series = [s for s in series if s[2]]
+    W, H = 900, 560
+    ml, mr, mt, mb = 90, 30, 60, 70
+    pw, ph = W - ml - mr, H - mt - mb
+    xs = [x for _, _, p in series for x, _ in p]
+    ys = [y for _, _, p in series for _, y in p]
+    x1 = max(xs)
+    y0, y1 = math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys)))
+    if y1 - y0 < 2:
+        y1 = y0 + 2
+
+    def X(v):
+        return ml + v / x1 * pw
+
+    def Y(v):
+        return mt + ph - (math.log10(v) - y0) / (y1 - y0) * ph
+
+    lab = dict(GEN_MODELS)[m]
+    o = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+         'font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="13">',
+         f'<rect x="0" y="0" width="{W}" height="{H}" fill="white"/>',
+         f'<text x="{W / 2:.0f}" y="28" text-anchor="middle" font-size="17" font-weight="bold">'
+         f'Generating an image: time per token vs position</text>',
+         f'<text x="{W / 2:.0f}" y="47" text-anchor="middle" fill="#444">{escape(lab)}, d_model 256, 8 heads, '
+         'batch 1, float, one thread — log y</text>']
+    for e in range(y0, y1 + 1):
+        y = Y(10.0 ** e)
+        o.append(f'<line x1="{ml}" y1="{y:.1f}" x2="{ml + pw}" y2="{y:.1f}" stroke="#cccccc"/>')
+        o.append(f'<text x="{ml - 9}" y="{y + 4:.1f}" text-anchor="end">{escape(decade_label(e))}</text>')
+    for k in range(0, 9):
+        v = x1 * k / 8
+        x = X(v)
+        o.append(f'<line x1="{x:.1f}" y1="{mt}" x2="{x:.1f}" y2="{mt + ph}" stroke="#eeeeee"/>')
+        o.append(f'<text x="{x:.1f}" y="{mt + ph + 21}" text-anchor="middle">{int(round(v))}</text>')
+    o.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="black"/>')
+    o.append(f'<text x="{ml + pw / 2:.0f}" y="{H - 22}" text-anchor="middle" font-size="14">position of the '
+             'token</text>')
+    o.append(f'<text transform="translate(22,{mt + ph / 2:.0f}) rotate(-90)" text-anchor="middle" '
+             'font-size="14">time per token (log scale)</text>')
+    for t, c, pts in series:
+        d = " ".join(f"{'M' if i == 0 else 'L'}{X(x):.1f},{Y(y):.1f}" for i, (x, y) in enumerate(pts))
+        o.append(f'<path d="{d}" fill="none" stroke="{c}" stroke-width="2.2"/>')
+        for x, y in pts:
+            o.append(f'<circle cx="{X(x):.1f}" cy="{Y(y):.1f}" r="4" fill="{c}"/>')
+    lx, ly = ml + 14, mt + 14
+    o.append(f'<rect x="{lx}" y="{ly}" width="330" height="{22 * len(series) + 12}" fill="white" '
+             'fill-opacity="0.92" stroke="#888888"/>')
+    yy = ly + 20
+    for t, c, _ in series:
+        o.append(f'<line x1="{lx + 10}" y1="{yy - 4}" x2="{lx + 44}" y2="{yy - 4}" stroke="{c}" stroke-width="2.2"/>')
+        o.append(f'<text x="{lx + 52}" y="{yy}">{escape(t)}</text>')
+        yy += 22
+    o.append("</svg>")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(o) + "\n")
+    return True
+
+
+
+# ------------------------------------------------------------------------------------------------
 # Machine information and the Markdown document
 # ------------------------------------------------------------------------------------------------
 
@@ -1092,7 +1331,8 @@ def machine_info(res: Results, load_before: str) -> list[tuple[str, str]]:
 
 
 def write_markdown(res: Results, path: str, svg_name: str | None, command: str, load_before: str,
-                   summary_lines: list[str], warnings: list[str], noise: str) -> None:
+                   summary_lines: list[str], warnings: list[str], noise: str,
+                   gen_svg_name: str | None = None) -> None:
     ctx_notes = [(p, c.get("linattn_notes", "")) for p, c in sorted(res.contexts.items())]
     L = ["# linattn benchmarks", "",
          "<!-- Generated by benchmarks/report.py from the Google Benchmark JSON; do not edit by hand. -->", "",
@@ -1157,6 +1397,17 @@ def write_markdown(res: Results, path: str, svg_name: str | None, command: str, 
         L += ["", "Warnings:", ""] + [f"- {escape_md(w)}" for w in warnings]
     if svg_name:
         L += ["", "## Time vs N", "", f"![time vs N, log-log]({svg_name})", ""]
+    if res.sizes("gen_step", attn="linear", batch="1", model="img784") or \
+            res.sizes("gen_step", attn="linear", batch="1", model="img3072"):
+        L += ["", "## Image generation (the paper's §4.2)", "",
+              "`bench_generation`: a decoder with random weights (d_model 256, 8 heads, feed-forward 1024, "
+              "pre-norm blocks, a 256-way softmax head sampled at every step) generates whole images token by "
+              "token with linattn's `LinearAttentionLayer` (a recurrent state per layer), with "
+              "`SoftmaxAttentionLayer` and a KV cache, and with softmax recomputing the whole prefix at every "
+              "step (the paper's plain softmax, which has no cache).", ""]
+        L += generation(res)
+        if gen_svg_name:
+            L += ["", f"![time per token vs position]({gen_svg_name})", ""]
     # The hand-written tuning notes quote one-off experiments on other machines: linked, not copied,
     # so that every figure on this page comes from this run.
     notes_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning_notes.md")
@@ -1221,8 +1472,17 @@ def main(argv: list[str]) -> int:
             print(f"wrote {args.svg}")
         else:
             print("report.py: nothing to plot", file=sys.stderr)
+    gen_svg_name = None
+    if args.svg:
+        gen_svg = os.path.join(os.path.dirname(os.path.abspath(args.svg)), "generation_plot.svg")
+        if gen_plot(res, gen_svg):
+            gen_svg_name = os.path.relpath(gen_svg, os.path.dirname(os.path.abspath(args.md or args.svg)))
+            print(f"wrote {gen_svg}")
+    print("== Image generation")
+    print("\n".join(generation(res)))
     if args.md:
-        write_markdown(res, args.md, svg_name, args.command, args.load_before, lines, warnings, noise)
+        write_markdown(res, args.md, svg_name, args.command, args.load_before, lines, warnings, noise,
+                       gen_svg_name)
         print(f"wrote {args.md}")
     if args.readme:
         block = headline(res, args.load_before, "[docs/benchmarks.md](docs/benchmarks.md)")

@@ -6,6 +6,7 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <cassert>
 #include <cstddef>
 #include <exception>
 #include <limits>
@@ -261,6 +262,42 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
     using VecMap = Eigen::Map<Vector<Scalar>>;
     const auto S = [&](Index i) { return MatMap(S_all.data() + i * sS, F, M); };
     const auto z = [&](Index i) { return VecMap(z_all.data() + i * sz, F); };
+    // An elementwise map of row-major memory maps a block of rows for every head of the group
+    // in one pass: the group's columns of a row are contiguous, one head's alone are a run of
+    // D entries every H·D, which the hardware prefetchers follow poorly (one head at a time,
+    // 1024 rows per head, was 16% slower than column-major input at N = 16384, H = 8, D = 64).
+    // Each head then runs the products of absorb_keys() and read_queries() on its rows of the
+    // buffer: the same products on the same values, bit for bit.
+    using KRows = decltype(k.block(0, 0, 1, 1));
+    using QRows = decltype(q.block(0, 0, 1, 1));
+    if constexpr (maps_token_major_v<Phi, KRows> && maps_token_major_v<Phi, QRows>) {
+      assert(F == D);  // an elementwise map
+      for (Index j0 = 0; j0 < l; j0 += kLinearRowBlock) {
+        const Index r = std::min(kLinearRowBlock, l - j0);
+        auto pt = w.matrix(kSlotPhiK, hr.count * D, r);  // column j: token j's features, by head
+        phi.map(k.block(k0 + j0, hr.first * D, r, hr.count * D).transpose(), pt);
+        for (Index i = 0; i < hr.count; ++i) {
+          const Index h = hr.first + i;
+          MatMap Si = S(i), S_lo(S_lo_all.data() + i * sS, F, M);
+          VecMap zi = z(i), z_lo(z_lo_all.data() + i * sz, F);
+          const auto pk = pt.middleRows(i * D, D).transpose();
+          S_lo.noalias() += pk.transpose() * v.block(k0 + j0, h * M, r, M);
+          z_lo.noalias() += pk.colwise().sum().transpose();
+          fold_state(Si, S_lo, zi, z_lo);
+        }
+      }
+      for (Index i0 = 0; i0 < n; i0 += kLinearRowBlock) {
+        const Index r = std::min(kLinearRowBlock, n - i0);
+        auto pt = w.matrix(kSlotPhiQ, hr.count * D, r);
+        phi.map(q.block(q0 + i0, hr.first * D, r, hr.count * D).transpose(), pt);
+        auto den = w.vector(kSlotRowA, r);
+        for (Index i = 0; i < hr.count; ++i) {
+          auto pq = pt.middleRows(i * D, D).transpose();
+          read_state<Phi>(S(i), z(i), pq, den, dst.block(q0 + i0, (hr.first + i) * M, r, M));
+        }
+      }
+      return;
+    }
     for (Index j0 = 0; j0 < l; j0 += kHeadInterleaveRows) {
       const Index r = std::min(kHeadInterleaveRows, l - j0);
       for (Index i = 0; i < hr.count; ++i) {
