@@ -1171,7 +1171,10 @@ def generation(res: Results) -> list[str]:
 
             def vs(a):
                 t = per_image.get(a)
-                return f"{t / per_image['linear']:.0f}×" if t else "–"
+                if not t:
+                    return "–"
+                x = t / per_image["linear"]
+                return f"{x:.0f}×" if x >= 10 else f"{x:.1f}×"
 
             seq = res.find("gen_seq", 0, model=m, attn="linear", batch=str(batch))
             check = (f"{fmt_time(seq.wall / batch)} measured end to end vs {fmt_time(per_image['linear'])} integrated"
@@ -1192,7 +1195,7 @@ def generation(res: Results) -> list[str]:
         positions = sorted(set().union(*[set(v) for v in series.values()]))
         rows = []
         for pos in positions:
-            rows.append([fmt_n(pos)] + [fmt_time(series[a].get(pos)) if series[a].get(pos) else "–"
+            rows.append([str(pos)] + [fmt_time(series[a].get(pos)) if series[a].get(pos) else "–"
                                         for a, _ in GEN_ATTN])
         L += [f"Time per generated token against position, {lab}, batch 1:", ""]
         L += table(["position"] + [t for _, t in GEN_ATTN], rows, "rrrr")
