@@ -803,9 +803,9 @@ def headline(res: Results, load_before: str, link: str) -> list[str]:
     return [intro, ""] + table(["", f"N = {n}"], [[a, escape_md(b)] for a, b in rows], "ll")
 
 
-def update_readme(path: str, block: list[str]) -> bool:
-    """Replaces the text between the headline markers of README.md; False if they are missing."""
-    begin, end = "<!-- bench:headline:begin -->", "<!-- bench:headline:end -->"
+def update_readme(path: str, block: list[str], name: str = "headline") -> bool:
+    """Replaces the text between the bench:<name> markers of README.md; False if they are missing."""
+    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -1146,9 +1146,10 @@ def integrate_steps(pts: list[tuple[int, float]], tokens: int) -> float | None:
     return sum((ys[i] + ys[i + 1]) / 2 * h[i] for i in range(len(h))) * scale
 
 
-def generation(res: Results) -> list[str]:
+def generation(res: Results, table_only: bool = False) -> list[str]:
     """Section 12: images per second with each attention, the ratios next to the paper's, the time
-    per token against position, and the memory a sequence keeps."""
+    per token against position, and the memory a sequence keeps (table_only: the first table and
+    its note, for README.md)."""
     L: list[str] = []
     models = [(m, lab) for m, lab in GEN_MODELS if res.sizes("gen_step", model=m, attn="linear", batch="1")]
     if not models:
@@ -1189,6 +1190,8 @@ def generation(res: Results) -> list[str]:
           "measured positions (Simpson's rule; `gen_step`); the last column checks the integration against "
           "whole images generated end to end (`gen_seq`). The paper's ratios are for plain softmax "
           "(recomputed prefix) on a GPU with its largest batch; here one CPU thread.", ""]
+    if table_only:
+        return L
     # Time per token against position, batch 1.
     for m, lab in models:
         series = {a: dict(gen_step_times(res, m, a, 1)) for a, _ in GEN_ATTN}
@@ -1493,6 +1496,9 @@ def main(argv: list[str]) -> int:
             print(f"wrote the headline table of {args.readme}")
         else:
             print(f"report.py: no bench:headline markers in {args.readme}; left unchanged", file=sys.stderr)
+        if res.sizes("gen_step", model="img784", attn="linear", batch="1"):
+            if update_readme(args.readme, generation(res, table_only=True), "generation"):
+                print(f"wrote the generation table of {args.readme}")
     return 0
 
 
