@@ -20,6 +20,7 @@
 #include "causal_linear_attention.hpp"
 #include "linear_attention_backward.hpp"
 #include "recurrent_linear_attention.hpp"
+#include "state_algebra.hpp"
 #include "multihead.hpp"
 #include "multihead_backward.hpp"
 #include "softmax_attention.hpp"

@@ -1,0 +1,140 @@
+/// \file state_algebra.hpp
+/// \brief The causal state as a sum: combine() two segments' states, summarize() a segment.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "checks.hpp"
+#include "common.hpp"
+#include "elu_plus_one.hpp"
+#include "feature_map.hpp"
+#include "state.hpp"
+#include "workspace.hpp"
+
+namespace linattn {
+
+namespace detail {
+
+inline std::string state_shape(Index F, Index M, Index maxima) {
+  return "S " + shape_string(F, M) + (maxima > 0 ? ", " + std::to_string(maxima) + " maxima" : "");
+}
+
+}  // namespace detail
+
+/// \brief `a` becomes the state of a's keys followed by b's: \f$S_a + S_b\f$ and
+/// \f$z_a + z_b\f$, exactly up to one rounding of each entry (spec §8).
+///
+/// A state is a sum over keys, \f$S = \sum_j \varphi(k_j) v_j^\top\f$ and
+/// \f$z = \sum_j \varphi(k_j)\f$, so the states of consecutive segments of a sequence add up to
+/// the state of the whole: summarise segments on different threads or processes, combine the
+/// states (in any order and bracketing: the sum is associative up to rounding), and continue
+/// from the combined state. For SoftmaxSplit, whose states hold sums shifted by per-feature
+/// running maxima \f$m\f$ (\f$S = \sum_j e^{k_j - m} v_j^\top\f$ per feature), both sides are
+/// first rescaled to the larger maximum, as online softmax merges partial sums. The
+/// compensated low parts (LinearAttentionState::S_lo, z_lo) of both sides are kept: the sum of
+/// the high parts is added with TwoSum, its rounding error going into the low part.
+///
+/// An empty state (default-constructed) is the identity: combining with it copies or leaves
+/// the other. Allocates only a copy of b's sums.
+/// \throws std::invalid_argument (naming both shapes) if the states have different F, M or
+/// one has running maxima and the other not; `a` is then unchanged.
+/// \code
+/// auto left = linattn::summarize(K.topRows(n), V.topRows(n), phi);
+/// auto right = linattn::summarize(K.bottomRows(N - n), V.bottomRows(N - n), phi);
+/// linattn::combine_into(left, right);  // == linattn::summarize(K, V, phi), to rounding
+/// \endcode
+template <class Scalar>
+void combine_into(LinearAttentionState<Scalar>& a, const LinearAttentionState<Scalar>& b) {
+  constexpr const char* fn = "combine_into";
+  if (b.empty()) return;
+  if (a.empty()) {
+    a = b;
+    if (a.S_lo.size() == 0) a.S_lo.setZero(a.S.rows(), a.S.cols());
+    if (a.z_lo.size() == 0) a.z_lo.setZero(a.z.size());
+    return;
+  }
+  const auto bad_lo = [](const LinearAttentionState<Scalar>& s) {
+    return (s.S_lo.size() != 0 && (s.S_lo.rows() != s.S.rows() || s.S_lo.cols() != s.S.cols())) ||
+           (s.z_lo.size() != 0 && s.z_lo.size() != s.z.size()) || s.z.size() != s.S.rows() ||
+           (s.m.size() != 0 && s.m.size() != s.z.size());
+  };
+  if (bad_lo(a) || bad_lo(b))
+    detail::throw_invalid(fn, "a state's parts disagree in shape (S, z, low parts, maxima)");
+  if (a.S.rows() != b.S.rows() || a.S.cols() != b.S.cols() || a.m.size() != b.m.size())
+    detail::throw_invalid(fn, "the states differ in shape: a has " +
+                                  detail::state_shape(a.S.rows(), a.S.cols(), a.m.size()) +
+                                  ", b has " +
+                                  detail::state_shape(b.S.rows(), b.S.cols(), b.m.size()));
+  // Everything that may allocate, before `a` changes.
+  using StateMatrix = typename LinearAttentionState<Scalar>::StateMatrix;
+  StateMatrix S = b.S;
+  Vector<Scalar> z = b.z;
+  StateMatrix S_lo = b.S_lo.size() ? b.S_lo : StateMatrix::Zero(b.S.rows(), b.S.cols());
+  Vector<Scalar> z_lo = b.z_lo.size() ? b.z_lo : Vector<Scalar>::Zero(b.z.size());
+  if (a.S_lo.size() == 0) a.S_lo.setZero(a.S.rows(), a.S.cols());
+  if (a.z_lo.size() == 0) a.z_lo.setZero(a.z.size());
+  if (a.m.size() > 0) {  // per-feature maxima: both sides to the larger one
+    Vector<Scalar> m_b = b.m;
+    const Vector<Scalar> top = a.m.cwiseMax(b.m);
+    detail::raise_maxima(a.S, a.S_lo, a.z, a.z_lo, a.m, top);
+    detail::raise_maxima(S, S_lo, z, z_lo, m_b, top);
+  }
+  a.S_lo += S_lo;
+  a.z_lo += z_lo;
+  // a.S = fl(a.S + S), and S = its rounding error, which joins the low part.
+  detail::two_sum_fold(a.S.data(), S.data(), a.S.size());
+  detail::two_sum_fold(a.z.data(), z.data(), a.z.size());
+  a.S_lo += S;
+  a.z_lo += z;
+}
+
+/// \brief The state of a's keys followed by b's (see combine_into()).
+template <class Scalar>
+LinearAttentionState<Scalar> combine(const LinearAttentionState<Scalar>& a,
+                                     const LinearAttentionState<Scalar>& b) {
+  LinearAttentionState<Scalar> out = a;
+  combine_into(out, b);
+  return out;
+}
+
+/// \brief The state of a segment of keys and values with no queries: what
+/// causal_linear_attention() carries out of the segment, computed as the non-causal kernel's
+/// key pass (\f$S = \varphi(K)^\top V\f$, \f$z = \varphi(K)^\top 1\f$, blockwise with
+/// compensated sums; running maxima for SoftmaxSplit). Equal to the causal kernels' state to
+/// rounding. O(L·F·M) time, no L x F matrix.
+/// \throws std::invalid_argument (naming the shapes) if K and V have different row counts or
+/// the map does not accept K's width.
+/// \code
+/// // Thread t of T: the state of everything before its segment, then its outputs.
+/// auto before = linattn::summarize(K.topRows(start), V.topRows(start), phi);
+/// linattn::causal_linear_attention(Qt, Kt, Vt, phi, before, out_t, ws);
+/// \endcode
+template <class DK, class DV, class Phi = EluPlusOne>
+LinearAttentionState<typename DK::Scalar> summarize(const Eigen::MatrixBase<DK>& K,
+                                                    const Eigen::MatrixBase<DV>& V,
+                                                    const Phi& phi = Phi{}) {
+  using Scalar = typename DK::Scalar;
+  constexpr const char* fn = "summarize";
+  static_assert(std::is_same_v<Scalar, typename DV::Scalar>,
+                "linattn: K and V must have the same scalar type (cast one with .cast<T>())");
+  static_assert(detail::is_supported_scalar_v<Scalar>,
+                "linattn: the scalar type must be float or double");
+  detail::static_check_feature_map<Phi, Scalar>();
+  if (K.rows() != V.rows())
+    detail::throw_invalid(fn, "K and V must have the same number of rows, got K " +
+                                  detail::shape_of(K) + " and V " + detail::shape_of(V));
+  detail::check_feature_map(fn, phi, K.cols());
+  auto st = make_state<Scalar>(phi, K.cols(), V.cols());
+  const detail::Nested<DK> k(K.derived());
+  const detail::Nested<DV> v(V.derived());
+  Workspace<Scalar> ws;
+  detail::absorb_keys(phi, k, v, st.S, st.S_lo, st.z, st.z_lo, st.m, detail::NoMask{}, ws);
+  return st;
+}
+
+}  // namespace linattn
