@@ -233,6 +233,8 @@ function(linattn_add_test_groups)
       get_property(_src GLOBAL PROPERTY LINATTN_TEST_MEMBER_${_m}_SOURCE)
       get_property(_defs GLOBAL PROPERTY LINATTN_TEST_MEMBER_${_m}_DEFINES)
       list(REMOVE_ITEM _defs EIGEN_RUNTIME_NO_MALLOC)  # defined for the whole group
+      # The hoisted #include list is read at configure time: an edited member re-runs CMake.
+      set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${_src}")
       file(STRINGS "${_src}" _lines REGEX "^[ \t]*#[ \t]*include[ \t]*[<\"]")
       foreach(_line IN LISTS _lines)
         string(REGEX REPLACE "^[ \t]*#[ \t]*include[ \t]*([<\"][^>\"]+[>\"]).*$" "\\1" _inc "${_line}")
