@@ -780,12 +780,8 @@ def headline(res: Results, load_before: str, link: str) -> list[str]:
         rows.append(["decode step, 8 heads", txt])
     gen = []
     for m, label in (("img784", "784"), ("img3072", "3072")):
-        ns = res.sizes("gen_step", model=m, attn="linear", batch="1")
-        if not ns:
-            continue
-        tokens = int(res.find("gen_step", ns[0], model=m, attn="linear", batch="1").get("tokens", 0))
-        t = {a: integrate_steps(gen_step_times(res, m, a, 1), tokens) for a in ("linear", "kv", "softmax")}
-        if t["linear"] and t["softmax"] and t["kv"]:
+        t = seconds_per_image(res, m, 1)
+        if t.get("linear") and t.get("softmax") and t.get("kv"):
             gen.append(f"{label} tokens: {1 / t['linear']:.3g} images/s, {t['softmax'] / t['linear']:.0f}× "
                        f"softmax recomputing its prefix (paper, GPU: {PAPER_GEN_SPEEDUP[m]:.0f}×), "
                        f"{t['kv'] / t['linear']:.1f}× softmax with a KV cache")
@@ -1146,6 +1142,20 @@ def integrate_steps(pts: list[tuple[int, float]], tokens: int) -> float | None:
     return sum((ys[i] + ys[i + 1]) / 2 * h[i] for i in range(len(h))) * scale
 
 
+def seconds_per_image(res: Results, model: str, batch: int) -> dict[str, float | None]:
+    """Seconds per image of one sequence of the batch, by attention (None where not measured): the
+    step times integrated over the model's tokens (integrate_steps), divided by the batch."""
+    ns = res.sizes("gen_step", model=model, attn="linear", batch="1")
+    if not ns:
+        return {}
+    tokens = int(res.find("gen_step", ns[0], model=model, attn="linear", batch="1").get("tokens", 0))
+    out: dict[str, float | None] = {}
+    for a, _ in GEN_ATTN:
+        total = integrate_steps(gen_step_times(res, model, a, batch), tokens)
+        out[a] = total / batch if total else None
+    return out
+
+
 def generation(res: Results, table_only: bool = False) -> list[str]:
     """Section 12: images per second with each attention, the ratios next to the paper's, the time
     per token against position, and the memory a sequence keeps (table_only: the first table and
@@ -1156,13 +1166,8 @@ def generation(res: Results, table_only: bool = False) -> list[str]:
         return ["(no gen_step runs in these results)"]
     rows = []
     for m, lab in models:
-        tokens = int(res.find("gen_step", res.sizes("gen_step", model=m, attn="linear", batch="1")[0],
-                              model=m, attn="linear", batch="1").get("tokens", 0))
         for batch in (1, 8):
-            per_image = {}
-            for a, _ in GEN_ATTN:
-                total = integrate_steps(gen_step_times(res, m, a, batch), tokens)
-                per_image[a] = total / batch if total else None
+            per_image = seconds_per_image(res, m, batch)
             if not per_image.get("linear"):
                 continue
 
