@@ -16,8 +16,10 @@
 #include "detail/result.hpp"
 #include "detail/fast_exp.hpp"
 #include "detail/recurrent_block.hpp"
+#include "detail/sequence_split.hpp"
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
+#include "parallel.hpp"
 #include "state.hpp"
 #include "workspace.hpp"
 
@@ -352,6 +354,69 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
   }
 }
 
+// causal_linear_attention_impl() on T threads when the sequence is long enough (spec §8):
+// the rows are cut into T segments (at multiples of the kernel's block, so that each segment
+// runs the blocks a one-thread call from the same state would); each thread summarises its
+// T-th of every segment but the last (parallel over all threads: no thread waits for the
+// first segment to be summarised alone); after a barrier, thread t merges the initial state
+// and the summaries before its segment in a fixed order and computes its segment from that
+// state. Work: the one-thread call's plus a summary (2·F·M flops a row, GEMMs) of the first
+// T - 1 segments. The state carried out is the last segment's.
+template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
+void causal_linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                                   const Eigen::MatrixBase<DK>& K,
+                                   const Eigen::MatrixBase<DV>& V, const Phi& phi,
+                                   const Keep& keep, LinearAttentionState<typename DQ::Scalar>& st,
+                                   const Eigen::MatrixBase<DOut>& out,
+                                   Workspace<typename DQ::Scalar>& ws, const CausalOptions& opts,
+                                   const ParallelOptions& par) {
+  using Scalar = typename DQ::Scalar;
+  static_check_feature_map<Phi, Scalar>();
+  check_qkv(function, Q, K, V, /*causal=*/true);
+  check_feature_map(function, phi, Q.cols());
+  const Index F = phi.feature_dim(Q.cols()), M = V.cols(), N = Q.rows();
+  const int threads = sequence_split_threads(par, N, F * M);
+  if (threads <= 1) {
+    causal_linear_attention_impl(function, Q, K, V, phi, keep, st, out, ws, opts);
+    return;
+  }
+  check_output(function, out, N, M);
+  check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
+  if (opts.chunk_size < 0)
+    throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
+                                std::to_string(opts.chunk_size));
+  prepare_state(function, st, phi, Q.cols(), M);
+  fold_state(st.S, st.S_lo, st.z, st.z_lo);
+  auto& dst = writable(out);
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
+  const Index C = causal_block_rows(opts, F * M);
+  auto& x = ws.template extension<SplitScratch<Scalar>>();
+  x.prepare(threads, Index(threads - 1) * threads, F, M, normalizes_keys_per_feature_v<Phi>);
+  const int team = run_two_phases(
+      threads,
+      [&](int t, int T) {
+        for (int j = 0; j + 1 < T; ++j) {
+          const RowRange seg = split_rows(N, T, j, C);
+          RowRange piece = split_rows(seg.size, T, t, kLinearRowBlock);
+          piece.begin += seg.begin;
+          summarize_rows(phi, k, v, keep, piece, x.parts[static_cast<std::size_t>(j * T + t)],
+                         x.ws[static_cast<std::size_t>(t)]);
+        }
+      },
+      [&](int t, int T) {
+        auto& carried = x.carried[static_cast<std::size_t>(t)];
+        scan_parts(&st, x, Index(t) * T, t, carried);
+        const RowRange seg = split_rows(N, T, t, C);
+        causal_linear_attention_impl(
+            function, q.middleRows(seg.begin, seg.size), k.middleRows(seg.begin, seg.size),
+            v.middleRows(seg.begin, seg.size), phi, shifted_keep(keep, seg.begin), carried,
+            dst.middleRows(seg.begin, seg.size), x.ws[static_cast<std::size_t>(t)], opts);
+      });
+  std::swap(st, x.carried[static_cast<std::size_t>(team - 1)]);
+}
+
 }  // namespace detail
 
 /// \brief Causal linear attention continuing from `state`, written into a caller's output;
@@ -397,9 +462,9 @@ void causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matrix
                              const Eigen::MatrixBase<DV>& V, const Phi& phi,
                              LinearAttentionState<typename DQ::Scalar>& state,
                              const Eigen::MatrixBase<DOut>& out, Workspace<typename DQ::Scalar>& ws,
-                             const CausalOptions& options = {}) {
-  detail::causal_linear_attention_impl("causal_linear_attention", Q, K, V, phi, detail::NoMask{},
-                                       state, out, ws, options);
+                             const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  detail::causal_linear_attention_split("causal_linear_attention", Q, K, V, phi, detail::NoMask{},
+                                        state, out, ws, options, par);
 }
 
 /// \brief Causal linear attention continuing from `state` (updated in place), returning the
@@ -408,11 +473,12 @@ template <class DQ, class DK, class DV, class Phi>
 Matrix<typename DQ::Scalar> causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Phi& phi,
-    LinearAttentionState<typename DQ::Scalar>& state, const CausalOptions& options = {}) {
+    LinearAttentionState<typename DQ::Scalar>& state, const CausalOptions& options = {},
+    const ParallelOptions& par = {}) {
   detail::check_qkv("causal_linear_attention", Q, K, V, /*causal=*/true);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   Workspace<typename DQ::Scalar> ws;
-  causal_linear_attention(Q, K, V, phi, state, out, ws, options);
+  causal_linear_attention(Q, K, V, phi, state, out, ws, options, par);
   return out;
 }
 
@@ -428,9 +494,10 @@ Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>&
                                                     const Eigen::MatrixBase<DK>& K,
                                                     const Eigen::MatrixBase<DV>& V,
                                                     const Phi& phi = Phi{},
-                                                    const CausalOptions& options = {}) {
+                                                    const CausalOptions& options = {},
+                                                    const ParallelOptions& par = {}) {
   LinearAttentionState<typename DQ::Scalar> state;
-  return causal_linear_attention(Q, K, V, phi, state, options);
+  return causal_linear_attention(Q, K, V, phi, state, options, par);
 }
 
 /// \brief Causal linear attention with a key padding mask (true = the key takes part):
@@ -447,13 +514,14 @@ void masked_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                     LinearAttentionState<typename DQ::Scalar>& state,
                                     const Eigen::MatrixBase<DOut>& out,
                                     Workspace<typename DQ::Scalar>& ws,
-                                    const CausalOptions& options = {}) {
+                                    const CausalOptions& options = {},
+                                    const ParallelOptions& par = {}) {
   detail::check_key_mask("masked_causal_linear_attention", key_mask, K.rows());
   detail::check_no_overlap("masked_causal_linear_attention", out, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
   const auto keep = [&mask](Index j) { return bool(mask(j)); };
-  detail::causal_linear_attention_impl("masked_causal_linear_attention", Q, K, V, phi, keep,
-                                       state, out, ws, options);
+  detail::causal_linear_attention_split("masked_causal_linear_attention", Q, K, V, phi, keep,
+                                        state, out, ws, options, par);
 }
 
 /// \brief Masked causal linear attention from an empty state, returning the N x M output.
@@ -461,12 +529,12 @@ template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
 Matrix<typename DQ::Scalar> masked_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask,
-    const Phi& phi = Phi{}, const CausalOptions& options = {}) {
+    const Phi& phi = Phi{}, const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   detail::check_qkv("masked_causal_linear_attention", Q, K, V, /*causal=*/true);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   Workspace<typename DQ::Scalar> ws;
   LinearAttentionState<typename DQ::Scalar> state;
-  masked_causal_linear_attention(Q, K, V, key_mask, phi, state, out, ws, options);
+  masked_causal_linear_attention(Q, K, V, key_mask, phi, state, out, ws, options, par);
   return out;
 }
 

@@ -11,6 +11,7 @@
 #include "common.hpp"
 #include "checks.hpp"
 #include "workspace.hpp"
+#include "parallel.hpp"
 #include "feature_map.hpp"
 #include "elu_plus_one.hpp"
 #include "softmax_split.hpp"

@@ -12,8 +12,10 @@
 #include "common.hpp"
 #include "detail/blocking.hpp"
 #include "detail/result.hpp"
+#include "detail/sequence_split.hpp"
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
+#include "parallel.hpp"
 #include "state.hpp"
 #include "workspace.hpp"
 
@@ -66,6 +68,50 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
   read_queries(phi, q, S, z, dst, ws);
 }
 
+// linear_attention_impl() on T threads when the sequences are long enough (spec §8): thread t
+// absorbs the t-th of the keys into a state of its own; after a barrier, each thread merges
+// the T states in a fixed order and reads the t-th of the queries. Same work as one thread,
+// plus T merges of F·M per thread.
+template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
+void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                            const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                            const Phi& phi, const Keep& keep, const Eigen::MatrixBase<DOut>& out,
+                            Workspace<typename DQ::Scalar>& ws, const ParallelOptions& par) {
+  using Scalar = typename DQ::Scalar;
+  static_check_feature_map<Phi, Scalar>();
+  check_qkv(function, Q, K, V, /*causal=*/false);
+  check_feature_map(function, phi, Q.cols());
+  const Index F = phi.feature_dim(Q.cols()), M = V.cols(), N = Q.rows(), L = K.rows();
+  // A non-causal row (a key absorbed or a query read) costs half a causal row.
+  const int threads = sequence_split_threads(par, (N + L) / 2, F * M);
+  if (threads <= 1) {
+    linear_attention_impl(function, Q, K, V, phi, keep, out, ws);
+    return;
+  }
+  check_output(function, out, N, M);
+  check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
+  auto& dst = writable(out);
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
+  auto& x = ws.template extension<SplitScratch<Scalar>>();
+  x.prepare(threads, threads, F, M, normalizes_keys_per_feature_v<Phi>);
+  run_two_phases(
+      threads,
+      [&](int t, int T) {
+        summarize_rows(phi, k, v, keep, split_rows(L, T, t, kLinearRowBlock),
+                       x.parts[static_cast<std::size_t>(t)], x.ws[static_cast<std::size_t>(t)]);
+      },
+      [&](int t, int T) {
+        auto& all = x.carried[static_cast<std::size_t>(t)];
+        scan_parts<Scalar>(nullptr, x, T, t, all);
+        all.fold();  // read_state() reads the high parts
+        const RowRange r = split_rows(N, T, t, kLinearRowBlock);
+        read_queries(phi, q.middleRows(r.begin, r.size), all.S, all.z,
+                     dst.middleRows(r.begin, r.size), x.ws[static_cast<std::size_t>(t)]);
+      });
+}
+
 }  // namespace detail
 
 /// \brief Non-causal linear attention, written into a caller's output, allocating nothing
@@ -106,8 +152,9 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                       const Eigen::MatrixBase<DV>& V, const Phi& phi,
-                      const Eigen::MatrixBase<DOut>& out, Workspace<typename DQ::Scalar>& ws) {
-  detail::linear_attention_impl("linear_attention", Q, K, V, phi, detail::NoMask{}, out, ws);
+                      const Eigen::MatrixBase<DOut>& out, Workspace<typename DQ::Scalar>& ws,
+                      const ParallelOptions& par = {}) {
+  detail::linear_attention_split("linear_attention", Q, K, V, phi, detail::NoMask{}, out, ws, par);
 }
 
 /// \brief Non-causal linear attention (see the overload above for the maths and the rules).
@@ -121,11 +168,12 @@ template <class DQ, class DK, class DV, class Phi = EluPlusOne>
 Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                              const Eigen::MatrixBase<DK>& K,
                                              const Eigen::MatrixBase<DV>& V,
-                                             const Phi& phi = Phi{}) {
+                                             const Phi& phi = Phi{},
+                                             const ParallelOptions& par = {}) {
   detail::check_qkv("linear_attention", Q, K, V, /*causal=*/false);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   Workspace<typename DQ::Scalar> ws;
-  linear_attention(Q, K, V, phi, out, ws);
+  linear_attention(Q, K, V, phi, out, ws, par);
   return out;
 }
 
@@ -148,12 +196,13 @@ void masked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matrix
                              const Eigen::MatrixBase<DV>& V,
                              const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
                              const Eigen::MatrixBase<DOut>& out,
-                             Workspace<typename DQ::Scalar>& ws) {
+                             Workspace<typename DQ::Scalar>& ws,
+                             const ParallelOptions& par = {}) {
   detail::check_key_mask("masked_linear_attention", key_mask, K.rows());
   detail::check_no_overlap("masked_linear_attention", out, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
   const auto keep = [&mask](Index j) { return bool(mask(j)); };
-  detail::linear_attention_impl("masked_linear_attention", Q, K, V, phi, keep, out, ws);
+  detail::linear_attention_split("masked_linear_attention", Q, K, V, phi, keep, out, ws, par);
 }
 
 /// \brief Masked non-causal linear attention, returning the N x M result.
@@ -162,11 +211,12 @@ Matrix<typename DQ::Scalar> masked_linear_attention(const Eigen::MatrixBase<DQ>&
                                                     const Eigen::MatrixBase<DK>& K,
                                                     const Eigen::MatrixBase<DV>& V,
                                                     const Eigen::DenseBase<DMask>& key_mask,
-                                                    const Phi& phi = Phi{}) {
+                                                    const Phi& phi = Phi{},
+                                                    const ParallelOptions& par = {}) {
   detail::check_qkv("masked_linear_attention", Q, K, V, /*causal=*/false);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   Workspace<typename DQ::Scalar> ws;
-  masked_linear_attention(Q, K, V, key_mask, phi, out, ws);
+  masked_linear_attention(Q, K, V, key_mask, phi, out, ws, par);
   return out;
 }
 

@@ -23,19 +23,13 @@
 #include "detail/result.hpp"
 #include "elu_plus_one.hpp"
 #include "linear_attention.hpp"
+#include "parallel.hpp"
 #include "recurrent_linear_attention.hpp"
 #include "softmax_attention.hpp"
 #include "state.hpp"
 #include "workspace.hpp"
 
 namespace linattn {
-
-/// \brief How the multi-head and batched kernels run in parallel.
-struct ParallelOptions {
-  /// Threads to use: 0 means OpenMP's default (omp_get_max_threads()), 1 runs serially.
-  /// Without OpenMP every kernel runs serially, with identical results.
-  int num_threads = 0;
-};
 
 /// \brief One Workspace (and one causal state) per thread for the multi-head kernels; reuse it
 /// across calls to make them allocation-free. With more than one thread, OpenMP's dynamic
@@ -85,23 +79,6 @@ class MultiHeadWorkspace {
 };
 
 namespace detail {
-
-inline int resolve_threads(const ParallelOptions& par) {
-#ifdef _OPENMP
-  return par.num_threads > 0 ? par.num_threads : omp_get_max_threads();
-#else
-  (void)par;
-  return 1;
-#endif
-}
-
-inline int thread_id() {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
 
 // Runs fn(task, thread) for task in [0, tasks), in parallel when OpenMP is on; thread indexes
 // the workspace and state of ws that the task may use. Every argument check happens before

@@ -24,6 +24,25 @@ inline std::string state_shape(Index F, Index M, Index maxima) {
   return "S " + shape_string(F, M) + (maxima > 0 ? ", " + std::to_string(maxima) + " maxima" : "");
 }
 
+// a becomes the state of a's keys followed by b's, for states of one shape with sized low
+// parts; b serves as scratch (rescaled to the common maxima, then holding the rounding errors
+// of the high parts' sum). Allocates nothing: the kernels that split a sequence over threads
+// merge copies of their segments' states with it.
+template <class Scalar>
+void merge_into(LinearAttentionState<Scalar>& a, LinearAttentionState<Scalar>& b) {
+  if (a.m.size() > 0) {  // per-feature maxima: both sides to the larger one
+    raise_maxima(a.S, a.S_lo, a.z, a.z_lo, a.m, b.m);  // a.m becomes max(a.m, b.m)
+    raise_maxima(b.S, b.S_lo, b.z, b.z_lo, b.m, a.m);
+  }
+  a.S_lo += b.S_lo;
+  a.z_lo += b.z_lo;
+  // a.S = fl(a.S + b.S), and b.S = its rounding error, which joins the low part.
+  two_sum_fold(a.S.data(), b.S.data(), a.S.size());
+  two_sum_fold(a.z.data(), b.z.data(), a.z.size());
+  a.S_lo += b.S;
+  a.z_lo += b.z;
+}
+
 }  // namespace detail
 
 /// \brief `a` becomes the state of a's keys followed by b's: \f$S_a + S_b\f$ and
@@ -71,26 +90,12 @@ void combine_into(LinearAttentionState<Scalar>& a, const LinearAttentionState<Sc
                                   ", b has " +
                                   detail::state_shape(b.S.rows(), b.S.cols(), b.m.size()));
   // Everything that may allocate, before `a` changes.
-  using StateMatrix = typename LinearAttentionState<Scalar>::StateMatrix;
-  StateMatrix S = b.S;
-  Vector<Scalar> z = b.z;
-  StateMatrix S_lo = b.S_lo.size() ? b.S_lo : StateMatrix::Zero(b.S.rows(), b.S.cols());
-  Vector<Scalar> z_lo = b.z_lo.size() ? b.z_lo : Vector<Scalar>::Zero(b.z.size());
+  LinearAttentionState<Scalar> rest = b;
+  if (rest.S_lo.size() == 0) rest.S_lo.setZero(b.S.rows(), b.S.cols());
+  if (rest.z_lo.size() == 0) rest.z_lo.setZero(b.z.size());
   if (a.S_lo.size() == 0) a.S_lo.setZero(a.S.rows(), a.S.cols());
   if (a.z_lo.size() == 0) a.z_lo.setZero(a.z.size());
-  if (a.m.size() > 0) {  // per-feature maxima: both sides to the larger one
-    Vector<Scalar> m_b = b.m;
-    const Vector<Scalar> top = a.m.cwiseMax(b.m);
-    detail::raise_maxima(a.S, a.S_lo, a.z, a.z_lo, a.m, top);
-    detail::raise_maxima(S, S_lo, z, z_lo, m_b, top);
-  }
-  a.S_lo += S_lo;
-  a.z_lo += z_lo;
-  // a.S = fl(a.S + S), and S = its rounding error, which joins the low part.
-  detail::two_sum_fold(a.S.data(), S.data(), a.S.size());
-  detail::two_sum_fold(a.z.data(), z.data(), a.z.size());
-  a.S_lo += S;
-  a.z_lo += z;
+  detail::merge_into(a, rest);
 }
 
 /// \brief The state of a's keys followed by b's (see combine_into()).

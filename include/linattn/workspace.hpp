@@ -6,16 +6,31 @@
 
 #include <array>
 #include <cstddef>
+#include <memory>
 
 #include "common.hpp"
 
 namespace linattn {
 
+namespace detail {
+// Scratch a kernel keeps in a Workspace besides its buffers: the per-thread workspaces and
+// states of a sequence split over threads (detail/sequence_split.hpp). Type-erased because
+// those types are built on this header.
+template <class Scalar>
+struct WorkspaceExtension {
+  virtual ~WorkspaceExtension() = default;
+  virtual std::size_t bytes() const noexcept = 0;
+};
+}  // namespace detail
+
 /// \brief Scratch buffers that the kernels borrow instead of allocating.
 ///
 /// Pass the same Workspace to repeated calls: the first call of a given shape allocates, later
 /// calls of the same or smaller shapes allocate nothing. Buffers only grow. A Workspace is not
-/// shared between threads; give each thread its own.
+/// shared between threads; give each thread its own. A single-sequence kernel that splits a
+/// long sequence over threads (ParallelOptions) keeps a Workspace and a few states per thread
+/// in it, so that the guarantee holds for a given thread count as well. Copying a Workspace
+/// copies its buffers (not that per-thread scratch); a copy is never needed for correctness.
 ///
 /// The kernels' matrix products are Eigen's. When Eigen itself runs products on several threads
 /// (OpenMP with Eigen::nbThreads() > 1, outside a parallel region), Eigen's parallel GEMM
@@ -34,6 +49,19 @@ template <class Scalar>
 class Workspace {
  public:
   static constexpr int kSlots = 16;
+
+  Workspace() = default;
+  Workspace(const Workspace& other) : buffers_(other.buffers_) {}
+  Workspace(Workspace&&) noexcept = default;
+  Workspace& operator=(const Workspace& other) {
+    if (this != &other) {
+      buffers_ = other.buffers_;
+      extension_.reset();
+    }
+    return *this;
+  }
+  Workspace& operator=(Workspace&&) noexcept = default;
+  ~Workspace() = default;
 
   /// A rows x cols column-major view of buffer `slot`, grown if it is too small. Its contents
   /// are unspecified.
@@ -54,12 +82,22 @@ class Workspace {
   std::size_t bytes() const noexcept {
     std::size_t total = 0;
     for (const auto& b : buffers_) total += static_cast<std::size_t>(b.size()) * sizeof(Scalar);
+    if (extension_) total += extension_->bytes();
     return total;
   }
 
   /// Frees every buffer.
   void release() {
     for (auto& b : buffers_) b.resize(0);
+    extension_.reset();
+  }
+
+  /// Internal: the kernel scratch of type T (a detail::WorkspaceExtension), created on first use.
+  template <class T>
+  T& extension() {
+    if (auto* have = dynamic_cast<T*>(extension_.get())) return *have;
+    extension_ = std::make_unique<T>();
+    return static_cast<T&>(*extension_);
   }
 
  private:
@@ -70,6 +108,7 @@ class Workspace {
   }
 
   std::array<Vector<Scalar>, kSlots> buffers_;
+  std::unique_ptr<detail::WorkspaceExtension<Scalar>> extension_;
 };
 
 }  // namespace linattn
