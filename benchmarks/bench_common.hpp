@@ -164,6 +164,23 @@ Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> random_matrix(Index rows, Index
   return m;
 }
 
+// The median of per-iteration figures (the pair benchmarks' ratios: robust to the iterations a
+// neighbour on the machine disturbs).
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n == 0 ? 0.0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
+}
+
+// The calling thread's number in an OpenMP team (0 without OpenMP).
+inline int thread_num() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
 // OpenMP threads for everything that follows. Eigen's own GEMM parallelism stays off (set in
 // run_main): the single-head kernels are measured on one thread, and the multi-head kernels
 // parallelise over heads only.

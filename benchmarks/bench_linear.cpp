@@ -9,7 +9,10 @@
 
 #include "bench_common.hpp"
 
+#include <chrono>
+#include <functional>
 #include <type_traits>
+#include <vector>
 
 namespace lb = linattn_bench;
 using lb::Index;
@@ -119,6 +122,74 @@ void BM_causal(benchmark::State& st, Index D, linattn::CausalAlgorithm algorithm
   st.counters["chunk"] = double(chunk);
 }
 
+// One sequence on two threads (ParallelOptions, spec §8) against one thread, call by call:
+// every iteration times the one-thread call, the split call on two threads, and, as the
+// ceiling of what two threads can give on this machine, two threads each running the
+// one-thread kernel on its own half of the rows at the same time (no summaries, no scan: the
+// split's only extra work). Counters: medians of the per-iteration times and ratios;
+// `speedup` = one thread / split, `ceiling` = one thread / independent halves (below 2: the
+// two threads slow each other down: shared caches, memory, or vCPUs sharing a core).
+void BM_split_pair(benchmark::State& st, bool causal) {
+  const Index N = st.range(0), D = 64, M = 64;
+  const linattn::EluPlusOne phi{};
+  const Mat<float> Q = lb::random_matrix<float>(N, D, 71), K = lb::random_matrix<float>(N, D, 72),
+                   V = lb::random_matrix<float>(N, M, 73);
+  Mat<float> out1(N, M), out2(N, M), halves(N, M);
+  linattn::Workspace<float> ws1, ws2, wsh[2];
+  linattn::ParallelOptions one, two;
+  one.num_threads = 1;
+  two.num_threads = 2;
+  const auto run = [&](const auto& q, const auto& k, const auto& v, auto&& out,
+                       linattn::Workspace<float>& ws, const linattn::ParallelOptions& par) {
+    if (causal) {
+      linattn::LinearAttentionState<float> state;
+      linattn::causal_linear_attention(q, k, v, phi, state, out, ws, {}, par);
+    } else {
+      linattn::linear_attention(q, k, v, phi, out, ws, par);
+    }
+  };
+  const auto run_halves = [&] {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(2)
+#endif
+    {
+      const int t = lb::thread_num();
+      const Index h0 = t == 0 ? 0 : N / 2, h = t == 0 ? N / 2 : N - N / 2;
+      run(Q.middleRows(h0, h), K.middleRows(h0, h), V.middleRows(h0, h), halves.middleRows(h0, h),
+          wsh[t], one);
+    }
+  };
+  const std::function<void()> calls[3] = {[&] { run(Q, K, V, out1, ws1, one); },
+                                          [&] { run(Q, K, V, out2, ws2, two); }, run_halves};
+  for (const auto& c : calls) c();  // sizes the workspaces, faults the outputs in
+  std::vector<double> t[3], speedup, ceiling;
+  int first = 0;
+  for (auto _ : st) {
+    double dt[3];
+    for (int j = 0; j < 3; ++j) {  // rotate the order: no call always runs on a warm cache
+      const int c = (first + j) % 3;
+      const auto t0 = std::chrono::steady_clock::now();
+      calls[c]();
+      benchmark::ClobberMemory();
+      dt[c] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    st.SetIterationTime(dt[0] + dt[1]);
+    for (int c = 0; c < 3; ++c) t[c].push_back(dt[c]);
+    speedup.push_back(dt[0] / dt[1]);
+    ceiling.push_back(dt[0] / dt[2]);
+    first = (first + 1) % 3;
+  }
+  const double rel = double((out1 - out2).cwiseAbs().maxCoeff()) /
+                     std::max(1e-30, double(out1.cwiseAbs().maxCoeff()));
+  if (!(rel < 1e-5)) st.SkipWithError("the split differs from one thread");
+  st.counters["t1_ms"] = 1e3 * lb::median(t[0]);
+  st.counters["t2_ms"] = 1e3 * lb::median(t[1]);
+  st.counters["halves_ms"] = 1e3 * lb::median(t[2]);
+  st.counters["speedup"] = lb::median(speedup);
+  st.counters["ceiling"] = lb::median(ceiling);
+  st.counters["rel_diff"] = rel;
+}
+
 template <class Phi, class T>
 void register_map(const lb::Profile& p, Index D, const std::vector<Index>& ns,
                   const std::vector<Index>& chunks) {
@@ -164,6 +235,17 @@ void register_all(const lb::Profile& p) {
     register_map<linattn::SoftmaxSplit, float>(p, D, p.ns, p.every_variant ? p.chunks : default_chunk);
     register_map<linattn::NormalizedCosine, float>(p, D, p.ns,
                                                    p.every_variant ? p.chunks : default_chunk);
+  }
+  // One long sequence on two threads against one, call by call (not lb::add: manual time).
+  for (const bool causal : {false, true}) {
+    const std::string name = causal ? "split_pair_causal/phi:elu/alg:auto/dtype:f32/D:64"
+                                    : "split_pair_linear/phi:elu/dtype:f32/D:64";
+    auto* b = benchmark::RegisterBenchmark(name.c_str(), [causal](benchmark::State& st) {
+      BM_split_pair(st, causal);
+    });
+    b->ArgName("N")->UseManualTime()->Unit(benchmark::kMillisecond);
+    b->Iterations(p.name == "smoke" ? 2 : 30);
+    b->Arg(p.name == "smoke" ? 4096 : 65536);
   }
   // Double precision: EluPlusOne at D = M = 64 (every D in the full profile), default chunk.
   const std::vector<Index> ns = lb::capped(p.ns, p.double_cap);

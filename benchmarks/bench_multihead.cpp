@@ -240,14 +240,9 @@ void BM_layout_pair(benchmark::State& st, Kind kind) {
   // Row-major memory viewed as the transpose of the column-major buffer holds other values, so
   // the two outputs differ; each must be finite.
   if (!lb::all_finite(out_col) || !lb::all_finite(out_row)) st.SkipWithError("non-finite output");
-  const auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    const std::size_t n = v.size();
-    return n == 0 ? 0.0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
-  };
-  st.counters["col_ms"] = 1e3 * median(t_col);
-  st.counters["row_ms"] = 1e3 * median(t_row);
-  st.counters["row_vs_col"] = median(ratio);
+  st.counters["col_ms"] = 1e3 * lb::median(t_col);
+  st.counters["row_ms"] = 1e3 * lb::median(t_row);
+  st.counters["row_vs_col"] = lb::median(ratio);
   st.SetComplexityN(N);
 }
 
