@@ -18,6 +18,8 @@
 namespace linattn {
 namespace detail {
 
+struct RecurrentStateAccess;  // state_io.hpp: saves and restores the exact decoding position
+
 template <class D>
 void check_token(const char* function, const char* name, const Eigen::MatrixBase<D>& x,
                  Index expected) {
@@ -170,6 +172,10 @@ class RecurrentLinearAttention {
   const FeatureMap& feature_map() const noexcept { return phi_; }
 
  private:
+  // save_state() / load_state() keep the unfolded low parts and the fold schedule, so that a
+  // resumed decode is bit-identical; state() and set_state() fold and restart the schedule.
+  friend struct detail::RecurrentStateAccess;
+
   template <class DQ, class DK, class DV>
   void check_step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                   const Eigen::MatrixBase<DV>& v) const {

@@ -1,0 +1,619 @@
+// Saving and loading states (state_io.hpp, spec §8): round trips of every map in float and
+// double keep every bit; a recurrent decode saved part-way and resumed in a fresh object gives
+// the uninterrupted outputs bit for bit; every malformed file (truncated, bit-flipped, wrong
+// type, kind or shape, absurd shapes, failing streams) is a std::runtime_error that names the
+// problem and leaves the target object as it was.
+#include <linattn/linattn.hpp>
+
+#include <gtest/gtest.h>
+
+#include <Eigen/Core>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <ios>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <streambuf>
+#include <string>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace {
+
+using linattn::EluPlusOne;
+using linattn::LinearAttentionState;
+using linattn::MultiHeadRecurrentLinearAttention;
+using linattn::NormalizedCosine;
+using linattn::RecurrentLinearAttention;
+using linattn::SoftmaxSplit;
+using test::Index;
+using test::Mat;
+
+// Same shape and same bits (NaN payloads and signed zeros included); any layout.
+template <class A, class B>
+bool same_bits(const Eigen::DenseBase<A>& a, const Eigen::DenseBase<B>& b) {
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+  for (Index j = 0; j < a.cols(); ++j)
+    for (Index i = 0; i < a.rows(); ++i) {
+      const typename A::Scalar x = a(i, j);
+      const typename B::Scalar y = b(i, j);
+      if (std::memcmp(&x, &y, sizeof x) != 0) return false;
+    }
+  return true;
+}
+
+template <class S>
+bool same_state(const LinearAttentionState<S>& a, const LinearAttentionState<S>& b) {
+  return same_bits(a.S, b.S) && same_bits(a.z, b.z) && same_bits(a.m, b.m) &&
+         same_bits(a.S_lo, b.S_lo) && same_bits(a.z_lo, b.z_lo);
+}
+
+template <class T>
+std::string saved(const T& x) {
+  std::ostringstream os(std::ios::binary);
+  linattn::save_state(os, x);
+  return os.str();
+}
+
+// The message of the std::runtime_error that f throws ("" and a test failure if none).
+template <class F>
+std::string runtime_error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a std::runtime_error: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "no exception";
+  return "";
+}
+
+bool starts_with(const std::string& s, const std::string& prefix) {
+  return s.compare(0, prefix.size(), prefix) == 0;
+}
+
+// A read-only stream buffer that cannot seek (as a pipe): the loader cannot ask its length.
+class OneWayBuf : public std::streambuf {
+ public:
+  explicit OneWayBuf(std::string bytes) : bytes_(std::move(bytes)) {
+    char* p = bytes_.data();
+    setg(p, p, p + bytes_.size());
+  }
+
+ private:
+  std::string bytes_;
+};
+
+// A sink that takes `capacity` bytes and then fails (a full disk).
+class FullDiskBuf : public std::streambuf {
+ public:
+  explicit FullDiskBuf(std::size_t capacity) : capacity_(capacity) {}
+
+ protected:
+  int_type overflow(int_type c) override {
+    if (used_ >= capacity_) return traits_type::eof();
+    ++used_;
+    return traits_type::not_eof(c);
+  }
+  std::streamsize xsputn(const char*, std::streamsize n) override {
+    const std::streamsize k = std::min<std::streamsize>(n, std::streamsize(capacity_ - used_));
+    used_ += std::size_t(k);
+    return k;
+  }
+
+ private:
+  std::size_t capacity_, used_ = 0;
+};
+
+// A header with a correct CRC declaring what the caller wants (for files the saver never
+// writes).
+std::string header(std::uint32_t version, std::uint32_t scalar, std::uint32_t kind,
+                   std::uint32_t flags, std::uint64_t heads, std::uint64_t D, std::uint64_t F,
+                   std::uint64_t M) {
+  unsigned char h[60];
+  const unsigned char magic[8] = {0x89, 'L', 'A', 'S', '\r', '\n', 0x1A, '\n'};
+  std::memcpy(h, magic, 8);
+  linattn::detail::io::put_le(h + 8, version);
+  linattn::detail::io::put_le(h + 12, scalar);
+  linattn::detail::io::put_le(h + 16, kind);
+  linattn::detail::io::put_le(h + 20, flags);
+  linattn::detail::io::put_le(h + 24, heads);
+  linattn::detail::io::put_le(h + 32, D);
+  linattn::detail::io::put_le(h + 40, F);
+  linattn::detail::io::put_le(h + 48, M);
+  linattn::detail::io::put_le(h + 56, linattn::detail::io::crc32(h, 56));
+  return std::string(reinterpret_cast<const char*>(h), 60);
+}
+
+// Replaces the trailing CRC by the right one for the (edited) bytes before it.
+void reseal(std::string& file) {
+  const std::uint32_t crc = linattn::detail::io::crc32(file.data(), file.size() - 4);
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&file[file.size() - 4]), crc);
+}
+
+// Runs rnn over rows [from, to) and returns their outputs.
+template <class R, class S>
+Mat<S> run(R& rnn, const Mat<S>& Q, const Mat<S>& K, const Mat<S>& V, Index from, Index to) {
+  Mat<S> out(to - from, V.cols());
+  Eigen::Matrix<S, Eigen::Dynamic, 1> o(V.cols());
+  for (Index t = from; t < to; ++t) {
+    rnn.step(Q.row(t), K.row(t), V.row(t), o);
+    out.row(t - from) = o.transpose();
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------
+// Format
+// ------------------------------------------------------------------------------------------
+
+TEST(StateIoFormat, Crc32CheckValue) {
+  EXPECT_EQ(linattn::detail::io::crc32("123456789", 9), 0xCBF43926u);
+  EXPECT_EQ(linattn::detail::io::crc32("", 0), 0u);
+}
+
+TEST(StateIoFormat, LayoutIsLittleEndianAsDocumented) {
+  LinearAttentionState<float> st(1, 2, /*per_feature=*/true);
+  st.S << 1.0f, -2.0f;
+  st.z << 0.5f;
+  st.m << -std::numeric_limits<float>::infinity();
+  const std::string f = saved(st);
+  ASSERT_EQ(f.size(), 64u + 16u + 4u * (2 * 2 + 2 + 1));
+  const auto* b = reinterpret_cast<const unsigned char*>(f.data());
+  const unsigned char magic[8] = {0x89, 0x4C, 0x41, 0x53, 0x0D, 0x0A, 0x1A, 0x0A};
+  EXPECT_EQ(std::memcmp(b, magic, 8), 0);
+  const auto u32 = [&](std::size_t at) { return linattn::detail::io::get_le<std::uint32_t>(b + at); };
+  const auto u64 = [&](std::size_t at) { return linattn::detail::io::get_le<std::uint64_t>(b + at); };
+  EXPECT_EQ(u32(8), 1u);   // version
+  EXPECT_EQ(u32(12), 1u);  // float
+  EXPECT_EQ(u32(16), 1u);  // a LinearAttentionState
+  EXPECT_EQ(u32(20), 1u);  // maxima
+  EXPECT_EQ(u64(24), 1u);  // heads
+  EXPECT_EQ(u64(32), 0u);  // D unknown
+  EXPECT_EQ(u64(40), 1u);  // F
+  EXPECT_EQ(u64(48), 2u);  // M
+  EXPECT_EQ(u32(56), linattn::detail::io::crc32(b, 56));
+  EXPECT_EQ(u64(60), 0u);  // position
+  EXPECT_EQ(u64(68), 0u);  // unfolded tokens
+  // S = (1, -2): 0x3F800000 and 0xC0000000, least significant byte first.
+  const unsigned char s_bytes[8] = {0x00, 0x00, 0x80, 0x3F, 0x00, 0x00, 0x00, 0xC0};
+  EXPECT_EQ(std::memcmp(b + 76, s_bytes, 8), 0);
+  EXPECT_EQ(u64(84), 0u);           // S_lo: zeros
+  EXPECT_EQ(u32(92), 0x3F000000u);  // z = 0.5
+  EXPECT_EQ(u32(96), 0u);           // z_lo
+  EXPECT_EQ(u32(100), 0xFF800000u);  // m = -inf
+  EXPECT_EQ(u32(104), linattn::detail::io::crc32(b, 104));
+}
+
+// ------------------------------------------------------------------------------------------
+// Round trips
+// ------------------------------------------------------------------------------------------
+
+template <class S>
+class StateIoRoundTrip : public ::testing::Test {};
+using StateIoScalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(StateIoRoundTrip, StateIoScalars, );
+
+template <class S, class Phi>
+void check_round_trip(const Phi& phi, Index D, Index M, std::uint32_t seed) {
+  const Mat<S> K = test::random_matrix<S>(37, D, seed, -3, 3);
+  const Mat<S> V = test::random_matrix<S>(37, M, seed + 1);
+  LinearAttentionState<S> st = linattn::summarize(K, V, phi);
+  st.S_lo.setConstant(S(1e-9));  // low parts that are not zero must survive too
+  if (st.m.size() > 0) {  // a feature before any key: m = -inf, zero sums
+    st.m(0) = -std::numeric_limits<S>::infinity();
+    st.S.row(0).setZero();
+    st.S_lo.row(0).setZero();
+    st.z(0) = 0;
+    st.z_lo(0) = 0;
+  }
+  const std::string f = saved(st);
+  EXPECT_EQ(f.size(), std::size_t(64 + 16 + sizeof(S) * (2 * st.S.size() + 2 * st.z.size() +
+                                                         st.m.size())));
+  std::istringstream is(f, std::ios::binary);
+  const auto back = linattn::load_state<S>(is);
+  EXPECT_TRUE(same_state(back, st));
+  EXPECT_EQ(is.peek(), std::char_traits<char>::eof());  // exactly one record consumed
+}
+
+TYPED_TEST(StateIoRoundTrip, EveryMapKeepsEveryBit) {
+  using S = TypeParam;
+  check_round_trip<S>(EluPlusOne{}, 5, 3, 11);
+  check_round_trip<S>(SoftmaxSplit{}, 4, 6, 12);
+  check_round_trip<S>(NormalizedCosine{}, 6, 2, 13);
+}
+
+TYPED_TEST(StateIoRoundTrip, FreshMaximaAreMinusInfinity) {
+  using S = TypeParam;
+  const auto st = linattn::make_state<S>(SoftmaxSplit{}, 3, 2);
+  std::istringstream is(saved(st), std::ios::binary);
+  const auto back = linattn::load_state<S>(is);
+  ASSERT_EQ(back.m.size(), 3);
+  for (Index d = 0; d < 3; ++d) EXPECT_EQ(back.m(d), -std::numeric_limits<S>::infinity());
+  EXPECT_TRUE(same_state(back, st));
+}
+
+TYPED_TEST(StateIoRoundTrip, EmptyLowPartsLoadAsZerosAndEmptyStateStaysEmpty) {
+  using S = TypeParam;
+  LinearAttentionState<S> st;
+  st.S = test::random_matrix<S>(3, 4, 5);
+  st.z = test::random_matrix<S>(3, 1, 6);
+  std::istringstream is(saved(st), std::ios::binary);
+  const auto back = linattn::load_state<S>(is);
+  EXPECT_TRUE(same_bits(back.S, st.S));
+  EXPECT_TRUE(same_bits(back.z, st.z));
+  EXPECT_TRUE(back.S_lo.isZero(0));
+  EXPECT_EQ(back.S_lo.rows(), 3);
+  EXPECT_EQ(back.S_lo.cols(), 4);
+  EXPECT_TRUE(back.z_lo.isZero(0));
+  EXPECT_EQ(back.z_lo.size(), 3);
+  EXPECT_EQ(back.m.size(), 0);
+
+  std::istringstream empty(saved(LinearAttentionState<S>{}), std::ios::binary);
+  EXPECT_TRUE(linattn::load_state<S>(empty).empty());
+}
+
+TYPED_TEST(StateIoRoundTrip, RecordsFollowEachOtherInOneStream) {
+  using S = TypeParam;
+  const auto a = linattn::summarize(test::random_matrix<S>(9, 3, 1), test::random_matrix<S>(9, 2, 2));
+  const auto b = linattn::summarize(test::random_matrix<S>(9, 4, 3), test::random_matrix<S>(9, 5, 4),
+                                    SoftmaxSplit{});
+  std::stringstream ss(std::ios::in | std::ios::out | std::ios::binary);
+  linattn::save_state(ss, a);
+  linattn::save_state(ss, b);
+  EXPECT_TRUE(same_state(linattn::load_state<S>(ss), a));
+  EXPECT_TRUE(same_state(linattn::load_state<S>(ss), b));
+}
+
+TYPED_TEST(StateIoRoundTrip, ThroughAFile) {
+  using S = TypeParam;
+  const auto st = linattn::summarize(test::random_matrix<S>(20, 4, 7), test::random_matrix<S>(20, 3, 8),
+                                     SoftmaxSplit{});
+  const std::string path = ::testing::TempDir() + "linattn_state_io_" +
+                           std::to_string(sizeof(S)) + ".state";
+  {
+    std::ofstream out(path, std::ios::binary);
+    linattn::save_state(out, st);
+  }
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(same_state(linattn::load_state<S>(in), st));
+  in.close();
+  std::remove(path.c_str());
+}
+
+// ------------------------------------------------------------------------------------------
+// Resuming a decode
+// ------------------------------------------------------------------------------------------
+
+template <class S>
+class StateIoResume : public ::testing::Test {};
+TYPED_TEST_SUITE(StateIoResume, StateIoScalars, );
+
+// The uninterrupted run against runs saved after k tokens, loaded into a fresh object and
+// continued: the same bits for every k, before, at and after a fold of the low parts.
+template <class S, class Phi>
+void check_resume(Index D, Index M, std::uint32_t seed) {
+  constexpr Index N = 300;
+  const Mat<S> Q = test::random_matrix<S>(N, D, seed, -2, 2);
+  const Mat<S> K = test::random_matrix<S>(N, D, seed + 1, -2, 2);
+  const Mat<S> V = test::random_matrix<S>(N, M, seed + 2);
+  RecurrentLinearAttention<Phi, S> whole(D, M);
+  const Mat<S> expected = run(whole, Q, K, V, 0, N);
+  for (const Index k : {Index(0), Index(1), Index(77), Index(127), Index(128), Index(200), N - 1}) {
+    SCOPED_TRACE("saved after " + std::to_string(k) + " tokens");
+    RecurrentLinearAttention<Phi, S> first(D, M);
+    run(first, Q, K, V, 0, k);
+    std::stringstream file(std::ios::in | std::ios::out | std::ios::binary);
+    linattn::save_state(file, first);
+    RecurrentLinearAttention<Phi, S> resumed(D, M);
+    linattn::load_state(file, resumed);
+    EXPECT_EQ(resumed.position(), k);
+    const Mat<S> rest = run(resumed, Q, K, V, k, N);
+    EXPECT_TRUE(same_bits(rest, expected.bottomRows(N - k)));
+    EXPECT_TRUE(same_state(resumed.state(), whole.state()));
+  }
+}
+
+TYPED_TEST(StateIoResume, RecurrentIsBitIdentical) {
+  using S = TypeParam;
+  check_resume<S, EluPlusOne>(6, 5, 21);
+  check_resume<S, SoftmaxSplit>(5, 7, 22);
+  check_resume<S, NormalizedCosine>(8, 4, 23);
+}
+
+TYPED_TEST(StateIoResume, MultiHeadIsBitIdentical) {
+  using S = TypeParam;
+  constexpr Index H = 3, D = 4, M = 5, N = 260, k = 150;
+  const Mat<S> Q = test::random_matrix<S>(N, H * D, 31, -2, 2);
+  const Mat<S> K = test::random_matrix<S>(N, H * D, 32, -2, 2);
+  const Mat<S> V = test::random_matrix<S>(N, H * M, 33);
+  MultiHeadRecurrentLinearAttention<SoftmaxSplit, S> whole(H, D, M);
+  const Mat<S> expected = run(whole, Q, K, V, 0, N);
+  MultiHeadRecurrentLinearAttention<SoftmaxSplit, S> first(H, D, M);
+  run(first, Q, K, V, 0, k);
+  std::stringstream file(std::ios::in | std::ios::out | std::ios::binary);
+  linattn::save_state(file, first);
+  MultiHeadRecurrentLinearAttention<SoftmaxSplit, S> resumed(H, D, M);
+  linattn::load_state(file, resumed);
+  for (Index h = 0; h < H; ++h) EXPECT_EQ(resumed.head(h).position(), k);
+  EXPECT_TRUE(same_bits(run(resumed, Q, K, V, k, N), expected.bottomRows(N - k)));
+}
+
+// "Another process": the bytes go through a file and a fresh std::ifstream.
+TEST(StateIoResume, ThroughAFile) {
+  constexpr Index D = 8, M = 8, N = 400, k = 201;
+  const Mat<float> Q = test::random_matrix<float>(N, D, 41, -2, 2);
+  const Mat<float> K = test::random_matrix<float>(N, D, 42, -2, 2);
+  const Mat<float> V = test::random_matrix<float>(N, M, 43);
+  RecurrentLinearAttention<EluPlusOne, float> whole(D, M);
+  const Mat<float> expected = run(whole, Q, K, V, 0, N);
+  const std::string path = ::testing::TempDir() + "linattn_state_io_resume.state";
+  {
+    RecurrentLinearAttention<EluPlusOne, float> first(D, M);
+    run(first, Q, K, V, 0, k);
+    std::ofstream out(path, std::ios::binary);
+    linattn::save_state(out, first);
+  }
+  RecurrentLinearAttention<EluPlusOne, float> resumed(D, M);
+  {
+    std::ifstream in(path, std::ios::binary);
+    linattn::load_state(in, resumed);
+  }
+  std::remove(path.c_str());
+  EXPECT_TRUE(same_bits(run(resumed, Q, K, V, k, N), expected.bottomRows(N - k)));
+}
+
+// ------------------------------------------------------------------------------------------
+// Failures
+// ------------------------------------------------------------------------------------------
+
+// A small decode in progress (SoftmaxSplit, double) and its file.
+struct Saved {
+  RecurrentLinearAttention<SoftmaxSplit, double> rnn{3, 2};
+  std::string file;
+  Saved() {
+    const Mat<double> Q = test::random_matrix<double>(10, 3, 51);
+    const Mat<double> K = test::random_matrix<double>(10, 3, 52);
+    const Mat<double> V = test::random_matrix<double>(10, 2, 53);
+    run(rnn, Q, K, V, 0, 10);
+    file = saved(rnn);
+  }
+};
+
+// Another object of the same shape, in another position: what a failed load must keep.
+RecurrentLinearAttention<SoftmaxSplit, double> bystander() {
+  RecurrentLinearAttention<SoftmaxSplit, double> rnn(3, 2);
+  const Mat<double> X = test::random_matrix<double>(5, 3, 54);
+  run(rnn, X, X, test::random_matrix<double>(5, 2, 55), 0, 5);
+  return rnn;
+}
+
+TEST(StateIoFailure, EveryTruncationThrowsAndNamesTheField) {
+  const Saved s;
+  auto target = bystander();
+  const std::string before = saved(target);
+  for (std::size_t len = 0; len < s.file.size(); ++len) {
+    SCOPED_TRACE("first " + std::to_string(len) + " bytes");
+    const std::string cut = s.file.substr(0, len);
+    std::istringstream seekable(cut, std::ios::binary);
+    const std::string m1 = runtime_error_of([&] { linattn::load_state(seekable, target); });
+    EXPECT_TRUE(starts_with(m1, "linattn::load_state: truncated file: expected ")) << m1;
+    OneWayBuf buf(cut);  // the other path: the loader cannot ask for the length
+    std::istream pipe(&buf);
+    const std::string m2 = runtime_error_of([&] { linattn::load_state(pipe, target); });
+    EXPECT_EQ(m1, m2);
+  }
+  EXPECT_EQ(saved(target), before);
+  // The message says which field and how much of it there was.
+  std::istringstream is(s.file.substr(0, 60 + 16 + 20), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(is, target); }),
+            "linattn::load_state: truncated file: expected 48 bytes of S, got 20");
+  std::istringstream empty("");
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(empty, target); }),
+            "linattn::load_state: truncated file: expected 8 bytes of magic number, got 0");
+}
+
+TEST(StateIoFailure, EverySingleBitFlipThrows) {
+  const Saved s;
+  auto target = bystander();
+  const std::string before = saved(target);
+  std::mt19937 gen(20240613);
+  std::uniform_int_distribution<std::size_t> pos(0, s.file.size() * 8 - 1);
+  for (int trial = 0; trial < 3000; ++trial) {
+    const std::size_t bit = pos(gen), byte = bit / 8;
+    std::string f = s.file;
+    f[byte] = char(f[byte] ^ (1 << (bit % 8)));
+    std::istringstream is(f, std::ios::binary);
+    const std::string m = runtime_error_of([&] { linattn::load_state(is, target); });
+    const char* expected = byte < 8    ? "linattn::load_state: wrong magic number"
+                           : byte < 12 ? "linattn::load_state: unsupported format version"
+                           : byte < 60 ? "linattn::load_state: corrupted header: checksum mismatch"
+                                       : "linattn::load_state: corrupted data: checksum mismatch";
+    ASSERT_TRUE(starts_with(m, expected)) << "bit " << bit << ": " << m;
+  }
+  EXPECT_EQ(saved(target), before);
+}
+
+TEST(StateIoFailure, WrongScalarType) {
+  const Saved s;
+  RecurrentLinearAttention<SoftmaxSplit, float> target(3, 2);
+  const std::string before = saved(target);
+  std::istringstream is(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(is, target); }),
+            "linattn::load_state: wrong scalar type: the file holds double, not float");
+  EXPECT_EQ(saved(target), before);
+  std::istringstream st(saved(LinearAttentionState<float>(2, 2)), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state<double>(st); }),
+            "linattn::load_state: wrong scalar type: the file holds float, not double");
+}
+
+TEST(StateIoFailure, WrongKind) {
+  const Saved s;
+  std::istringstream a(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state<double>(a); }),
+            "linattn::load_state: wrong kind: the file holds the state of a "
+            "RecurrentLinearAttention, not a LinearAttentionState");
+  auto target = bystander();
+  const std::string before = saved(target);
+  std::istringstream b(saved(LinearAttentionState<double>(3, 2, true)), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(b, target); }),
+            "linattn::load_state: wrong kind: the file holds a LinearAttentionState, not the "
+            "state of a RecurrentLinearAttention");
+  EXPECT_EQ(saved(target), before);
+  MultiHeadRecurrentLinearAttention<SoftmaxSplit, double> heads(1, 3, 2);
+  std::istringstream c(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(c, heads); }),
+            "linattn::load_state: wrong kind: the file holds the state of a "
+            "RecurrentLinearAttention, not the states of a MultiHeadRecurrentLinearAttention");
+}
+
+TEST(StateIoFailure, WrongShapeForTheObject) {
+  const Saved s;  // SoftmaxSplit, D = F = 3, M = 2
+  RecurrentLinearAttention<SoftmaxSplit, double> wider(3, 5);
+  const std::string before = saved(wider);
+  std::istringstream a(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(a, wider); }),
+            "linattn::load_state: shape mismatch: the file holds 1 head(s) of D = 3, F = 3, "
+            "M = 2 with running maxima, this RecurrentLinearAttention has 1 head(s) of D = 3, "
+            "F = 3, M = 5 with running maxima");
+  EXPECT_EQ(saved(wider), before);
+  RecurrentLinearAttention<EluPlusOne, double> other_map(3, 2);
+  std::istringstream b(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(b, other_map); }),
+            "linattn::load_state: shape mismatch: the file holds 1 head(s) of D = 3, F = 3, "
+            "M = 2 with running maxima, this RecurrentLinearAttention has 1 head(s) of D = 3, "
+            "F = 3, M = 2 without running maxima");
+
+  MultiHeadRecurrentLinearAttention<EluPlusOne, float> two(2, 4, 4), three(3, 4, 4);
+  const Mat<float> X = test::random_matrix<float>(3, 12, 56);
+  run(three, X, X, X, 0, 3);
+  const std::string three_before = saved(three);
+  std::istringstream c(saved(two), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(c, three); }),
+            "linattn::load_state: shape mismatch: the file holds 2 head(s) of D = 4, F = 4, "
+            "M = 4 without running maxima, this MultiHeadRecurrentLinearAttention has 3 head(s) "
+            "of D = 4, F = 4, M = 4 without running maxima");
+  EXPECT_EQ(saved(three), three_before);
+}
+
+TEST(StateIoFailure, HeaderFieldsAreChecked) {
+  const auto load = [](const std::string& bytes) {
+    std::istringstream is(bytes, std::ios::binary);
+    return runtime_error_of([&] { linattn::load_state<float>(is); });
+  };
+  const std::string p = "linattn::load_state: ";
+  EXPECT_EQ(load("\x89LAS\n\x1a\n\n" + std::string(100, '\0')),
+            p + "wrong magic number: not a linattn state file (or one that went through a "
+                "text-mode stream)");
+  EXPECT_EQ(load(header(2, 1, 1, 0, 1, 0, 2, 2)),
+            p + "unsupported format version 2 (this linattn reads version 1)");
+  EXPECT_EQ(load(header(1, 3, 1, 0, 1, 0, 2, 2)), p + "unknown scalar type code 3");
+  EXPECT_EQ(load(header(1, 1, 4, 0, 1, 0, 2, 2)), p + "unknown kind code 4");
+  EXPECT_EQ(load(header(1, 1, 1, 6, 1, 0, 2, 2)), p + "unknown flags 6");
+  EXPECT_EQ(load(header(1, 1, 1, 0, 2, 0, 2, 2)), p + "invalid head count 2");
+  EXPECT_EQ(load(header(1, 1, 1, 0, 1, 5, 2, 2)), p + "invalid key dimension 5");
+  MultiHeadRecurrentLinearAttention<EluPlusOne, float> heads(2, 2, 2);
+  std::istringstream zero(header(1, 1, 3, 0, 0, 2, 2, 2), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(zero, heads); }),
+            p + "invalid head count 0");
+}
+
+TEST(StateIoFailure, InvalidRecordFieldsAreChecked) {
+  const Saved s;
+  auto target = bystander();
+  const std::string before = saved(target);
+  std::string f = s.file;
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&f[68]), std::uint64_t(200));
+  reseal(f);
+  std::istringstream a(f, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(a, target); }),
+            "linattn::load_state: invalid record: 200 unfolded tokens (at most 127)");
+  EXPECT_EQ(saved(target), before);
+  std::string g = saved(LinearAttentionState<double>(2, 2));
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&g[60]), std::uint64_t(7));
+  reseal(g);
+  std::istringstream b(g, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state<double>(b); }),
+            "linattn::load_state: invalid record: a LinearAttentionState has position 0 and 0 "
+            "unfolded tokens, the file says 7 and 0");
+}
+
+// Shapes past the sanity bounds are refused from the header; a large declared state with a
+// short stream is refused before its size is allocated, whether or not the stream can tell
+// its length. (Allocating the declared 32 GiB would throw std::bad_alloc on the CI machine.)
+TEST(StateIoFailure, HugeDeclaredShapesDoNotAllocate) {
+  const std::string p = "linattn::load_state: ";
+  std::istringstream absurd(header(1, 1, 1, 0, 1, 0, 1ull << 40, 1ull << 40), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state<float>(absurd); }),
+            p + "absurd shape: F = 1099511627776, M = 1099511627776, 1 head(s) (more than the 64 "
+                "GiB this loader accepts)");
+  std::istringstream too_much(header(1, 2, 1, 0, 1, 0, 1u << 16, 1u << 16), std::ios::binary);
+  EXPECT_TRUE(starts_with(runtime_error_of([&] { linattn::load_state<double>(too_much); }),
+                          p + "absurd shape: F = 65536, M = 65536"));
+  MultiHeadRecurrentLinearAttention<EluPlusOne, float> heads(2, 2, 2);
+  std::istringstream many(header(1, 1, 3, 0, 1u << 20, 2, 2, 2), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(many, heads); }),
+            p + "invalid head count 1048576");
+
+  // 2^16 x 2^16 floats: 16 GiB of S, within the bounds, with 100 bytes behind the header.
+  const std::string big = header(1, 1, 1, 0, 1, 0, 1u << 16, 1u << 16) + std::string(100, '\0');
+  const std::string expected = p + "truncated file: expected 17179869184 bytes of S, got 84";
+  std::istringstream seekable(big, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state<float>(seekable); }), expected);
+  OneWayBuf buf(big);
+  std::istream pipe(&buf);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state<float>(pipe); }), expected);
+}
+
+TEST(StateIoFailure, StreamStatesAreChecked) {
+  const Saved s;
+  auto target = bystander();
+  const std::string before = saved(target);
+  std::istringstream failed(s.file, std::ios::binary);
+  failed.setstate(std::ios::failbit);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(failed, target); }),
+            "linattn::load_state: the stream is not readable (its failbit or badbit is set)");
+  // An exception mask does not replace the loader's own message.
+  std::istringstream masked(s.file.substr(0, 100), std::ios::binary);
+  masked.exceptions(std::ios::failbit | std::ios::eofbit | std::ios::badbit);
+  EXPECT_TRUE(starts_with(runtime_error_of([&] { linattn::load_state(masked, target); }),
+                          "linattn::load_state: truncated file: expected 48 bytes of S, got 24"));
+  EXPECT_EQ(saved(target), before);
+
+  std::ostringstream bad;
+  bad.setstate(std::ios::badbit);
+  EXPECT_EQ(runtime_error_of([&] { linattn::save_state(bad, s.rnn); }),
+            "linattn::save_state: the stream is not writable (its failbit or badbit is set)");
+  for (const bool with_mask : {false, true}) {
+    FullDiskBuf disk(50);
+    std::ostream out(&disk);
+    if (with_mask) out.exceptions(std::ios::badbit | std::ios::failbit);
+    EXPECT_TRUE(starts_with(runtime_error_of([&] { linattn::save_state(out, s.rnn); }),
+                            "linattn::save_state: writing failed after 0 bytes"));
+  }
+}
+
+TEST(StateIoFailure, InconsistentStateIsRefusedBySave) {
+  LinearAttentionState<float> st(3, 2);
+  st.z.resize(2);
+  std::ostringstream os;
+  try {
+    linattn::save_state(os, st);
+    ADD_FAILURE() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "linattn::save_state: the state's parts disagree in shape: S is 3x2, z has 2 "
+              "entries, m 0, S_lo is 3x2, z_lo has 3");
+  }
+  EXPECT_TRUE(os.str().empty());
+}
+
+}  // namespace
