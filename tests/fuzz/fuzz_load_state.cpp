@@ -1,0 +1,95 @@
+// libFuzzer target of the state loader (state_io.hpp): arbitrary bytes go to load_state for
+// float and double states and into recurrent and multi-head recurrent objects, through a
+// seekable and a non-seekable stream. Any exception but std::runtime_error is a bug, and so
+// is a load that succeeds and does not save back to exactly the bytes it consumed, or one
+// that fails and changes the object. ASan and UBSan catch the rest.
+#include <linattn/linattn.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <ios>
+#include <istream>
+#include <sstream>
+#include <stdexcept>
+#include <streambuf>
+#include <string>
+
+namespace {
+
+[[noreturn]] void bug(const char* what) {
+  std::fprintf(stderr, "fuzz_load_state: %s\n", what);
+  std::abort();
+}
+
+// A stream buffer that cannot seek (a pipe): the loader cannot ask for the length.
+class OneWayBuf : public std::streambuf {
+ public:
+  explicit OneWayBuf(std::string& bytes) {
+    char* p = bytes.data();
+    setg(p, p, p + bytes.size());
+  }
+};
+
+template <class T>
+std::string saved(const T& x) {
+  std::ostringstream os(std::ios::binary);
+  linattn::save_state(os, x);
+  return os.str();
+}
+
+// Loads with `load` from both kinds of stream; on success the re-saved object must be the
+// bytes consumed, on failure (std::runtime_error only) `unchanged` must hold.
+template <class Load, class Resave, class Unchanged>
+void check(std::string& bytes, Load&& load, Resave&& resave, Unchanged&& unchanged) {
+  for (int seekable = 0; seekable < 2; ++seekable) {
+    std::istringstream string_stream(bytes, std::ios::binary);
+    OneWayBuf buf(bytes);
+    std::istream pipe(&buf);
+    std::istream& is = seekable ? static_cast<std::istream&>(string_stream) : pipe;
+    try {
+      load(is);
+    } catch (const std::runtime_error&) {
+      if (!unchanged()) bug("a failed load changed the object");
+      continue;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "unexpected exception: %s\n", e.what());
+      bug("an exception other than std::runtime_error");
+    } catch (...) {
+      bug("a non-standard exception");
+    }
+    const std::string again = resave();
+    if (again.size() > bytes.size() || bytes.compare(0, again.size(), again) != 0)
+      bug("a loaded record does not save back to the bytes it came from");
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  std::string bytes(reinterpret_cast<const char*>(data), size);
+
+  linattn::LinearAttentionState<float> sf;
+  check(bytes, [&](std::istream& is) { sf = linattn::load_state<float>(is); },
+        [&] { return saved(sf); }, [] { return true; });
+  linattn::LinearAttentionState<double> sd;
+  check(bytes, [&](std::istream& is) { sd = linattn::load_state<double>(is); },
+        [&] { return saved(sd); }, [] { return true; });
+
+  // The shapes of the seed corpus (make_fuzz_seeds.cpp), so that mutations reach the payload.
+  linattn::RecurrentLinearAttention<linattn::EluPlusOne, float> rf(3, 2);
+  const std::string rf_before = saved(rf);
+  check(bytes, [&](std::istream& is) { linattn::load_state(is, rf); }, [&] { return saved(rf); },
+        [&] { return saved(rf) == rf_before; });
+  linattn::RecurrentLinearAttention<linattn::SoftmaxSplit, double> rd(2, 3);
+  const std::string rd_before = saved(rd);
+  check(bytes, [&](std::istream& is) { linattn::load_state(is, rd); }, [&] { return saved(rd); },
+        [&] { return saved(rd) == rd_before; });
+  linattn::MultiHeadRecurrentLinearAttention<linattn::SoftmaxSplit, float> mh(2, 2, 2);
+  const std::string mh_before = saved(mh);
+  check(bytes, [&](std::istream& is) { linattn::load_state(is, mh); }, [&] { return saved(mh); },
+        [&] { return saved(mh) == mh_before; });
+  return 0;
+}

@@ -1,0 +1,60 @@
+// Writes the seed corpus of fuzz_load_state into the directory given: one valid file of each
+// kind and scalar type, in the shapes the fuzz target's objects have, so that the fuzzer
+// starts from inputs that pass the checksums and mutates from there.
+#include <linattn/linattn.hpp>
+
+#include <Eigen/Core>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <ios>
+#include <string>
+#include <system_error>
+
+namespace {
+
+template <class T>
+bool write(const std::string& dir, const char* name, const T& x) {
+  std::ofstream out(dir + "/" + name, std::ios::binary);
+  linattn::save_state(out, x);
+  return static_cast<bool>(out);
+}
+
+template <class S, class R>
+void steps(R& rnn, int n, int width_q, int width_v) {
+  for (int t = 0; t < n; ++t) {
+    const Eigen::VectorXf q = Eigen::VectorXf::LinSpaced(width_q, -1.0f + 0.1f * t, 1.0f);
+    const Eigen::VectorXf v = Eigen::VectorXf::LinSpaced(width_v, 0.5f, -0.25f * t);
+    rnn.step(q.cast<S>(), q.reverse().cast<S>(), v.cast<S>());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: make_fuzz_seeds <corpus directory>\n");
+    return 2;
+  }
+  const std::string dir = argv[1];
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  bool ok = !ec;
+  const Eigen::MatrixXf K = Eigen::MatrixXf::Constant(5, 3, 0.5f), V = Eigen::MatrixXf::Ones(5, 2);
+  ok &= write(dir, "state_float", linattn::summarize(K, V, linattn::SoftmaxSplit{}));
+  ok &= write(dir, "state_double", linattn::summarize(K.cast<double>().eval(),
+                                                      V.cast<double>().eval()));
+  ok &= write(dir, "state_empty", linattn::LinearAttentionState<float>{});
+  linattn::MultiHeadRecurrentLinearAttention<linattn::EluPlusOne, float> rf(1, 3, 2);
+  steps<float>(rf, 5, 3, 2);
+  ok &= write(dir, "recurrent_float", rf.head(0));
+  linattn::MultiHeadRecurrentLinearAttention<linattn::SoftmaxSplit, double> rd(1, 2, 3);
+  steps<double>(rd, 7, 2, 3);
+  ok &= write(dir, "recurrent_double", rd.head(0));
+  linattn::MultiHeadRecurrentLinearAttention<linattn::SoftmaxSplit, float> mh(2, 2, 2);
+  steps<float>(mh, 4, 4, 4);
+  ok &= write(dir, "multihead_float", mh);
+  if (!ok) std::fprintf(stderr, "make_fuzz_seeds: could not write into %s\n", dir.c_str());
+  return ok ? 0 : 1;
+}
