@@ -394,4 +394,492 @@ TEST(ServingErrors, DecodeMessages) {
                  {"linattn::BatchedRecurrentLinearAttention", "heads = 0"}, "no heads");
 }
 
+// ---------------------------------------------------------------------------------------------
+// (b) States in and out of the multi-head and batched causal kernels
+// ---------------------------------------------------------------------------------------------
+
+CausalOptions causal_options(CausalAlgorithm algorithm, Index chunk) {
+  CausalOptions o;
+  o.algorithm = algorithm;
+  o.chunk_size = chunk;
+  return o;
+}
+
+const std::vector<CausalOptions>& all_causal_options() {
+  static const std::vector<CausalOptions> list = {
+      CausalOptions{}, causal_options(CausalAlgorithm::Chunked, 0),
+      causal_options(CausalAlgorithm::Chunked, 7), causal_options(CausalAlgorithm::Recurrent, 0)};
+  return list;
+}
+
+// Packed inputs of `rows` rows: Q, K (rows x H·D), V (rows x H·M), row-major.
+template <class S, class Map>
+struct Packed {
+  RowMat<S> Q, K, V;
+  Packed(Index rows, Index H, Index D, Index M, std::uint32_t salt) {
+    const Tokens<S, Map> x(rows, H, D, M, 1000, salt);
+    Q = x.q;
+    K = x.k;
+    V = x.v;
+  }
+};
+
+// States of some (sequence, head) pairs from an earlier single-head call (the rest empty).
+template <class S, class Map>
+States<S> initial_states(Index count, Index D, Index M, std::uint32_t salt) {
+  States<S> st(static_cast<std::size_t>(count));
+  for (Index i = 0; i < count; i += 2) {
+    const Packed<S, Map> x(5 + i, 1, D, M, salt + std::uint32_t(i));
+    (void)linattn::causal_linear_attention(x.Q, x.K, x.V, Map{}, st[static_cast<std::size_t>(i)]);
+  }
+  return st;
+}
+
+// Each (sequence, head) of the batched states form against causal_linear_attention() on its
+// columns and rows with the same initial state, on one thread: outputs and final states bit for
+// bit; with 1, 2 and 3 threads over heads and sequences; multihead_ (one sequence) too.
+template <class S, class Map>
+void check_states_bitwise(const std::vector<Index>& lengths, Index H, Index D, Index M) {
+  std::vector<Index> off = {0};
+  for (Index n : lengths) off.push_back(off.back() + n);
+  const Index B = static_cast<Index>(lengths.size()), N = off.back();
+  const Packed<S, Map> x(N, H, D, M, 21);
+  for (const CausalOptions& opts : all_causal_options()) {
+    const std::string tag = tag_of<S, Map>("batched_causal_linear_attention(states)") + " N=" +
+                            std::to_string(N) + " chunk=" + std::to_string(opts.chunk_size) +
+                            " alg=" + std::to_string(int(opts.algorithm));
+    // The reference: per (sequence, head) single-head calls.
+    States<S> expected = initial_states<S, Map>(B * H, D, M, 5);
+    // Row-major like `out` below: Eigen's products into row-major and column-major blocks
+    // round differently.
+    RowMat<S> ref(N, H * M);
+    linattn::Workspace<S> w;
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < H; ++h) {
+        const Index r0 = off[static_cast<std::size_t>(b)], n = lengths[static_cast<std::size_t>(b)];
+        linattn::causal_linear_attention(
+            x.Q.block(r0, h * D, n, D), x.K.block(r0, h * D, n, D), x.V.block(r0, h * M, n, M),
+            Map{}, expected[static_cast<std::size_t>(b * H + h)], ref.block(r0, h * M, n, M), w,
+            opts, threads(1));
+      }
+    for (const int nt : {1, 2, 3}) {
+      States<S> got = initial_states<S, Map>(B * H, D, M, 5);
+      MultiHeadWorkspace<S> ws;
+      RowMat<S> out(N, H * M);
+      linattn::batched_causal_linear_attention(x.Q, x.K, x.V, off, H, Map{}, got, out, ws, opts,
+                                               threads(nt));
+      EXPECT_TRUE(same_bits(out, ref)) << tag << " threads=" << nt << ": outputs";
+      for (Index i = 0; i < B * H; ++i)
+        EXPECT_TRUE(same_state(got[static_cast<std::size_t>(i)], expected[static_cast<std::size_t>(i)]))
+            << tag << " threads=" << nt << ": state " << i;
+    }
+    if (B == 1) {  // multihead_causal_linear_attention's states form, out and returning
+      States<S> got = initial_states<S, Map>(H, D, M, 5);
+      MultiHeadWorkspace<S> ws;
+      RowMat<S> out(N, H * M);
+      linattn::multihead_causal_linear_attention(x.Q, x.K, x.V, H, Map{}, got, out, ws, opts);
+      EXPECT_TRUE(same_bits(out, ref)) << tag << " multihead";
+      States<S> got2 = initial_states<S, Map>(H, D, M, 5);
+      const Mat<S> ret = linattn::multihead_causal_linear_attention(x.Q, x.K, x.V, H, Map{}, got2,
+                                                                    opts, threads(2));
+      // A column-major result: equal to rounding (the states are bit for bit).
+      EXPECT_LE(test::max_abs_diff(ret, ref), test::bound<S>(1e-6, 1e-15, 3.0))
+          << tag << " multihead returning";
+      for (Index h = 0; h < H; ++h) {
+        EXPECT_TRUE(same_state(got[static_cast<std::size_t>(h)], expected[static_cast<std::size_t>(h)]))
+            << tag << " multihead state " << h;
+        EXPECT_TRUE(same_state(got2[static_cast<std::size_t>(h)], expected[static_cast<std::size_t>(h)]))
+            << tag << " multihead returning state " << h;
+      }
+    }
+  }
+}
+
+TEST(ServingPrefill, StatesEqualSingleHeadStatesBitForBit) {
+  // Lengths: an empty sequence, N = 1, not multiples of 7, 48 or 128, longer than a 1024-row
+  // piece of the multi-head kernel.
+  const std::vector<Index> lengths = {130, 0, 1, 257, 1100};
+  check_states_bitwise<float, EluPlusOne>(lengths, 3, 5, 7);
+  check_states_bitwise<double, EluPlusOne>(lengths, 3, 5, 7);
+  check_states_bitwise<float, SoftmaxSplit>(lengths, 2, 6, 4);
+  check_states_bitwise<double, SoftmaxSplit>(lengths, 2, 6, 4);
+  check_states_bitwise<float, EluPlusOne>({1}, 2, 3, 2);    // N = 1, one sequence
+  check_states_bitwise<double, SoftmaxSplit>({300}, 3, 4, 9);  // one sequence
+}
+
+// The server's path: a batched prefill of B prompts carries out B·H states, a
+// BatchedRecurrentLinearAttention decodes T more tokens from them; every output row equals the
+// one-shot causal multi-head call over prompt + decoded tokens, to rounding; and the decode
+// equals B·H RecurrentLinearAttention heads continuing from the same states bit for bit.
+template <class S, class Map>
+void check_prefill_then_decode() {
+  const Index H = 3, D = 6, M = 5, T = 140;
+  const std::vector<Index> prompt = {37, 1, 200, 129};
+  const Index B = static_cast<Index>(prompt.size());
+  Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1> cu(B + 1);
+  cu(0) = 0;
+  for (Index b = 0; b < B; ++b) cu(b + 1) = cu(b) + std::int32_t(prompt[static_cast<std::size_t>(b)]);
+  std::vector<Packed<S, Map>> seq;  // sequence b: prompt + T tokens
+  for (Index b = 0; b < B; ++b) seq.emplace_back(prompt[static_cast<std::size_t>(b)] + T, H, D, M, 40 + std::uint32_t(b));
+  RowMat<S> Q(cu(B), H * D), K(cu(B), H * D), V(cu(B), H * M);
+  for (Index b = 0; b < B; ++b) {
+    const Index n = prompt[static_cast<std::size_t>(b)];
+    Q.middleRows(cu(b), n) = seq[static_cast<std::size_t>(b)].Q.topRows(n);
+    K.middleRows(cu(b), n) = seq[static_cast<std::size_t>(b)].K.topRows(n);
+    V.middleRows(cu(b), n) = seq[static_cast<std::size_t>(b)].V.topRows(n);
+  }
+  States<S> states;  // empty: resized to B·H
+  MultiHeadWorkspace<S> ws;
+  RowMat<S> prefill_out(cu(B), H * M);
+  linattn::batched_causal_linear_attention(Q, K, V, cu, H, Map{}, states, prefill_out, ws);
+  ASSERT_EQ(states.size(), static_cast<std::size_t>(B * H));
+  BatchedRecurrentLinearAttention<Map, S> decoder(B, H, D, M);
+  decoder.set_states(states);
+  std::vector<RecurrentLinearAttention<Map, S>> heads;
+  for (Index i = 0; i < B * H; ++i) {
+    heads.emplace_back(D, M);
+    heads.back().set_state(states[static_cast<std::size_t>(i)]);
+  }
+  std::vector<Mat<S>> decoded(static_cast<std::size_t>(B), Mat<S>(T, H * M));
+  Vec<S> o(M);
+  bool equal = true;
+  for (Index t = 0; t < T; ++t) {
+    RowMat<S> q(B, H * D), k(B, H * D), v(B, H * M), out(B, H * M);
+    for (Index b = 0; b < B; ++b) {
+      const Index r = prompt[static_cast<std::size_t>(b)] + t;
+      q.row(b) = seq[static_cast<std::size_t>(b)].Q.row(r);
+      k.row(b) = seq[static_cast<std::size_t>(b)].K.row(r);
+      v.row(b) = seq[static_cast<std::size_t>(b)].V.row(r);
+    }
+    decoder.step(q, k, v, out, threads(2));
+    for (Index b = 0; b < B; ++b) {
+      decoded[static_cast<std::size_t>(b)].row(t) = out.row(b);
+      for (Index h = 0; h < H; ++h) {
+        heads[static_cast<std::size_t>(b * H + h)].step(q.row(b).segment(h * D, D),
+                                                        k.row(b).segment(h * D, D),
+                                                        v.row(b).segment(h * M, M), o);
+        equal = equal && same_bits(out.row(b).segment(h * M, M), o.transpose());
+      }
+    }
+  }
+  const std::string tag = tag_of<S, Map>("prefill + decode");
+  EXPECT_TRUE(equal) << tag << ": decode vs RecurrentLinearAttention heads from the same states";
+  double worst = 0;
+  for (Index b = 0; b < B; ++b) {
+    const auto& x = seq[static_cast<std::size_t>(b)];
+    const Mat<S> one_shot = linattn::multihead_causal_linear_attention(x.Q, x.K, x.V, H, Map{});
+    const Index n = prompt[static_cast<std::size_t>(b)];
+    worst = std::max(worst, test::max_abs_diff(prefill_out.middleRows(cu(b), n), one_shot.topRows(n)));
+    worst = std::max(worst, test::max_abs_diff(decoded[static_cast<std::size_t>(b)], one_shot.bottomRows(T)));
+  }
+  test::report_error(tag + " vs one-shot", worst);
+  EXPECT_LE(worst, test::bound<S>(2e-6, 5e-15, 3.0)) << tag;
+}
+
+TEST(ServingPrefill, PrefillThenDecodeEqualsOneShot) {
+  check_prefill_then_decode<float, EluPlusOne>();
+  check_prefill_then_decode<double, EluPlusOne>();
+  check_prefill_then_decode<float, SoftmaxSplit>();
+  check_prefill_then_decode<double, SoftmaxSplit>();
+}
+
+// Prefill in two calls (cut anywhere) == one call, to rounding; the second call reuses the
+// workspace and states and allocates nothing.
+TEST(ServingPrefill, PiecesEqualOneShotAndAllocateNothing) {
+  const Index H = 4, D = 8, M = 6, N = 301;
+  const Packed<float, SoftmaxSplit> x(N, H, D, M, 77);
+  const std::vector<Index> whole = {0, N};
+  States<float> one, two;
+  MultiHeadWorkspace<float> ws;
+  Mat<float> a(N, H * M), b(N, H * M);
+  linattn::batched_causal_linear_attention(x.Q, x.K, x.V, whole, H, SoftmaxSplit{}, one, a, ws,
+                                           CausalOptions{}, threads(1));
+  const Index cut = 100;
+  linattn::multihead_causal_linear_attention(x.Q.topRows(cut), x.K.topRows(cut), x.V.topRows(cut),
+                                             H, SoftmaxSplit{}, two, b.topRows(cut), ws,
+                                             CausalOptions{}, threads(1));
+  const Index rest = N - cut;
+  Allocations alloc = allocations_in([&] {
+    linattn::multihead_causal_linear_attention(x.Q.bottomRows(rest), x.K.bottomRows(rest),
+                                               x.V.bottomRows(rest), H, SoftmaxSplit{}, two,
+                                               b.bottomRows(rest), ws, CausalOptions{}, threads(1));
+  });
+  EXPECT_LE(test::max_abs_diff(a, b), 1e-6);
+  for (Index h = 0; h < H; ++h)
+    EXPECT_LE(state_error(two[static_cast<std::size_t>(h)], one[static_cast<std::size_t>(h)]), 1e-6)
+        << "head " << h;
+  EXPECT_EQ(alloc.eigen, 0);
+  EXPECT_EQ(alloc.news, 0);
+  // A batched call with reused states and workspace, int32 offsets in a Map: no allocation.
+  const std::int32_t cu[] = {0, 150, 150, N};
+  const Eigen::Map<const Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1>> offsets(cu, 4);
+  States<float> batch;
+  linattn::batched_causal_linear_attention(x.Q, x.K, x.V, offsets, H, SoftmaxSplit{}, batch, a, ws,
+                                           CausalOptions{}, threads(1));
+  alloc = allocations_in([&] {
+    linattn::batched_causal_linear_attention(x.Q, x.K, x.V, offsets, H, SoftmaxSplit{}, batch, a,
+                                             ws, CausalOptions{}, threads(1));
+  });
+  EXPECT_EQ(alloc.eigen, 0);
+  EXPECT_EQ(alloc.news, 0);
+}
+
+TEST(ServingErrors, StatesMessages) {
+  const Index H = 2, D = 3, M = 4, N = 10;
+  const Packed<double, EluPlusOne> x(N, H, D, M, 3);
+  MultiHeadWorkspace<double> ws;
+  Mat<double> out(N, H * M);
+  States<double> three(3);
+  expect_invalid([&] { linattn::multihead_causal_linear_attention(x.Q, x.K, x.V, H, EluPlusOne{}, three, out, ws); },
+                 {"linattn::multihead_causal_linear_attention", "got 3 states but need 2"},
+                 "wrong count (multi-head)");
+  const std::vector<Index> off = {0, 4, N};
+  expect_invalid([&] { linattn::batched_causal_linear_attention(x.Q, x.K, x.V, off, H, EluPlusOne{}, three, out, ws); },
+                 {"linattn::batched_causal_linear_attention", "got 3 states but need 4",
+                  "2 sequence(s) x 2 heads"},
+                 "wrong count (batched)");
+  States<double> wrong(4);
+  wrong[3] = LinearAttentionState<double>(3, 5);
+  expect_invalid([&] { linattn::batched_causal_linear_attention(x.Q, x.K, x.V, off, H, EluPlusOne{}, wrong, out, ws); },
+                 {"linattn::batched_causal_linear_attention", "states[3] (sequence 1, head 1",
+                  "S is 3x5", "does not fit F = 3, M = 4"},
+                 "a state of the wrong shape");
+  EXPECT_TRUE(wrong[0].empty()) << "a failed call changed no state";
+  States<double> split(2);
+  split[1] = LinearAttentionState<double>(3, 4);  // EluPlusOne's state given to SoftmaxSplit
+  expect_invalid([&] { linattn::multihead_causal_linear_attention(x.Q, x.K, x.V, H, SoftmaxSplit{}, split, out, ws); },
+                 {"states[1]", "m has 0"}, "a state without maxima for SoftmaxSplit");
+}
+
+// ---------------------------------------------------------------------------------------------
+// (c) Offsets of any integer type
+// ---------------------------------------------------------------------------------------------
+
+TEST(ServingOffsets, AnyIntegerTypeGivesTheSameResults) {
+  const Index H = 3, D = 4, M = 5, N = 200;
+  const Packed<float, EluPlusOne> x(N, H, D, M, 8);
+  const std::vector<Index> ref_off = {0, 13, 13, 150, N};
+  MultiHeadWorkspace<float> ws;
+  Mat<float> causal_ref(N, H * M), linear_ref(N, H * M), out(N, H * M);
+  linattn::batched_causal_linear_attention(x.Q, x.K, x.V, ref_off, H, EluPlusOne{}, causal_ref, ws);
+  linattn::batched_linear_attention(x.Q, x.K, x.V, ref_off, ref_off, H, EluPlusOne{}, linear_ref, ws);
+  const std::vector<std::int32_t> v32 = {0, 13, 13, 150, std::int32_t(N)};
+  const std::vector<std::uint16_t> v16 = {0, 13, 13, 150, std::uint16_t(N)};
+  const Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1> e32 = Eigen::Map<const Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1>>(v32.data(), 5);
+  const Eigen::Matrix<std::int64_t, 1, Eigen::Dynamic> e64 = e32.cast<std::int64_t>().transpose();
+  const std::int32_t strided[] = {0, -1, 13, -1, 13, -1, 150, -1, std::int32_t(N), -1};
+  const Eigen::Map<const Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1>, 0, Eigen::InnerStride<2>> s32(strided, 5);
+  const auto check = [&](const auto& offsets, const char* what) {
+    out.setConstant(-7);
+    linattn::batched_causal_linear_attention(x.Q, x.K, x.V, offsets, H, EluPlusOne{}, out, ws);
+    EXPECT_TRUE(same_bits(out, causal_ref)) << what << " (causal)";
+    out.setConstant(-7);
+    linattn::batched_linear_attention(x.Q, x.K, x.V, offsets, offsets, H, EluPlusOne{}, out, ws);
+    EXPECT_TRUE(same_bits(out, linear_ref)) << what << " (non-causal)";
+  };
+  check(v32, "std::vector<int32_t>");
+  check(v16, "std::vector<uint16_t>");
+  check(e32, "Eigen::Matrix<int32_t>");
+  check(e64, "row vector of int64_t");
+  check(s32, "strided Map of int32_t");
+  check(linattn::offsets_view(v32.data(), v32.size()), "offsets_view(pointer, size)");
+  // Mixed kinds for queries and keys.
+  out.setConstant(-7);
+  linattn::batched_linear_attention(x.Q, x.K, x.V, e32, ref_off, H, EluPlusOne{}, out, ws);
+  EXPECT_TRUE(same_bits(out, linear_ref)) << "int32 queries, Index keys";
+  // No allocation with int32 offsets and a reused workspace (sized by a one-thread call: one
+  // thread runs all heads as one group, whose buffers are larger).
+  const auto view = linattn::offsets_view(v32.data(), v32.size());
+  linattn::batched_causal_linear_attention(x.Q, x.K, x.V, view, H, EluPlusOne{}, out, ws,
+                                           CausalOptions{}, threads(1));
+  linattn::batched_linear_attention(x.Q, x.K, x.V, view, e32, H, EluPlusOne{}, out, ws, threads(1));
+  const Allocations a = allocations_in([&] {
+    linattn::batched_causal_linear_attention(x.Q, x.K, x.V, view, H, EluPlusOne{}, out, ws,
+                                             CausalOptions{}, threads(1));
+    linattn::batched_linear_attention(x.Q, x.K, x.V, view, e32, H, EluPlusOne{}, out, ws,
+                                      threads(1));
+  });
+  EXPECT_EQ(a.eigen, 0);
+  EXPECT_EQ(a.news, 0);
+}
+
+TEST(ServingErrors, OffsetsMessages) {
+  const Index H = 2, D = 3, M = 4, N = 10;
+  const Packed<float, EluPlusOne> x(N, H, D, M, 3);
+  MultiHeadWorkspace<float> ws;
+  Mat<float> out(N, H * M);
+  const std::string causal = "linattn::batched_causal_linear_attention";
+  const Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1> down = (Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1>(4) << 0, 7, 5, 10).finished();
+  expect_invalid([&] { linattn::batched_causal_linear_attention(x.Q, x.K, x.V, down, H, EluPlusOne{}, out, ws); },
+                 {causal, "offsets must not decrease (entry 2 is 5 after 7)"}, "decreasing");
+  const std::vector<std::int32_t> start = {1, 10};
+  expect_invalid([&] { linattn::batched_causal_linear_attention(x.Q, x.K, x.V, start, H, EluPlusOne{}, out, ws); },
+                 {causal, "offsets must start at 0 and end at 10", "got 1 ... 10"}, "not from 0");
+  const std::vector<std::uint8_t> end = {0, 9};
+  expect_invalid([&] { linattn::batched_causal_linear_attention(x.Q, x.K, x.V, end, H, EluPlusOne{}, out, ws); },
+                 {causal, "end at 10", "got 0 ... 9"}, "not to N");
+  const Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1> none(0);
+  expect_invalid([&] { linattn::batched_causal_linear_attention(x.Q, x.K, x.V, none, H, EluPlusOne{}, out, ws); },
+                 {causal, "got no entries"}, "no offsets");
+  const Eigen::Matrix<std::int32_t, 2, 2> square = Eigen::Matrix<std::int32_t, 2, 2>::Zero();
+  expect_invalid([&] { linattn::batched_causal_linear_attention(x.Q, x.K, x.V, square, H, EluPlusOne{}, out, ws); },
+                 {causal, "offsets is 2x2 but must be a vector"}, "a matrix of offsets");
+  const std::vector<std::int32_t> q3 = {0, 5, 10}, k2 = {0, 10};
+  expect_invalid([&] { linattn::batched_linear_attention(x.Q, x.K, x.V, q3, k2, H, EluPlusOne{}, out, ws); },
+                 {"linattn::batched_linear_attention", "same number of sequences (3 and 2 entries)"},
+                 "different counts");
+  const std::vector<std::int64_t> kbad = {0, 11};
+  expect_invalid([&] { linattn::batched_linear_attention(x.Q, x.K, x.V, k2, kbad, H, EluPlusOne{}, out, ws); },
+                 {"k_offsets must start at 0 and end at 10"}, "key offsets past L");
+}
+
+// ---------------------------------------------------------------------------------------------
+// (d) Key masks of the multi-head and batched forms
+// ---------------------------------------------------------------------------------------------
+
+using Mask = Eigen::Array<bool, Eigen::Dynamic, 1>;
+
+Mask random_mask(Index n, std::uint32_t seed) {
+  const Mat<double> u = test::random_matrix<double>(n, 1, seed, 0, 1);
+  Mask m(n);
+  for (Index i = 0; i < n; ++i) m(i) = u(i, 0) > 0.3;
+  for (Index i = 0; i < std::min<Index>(n, 3); ++i) m(i) = false;  // a masked start
+  return m;
+}
+
+// Every (sequence, head) of the masked multi-head and batched forms against
+// masked_causal_linear_attention() / masked_linear_attention() on its blocks (one thread), bit
+// for bit, for row-major and column-major inputs, states carried in and out.
+template <class S, class Map, class Layout>
+void check_masked(Index H, Index D, Index M) {
+  const std::vector<Index> off = {0, 1, 131, 131, 400};
+  const Index N = off.back(), B = static_cast<Index>(off.size()) - 1;
+  const Packed<S, Map> p(N, H, D, M, 60);
+  const Layout Q = p.Q, K = p.K, V = p.V;
+  const Mask keep = random_mask(N, 61);
+  const std::string tag = tag_of<S, Map>("masked_batched") +
+                          (Layout::IsRowMajor ? "/row-major" : "/col-major");
+  for (const CausalOptions& opts : {CausalOptions{}, causal_options(CausalAlgorithm::Chunked, 7)}) {
+    Mat<S> causal_ref(N, H * M), linear_ref(N, H * M);
+    States<S> expected(static_cast<std::size_t>(B * H));
+    linattn::Workspace<S> w;
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < H; ++h) {
+        const Index r0 = off[static_cast<std::size_t>(b)], n = off[static_cast<std::size_t>(b) + 1] - r0;
+        const auto kb = keep.segment(r0, n);
+        linattn::masked_causal_linear_attention(
+            Q.block(r0, h * D, n, D), K.block(r0, h * D, n, D), V.block(r0, h * M, n, M), kb,
+            Map{}, expected[static_cast<std::size_t>(b * H + h)], causal_ref.block(r0, h * M, n, M),
+            w, opts, threads(1));
+        linattn::masked_linear_attention(Q.block(r0, h * D, n, D), K.block(r0, h * D, n, D),
+                                         V.block(r0, h * M, n, M), kb, Map{},
+                                         linear_ref.block(r0, h * M, n, M), w, threads(1));
+      }
+    for (const int nt : {1, 2}) {
+      MultiHeadWorkspace<S> ws;
+      Mat<S> out(N, H * M);
+      linattn::masked_batched_causal_linear_attention(Q, K, V, off, keep, H, Map{}, out, ws, opts,
+                                                      threads(nt));
+      EXPECT_TRUE(same_bits(out, causal_ref)) << tag << " causal threads=" << nt;
+      States<S> got;
+      out.setZero();
+      linattn::masked_batched_causal_linear_attention(Q, K, V, off, keep, H, Map{}, got, out, ws,
+                                                      opts, threads(nt));
+      EXPECT_TRUE(same_bits(out, causal_ref)) << tag << " causal with states, threads=" << nt;
+      for (Index i = 0; i < B * H; ++i)
+        EXPECT_TRUE(same_state(got[static_cast<std::size_t>(i)], expected[static_cast<std::size_t>(i)]))
+            << tag << " state " << i;
+      out.setZero();
+      linattn::masked_batched_linear_attention(Q, K, V, off, off, keep, H, Map{}, out, ws,
+                                               threads(nt));
+      EXPECT_TRUE(same_bits(out, linear_ref)) << tag << " non-causal threads=" << nt;
+    }
+    // The multi-head forms: one sequence, the last one's rows.
+    const Index r0 = off[3], n = N - r0;
+    const auto q = Q.middleRows(r0, n), k = K.middleRows(r0, n), v = V.middleRows(r0, n);
+    const auto kb = keep.segment(r0, n);
+    MultiHeadWorkspace<S> ws;
+    Mat<S> out(n, H * M);
+    linattn::masked_multihead_causal_linear_attention(q, k, v, kb, H, Map{}, out, ws, opts);
+    EXPECT_TRUE(same_bits(out, causal_ref.middleRows(r0, n))) << tag << " multihead causal";
+    States<S> got;
+    const Mat<S> ret = linattn::masked_multihead_causal_linear_attention(q, k, v, kb, H, Map{}, opts);
+    EXPECT_TRUE(same_bits(ret, causal_ref.middleRows(r0, n))) << tag << " multihead causal returning";
+    linattn::masked_multihead_causal_linear_attention(q, k, v, kb, H, Map{}, got, out, ws, opts);
+    for (Index h = 0; h < H; ++h)
+      EXPECT_TRUE(same_state(got[static_cast<std::size_t>(h)], expected[static_cast<std::size_t>(3 * H + h)]))
+          << tag << " multihead state " << h;
+    linattn::masked_multihead_linear_attention(q, k, v, kb, H, Map{}, out, ws);
+    EXPECT_TRUE(same_bits(out, linear_ref.middleRows(r0, n))) << tag << " multihead non-causal";
+    EXPECT_TRUE(same_bits(linattn::masked_multihead_linear_attention(q, k, v, kb, H, Map{}),
+                          linear_ref.middleRows(r0, n)))
+        << tag << " multihead non-causal returning";
+  }
+}
+
+TEST(ServingMasks, EqualPerHeadMaskedSingleHeadCalls) {
+  check_masked<float, EluPlusOne, RowMat<float>>(3, 5, 7);
+  check_masked<double, EluPlusOne, RowMat<double>>(3, 5, 7);
+  check_masked<float, EluPlusOne, Mat<float>>(2, 4, 4);
+  check_masked<float, SoftmaxSplit, RowMat<float>>(2, 6, 3);
+  check_masked<double, SoftmaxSplit, Mat<double>>(2, 6, 3);
+}
+
+// A mask of all true is the unmasked call; masked calls reuse a workspace without allocating.
+TEST(ServingMasks, AllTrueIsUnmaskedAndNoAllocation) {
+  const Index H = 4, D = 8, M = 8, N = 300;
+  const Packed<float, EluPlusOne> x(N, H, D, M, 90);
+  const Mask all = Mask::Constant(N, true);
+  const std::vector<Index> off = {0, 100, N};
+  MultiHeadWorkspace<float> ws;
+  Mat<float> a(N, H * M), b(N, H * M);
+  linattn::batched_causal_linear_attention(x.Q, x.K, x.V, off, H, EluPlusOne{}, a, ws);
+  linattn::masked_batched_causal_linear_attention(x.Q, x.K, x.V, off, all, H, EluPlusOne{}, b, ws);
+  EXPECT_TRUE(same_bits(a, b));
+  linattn::batched_linear_attention(x.Q, x.K, x.V, off, off, H, EluPlusOne{}, a, ws);
+  linattn::masked_batched_linear_attention(x.Q, x.K, x.V, off, off, all, H, EluPlusOne{}, b, ws);
+  EXPECT_TRUE(same_bits(a, b));
+  const Mask keep = random_mask(N, 5);
+  linattn::masked_batched_causal_linear_attention(x.Q, x.K, x.V, off, keep, H, EluPlusOne{}, b, ws,
+                                                  CausalOptions{}, threads(1));
+  linattn::masked_batched_linear_attention(x.Q, x.K, x.V, off, off, keep, H, EluPlusOne{}, b, ws,
+                                           threads(1));
+  const Allocations alloc = allocations_in([&] {
+    linattn::masked_batched_causal_linear_attention(x.Q, x.K, x.V, off, keep, H, EluPlusOne{}, b,
+                                                    ws, CausalOptions{}, threads(1));
+    linattn::masked_batched_linear_attention(x.Q, x.K, x.V, off, off, keep, H, EluPlusOne{}, b, ws,
+                                             threads(1));
+    linattn::masked_multihead_causal_linear_attention(x.Q, x.K, x.V, keep, H, EluPlusOne{}, b, ws,
+                                                      CausalOptions{}, threads(1));
+  });
+  EXPECT_EQ(alloc.eigen, 0);
+  EXPECT_EQ(alloc.news, 0);
+}
+
+TEST(ServingErrors, MaskMessages) {
+  const Index H = 2, D = 3, M = 4, N = 10;
+  const Packed<float, EluPlusOne> x(N, H, D, M, 3);
+  MultiHeadWorkspace<float> ws;
+  Mat<float> out(N, H * M);
+  const Mask short_mask = Mask::Constant(N - 1, true);
+  const std::vector<Index> off = {0, N};
+  expect_invalid([&] { linattn::masked_multihead_causal_linear_attention(x.Q, x.K, x.V, short_mask, H, EluPlusOne{}, out, ws); },
+                 {"linattn::masked_multihead_causal_linear_attention", "the key mask is 9x1",
+                  "vector of 10 entries"},
+                 "short mask (multi-head causal)");
+  expect_invalid([&] { linattn::masked_batched_causal_linear_attention(x.Q, x.K, x.V, off, short_mask, H, EluPlusOne{}, out, ws); },
+                 {"linattn::masked_batched_causal_linear_attention", "the key mask is 9x1"},
+                 "short mask (batched causal)");
+  expect_invalid([&] { linattn::masked_batched_linear_attention(x.Q, x.K, x.V, off, off, short_mask, H, EluPlusOne{}, out, ws); },
+                 {"linattn::masked_batched_linear_attention", "the key mask is 9x1"},
+                 "short mask (batched)");
+  expect_invalid([&] { linattn::masked_multihead_linear_attention(x.Q, x.K, x.V, short_mask, H, EluPlusOne{}, out, ws); },
+                 {"linattn::masked_multihead_linear_attention", "the key mask is 9x1"},
+                 "short mask (multi-head)");
+  const Mask mask = Mask::Constant(N, true);
+  expect_invalid([&] { linattn::masked_multihead_causal_linear_attention(x.Q, x.K.leftCols(5), x.V, mask, 2, EluPlusOne{}, out, ws); },
+                 {"linattn::masked_multihead_causal_linear_attention", "K is 10x5"},
+                 "bad shapes");
+}
+
 }  // namespace

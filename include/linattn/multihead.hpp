@@ -11,6 +11,7 @@
 #include <exception>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -21,6 +22,7 @@
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/result.hpp"
+#include "detail/sequence_split.hpp"
 #include "elu_plus_one.hpp"
 #include "linear_attention.hpp"
 #include "parallel.hpp"
@@ -135,13 +137,56 @@ std::pair<Index, Index> check_heads(const char* function, const Eigen::MatrixBas
   return {Q.cols() / heads, V.cols() / heads};
 }
 
+// Sequence offsets (cu_seqlens) read in place, whatever their integer type: a contiguous array
+// (std::vector, a pointer), or an Eigen vector (Map, Matrix, a block of either).
+template <class Int>
+struct ArrayOffsets {
+  const Int* data;
+  std::size_t count;
+  Index operator[](std::size_t i) const noexcept { return static_cast<Index>(data[i]); }
+  std::size_t size() const noexcept { return count; }
+};
+template <class D>
+struct EigenOffsets {
+  const D& v;
+  Index operator[](std::size_t i) const {
+    const Index j = static_cast<Index>(i);
+    return static_cast<Index>(v.rows() == 1 ? v.coeff(0, j) : v.coeff(j, 0));
+  }
+  std::size_t size() const noexcept { return static_cast<std::size_t>(v.size()); }
+};
+
+template <class Int>
+constexpr void static_check_offsets() {
+  static_assert(std::is_integral_v<Int> && !std::is_same_v<Int, bool>,
+                "linattn: offsets must be integers (std::vector, an Eigen vector or Map of any "
+                "integer type)");
+}
+template <class Int, class Alloc>
+ArrayOffsets<Int> offsets_of(const char*, const char*, const std::vector<Int, Alloc>& v) {
+  static_check_offsets<Int>();
+  return {v.data(), v.size()};
+}
+template <class D>
+EigenOffsets<D> offsets_of(const char* function, const char* name,
+                           const Eigen::DenseBase<D>& v) {
+  static_check_offsets<typename D::Scalar>();
+  if (v.rows() != 1 && v.cols() != 1 && v.size() != 0)
+    throw_invalid(function, std::string(name) + " is " + shape_of(v) + " but must be a vector");
+  return {v.derived()};
+}
+
 // Sequence b occupies rows [offsets[b], offsets[b+1]); the `count` offsets start at 0, never
 // decrease and end at `rows`.
-inline void check_offsets(const char* function, const char* name, const Index* offsets,
-                          std::size_t count, Index rows) {
+template <class Off>
+void check_offsets(const char* function, const char* name, const Off& offsets, Index rows) {
+  const std::size_t count = offsets.size();
   if (count == 0 || offsets[0] != 0 || offsets[count - 1] != rows)
     throw_invalid(function, std::string(name) + " must start at 0 and end at " +
-                                std::to_string(rows) + " (the number of rows)");
+                                std::to_string(rows) + " (the number of rows)" +
+                                (count == 0 ? std::string(", got no entries")
+                                            : ", got " + std::to_string(offsets[0]) + " ... " +
+                                                  std::to_string(offsets[count - 1])));
   for (std::size_t b = 1; b < count; ++b)
     if (offsets[b] < offsets[b - 1])
       throw_invalid(function, std::string(name) + " must not decrease (entry " + std::to_string(b) +
@@ -182,13 +227,45 @@ inline HeadRange head_range(Index g, Index groups, Index heads) {
   return {first, (g + 1) * heads / groups - first};
 }
 
+// The caller's states of a causal call: B·H (sequence-major), or none (then B·H empty ones are
+// made: the one allocation of such a call). Every state must be empty (zero) or fit the map and
+// shapes; empty ones are sized here, before any thread starts, so that no task throws.
+template <class Scalar, class Phi>
+void check_states(const char* fn, std::vector<LinearAttentionState<Scalar>>& states, Index B,
+                  Index heads, const Phi& phi, Index D, Index M) {
+  const std::size_t count = static_cast<std::size_t>(B * heads);
+  if (states.empty()) states.resize(count);
+  if (states.size() != count)
+    throw_invalid(fn, "got " + std::to_string(states.size()) + " states but need " +
+                          std::to_string(count) + " (" + std::to_string(B) + " sequence(s) x " +
+                          std::to_string(heads) + " heads, sequence-major), or none");
+  const Index F = phi.feature_dim(D);
+  const Index per_feature = normalizes_keys_per_feature_v<Phi> ? F : 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    const LinearAttentionState<Scalar>& st = states[i];
+    if (st.empty()) continue;
+    const bool lo_fits = (st.S_lo.size() == 0 || (st.S_lo.rows() == F && st.S_lo.cols() == M)) &&
+                         (st.z_lo.size() == 0 || st.z_lo.size() == F);
+    if (st.S.rows() != F || st.S.cols() != M || st.z.size() != F || st.m.size() != per_feature ||
+        !lo_fits)
+      throw_invalid(fn, "states[" + std::to_string(i) + "] (sequence " +
+                            std::to_string(Index(i) / heads) + ", head " +
+                            std::to_string(Index(i) % heads) + ": S is " + shape_of(st.S) +
+                            ", z has " + std::to_string(st.z.size()) + " entries, m has " +
+                            std::to_string(st.m.size()) + ") does not fit F = " +
+                            std::to_string(F) + ", M = " + std::to_string(M) +
+                            " for this feature map");
+  }
+  for (LinearAttentionState<Scalar>& st : states) prepare_state(fn, st, phi, D, M);
+}
+
 // The batched kernels behind batched_*() and multihead_*(): `fn` names the public function in
-// error messages; q_offsets and k_offsets hold q_count and k_count entries (one more than the
-// number of sequences, which must agree).
-template <class DQ, class DK, class DV, class Phi, class DOut>
+// error messages; q_offsets and k_offsets (ArrayOffsets, EigenOffsets) hold one more entry than
+// the number of sequences, which must agree. keep(j) says whether packed key row j takes part.
+template <class DQ, class DK, class DV, class QOff, class KOff, class Phi, class Keep, class DOut>
 void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-                    const Eigen::MatrixBase<DV>& V, const Index* q_offsets, std::size_t q_count,
-                    const Index* k_offsets, std::size_t k_count, Index heads, const Phi& phi,
+                    const Eigen::MatrixBase<DV>& V, const QOff& q_offsets, const KOff& k_offsets,
+                    Index heads, const Phi& phi, const Keep& keep,
                     const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
                     const ParallelOptions& par) {
   static_check_feature_map<Phi, typename DQ::Scalar>();
@@ -197,10 +274,12 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
   check_output(fn, out, Q.rows(), V.cols());
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
-  check_offsets(fn, "q_offsets", q_offsets, q_count, Q.rows());
-  check_offsets(fn, "k_offsets", k_offsets, k_count, K.rows());
-  if (q_count != k_count)
-    throw_invalid(fn, "q_offsets and k_offsets must describe the same number of sequences");
+  check_offsets(fn, "q_offsets", q_offsets, Q.rows());
+  check_offsets(fn, "k_offsets", k_offsets, K.rows());
+  if (q_offsets.size() != k_offsets.size())
+    throw_invalid(fn, "q_offsets and k_offsets must describe the same number of sequences (" +
+                          std::to_string(q_offsets.size()) + " and " +
+                          std::to_string(k_offsets.size()) + " entries)");
   auto& dst = writable(out);
   // Once, here: every task takes a block of each input, and a block of a lazy expression
   // (X * Wq) evaluates the whole expression again for each (sequence, head).
@@ -208,14 +287,15 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   const Nested<DK> k(K.derived());
   const Nested<DV> v(V.derived());
   using Scalar = typename DQ::Scalar;
-  const Index B = static_cast<Index>(q_count) - 1;
+  const Index B = static_cast<Index>(q_offsets.size()) - 1;
   const Index F = phi.feature_dim(D);
   const Index G = head_groups(B, heads, resolve_threads(par));
   parallel_tasks<Scalar>(B * G, par, ws, [&](Index t, int thread) {
     const Index b = t / G;
     const HeadRange hr = head_range(t % G, G, heads);
-    const Index q0 = q_offsets[b], n = q_offsets[b + 1] - q0;
-    const Index k0 = k_offsets[b], l = k_offsets[b + 1] - k0;
+    const std::size_t bs = static_cast<std::size_t>(b);
+    const Index q0 = q_offsets[bs], n = q_offsets[bs + 1] - q0;
+    const Index k0 = k_offsets[bs], l = k_offsets[bs + 1] - k0;
     Workspace<Scalar>& w = ws.for_thread(thread);
     // The group's sums side by side in the slots a single-head call uses, head i's F x M S
     // column-major as linear_attention() lays out its own, and each head's arrays starting on
@@ -253,6 +333,9 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
         const Index r = std::min(kLinearRowBlock, l - j0);
         auto pt = w.matrix(kSlotPhiK, hr.count * D, r);  // column j: token j's features, by head
         phi.map(k.block(k0 + j0, hr.first * D, r, hr.count * D).transpose(), pt);
+        if constexpr (!std::is_same_v<Keep, NoMask>)  // as absorb_keys() zeroes a masked row
+          for (Index j = 0; j < r; ++j)
+            if (!keep(k0 + j0 + j)) pt.col(j).setZero();
         for (Index i = 0; i < hr.count; ++i) {
           const Index h = hr.first + i;
           MatMap Si = S(i), S_lo(S_lo_all.data() + i * sS, F, M);
@@ -282,7 +365,7 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
         MatMap Si = S(i), S_lo(S_lo_all.data() + i * sS, F, M);
         VecMap zi = z(i), z_lo(z_lo_all.data() + i * sz, F), m(m_all.data() + i * sm, per_feature);
         absorb_keys(phi, k.block(k0 + j0, h * D, r, D), v.block(k0 + j0, h * M, r, M), Si, S_lo,
-                    zi, z_lo, m, NoMask{}, w);
+                    zi, z_lo, m, shifted_keep(keep, k0 + j0), w);
       }
     }
     for (Index i0 = 0; i0 < n; i0 += kHeadInterleaveRows) {
@@ -296,10 +379,13 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   });
 }
 
-template <class DQ, class DK, class DV, class Phi, class DOut>
+// `states` (nullptr: every sequence starts from an empty state of the workspace's) holds the
+// B·H states of the caller, sequence-major, carried in and out.
+template <class DQ, class DK, class DV, class Off, class Phi, class Keep, class DOut>
 void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                            const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
-                           const Index* offsets, std::size_t count, Index heads, const Phi& phi,
+                           const Off& offsets, Index heads, const Phi& phi, const Keep& keep,
+                           std::vector<LinearAttentionState<typename DQ::Scalar>>* states,
                            const Eigen::MatrixBase<DOut>& out,
                            MultiHeadWorkspace<typename DQ::Scalar>& ws,
                            const CausalOptions& options, const ParallelOptions& par) {
@@ -310,15 +396,16 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
   check_output(fn, out, Q.rows(), V.cols());
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
-  check_offsets(fn, "offsets", offsets, count, Q.rows());
+  check_offsets(fn, "offsets", offsets, Q.rows());
   if (options.chunk_size < 0)
     throw_invalid(fn, "chunk_size must be >= 0 (0 = default), got " +
                           std::to_string(options.chunk_size));
+  const Index B = static_cast<Index>(offsets.size()) - 1;
+  if (states) check_states(fn, *states, B, heads, phi, D, M);
   auto& dst = writable(out);
   const Nested<DQ> q(Q.derived());  // once, not per (sequence, head): see batched_linear
   const Nested<DK> k(K.derived());
   const Nested<DV> v(V.derived());
-  const Index B = static_cast<Index>(count) - 1;
   const Index F = phi.feature_dim(D);
   // Each head's rows go to the kernel in pieces that are whole multiples of its unit (128
   // tokens or one chunk): the pieces then continue one another bit for bit.
@@ -328,18 +415,25 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   parallel_tasks<Scalar>(B * G, par, ws, [&](Index t, int thread) {
     const Index b = t / G;
     const HeadRange hr = head_range(t % G, G, heads);
-    const Index r0 = offsets[b], n = offsets[b + 1] - r0;
+    const Index r0 = offsets[static_cast<std::size_t>(b)];
+    const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
     Workspace<Scalar>& w = ws.for_thread(thread);
-    // Each (sequence, head) starts from an empty state: the thread's own, sized on its first
-    // task and reset after that, so that a reused workspace makes the call allocation-free.
-    LinearAttentionState<Scalar>* states = ws.states_for_thread(thread, hr.count);
-    for (Index i = 0; i < hr.count; ++i) {
-      LinearAttentionState<Scalar>& state = states[i];
-      if (state.S.rows() == F && state.S.cols() == M &&
-          state.m.size() == (normalizes_keys_per_feature_v<Phi> ? F : 0))
-        state.reset();
-      else
-        state = make_state<Scalar>(phi, D, M);
+    // The caller's states, or an empty state per (sequence, head): the thread's own, sized on
+    // its first task and reset after that, so that a reused workspace makes the call
+    // allocation-free.
+    LinearAttentionState<Scalar>* st = nullptr;
+    if (states) {
+      st = states->data() + b * heads + hr.first;
+    } else {
+      st = ws.states_for_thread(thread, hr.count);
+      for (Index i = 0; i < hr.count; ++i) {
+        LinearAttentionState<Scalar>& state = st[i];
+        if (state.S.rows() == F && state.S.cols() == M &&
+            state.m.size() == (normalizes_keys_per_feature_v<Phi> ? F : 0))
+          state.reset();
+        else
+          state = make_state<Scalar>(phi, D, M);
+      }
     }
     for (Index i0 = 0; i0 < n; i0 += rows) {
       const Index r = std::min(rows, n - i0);
@@ -347,8 +441,8 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
         const Index h = hr.first + i;
         causal_linear_attention_impl(fn, q.block(r0 + i0, h * D, r, D),
                                      k.block(r0 + i0, h * D, r, D), v.block(r0 + i0, h * M, r, M),
-                                     phi, NoMask{}, states[i], dst.block(r0 + i0, h * M, r, M), w,
-                                     options);
+                                     phi, shifted_keep(keep, r0 + i0), st[i],
+                                     dst.block(r0 + i0, h * M, r, M), w, options);
       }
     }
   });
@@ -383,8 +477,77 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
                               const Eigen::MatrixBase<DOut>& out,
                               MultiHeadWorkspace<typename DQ::Scalar>& ws,
                               const ParallelOptions& par = {}) {
-  detail::batched_linear("batched_linear_attention", Q, K, V, q_offsets.data(), q_offsets.size(),
-                         k_offsets.data(), k_offsets.size(), heads, phi, out, ws, par);
+  const char* fn = "batched_linear_attention";
+  detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
+                         detail::offsets_of(fn, "k_offsets", k_offsets), heads, phi,
+                         detail::NoMask{}, out, ws, par);
+}
+
+/// \brief A zero-copy view of `count` offsets at `data`, of any integer type, for the batched
+/// kernels (framework `cu_seqlens` are int32 buffers).
+/// \code
+/// const std::int32_t* cu_seqlens = ...;  // B + 1 entries
+/// linattn::batched_causal_linear_attention(Q, K, V, linattn::offsets_view(cu_seqlens, B + 1),
+///                                          8, linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class Int>
+Eigen::Map<const Eigen::Matrix<Int, Eigen::Dynamic, 1>> offsets_view(const Int* data,
+                                                                     std::size_t count) {
+  detail::static_check_offsets<Int>();
+  return Eigen::Map<const Eigen::Matrix<Int, Eigen::Dynamic, 1>>(data, static_cast<Index>(count));
+}
+
+/// \brief batched_linear_attention() with offsets of any integer type, read in place: an
+/// Eigen vector (Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1>, a Map over a buffer,
+/// offsets_view()) or a std::vector of any integer type. Allocation-free as the other form.
+/// \throws std::invalid_argument as batched_linear_attention(), or if an offsets argument is
+/// not a vector.
+/// \code
+/// Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1> cu(3);
+/// cu << 0, 100, 128;
+/// linattn::batched_linear_attention(Q, K, V, cu, cu, 8, linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class QOff, class KOff, class Phi, class DOut>
+void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, const QOff& q_offsets,
+                              const KOff& k_offsets, Index heads, const Phi& phi,
+                              const Eigen::MatrixBase<DOut>& out,
+                              MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                              const ParallelOptions& par = {}) {
+  const char* fn = "batched_linear_attention";
+  detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
+                         detail::offsets_of(fn, "k_offsets", k_offsets), heads, phi,
+                         detail::NoMask{}, out, ws, par);
+}
+
+/// \brief batched_linear_attention() with a key padding mask: `key_mask` has one bool per
+/// packed key row (K.rows() entries, true = the key takes part), shared by every head. Equal
+/// to masked_linear_attention() per sequence and head.
+/// \param out must not overlap Q, K, V or key_mask (std::invalid_argument).
+/// \code
+/// Eigen::Array<bool, Eigen::Dynamic, 1> keep = Eigen::Array<bool, Eigen::Dynamic, 1>::Ones(128);
+/// keep.segment(90, 10).setConstant(false);  // padding at the end of the first sequence
+/// linattn::masked_batched_linear_attention(Q, K, V, offsets, offsets, keep, 8,
+///                                          linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class QOff, class KOff, class DMask, class Phi,
+          class DOut>
+void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                     const Eigen::MatrixBase<DK>& K,
+                                     const Eigen::MatrixBase<DV>& V, const QOff& q_offsets,
+                                     const KOff& k_offsets,
+                                     const Eigen::DenseBase<DMask>& key_mask, Index heads,
+                                     const Phi& phi, const Eigen::MatrixBase<DOut>& out,
+                                     MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                     const ParallelOptions& par = {}) {
+  const char* fn = "masked_batched_linear_attention";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, out, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
+                         detail::offsets_of(fn, "k_offsets", k_offsets), heads, phi, keep, out,
+                         ws, par);
 }
 
 /// \brief Causal linear attention over B packed sequences (rows [offsets[b], offsets[b+1]))
@@ -401,8 +564,115 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                      MultiHeadWorkspace<typename DQ::Scalar>& ws,
                                      const CausalOptions& options = {},
                                      const ParallelOptions& par = {}) {
-  detail::batched_causal_linear("batched_causal_linear_attention", Q, K, V, offsets.data(),
-                                offsets.size(), heads, phi, out, ws, options, par);
+  const char* fn = "batched_causal_linear_attention";
+  detail::batched_causal_linear(fn, Q, K, V, detail::offsets_of(fn, "offsets", offsets), heads,
+                                phi, detail::NoMask{}, nullptr, out, ws, options, par);
+}
+
+/// \brief batched_causal_linear_attention() with offsets of any integer type, read in place (an
+/// Eigen vector or Map, offsets_view(), a std::vector of any integer type).
+/// \code
+/// Eigen::VectorXi cu_seqlens(3);
+/// cu_seqlens << 0, 100, 128;
+/// linattn::batched_causal_linear_attention(Q, K, V, cu_seqlens, 8, linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class Off, class Phi, class DOut>
+void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                     const Eigen::MatrixBase<DK>& K,
+                                     const Eigen::MatrixBase<DV>& V, const Off& offsets,
+                                     Index heads, const Phi& phi,
+                                     const Eigen::MatrixBase<DOut>& out,
+                                     MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                     const CausalOptions& options = {},
+                                     const ParallelOptions& par = {}) {
+  const char* fn = "batched_causal_linear_attention";
+  detail::batched_causal_linear(fn, Q, K, V, detail::offsets_of(fn, "offsets", offsets), heads,
+                                phi, detail::NoMask{}, nullptr, out, ws, options, par);
+}
+
+/// \brief Batched causal linear attention that carries every (sequence, head) state in and out:
+/// the prefill of a server, whose states then go to BatchedRecurrentLinearAttention::set_states().
+///
+/// `states` holds B·H states, sequence-major (head h of sequence b at b·H + h); an empty entry
+/// starts from zero, and an empty vector is first resized to B·H empty states (the only
+/// allocation of a call that reuses its workspace and states). On return every entry is the
+/// state after the sequence's last row, folded, exactly as causal_linear_attention() with that
+/// state leaves it: bit for bit for the same CausalOptions (and a call of the single-head kernel
+/// on one thread). Calling again continues every sequence.
+/// \throws std::invalid_argument as the other form, or on a count other than B·H (or 0) or a
+/// state that does not fit the map and shapes (naming the entry), before any state changes.
+/// An exception in a task (a throwing feature map, std::bad_alloc) leaves the states partly
+/// advanced.
+/// \code
+/// std::vector<linattn::LinearAttentionState<float>> states;  // B·H, filled by the call
+/// linattn::batched_causal_linear_attention(Q, K, V, cu_seqlens, 8, linattn::EluPlusOne{},
+///                                          states, out, ws);
+/// linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> decoder(B, 8, 64, 64);
+/// decoder.set_states(states);  // decode from the end of every prompt
+/// \endcode
+template <class DQ, class DK, class DV, class Off, class Phi, class DOut>
+void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                     const Eigen::MatrixBase<DK>& K,
+                                     const Eigen::MatrixBase<DV>& V, const Off& offsets,
+                                     Index heads, const Phi& phi,
+                                     std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
+                                     const Eigen::MatrixBase<DOut>& out,
+                                     MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                     const CausalOptions& options = {},
+                                     const ParallelOptions& par = {}) {
+  const char* fn = "batched_causal_linear_attention";
+  detail::batched_causal_linear(fn, Q, K, V, detail::offsets_of(fn, "offsets", offsets), heads,
+                                phi, detail::NoMask{}, &states, out, ws, options, par);
+}
+
+/// \brief batched_causal_linear_attention() with a key padding mask: one bool per packed row
+/// (Q.rows() entries, true = the key takes part), shared by every head. A masked row adds
+/// nothing to its sequence's state but its query still reads the state, as in
+/// masked_causal_linear_attention(), which each (sequence, head) equals.
+/// \param out must not overlap Q, K, V or key_mask (std::invalid_argument).
+/// \code
+/// linattn::masked_batched_causal_linear_attention(Q, K, V, cu_seqlens, keep, 8,
+///                                                 linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class Off, class DMask, class Phi, class DOut>
+void masked_batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                            const Eigen::MatrixBase<DK>& K,
+                                            const Eigen::MatrixBase<DV>& V, const Off& offsets,
+                                            const Eigen::DenseBase<DMask>& key_mask, Index heads,
+                                            const Phi& phi, const Eigen::MatrixBase<DOut>& out,
+                                            MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                            const CausalOptions& options = {},
+                                            const ParallelOptions& par = {}) {
+  const char* fn = "masked_batched_causal_linear_attention";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, out, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  detail::batched_causal_linear(fn, Q, K, V, detail::offsets_of(fn, "offsets", offsets), heads,
+                                phi, keep, nullptr, out, ws, options, par);
+}
+
+/// \brief masked_batched_causal_linear_attention() carrying the B·H states in and out (see the
+/// states form of batched_causal_linear_attention()).
+/// \code
+/// std::vector<linattn::LinearAttentionState<float>> states;
+/// linattn::masked_batched_causal_linear_attention(Q, K, V, cu_seqlens, keep, 8,
+///                                                 linattn::EluPlusOne{}, states, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class Off, class DMask, class Phi, class DOut>
+void masked_batched_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Off& offsets, const Eigen::DenseBase<DMask>& key_mask,
+    Index heads, const Phi& phi, std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
+    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  const char* fn = "masked_batched_causal_linear_attention";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, out, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  detail::batched_causal_linear(fn, Q, K, V, detail::offsets_of(fn, "offsets", offsets), heads,
+                                phi, keep, &states, out, ws, options, par);
 }
 
 /// \brief Multi-head non-causal linear attention: Q N x (H·D), K L x (H·D), V L x (H·M),
@@ -422,8 +692,10 @@ void multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
                                 MultiHeadWorkspace<typename DQ::Scalar>& ws,
                                 const ParallelOptions& par = {}) {
   const Index q_offsets[2] = {0, Q.rows()}, k_offsets[2] = {0, K.rows()};
-  detail::batched_linear("multihead_linear_attention", Q, K, V, q_offsets, 2, k_offsets, 2, heads,
-                         phi, out, ws, par);
+  detail::batched_linear("multihead_linear_attention", Q, K, V,
+                         detail::ArrayOffsets<Index>{q_offsets, 2},
+                         detail::ArrayOffsets<Index>{k_offsets, 2}, heads, phi, detail::NoMask{},
+                         out, ws, par);
 }
 
 /// \brief Multi-head non-causal linear attention, returning N x (H·M).
@@ -436,6 +708,42 @@ Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<D
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   MultiHeadWorkspace<typename DQ::Scalar> ws;
   multihead_linear_attention(Q, K, V, heads, phi, out, ws, par);
+  return out;
+}
+
+/// \brief Multi-head non-causal linear attention with a key padding mask (L bools, true = the
+/// key takes part, shared by every head): masked_linear_attention() per head.
+/// \code
+/// linattn::masked_multihead_linear_attention(Q, K, V, keep, 8, linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
+void masked_multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                       const Eigen::MatrixBase<DK>& K,
+                                       const Eigen::MatrixBase<DV>& V,
+                                       const Eigen::DenseBase<DMask>& key_mask, Index heads,
+                                       const Phi& phi, const Eigen::MatrixBase<DOut>& out,
+                                       MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                       const ParallelOptions& par = {}) {
+  const char* fn = "masked_multihead_linear_attention";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, out, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  const Index q_offsets[2] = {0, Q.rows()}, k_offsets[2] = {0, K.rows()};
+  detail::batched_linear(fn, Q, K, V, detail::ArrayOffsets<Index>{q_offsets, 2},
+                         detail::ArrayOffsets<Index>{k_offsets, 2}, heads, phi, keep, out, ws,
+                         par);
+}
+
+/// \brief Masked multi-head non-causal linear attention, returning N x (H·M).
+template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
+Matrix<typename DQ::Scalar> masked_multihead_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask, Index heads,
+    const Phi& phi = Phi{}, const ParallelOptions& par = {}) {
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  masked_multihead_linear_attention(Q, K, V, key_mask, heads, phi, out, ws, par);
   return out;
 }
 
@@ -452,8 +760,48 @@ void multihead_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                        const CausalOptions& options = {},
                                        const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
-  detail::batched_causal_linear("multihead_causal_linear_attention", Q, K, V, offsets, 2, heads,
-                                phi, out, ws, options, par);
+  detail::batched_causal_linear("multihead_causal_linear_attention", Q, K, V,
+                                detail::ArrayOffsets<Index>{offsets, 2}, heads, phi,
+                                detail::NoMask{}, nullptr, out, ws, options, par);
+}
+
+/// \brief Multi-head causal linear attention carrying the H heads' states in and out: `states`
+/// holds H states (an empty entry starts from zero; an empty vector is resized to H), and on
+/// return head h's final state, as causal_linear_attention() on head h's columns with
+/// states[h] leaves it (bit for bit on one thread with the same CausalOptions). A prompt
+/// prefilled in pieces equals the one-shot call; the states continue in a
+/// MultiHeadRecurrentLinearAttention (head(h).set_state()) or a BatchedRecurrentLinearAttention.
+/// \throws std::invalid_argument as the other form, or on a count other than H (or 0) or a
+/// state that does not fit, before any state changes.
+/// \code
+/// std::vector<linattn::LinearAttentionState<float>> states;  // H, filled by the call
+/// linattn::multihead_causal_linear_attention(Q, K, V, 8, linattn::EluPlusOne{}, states, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
+    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  const Index offsets[2] = {0, Q.rows()};
+  detail::batched_causal_linear("multihead_causal_linear_attention", Q, K, V,
+                                detail::ArrayOffsets<Index>{offsets, 2}, heads, phi,
+                                detail::NoMask{}, &states, out, ws, options, par);
+}
+
+/// \brief Multi-head causal linear attention carrying the heads' states in and out (see above),
+/// returning N x (H·M).
+template <class DQ, class DK, class DV, class Phi>
+Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  multihead_causal_linear_attention(Q, K, V, heads, phi, states, out, ws, options, par);
+  return out;
 }
 
 /// \brief Multi-head causal linear attention, returning N x (H·M).
@@ -468,6 +816,65 @@ Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   MultiHeadWorkspace<typename DQ::Scalar> ws;
   multihead_causal_linear_attention(Q, K, V, heads, phi, out, ws, options, par);
+  return out;
+}
+
+/// \brief Multi-head causal linear attention with a key padding mask (N bools, true = the key
+/// takes part, shared by every head): masked_causal_linear_attention() per head.
+/// \param out must not overlap Q, K, V or key_mask (std::invalid_argument).
+/// \code
+/// linattn::masked_multihead_causal_linear_attention(Q, K, V, keep, 8, linattn::EluPlusOne{},
+///                                                   out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
+void masked_multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask, Index heads,
+    const Phi& phi, const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  const char* fn = "masked_multihead_causal_linear_attention";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, out, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  const Index offsets[2] = {0, Q.rows()};
+  detail::batched_causal_linear(fn, Q, K, V, detail::ArrayOffsets<Index>{offsets, 2}, heads, phi,
+                                keep, nullptr, out, ws, options, par);
+}
+
+/// \brief masked_multihead_causal_linear_attention() carrying the H states in and out (see the
+/// states form of multihead_causal_linear_attention()).
+/// \code
+/// std::vector<linattn::LinearAttentionState<float>> states;
+/// linattn::masked_multihead_causal_linear_attention(Q, K, V, keep, 8, linattn::EluPlusOne{},
+///                                                   states, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
+void masked_multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask, Index heads,
+    const Phi& phi, std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
+    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  const char* fn = "masked_multihead_causal_linear_attention";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, out, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  const Index offsets[2] = {0, Q.rows()};
+  detail::batched_causal_linear(fn, Q, K, V, detail::ArrayOffsets<Index>{offsets, 2}, heads, phi,
+                                keep, &states, out, ws, options, par);
+}
+
+/// \brief Masked multi-head causal linear attention, returning N x (H·M).
+template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
+Matrix<typename DQ::Scalar> masked_multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask, Index heads,
+    const Phi& phi = Phi{}, const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  masked_multihead_causal_linear_attention(Q, K, V, key_mask, heads, phi, out, ws, options, par);
   return out;
 }
 
