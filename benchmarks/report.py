@@ -99,7 +99,8 @@ class Run:
         self.params.setdefault("thr", "1")
         for k, v in DEFAULTS.items():
             self.params.setdefault(k, v)
-        self.size = int(self.params.pop("N", self.params.pop("pos", "0")))
+        # The swept argument: N (sequence length), pos (decode position) or B (sequences served).
+        self.size = int(self.params.pop("N", self.params.pop("pos", self.params.pop("B", "0"))))
         unit = UNIT_S[entry.get("time_unit", "ns")]
         self.wall = float(entry["real_time"]) * unit
         self.cpu = float(entry["cpu_time"]) * unit
@@ -495,7 +496,30 @@ def summary(res: Results) -> tuple[list[str], list[str]]:
     section(f"12. One sequence on two threads (`split_pair_*`: ParallelOptions, spec §8), EluPlusOne, float, "
             f"one head, D = M = 64; target: causal ≥ {TARGET_SPLIT_SPEEDUP:.1f}× one thread at N = 65536")
     L += split_table(res, warn)
+
+    # 13. Serving many sequences.
+    section("13. Serving: one decode step for B sequences × 8 heads (D = M = 64, float, EluPlusOne), tokens/s: "
+            "`BatchedRecurrentLinearAttention::step` vs B `MultiHeadRecurrentLinearAttention::step` calls")
+    L += serving_table(res)
     return L, warn
+
+
+def serving_table(res: Results) -> list[str]:
+    """Tokens per second of the batched decode step and of B separate multi-head steps, per thread count."""
+    q = dict(phi="elu", dtype="f32", H="8", D="64")
+    threads = sorted({r.params["thr"] for r in res.runs if r.kind == "serve_batched"}, key=int)
+    rows = []
+    for t in threads:
+        for b in res.sizes("serve_batched", thr=t, **q):
+            a, s = res.find("serve_batched", b, thr=t, **q), res.find("serve_separate", b, thr=t, **q)
+            ta, ts = (a.get("tokens_per_s") if a else None), (s.get("tokens_per_s") if s else None)
+            rows.append([t, str(b), f"{ta / 1e3:.1f} k" if ta else "–", f"{ts / 1e3:.1f} k" if ts else "–",
+                         fmt_ratio(ta / ts if ta and ts else None)])
+    if not rows:
+        return ["(no serve_* runs in these results)"]
+    return table(["threads", "B", "batched step", "B separate steps", "batched ÷ separate"], rows, "rrrrr") + [
+        "", "Separate steps on several threads: an OpenMP loop over the sequences (each sequence's heads stay on one "
+        "thread). Both compute the same values bit for bit (tests/test_serving.cpp)."]
 
 
 TARGET_SPLIT_SPEEDUP = 1.7
