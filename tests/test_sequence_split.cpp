@@ -247,6 +247,36 @@ TEST(SequenceSplit, LongFloatSequence) {
   }
 }
 
+TEST(SequenceSplit, MultiHeadWithFewerHeadsThanThreads) {
+  // One head (or one sequence of one head) and more threads: the multi-head and batched forms
+  // split the head's rows like the single-head call with the same options, bit for bit; and
+  // agree with one thread to rounding. Carried states and masks too.
+  const Index N = 2000;
+  const Mat<double> Q = test::random_matrix<double>(N, 6, 131), K = test::random_matrix<double>(N, 6, 132);
+  const Mat<double> V = test::random_matrix<double>(N, 5, 133);
+  const cref::BoolVec keep = cref::random_mask(N, 134, 0.25);
+  for (int T = 2; T <= 4; ++T) {
+    LinearAttentionState<double> single;
+    const Mat<double> want = linattn::causal_linear_attention(Q, K, V, SoftmaxSplit{}, single, {}, threads(T));
+    Mat<double> out(N, 5);
+    linattn::MultiHeadWorkspace<double> ws;
+    std::vector<LinearAttentionState<double>> states(1);
+    linattn::multihead_causal_linear_attention(Q, K, V, 1, SoftmaxSplit{}, states, out, ws, {},
+                                               threads(T));
+    EXPECT_TRUE(same_bits(out, want)) << "T=" << T;
+    EXPECT_TRUE(same_bits<double>(states[0].S, single.S)) << "T=" << T;
+    const Mat<double> serial_out = linattn::causal_linear_attention(Q, K, V, SoftmaxSplit{}, {}, serial());
+    EXPECT_LE(test::max_abs_diff(out, serial_out), 2e-16) << "T=" << T;
+    const Mat<double> nc = linattn::multihead_linear_attention(Q, K, V, 1, EluPlusOne{}, threads(T));
+    EXPECT_TRUE(same_bits(nc, linattn::linear_attention(Q, K, V, EluPlusOne{}, threads(T))))
+        << "T=" << T;
+    const Mat<double> masked = linattn::masked_multihead_causal_linear_attention(
+        Q, K, V, keep, 1, EluPlusOne{}, {}, threads(T));
+    EXPECT_LE(test::max_abs_diff(masked, cref::masked_causal(Q, K, V, keep, EluPlusOne{})), 1e-13)
+        << "T=" << T;
+  }
+}
+
 TEST(SequenceSplit, AutomaticSelection) {
   // Default options: short sequences stay on the calling thread (bit for bit the serial
   // kernel), and so do calls from inside a parallel region.

@@ -262,6 +262,22 @@ void check_states(const char* fn, std::vector<LinearAttentionState<Scalar>>& sta
 // The batched kernels behind batched_*() and multihead_*(): `fn` names the public function in
 // error messages; q_offsets and k_offsets (ArrayOffsets, EigenOffsets) hold one more entry than
 // the number of sequences, which must agree. keep(j) says whether packed key row j takes part.
+// Whether the batched kernels run their (sequence, head) pairs one after the other, each split
+// over all the threads (detail/sequence_split.hpp): when the pairs are fewer than the threads
+// and the longest sequence is long enough to split (sequence_split_threads()).
+template <class QOff, class KOff>
+bool split_pairs(const QOff& q_offsets, const KOff& k_offsets, Index B, Index heads,
+                 Index state_size, const ParallelOptions& par, bool causal) {
+  if (B * heads >= resolve_threads(par)) return false;
+  Index rows = 0;
+  for (Index b = 0; b < B; ++b) {
+    const std::size_t bs = static_cast<std::size_t>(b);
+    const Index n = q_offsets[bs + 1] - q_offsets[bs], l = k_offsets[bs + 1] - k_offsets[bs];
+    rows = std::max(rows, causal ? n : (n + l) / 2);
+  }
+  return sequence_split_threads(par, rows, state_size) > 1;
+}
+
 template <class DQ, class DK, class DV, class QOff, class KOff, class Phi, class Keep, class DOut>
 void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                     const Eigen::MatrixBase<DV>& V, const QOff& q_offsets, const KOff& k_offsets,
@@ -289,6 +305,22 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   using Scalar = typename DQ::Scalar;
   const Index B = static_cast<Index>(q_offsets.size()) - 1;
   const Index F = phi.feature_dim(D);
+  if (split_pairs(q_offsets, k_offsets, B, heads, F * M, par, /*causal=*/false)) {
+    // Fewer (sequence, head) pairs than threads: each pair in turn on all of them, its rows
+    // split (spec §8), rather than threads left idle.
+    ws.reserve_threads(1);
+    Workspace<Scalar>& w = ws.for_thread(0);
+    for (Index b = 0; b < B; ++b) {
+      const std::size_t bs = static_cast<std::size_t>(b);
+      const Index q0 = q_offsets[bs], n = q_offsets[bs + 1] - q0;
+      const Index k0 = k_offsets[bs], l = k_offsets[bs + 1] - k0;
+      for (Index h = 0; h < heads; ++h)
+        linear_attention_split(fn, q.block(q0, h * D, n, D), k.block(k0, h * D, l, D),
+                               v.block(k0, h * M, l, M), phi, shifted_keep(keep, k0),
+                               dst.block(q0, h * M, n, M), w, par);
+    }
+    return;
+  }
   const Index G = head_groups(B, heads, resolve_threads(par));
   parallel_tasks<Scalar>(B * G, par, ws, [&](Index t, int thread) {
     const Index b = t / G;
@@ -411,6 +443,31 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   // tokens or one chunk): the pieces then continue one another bit for bit.
   const Index unit = causal_block_rows(options, F * M);
   const Index rows = unit * std::max<Index>(1, kHeadInterleaveRows / unit);
+  if (split_pairs(offsets, offsets, B, heads, F * M, par, /*causal=*/true)) {
+    // Fewer (sequence, head) pairs than threads: each pair in turn on all of them, its rows
+    // split (spec §8), rather than threads left idle.
+    ws.reserve_threads(1);
+    Workspace<Scalar>& w = ws.for_thread(0);
+    LinearAttentionState<Scalar>* own = states ? nullptr : ws.states_for_thread(0, 1);
+    for (Index b = 0; b < B; ++b) {
+      const Index r0 = offsets[static_cast<std::size_t>(b)];
+      const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
+      for (Index h = 0; h < heads; ++h) {
+        LinearAttentionState<Scalar>& st = states ? (*states)[static_cast<std::size_t>(b * heads + h)] : *own;
+        if (!states) {
+          if (st.S.rows() == F && st.S.cols() == M &&
+              st.m.size() == (normalizes_keys_per_feature_v<Phi> ? F : 0))
+            st.reset();
+          else
+            st = make_state<Scalar>(phi, D, M);
+        }
+        causal_linear_attention_split(fn, q.block(r0, h * D, n, D), k.block(r0, h * D, n, D),
+                                      v.block(r0, h * M, n, M), phi, shifted_keep(keep, r0), st,
+                                      dst.block(r0, h * M, n, M), w, options, par);
+      }
+    }
+    return;
+  }
   const Index G = head_groups(B, heads, resolve_threads(par));
   parallel_tasks<Scalar>(B * G, par, ws, [&](Index t, int thread) {
     const Index b = t / G;
