@@ -654,8 +654,9 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// starts from zero, and an empty vector is first resized to B·H empty states (the only
 /// allocation of a call that reuses its workspace and states). On return every entry is the
 /// state after the sequence's last row, folded, exactly as causal_linear_attention() with that
-/// state leaves it: bit for bit for the same CausalOptions (and a call of the single-head kernel
-/// on one thread). Calling again continues every sequence.
+/// state leaves it: bit for bit for the same CausalOptions and ParallelOptions (with fewer
+/// (sequence, head) pairs than threads, each pair's rows are split over the threads as
+/// causal_linear_attention() splits them; spec §8). Calling again continues every sequence.
 /// \throws std::invalid_argument as the other form, or on a count other than B·H (or 0) or a
 /// state that does not fit the map and shapes (naming the entry), before any state changes.
 /// An exception in a task (a throwing feature map, std::bad_alloc) leaves the states partly
