@@ -327,7 +327,9 @@ TEST(SequenceSplit, RepeatedCallsAllocateNothing) {
   Eigen::internal::set_is_malloc_allowed(true);
 #endif
   EXPECT_GE(ws.bytes(), bytes);
-  if (threads_available()) EXPECT_GT(bytes, 3 * sizeof(float) * 16 * 8u);  // per-thread states
+  if (threads_available()) {
+    EXPECT_GT(bytes, 3 * sizeof(float) * 16 * 8u);  // per-thread states
+  }
 }
 
 // A user map that throws on a marked row: the exception of a worker thread reaches the caller.

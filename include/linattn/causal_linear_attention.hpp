@@ -519,7 +519,7 @@ void masked_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
   detail::check_key_mask("masked_causal_linear_attention", key_mask, K.rows());
   detail::check_no_overlap("masked_causal_linear_attention", out, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
-  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  const detail::KeyMask keep(mask);
   detail::causal_linear_attention_split("masked_causal_linear_attention", Q, K, V, phi, keep,
                                         state, out, ws, options, par);
 }

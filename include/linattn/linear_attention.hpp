@@ -201,7 +201,7 @@ void masked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matrix
   detail::check_key_mask("masked_linear_attention", key_mask, K.rows());
   detail::check_no_overlap("masked_linear_attention", out, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
-  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  const detail::KeyMask keep(mask);
   detail::linear_attention_split("masked_linear_attention", Q, K, V, phi, keep, out, ws, par);
 }
 

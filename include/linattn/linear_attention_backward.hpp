@@ -872,7 +872,7 @@ void masked_linear_attention_backward(const Eigen::MatrixBase<DQ>& Q,
   detail::check_no_overlap(fn, dK, "the key mask", key_mask);
   detail::check_no_overlap(fn, dV, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
-  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  const detail::KeyMask keep(mask);
   detail::linear_attention_backward_impl(fn, Q, K, V, dOut, phi, keep, dQ, dK, dV, ws);
 }
 
@@ -988,7 +988,7 @@ void masked_causal_linear_attention_backward(
   detail::check_no_overlap(fn, dK, "the key mask", key_mask);
   detail::check_no_overlap(fn, dV, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
-  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  const detail::KeyMask keep(mask);
   detail::causal_linear_attention_backward_impl(fn, Q, K, V, dOut, phi, keep, nullptr, nullptr,
                                                 dQ, dK, dV, nullptr, ws, options);
 }

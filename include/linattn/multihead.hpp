@@ -137,23 +137,35 @@ std::pair<Index, Index> check_heads(const char* function, const Eigen::MatrixBas
   return {Q.cols() / heads, V.cols() / heads};
 }
 
-// Sequence offsets (cu_seqlens) read in place, whatever their integer type: a contiguous array
-// (std::vector, a pointer), or an Eigen vector (Map, Matrix, a block of either).
-template <class Int>
-struct ArrayOffsets {
-  const Int* data;
-  std::size_t count;
-  Index operator[](std::size_t i) const noexcept { return static_cast<Index>(data[i]); }
-  std::size_t size() const noexcept { return count; }
-};
-template <class D>
-struct EigenOffsets {
-  const D& v;
-  Index operator[](std::size_t i) const {
-    const Index j = static_cast<Index>(i);
-    return static_cast<Index>(v.rows() == 1 ? v.coeff(0, j) : v.coeff(j, 0));
+// Sequence offsets (cu_seqlens) read in place, whatever their integer type and layout: a
+// contiguous array (std::vector, a pointer) or an Eigen vector (Matrix, Map, a block of either).
+// One type for all of them, so that the kernels are instantiated once rather than once per
+// offsets type (each instantiation is seconds of compile time in every program that uses it);
+// an indirect call per offset read is nothing next to a sequence's work.
+class OffsetsRef {
+ public:
+  template <class Int>
+  OffsetsRef(const Int* data, std::size_t count) noexcept
+      : object_(data), count_(count), read_(&read_array<Int>) {}
+  template <class D>
+  explicit OffsetsRef(const Eigen::DenseBase<D>& v) noexcept
+      : object_(&v.derived()), count_(static_cast<std::size_t>(v.size())), read_(&read_eigen<D>) {}
+  Index operator[](std::size_t i) const { return read_(object_, static_cast<Index>(i)); }
+  std::size_t size() const noexcept { return count_; }
+
+ private:
+  template <class Int>
+  static Index read_array(const void* data, Index i) {
+    return static_cast<Index>(static_cast<const Int*>(data)[i]);
   }
-  std::size_t size() const noexcept { return static_cast<std::size_t>(v.size()); }
+  template <class D>
+  static Index read_eigen(const void* object, Index i) {
+    const D& v = *static_cast<const D*>(object);
+    return static_cast<Index>(v.rows() == 1 ? v.coeff(0, i) : v.coeff(i, 0));
+  }
+  const void* object_;
+  std::size_t count_;
+  Index (*read_)(const void*, Index);
 };
 
 template <class Int>
@@ -163,17 +175,16 @@ constexpr void static_check_offsets() {
                 "integer type)");
 }
 template <class Int, class Alloc>
-ArrayOffsets<Int> offsets_of(const char*, const char*, const std::vector<Int, Alloc>& v) {
+OffsetsRef offsets_of(const char*, const char*, const std::vector<Int, Alloc>& v) {
   static_check_offsets<Int>();
-  return {v.data(), v.size()};
+  return OffsetsRef(v.data(), v.size());
 }
 template <class D>
-EigenOffsets<D> offsets_of(const char* function, const char* name,
-                           const Eigen::DenseBase<D>& v) {
+OffsetsRef offsets_of(const char* function, const char* name, const Eigen::DenseBase<D>& v) {
   static_check_offsets<typename D::Scalar>();
   if (v.rows() != 1 && v.cols() != 1 && v.size() != 0)
     throw_invalid(function, std::string(name) + " is " + shape_of(v) + " but must be a vector");
-  return {v.derived()};
+  return OffsetsRef(v);
 }
 
 // Sequence b occupies rows [offsets[b], offsets[b+1]); the `count` offsets start at 0, never
@@ -260,7 +271,7 @@ void check_states(const char* fn, std::vector<LinearAttentionState<Scalar>>& sta
 }
 
 // The batched kernels behind batched_*() and multihead_*(): `fn` names the public function in
-// error messages; q_offsets and k_offsets (ArrayOffsets, EigenOffsets) hold one more entry than
+// error messages; q_offsets and k_offsets (OffsetsRef) hold one more entry than
 // the number of sequences, which must agree. keep(j) says whether packed key row j takes part.
 // Whether the batched kernels run their (sequence, head) pairs one after the other, each split
 // over all the threads (detail/sequence_split.hpp): when the pairs are fewer than the threads
@@ -601,7 +612,7 @@ void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q,
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, out, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
-  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  const detail::KeyMask keep(mask);
   detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
                          detail::offsets_of(fn, "k_offsets", k_offsets), heads, phi, keep, out,
                          ws, par);
@@ -705,7 +716,7 @@ void masked_batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, out, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
-  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  const detail::KeyMask keep(mask);
   detail::batched_causal_linear(fn, Q, K, V, detail::offsets_of(fn, "offsets", offsets), heads,
                                 phi, keep, nullptr, out, ws, options, par);
 }
@@ -728,7 +739,7 @@ void masked_batched_causal_linear_attention(
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, out, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
-  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  const detail::KeyMask keep(mask);
   detail::batched_causal_linear(fn, Q, K, V, detail::offsets_of(fn, "offsets", offsets), heads,
                                 phi, keep, &states, out, ws, options, par);
 }
@@ -751,8 +762,8 @@ void multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
                                 const ParallelOptions& par = {}) {
   const Index q_offsets[2] = {0, Q.rows()}, k_offsets[2] = {0, K.rows()};
   detail::batched_linear("multihead_linear_attention", Q, K, V,
-                         detail::ArrayOffsets<Index>{q_offsets, 2},
-                         detail::ArrayOffsets<Index>{k_offsets, 2}, heads, phi, detail::NoMask{},
+                         detail::OffsetsRef(q_offsets, 2),
+                         detail::OffsetsRef(k_offsets, 2), heads, phi, detail::NoMask{},
                          out, ws, par);
 }
 
@@ -786,10 +797,10 @@ void masked_multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q,
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, out, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
-  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  const detail::KeyMask keep(mask);
   const Index q_offsets[2] = {0, Q.rows()}, k_offsets[2] = {0, K.rows()};
-  detail::batched_linear(fn, Q, K, V, detail::ArrayOffsets<Index>{q_offsets, 2},
-                         detail::ArrayOffsets<Index>{k_offsets, 2}, heads, phi, keep, out, ws,
+  detail::batched_linear(fn, Q, K, V, detail::OffsetsRef(q_offsets, 2),
+                         detail::OffsetsRef(k_offsets, 2), heads, phi, keep, out, ws,
                          par);
 }
 
@@ -819,7 +830,7 @@ void multihead_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                        const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
   detail::batched_causal_linear("multihead_causal_linear_attention", Q, K, V,
-                                detail::ArrayOffsets<Index>{offsets, 2}, heads, phi,
+                                detail::OffsetsRef(offsets, 2), heads, phi,
                                 detail::NoMask{}, nullptr, out, ws, options, par);
 }
 
@@ -844,7 +855,7 @@ void multihead_causal_linear_attention(
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
   detail::batched_causal_linear("multihead_causal_linear_attention", Q, K, V,
-                                detail::ArrayOffsets<Index>{offsets, 2}, heads, phi,
+                                detail::OffsetsRef(offsets, 2), heads, phi,
                                 detail::NoMask{}, &states, out, ws, options, par);
 }
 
@@ -894,9 +905,9 @@ void masked_multihead_causal_linear_attention(
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, out, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
-  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  const detail::KeyMask keep(mask);
   const Index offsets[2] = {0, Q.rows()};
-  detail::batched_causal_linear(fn, Q, K, V, detail::ArrayOffsets<Index>{offsets, 2}, heads, phi,
+  detail::batched_causal_linear(fn, Q, K, V, detail::OffsetsRef(offsets, 2), heads, phi,
                                 keep, nullptr, out, ws, options, par);
 }
 
@@ -918,9 +929,9 @@ void masked_multihead_causal_linear_attention(
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, out, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());
-  const auto keep = [&mask](Index j) { return bool(mask(j)); };
+  const detail::KeyMask keep(mask);
   const Index offsets[2] = {0, Q.rows()};
-  detail::batched_causal_linear(fn, Q, K, V, detail::ArrayOffsets<Index>{offsets, 2}, heads, phi,
+  detail::batched_causal_linear(fn, Q, K, V, detail::OffsetsRef(offsets, 2), heads, phi,
                                 keep, &states, out, ws, options, par);
 }
 

@@ -312,6 +312,26 @@ struct NoMask {
   bool operator()(Index) const noexcept { return true; }
 };
 
+// A key padding mask read in place, whatever its Eigen type (bool or integer entries, a vector,
+// Map or block): keep(j) is whether key j takes part. One type for every mask and entry point,
+// so that each masked kernel is instantiated once per map and scalar, not once per mask type
+// and per calling function (each instantiation is seconds of compile time in every program
+// that uses it); the indirect call per key is nothing next to the key's F·M work.
+class KeyMask {
+ public:
+  template <class D>
+  explicit KeyMask(const D& mask) noexcept : object_(&mask), read_(&read<D>) {}
+  bool operator()(Index j) const { return read_(object_, j); }
+
+ private:
+  template <class D>
+  static bool read(const void* mask, Index j) {
+    return bool((*static_cast<const D*>(mask))(j));
+  }
+  const void* object_;
+  bool (*read_)(const void*, Index);
+};
+
 // Non-causal absorption of keys: S += φ(K)ᵀ V and z += φ(K)ᵀ 1 blockwise, so that no L x F
 // matrix exists; for per-feature key softmax with running maxima. Each block's sums go into the
 // low parts, which are then folded into the high parts (one exact fold per block of keys, a few
