@@ -95,7 +95,9 @@ void check_causal(const Phi& phi, Index N, Index D, Index M, double scale, std::
     EXPECT_LE(err, test::bound<S>(4e-7, 2e-16)) << what << " T=" << T;
     EXPECT_LE(err_ref, test::bound<S>(4e-6, 1e-13)) << what << " T=" << T << " vs reference";
     EXPECT_LE(err_state, test::bound<S>(1.5e-6, 2e-15)) << what << " T=" << T << " state";
-    if (T == 1) EXPECT_TRUE(same_bits(out, one)) << what << ": one thread is the serial kernel";
+    if (T == 1) {
+      EXPECT_TRUE(same_bits(out, one)) << what << ": one thread is the serial kernel";
+    }
   }
 }
 
