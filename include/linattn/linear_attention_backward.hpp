@@ -427,6 +427,309 @@ inline bool backward_is_recurrent(const CausalOptions& opts, Index F, Index M) {
          (opts.algorithm == CausalAlgorithm::Auto && F * M <= kAutoRecurrentMaxState);
 }
 
+// Whether the causal recurrent backward takes the map's derivative from its features instead of
+// calling `backward` on the inputs again: EluPlusOne, whose φ'(x) = e^{min(x, 0)} is min(φ(x), 1)
+// (φ = e^x ≤ 1 for x ≤ 0, x + 1 > 1 above), so that the gradient is formed on the token-major
+// buffers the sweeps already hold, with no exponential and no second read of Q or K.
+template <class Phi>
+inline constexpr bool derivative_from_features_v = std::is_same_v<Phi, EluPlusOne>;
+
+// gt *= φ'(x) for EluPlusOne, with gt and the features pt token-major (F x b, column t = token
+// t) and x the b x F block of inputs. Where a feature is at the clamp of the map's exponential
+// (x ≤ -87 in float, where e^x is smaller still) or NaN, the derivative is e^{min(x, 0)} from x
+// itself, as EluPlusOne::backward computes it.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
+#endif
+template <class Scalar, class X>
+void elu_backward_from_features(Scalar* gt, const Scalar* pt, Index F, Index b, const X& x) {
+  using namespace Eigen::internal;
+  using Packet = typename packet_traits<Scalar>::type;
+  constexpr Index P = unpacket_traits<Packet>::size;
+  const Scalar floor = elu_plus_one_op<Scalar>()(exp_arg_floor<Scalar>());
+  const Index n = F * b;
+  // One packet pass; entries at the floor (or NaN) are left for the exact pass below.
+  bool all_above = true;
+  Index i = 0;
+  if constexpr (P > 1) {
+    const Packet lo = pset1<Packet>(floor), one = pset1<Packet>(Scalar(1));
+    const Packet ones = pcmp_eq(one, one);  // every bit set
+    Packet below = pzero(one);
+    for (; i + P <= n; i += P) {
+      const Packet p = ploadu<Packet>(pt + i), g = ploadu<Packet>(gt + i);
+      const Packet ok = pcmp_lt(lo, p);  // false for NaN
+      below = por(below, pandnot(ones, ok));
+      pstoreu(gt + i, pselect(ok, pmul(g, pmin(p, one)), g));
+    }
+    all_above = !predux_any(below);
+  }
+  for (; i < n; ++i) {
+    const Scalar p = pt[i];
+    const bool ok = p > floor;
+    all_above = all_above && ok;
+    if (ok) gt[i] *= std::min(p, Scalar(1));
+  }
+  if (all_above) return;
+  for (Index t = 0; t < b; ++t)
+    for (Index d = 0; d < F; ++d)
+      if (!(pt[t * F + d] > floor))
+        gt[t * F + d] *= Scalar(std::exp(std::min(Scalar(x(t, d)), Scalar(0))));
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+// Asks for rows [start, start + n) of x (any layout with unit inner stride; nothing otherwise)
+// to be brought into the cache, for reading (Write = 0) or writing (1). The recurrent backward
+// calls it for its next block of rows before the current block's recurrent passes, which run
+// from L1: its blocks are short runs of the caller's matrices far apart (the columns of one
+// head, 128 rows each; or rows of D values H·D apart), which the hardware prefetchers do not
+// follow, and mapping the inputs waited on memory most of its time (measured with perf).
+template <int Write, class X>
+void prefetch_block(const X& x, Index start, Index n) {
+  using Plain = std::decay_t<X>;
+  if constexpr (int(Plain::Flags) & Eigen::DirectAccessBit) {
+#if defined(__GNUC__) || defined(__clang__)
+    using Scalar = typename Plain::Scalar;
+    if (n <= 0 || x.rows() == 0 || x.cols() == 0 || x.innerStride() != 1) return;
+    constexpr Index line = 64 / Index(sizeof(Scalar));
+    const Scalar* base = x.data();
+    const Index os = x.outerStride();
+    if constexpr (bool(Plain::IsRowMajor)) {
+      for (Index r = start; r < start + n; ++r)
+        for (Index c = 0; c < x.cols(); c += line) __builtin_prefetch(base + r * os + c, Write, 2);
+    } else {
+      for (Index c = 0; c < x.cols(); ++c) {
+        const Scalar* col = base + c * os;
+        for (Index r = start; r < start + n; r += line) __builtin_prefetch(col + r, Write, 2);
+        __builtin_prefetch(col + start + n - 1, Write, 2);
+      }
+    }
+#else
+    (void)x, (void)start, (void)n;
+#endif
+  } else {
+    (void)x, (void)start, (void)n;
+  }
+}
+
+// Whether x is column-major memory with unit inner stride (a block of the caller's matrix, or
+// the columns of one head of a packed column-major N x (H·D) buffer).
+template <class X>
+inline constexpr bool is_col_major_memory_v =
+    !bool(std::decay_t<X>::IsRowMajor) && (int(std::decay_t<X>::Flags) & Eigen::DirectAccessBit);
+
+// Rows [r0, r0 + b) of x (n columns) into the contiguous column-major b x n buffer `buf`. For
+// column-major memory, one column at a time, each a few columns ahead asked into L1: a block is
+// n runs of b values one leading dimension apart, and with a power-of-two leading dimension
+// (N = 16384 floats) all of them fall into the same few sets of L1 and L2, so that neither the
+// hardware prefetchers nor a prefetch of the whole next block can keep them (measured: the
+// mapping of Q and K waited on these loads for most of its time). Any other x is copied by Eigen.
+template <class X>
+void gather_rows(const X& x, Index r0, Index b, typename X::Scalar* buf) {
+  using Scalar = typename X::Scalar;
+  const Index n = x.cols();
+  if constexpr (is_col_major_memory_v<X>) {
+    if (x.innerStride() == 1 && b > 0) {
+      const Scalar* src = x.data() + r0;
+      const Index ld = x.outerStride();
+#if defined(__GNUC__) || defined(__clang__)
+      constexpr Index line = 64 / Index(sizeof(Scalar));
+      constexpr Index ahead = 4, far = 16;  // columns, into L1 and into L2
+      const auto ask = [&](Index c, auto level) {
+        const Scalar* p = src + c * ld;
+        for (Index r = 0; r < b; r += line) __builtin_prefetch(p + r, 0, decltype(level)::value);
+        __builtin_prefetch(p + b - 1, 0, decltype(level)::value);
+      };
+      using L1 = std::integral_constant<int, 3>;
+      using L2 = std::integral_constant<int, 2>;
+      for (Index c = ahead; c < std::min(far, n); ++c) ask(c, L2{});
+      for (Index c = 0; c < std::min(ahead, n); ++c) ask(c, L1{});
+#endif
+      for (Index c = 0; c < n; ++c) {
+#if defined(__GNUC__) || defined(__clang__)
+        if (c + far < n) ask(c + far, L2{});
+        if (c + ahead < n) ask(c + ahead, L1{});
+#endif
+        Eigen::Map<Vector<Scalar>>(buf + c * b, b) =
+            Eigen::Map<const Vector<Scalar>>(src + c * ld, b);
+      }
+      return;
+    }
+  }
+  Eigen::Map<Matrix<Scalar>>(buf, b, n) = x.middleRows(r0, b);
+}
+
+// The token-major src (F x b, column t = token t, i.e. a row-major b x n buffer) into rows
+// [r0, r0 + b) of the writable x (n columns). Column-major memory: transposed with packets into
+// the contiguous `tmp` (b x n), then written one column at a time with the columns a few ahead
+// asked for writing, as gather_rows reads (a packet transpose straight into the caller's
+// columns writes n runs that share a few cache sets). Anything else: copy_from_row_major.
+// Rows [r0, r0 + b) of x, row-major memory with unit inner stride, into the contiguous
+// row-major b x n buffer `buf` (token-major), one row at a time with the rows a few ahead
+// asked into L1: a head's columns of a packed row-major N x (H·D) buffer are runs of D values
+// H·D apart, which the hardware prefetchers do not follow.
+template <class X>
+void gather_rows_row_major(const X& x, Index r0, Index b, typename X::Scalar* buf) {
+  using Scalar = typename X::Scalar;
+  const Index n = x.cols();
+  const Scalar* src = x.data() + r0 * x.outerStride();
+  const Index ld = x.outerStride();
+#if defined(__GNUC__) || defined(__clang__)
+  constexpr Index line = 64 / Index(sizeof(Scalar));
+  constexpr Index ahead = 8;  // rows
+  const auto ask = [&](Index r) {
+    const Scalar* p = src + r * ld;
+    for (Index c = 0; c < n; c += line) __builtin_prefetch(p + c, 0, 3);
+    __builtin_prefetch(p + n - 1, 0, 3);
+  };
+  for (Index r = 0; r < std::min(ahead, b); ++r) ask(r);
+#endif
+  for (Index r = 0; r < b; ++r) {
+#if defined(__GNUC__) || defined(__clang__)
+    if (r + ahead < b) ask(r + ahead);
+#endif
+    Eigen::Map<Vector<Scalar>>(buf + r * n, n) = Eigen::Map<const Vector<Scalar>>(src + r * ld, n);
+  }
+}
+
+// The row-major b x n buffer `buf` into rows [r0, r0 + b) of x, row-major memory with unit
+// inner stride (the mirror of gather_rows_row_major).
+template <class X, class Scalar>
+void scatter_rows(const Scalar* buf, Index r0, Index b, X& x) {
+  const Index n = x.cols();
+  Scalar* dst = x.data() + r0 * x.outerStride();
+  const Index ld = x.outerStride();
+#if defined(__GNUC__) || defined(__clang__)
+  constexpr Index line = 64 / Index(sizeof(Scalar));
+  constexpr Index ahead = 8;  // rows
+  const auto ask = [&](Index r) {
+    Scalar* p = dst + r * ld;
+    for (Index c = 0; c < n; c += line) __builtin_prefetch(p + c, 1, 3);
+    __builtin_prefetch(p + n - 1, 1, 3);
+  };
+  for (Index r = 0; r < std::min(ahead, b); ++r) ask(r);
+#endif
+  for (Index r = 0; r < b; ++r) {
+#if defined(__GNUC__) || defined(__clang__)
+    if (r + ahead < b) ask(r + ahead);
+#endif
+    Eigen::Map<Vector<Scalar>>(dst + r * ld, n) = Eigen::Map<const Vector<Scalar>>(buf + r * n, n);
+  }
+}
+
+// The contiguous column-major b x n buffer `buf` into rows [r0, r0 + b) of x, column-major
+// memory with unit inner stride: one column at a time, the columns a few ahead asked for
+// writing (the mirror of gather_rows).
+template <class X, class Scalar>
+void scatter_columns(const Scalar* buf, Index r0, Index b, X& x) {
+  const Index n = x.cols();
+  Scalar* dst = x.data() + r0;
+  const Index ld = x.outerStride();
+#if defined(__GNUC__) || defined(__clang__)
+  constexpr Index line = 64 / Index(sizeof(Scalar));
+  constexpr Index ahead = 4;  // columns
+  const auto ask = [&](Index c) {
+    Scalar* p = dst + c * ld;
+    for (Index r = 0; r < b; r += line) __builtin_prefetch(p + r, 1, 3);
+    __builtin_prefetch(p + b - 1, 1, 3);
+  };
+  for (Index c = 0; c < std::min(ahead, n); ++c) ask(c);
+#endif
+  for (Index c = 0; c < n; ++c) {
+#if defined(__GNUC__) || defined(__clang__)
+    if (c + ahead < n) ask(c + ahead);
+#endif
+    Eigen::Map<Vector<Scalar>>(dst + c * ld, b) = Eigen::Map<const Vector<Scalar>>(buf + c * b, b);
+  }
+}
+
+// The token-major src (F x b, column t = token t, i.e. a row-major b x n buffer) into rows
+// [r0, r0 + b) of the writable x (n columns). Column-major memory: transposed with packets into
+// the contiguous `tmp` (b x n), then written by scatter_columns (a packet transpose straight
+// into the caller's columns writes n runs that share a few cache sets). Anything else:
+// copy_from_row_major.
+template <class X, class Scalar>
+void scatter_token_major(const Scalar* src, Index r0, Index b, X& x, Scalar* tmp) {
+  const Index n = x.cols();
+  if constexpr (is_col_major_memory_v<X>) {
+    if (x.innerStride() == 1 && b > 0) {
+      transpose_copy(src, n, n, b, tmp, b);
+      scatter_columns(tmp, r0, b, x);
+      return;
+    }
+  } else if constexpr (is_row_major_memory_v<X>) {
+    if (x.innerStride() == 1 && b > 0) {
+      scatter_rows(src, r0, b, x);
+      return;
+    }
+  }
+  copy_from_row_major(src, b, n, x.middleRows(r0, b));
+}
+
+// φ of rows [r0, r0 + b) of x into the token-major pt (F x b): column-major memory is gathered
+// first (gather_rows, into `copy`, b x D), then mapped and transposed in cache.
+template <class Phi, class X, class Pt, class Scalar>
+void map_rows_token_major(const Phi& phi, const X& x, Index r0, Index b, Pt& pt,
+                          Eigen::Map<Matrix<Scalar>> copy, Eigen::Map<Matrix<Scalar>> scratch) {
+  if constexpr (is_col_major_memory_v<X>) {
+    if (x.innerStride() == 1) {
+      gather_rows(x, r0, b, copy.data());
+      map_token_major(phi, copy, pt, scratch);
+      return;
+    }
+  } else if constexpr (is_row_major_memory_v<X>) {
+    using RowMajor = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    if (x.innerStride() == 1) {
+      gather_rows_row_major(x, r0, b, copy.data());
+      map_token_major(phi, Eigen::Map<const RowMajor>(copy.data(), b, x.cols()), pt, scratch);
+      return;
+    }
+  }
+  map_token_major(phi, x.middleRows(r0, b), pt, scratch);
+}
+
+// Rows [r0, r0 + b) of x (b x n), each scaled by scale[t] when scale is not null, into the
+// contiguous buffer `buf` in x's own storage order (a plain copy, no transpose), for a
+// recurrent pass that reads them by broadcast. Returns buf's token and feature strides (1 and b
+// column-major, n and 1 row-major). Rows with keep(r0 + t) == false are zeroed (not skipped:
+// 0 * inf in a masked row would poison a state).
+template <class X, class Keep>
+std::pair<Index, Index> copy_broadcast_rows(const X& x, Index r0, Index b, const Keep& keep,
+                                            const typename X::Scalar* scale,
+                                            typename X::Scalar* buf) {
+  using Scalar = typename X::Scalar;
+  constexpr bool row_major = bool(std::decay_t<X>::IsRowMajor);
+  using Buf = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic,
+                            row_major ? Eigen::RowMajor : Eigen::ColMajor>;
+  const Index n = x.cols();
+  Eigen::Map<Buf> dst(buf, b, n);
+  if constexpr (!row_major) {
+    gather_rows(x, r0, b, buf);
+    if (scale != nullptr) dst = Eigen::Map<const Vector<Scalar>>(scale, b).asDiagonal() * dst;
+  } else {
+    bool gathered = false;
+    if constexpr (is_row_major_memory_v<X>) {
+      if (x.innerStride() == 1) {
+        gather_rows_row_major(x, r0, b, buf);
+        if (scale != nullptr) dst = Eigen::Map<const Vector<Scalar>>(scale, b).asDiagonal() * dst;
+        gathered = true;
+      }
+    }
+    if (gathered) {
+    } else if (scale != nullptr) {
+      dst.noalias() = Eigen::Map<const Vector<Scalar>>(scale, b).asDiagonal() * x.middleRows(r0, b);
+    } else {
+      dst = x.middleRows(r0, b);
+    }
+  }
+  if constexpr (!std::is_same_v<Keep, NoMask>)
+    for (Index t = 0; t < b; ++t)
+      if (!keep(r0 + t)) dst.row(t).setZero();
+  return row_major ? std::pair<Index, Index>(n, 1) : std::pair<Index, Index>(1, b);
+}
+
 // Causal backward for product maps, token by token with the forward's register-blocked
 // recurrence (recurrent_block: several tokens per pass over a state held row by row), in
 // blocks of 128 tokens. Every read of a state is "state after token t times a vector", so each
@@ -440,6 +743,13 @@ inline bool backward_is_recurrent(const CausalOptions& opts, Index F, Index M) {
 // sweeps in dV and the first column of dK, as in causal_backward_product. States are kept as
 // high and low parts (the block's tokens go into the low part, folded once per block), like the
 // forward's. Working memory O(F·M + 128·(F + M)).
+//
+// Layouts: a pass reads its vectors (v, o) token-major and its scalars by broadcast, in any
+// layout. φ(Q), φ(K), the outputs and the backward sweep's Ĝ are token-major; V and G are only
+// broadcast, so they are copied in their own storage order (no transpose), and Ĝ goes into dV
+// the same way. For EluPlusOne the map's derivative comes from the features
+// (derivative_from_features_v) and the gradients go from the token-major buffers straight into
+// dQ and dK: one packet transpose each for column-major outputs, none for row-major ones.
 template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class OQ, class OK,
           class OV>
 void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
@@ -450,23 +760,25 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
                                Workspace<typename DQ::Scalar>& ws) {
   using Scalar = typename DQ::Scalar;
   constexpr bool masked = !std::is_same_v<Keep, NoMask>;
+  constexpr bool from_features = derivative_from_features_v<Phi>;
+  using GBuf = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic,
+                             bool(std::decay_t<DG>::IsRowMajor) ? Eigen::RowMajor
+                                                                : Eigen::ColMajor>;
   const Index N = Q.rows(), M = V.cols();
   const Index F = phi.feature_dim(Q.cols());
-  // The token-major buffers of a block: a and k̃ (F x b, column t = token t), Ĝ and V (b x M
-  // row-major).
+  // The token-major features of a block: a and k̃ (F x b, column t = token t); masked keys'
+  // features are 0. Then the block's values, by broadcast in V's layout (masked rows 0).
   const auto map_block = [&](Index r0, Index b) {
     auto at = ws.matrix(kSlotPhiQ, F, b);
     auto kt = ws.matrix(kSlotPhiK, F, b);
-    map_token_major(phi, Q.middleRows(r0, b), at, ws.matrix(kSlotScores, b, F));
-    map_token_major(phi, K.middleRows(r0, b), kt, ws.matrix(kSlotScores, b, F));
-    Scalar* vb = ws.matrix(kSlotBackwardB, M, b).data();
-    copy_to_row_major(V.middleRows(r0, b), vb);
-    if constexpr (masked)  // zero, not skip: 0 * inf in a masked value would poison a state
+    map_rows_token_major(phi, Q, r0, b, at, ws.matrix(kSlotBackwardX, b, Q.cols()),
+                         ws.matrix(kSlotScores, b, F));
+    map_rows_token_major(phi, K, r0, b, kt, ws.matrix(kSlotBackwardX, b, K.cols()),
+                         ws.matrix(kSlotScores, b, F));
+    if constexpr (masked)
       for (Index t = 0; t < b; ++t)
-        if (!keep(r0 + t)) {
-          kt.col(t).setZero();
-          std::fill(vb + t * M, vb + (t + 1) * M, Scalar(0));
-        }
+        if (!keep(r0 + t)) kt.col(t).setZero();
+    return copy_broadcast_rows(V, r0, b, keep, nullptr, ws.matrix(kSlotBackwardB, M, b).data());
   };
   // --- Forward sweep. Sᵀ as a row-major M x F state is S itself, column-major F x M.
   auto S = ws.matrix(kSlotState, F, M);
@@ -487,9 +799,10 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
   const Scalar threshold = cancellation_threshold<Scalar>(F);
   for (Index r0 = 0; r0 < N; r0 += kLinearRowBlock) {
     const Index b = std::min(kLinearRowBlock, N - r0);
-    map_block(r0, b);
+    const std::pair<Index, Index> vs = map_block(r0, b);
     auto at = ws.matrix(kSlotPhiQ, F, b);
     auto kt = ws.matrix(kSlotPhiK, F, b);
+    const Scalar* vb = ws.matrix(kSlotBackwardB, M, b).data();
     auto zt = ws.matrix(kSlotExtra, F, b);
     auto inv = ws.vector(kSlotRowA, b);
     auto c = ws.vector(kSlotRowB, b);
@@ -501,12 +814,18 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
         if (!(inv(t) > threshold * at.col(t).cwiseAbs().dot(zt.col(t).cwiseAbs()))) inv(t) = 0;
     }
     invert_guarded(inv);
-    Scalar* gh = ws.matrix(kSlotPrefix, M, b).data();  // Ĝ, row-major b x M
-    copy_to_row_major(G.middleRows(r0, b), gh);
-    for (Index t = 0; t < b; ++t) Eigen::Map<Vector<Scalar>>(gh + t * M, M) *= inv(t);
+    Scalar* gh = ws.matrix(kSlotPrefix, M, b).data();  // Ĝ, in G's layout
+    const std::pair<Index, Index> gs = copy_broadcast_rows(G, r0, b, NoMask{}, inv.data(), gh);
+    if (r0 + b < N) {  // the next block, while the recurrent pass runs from L1
+      const Index nb = std::min(kLinearRowBlock, N - r0 - b);
+      prefetch_block<0>(Q, r0 + b, nb);
+      prefetch_block<0>(K, r0 + b, nb);
+      prefetch_block<0>(V, r0 + b, nb);
+      prefetch_block<0>(G, r0 + b, nb);
+    }
     auto P = ws.matrix(kSlotBackwardA, F, b);
-    recurrent_block(S.data(), S_lo.data(), F, M, F, gh, ws.matrix(kSlotBackwardB, M, b).data(),
-                    M, 1, b, kt.data(), F, P.data(), F);
+    recurrent_block2(S.data(), S_lo.data(), F, M, F, gh, gs.first, gs.second, vb, vs.first,
+                     vs.second, b, kt.data(), F, P.data(), F);
     S += S_lo;
     S_lo.setZero();
     z += z_lo;
@@ -515,10 +834,27 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
       c(t) = -inv(t) * at.col(t).dot(P.col(t));
       P.col(t) += c(t) * zt.col(t);  // ∇a_t
     }
-    auto ga = ws.matrix(kSlotExtra, b, F);
-    copy_to_row_major(P, ga.data());  // (F x b token-major) -> b x F
-    map_backward_into(phi, Q.middleRows(r0, b), ga, dQ.middleRows(r0, b), ws);
-    copy_from_row_major(gh, b, M, dV.middleRows(r0, b));
+    if constexpr (from_features) {
+      elu_backward_from_features(P.data(), at.data(), F, b, Q.middleRows(r0, b));
+      scatter_token_major(P.data(), r0, b, dQ, ws.matrix(kSlotBackwardX, b, F).data());
+    } else {
+      auto ga = ws.matrix(kSlotExtra, b, F);
+      copy_to_row_major(P, ga.data());  // (F x b token-major) -> b x F
+      map_backward_into(phi, Q.middleRows(r0, b), ga, dQ.middleRows(r0, b), ws);
+    }
+    bool stored = false;  // Ĝ into dV
+    if constexpr (is_col_major_memory_v<OV> && !bool(GBuf::IsRowMajor)) {
+      if (dV.innerStride() == 1 && b > 0) {
+        scatter_columns(gh, r0, b, dV);
+        stored = true;
+      }
+    } else if constexpr (is_row_major_memory_v<OV> && bool(GBuf::IsRowMajor)) {
+      if (dV.innerStride() == 1 && b > 0) {
+        scatter_rows(gh, r0, b, dV);
+        stored = true;
+      }
+    }
+    if (!stored) dV.middleRows(r0, b) = Eigen::Map<const GBuf>(gh, b, M);
     dK.col(0).segment(r0, b) = c;
   }
   // --- Backward sweep. R as a row-major F x M state is Rᵀ column-major (Rt, M x F); Rᵀ as a
@@ -542,22 +878,41 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
   const Index last = N == 0 ? 0 : (N - 1) / kLinearRowBlock * kLinearRowBlock;
   for (Index r0 = last; r0 >= 0 && N > 0; r0 -= kLinearRowBlock) {
     const Index b = std::min(kLinearRowBlock, N - r0);
-    map_block(r0, b);
+    const std::pair<Index, Index> vs = map_block(r0, b);
     auto at = ws.matrix(kSlotPhiQ, F, b);
     auto kt = ws.matrix(kSlotPhiK, F, b);
     const Scalar* vb = ws.matrix(kSlotBackwardB, M, b).data();
-    Scalar* gh = ws.matrix(kSlotPrefix, M, b).data();
-    copy_to_row_major(dV.middleRows(r0, b), gh);
+    Scalar* gh = ws.matrix(kSlotPrefix, M, b).data();  // Ĝ, token-major (row-major b x M)
+    if constexpr (is_col_major_memory_v<OV>) {
+      auto gc = ws.matrix(kSlotBackwardX, b, M);
+      gather_rows(dV, r0, b, gc.data());
+      copy_to_row_major(gc, gh);
+    } else if constexpr (is_row_major_memory_v<OV>) {
+      if (dV.innerStride() == 1)
+        gather_rows_row_major(dV, r0, b, gh);
+      else
+        copy_to_row_major(dV.middleRows(r0, b), gh);
+    } else {
+      copy_to_row_major(dV.middleRows(r0, b), gh);
+    }
     auto c = ws.vector(kSlotRowB, b);
     c = dK.col(0).segment(r0, b);
     Scalar* dv = ws.matrix(kSlotScores, M, b).data();  // row-major b x M
     auto gkt = ws.matrix(kSlotBackwardA, F, b);
+    if (r0 > 0) {  // the next block (the one before), while the recurrent passes run from L1
+      const Index nb = std::min(kLinearRowBlock, r0);
+      prefetch_block<0>(Q, r0 - nb, nb);
+      prefetch_block<0>(K, r0 - nb, nb);
+      prefetch_block<0>(V, r0 - nb, nb);
+      prefetch_block<0>(dV, r0 - nb, nb);
+      prefetch_block<0>(dK.col(0), r0 - nb, nb);
+    }
     // Tokens last to first: pointers at token b − 1, negative token strides.
     const Index lt = b - 1;
     recurrent_block(Rt.data(), Rt_lo.data(), M, F, M, kt.data() + lt * F, at.data() + lt * F,
                     -F, 1, b, gh + lt * M, -M, dv + lt * M, -M);
-    recurrent_block(Rc.data(), Rc_lo.data(), F, M, F, vb + lt * M, gh + lt * M, -M, 1, b,
-                    at.data() + lt * F, -F, gkt.data() + lt * F, -F);
+    recurrent_block2(Rc.data(), Rc_lo.data(), F, M, F, vb + lt * vs.first, -vs.first, vs.second,
+                     gh + lt * M, -M, 1, b, at.data() + lt * F, -F, gkt.data() + lt * F, -F);
     Rt += Rt_lo;
     Rt_lo.setZero();
     Rc += Rc_lo;
@@ -572,10 +927,15 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
           gkt.col(t).setZero();
           std::fill(dv + t * M, dv + (t + 1) * M, Scalar(0));
         }
-    copy_from_row_major(dv, b, M, dV.middleRows(r0, b));
-    auto gk = ws.matrix(kSlotExtra, b, F);
-    copy_to_row_major(gkt, gk.data());
-    map_backward_into(phi, K.middleRows(r0, b), gk, dK.middleRows(r0, b), ws);
+    scatter_token_major(dv, r0, b, dV, ws.matrix(kSlotBackwardX, b, M).data());
+    if constexpr (from_features) {
+      elu_backward_from_features(gkt.data(), kt.data(), F, b, K.middleRows(r0, b));
+      scatter_token_major(gkt.data(), r0, b, dK, ws.matrix(kSlotBackwardX, b, F).data());
+    } else {
+      auto gk = ws.matrix(kSlotExtra, b, F);
+      copy_to_row_major(gkt, gk.data());
+      map_backward_into(phi, K.middleRows(r0, b), gk, dK.middleRows(r0, b), ws);
+    }
     if constexpr (masked)  // a user map's backward need not give 0 for a zero gradient row
       for (Index t = 0; t < b; ++t)
         if (!keep(r0 + t)) dK.row(r0 + t).setZero();
