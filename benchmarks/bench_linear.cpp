@@ -129,11 +129,15 @@ void BM_causal(benchmark::State& st, Index D, linattn::CausalAlgorithm algorithm
 // split's only extra work). Counters: medians of the per-iteration times and ratios;
 // `speedup` = one thread / split, `ceiling` = one thread / independent halves (below 2: the
 // two threads slow each other down: shared caches, memory, or vCPUs sharing a core).
+// In: the inputs' type. Returning = false: the out-parameter form with a reused Workspace
+// (column-major); true: what a framework caller writes, `out = causal_linear_attention(Q, K, V,
+// phi, {}, par)` on row-major memory (a new output, workspace and state per call).
+template <class In, bool Returning>
 void BM_split_pair(benchmark::State& st, bool causal) {
   const Index N = st.range(0), D = 64, M = 64;
   const linattn::EluPlusOne phi{};
-  const Mat<float> Q = lb::random_matrix<float>(N, D, 71), K = lb::random_matrix<float>(N, D, 72),
-                   V = lb::random_matrix<float>(N, M, 73);
+  const In Q = lb::random_matrix<float>(N, D, 71), K = lb::random_matrix<float>(N, D, 72),
+           V = lb::random_matrix<float>(N, M, 73);
   Mat<float> out1(N, M), out2(N, M), halves(N, M);
   linattn::Workspace<float> ws1, ws2, wsh[2];
   linattn::ParallelOptions one, two;
@@ -141,11 +145,19 @@ void BM_split_pair(benchmark::State& st, bool causal) {
   two.num_threads = 2;
   const auto run = [&](const auto& q, const auto& k, const auto& v, auto&& out,
                        linattn::Workspace<float>& ws, const linattn::ParallelOptions& par) {
-    if (causal) {
-      linattn::LinearAttentionState<float> state;
-      linattn::causal_linear_attention(q, k, v, phi, state, out, ws, {}, par);
+    if constexpr (Returning) {
+      (void)ws;
+      if (causal)
+        out = linattn::causal_linear_attention(q, k, v, phi, linattn::CausalOptions{}, par);
+      else
+        out = linattn::linear_attention(q, k, v, phi, par);
     } else {
-      linattn::linear_attention(q, k, v, phi, out, ws, par);
+      if (causal) {
+        linattn::LinearAttentionState<float> state;
+        linattn::causal_linear_attention(q, k, v, phi, state, out, ws, {}, par);
+      } else {
+        linattn::linear_attention(q, k, v, phi, out, ws, par);
+      }
     }
   };
   const auto run_halves = [&] {
@@ -237,16 +249,22 @@ void register_all(const lb::Profile& p) {
                                                    p.every_variant ? p.chunks : default_chunk);
   }
   // One long sequence on two threads against one, call by call (not lb::add: manual time).
-  for (const bool causal : {false, true}) {
-    const std::string name = causal ? "split_pair_causal/phi:elu/alg:auto/dtype:f32/D:64"
-                                    : "split_pair_linear/phi:elu/dtype:f32/D:64";
-    auto* b = benchmark::RegisterBenchmark(name.c_str(), [causal](benchmark::State& st) {
-      BM_split_pair(st, causal);
-    });
-    b->ArgName("N")->UseManualTime()->Unit(benchmark::kMillisecond);
-    b->Iterations(p.name == "smoke" ? 2 : 30);
-    b->Arg(p.name == "smoke" ? 4096 : 65536);
-  }
+  // The out-parameter form on column-major inputs, then the returning form on row-major ones.
+  for (const bool user : {false, true})
+    for (const bool causal : {false, true}) {
+      const std::string name =
+          std::string(causal ? "split_pair_causal/phi:elu/alg:auto" : "split_pair_linear/phi:elu") +
+          "/dtype:f32/D:64" + (user ? "/layout:row/form:ret" : "");
+      auto* b = benchmark::RegisterBenchmark(name.c_str(), [causal, user](benchmark::State& st) {
+        if (user)
+          BM_split_pair<RowMat<float>, true>(st, causal);
+        else
+          BM_split_pair<Mat<float>, false>(st, causal);
+      });
+      b->ArgName("N")->UseManualTime()->Unit(benchmark::kMillisecond);
+      b->Iterations(p.name == "smoke" ? 2 : 30);
+      b->Arg(p.name == "smoke" ? 4096 : 65536);
+    }
   // Double precision: EluPlusOne at D = M = 64 (every D in the full profile), default chunk.
   const std::vector<Index> ns = lb::capped(p.ns, p.double_cap);
   for (Index D : p.every_variant ? p.dims : std::vector<Index>{64}) {

@@ -51,6 +51,21 @@ void counters(benchmark::State& st, Index B, int threads) {
   st.counters["state_bytes"] = double(B * kHeads * 2 * (F * kDim + F) * Index(sizeof(float)));
 }
 
+// Times `step` (after one warm-up step, which starts the OpenMP team and faults the states in),
+// checks the last outputs and sets the counters.
+template <class Step>
+void time_steps(benchmark::State& st, Step& step, const Tokens& x, Index B, int threads) {
+  step();
+  for (auto _ : st) {
+    step();
+    benchmark::DoNotOptimize(x.out.data());
+    benchmark::ClobberMemory();
+  }
+  if (!lb::all_finite(x.out)) st.SkipWithError("non-finite output");
+  counters(st, B, threads);
+  lb::set_threads(1);
+}
+
 void BM_serve_batched(benchmark::State& st, int threads) {
   const Index B = st.range(0);
   lb::set_threads(threads);
@@ -64,15 +79,7 @@ void BM_serve_batched(benchmark::State& st, int threads) {
     decoder.step(x.q[std::size_t(t)], x.k[std::size_t(t)], x.v[std::size_t(t)], x.out, par);
     t = (t + 1) % kRing;
   };
-  step();  // warm-up: starts the OpenMP team, faults the states in
-  for (auto _ : st) {
-    step();
-    benchmark::DoNotOptimize(x.out.data());
-    benchmark::ClobberMemory();
-  }
-  if (!lb::all_finite(x.out)) st.SkipWithError("non-finite output");
-  counters(st, B, threads);
-  lb::set_threads(1);
+  time_steps(st, step, x, B, threads);
 }
 
 void BM_serve_separate(benchmark::State& st, int threads) {
@@ -91,15 +98,7 @@ void BM_serve_separate(benchmark::State& st, int threads) {
       rnn[std::size_t(b)].step(q.row(b), k.row(b), v.row(b), x.out.row(b));
     t = (t + 1) % kRing;
   };
-  step();
-  for (auto _ : st) {
-    step();
-    benchmark::DoNotOptimize(x.out.data());
-    benchmark::ClobberMemory();
-  }
-  if (!lb::all_finite(x.out)) st.SkipWithError("non-finite output");
-  counters(st, B, threads);
-  lb::set_threads(1);
+  time_steps(st, step, x, B, threads);
 }
 
 std::vector<Index> batch_sizes(const lb::Profile& p) {

@@ -17,7 +17,7 @@
 #endif
 #include "eigen_assert_hook.hpp"  // first: before any Eigen header
 
-#include "new_counter.hpp"  // counts global operator new
+#include "allocation_count.hpp"  // counts Eigen allocations and global operator new
 
 #include <linattn/linattn.hpp>
 
@@ -925,28 +925,8 @@ TEST(MultiHeadRecurrent, StepsEqualParallelAndSingleHeads) {
   check_recurrent<double>(NormalizedCosine{});
 }
 
-// The number of Eigen heap allocations (reported through eigen_assert under
-// EIGEN_RUNTIME_NO_MALLOC) and of global operator new calls made by `call`.
-struct Allocations {
-  int eigen = 0, news = 0;
-};
-
-template <class F>
-Allocations allocations_in(F&& call) {
-  Allocations a;
-  eigen_hook::g_expect = true;  // counted, reported by the caller with its context
-  new_counter::calls = 0;
-  {
-    NoMallocScope scope;
-    new_counter::counting = true;
-    call();
-    new_counter::counting = false;
-    a.eigen = scope.failures();
-  }
-  eigen_hook::g_expect = false;
-  a.news = new_counter::calls.load();
-  return a;
-}
+using test::allocations_in;
+using test::Allocations;
 
 TEST(MultiHeadNoAlloc, TheDetectorsWork) {
   const Allocations eigen = allocations_in([] {

@@ -54,11 +54,7 @@ bool threads_available() {
 #endif
 }
 
-template <class S>
-bool same_bits(const Mat<S>& a, const Mat<S>& b) {
-  return a.rows() == b.rows() && a.cols() == b.cols() &&
-         std::memcmp(a.data(), b.data(), sizeof(S) * static_cast<std::size_t>(a.size())) == 0;
-}
+using test::same_bits;
 
 template <class S>
 MatD state_sum(const LinearAttentionState<S>& st) {
@@ -178,7 +174,7 @@ TEST(SequenceSplit, DeterministicForAThreadCount) {
     const Mat<float> a = linattn::causal_linear_attention(Q, K, V, EluPlusOne{}, s1, {}, threads(T));
     const Mat<float> b = linattn::causal_linear_attention(Q, K, V, EluPlusOne{}, s2, {}, threads(T));
     EXPECT_TRUE(same_bits(a, b)) << "T=" << T;
-    EXPECT_TRUE(same_bits<float>(s1.S, s2.S) && same_bits<float>(s1.S_lo, s2.S_lo)) << "T=" << T;
+    EXPECT_TRUE(same_bits(s1.S, s2.S) && same_bits(s1.S_lo, s2.S_lo)) << "T=" << T;
     const Mat<float> c = linattn::linear_attention(Q, K, V, EluPlusOne{}, threads(T));
     const Mat<float> d = linattn::linear_attention(Q, K, V, EluPlusOne{}, threads(T));
     EXPECT_TRUE(same_bits(c, d)) << "T=" << T;
@@ -266,7 +262,7 @@ TEST(SequenceSplit, MultiHeadWithFewerHeadsThanThreads) {
     linattn::multihead_causal_linear_attention(Q, K, V, 1, SoftmaxSplit{}, states, out, ws, {},
                                                threads(T));
     EXPECT_TRUE(same_bits(out, want)) << "T=" << T;
-    EXPECT_TRUE(same_bits<double>(states[0].S, single.S)) << "T=" << T;
+    EXPECT_TRUE(same_bits(states[0].S, single.S)) << "T=" << T;
     const Mat<double> serial_out = linattn::causal_linear_attention(Q, K, V, SoftmaxSplit{}, {}, serial());
     EXPECT_LE(test::max_abs_diff(out, serial_out), 2e-16) << "T=" << T;
     const Mat<double> nc = linattn::multihead_linear_attention(Q, K, V, 1, EluPlusOne{}, threads(T));

@@ -11,7 +11,7 @@
 #endif
 #include "eigen_assert_hook.hpp"  // first: before any Eigen header
 
-#include "new_counter.hpp"  // counts global operator new
+#include "allocation_count.hpp"  // counts Eigen allocations and global operator new
 
 #include <linattn/linattn.hpp>
 
@@ -61,22 +61,8 @@ std::string tag_of(const std::string& what) {
          "/" + test::scalar_name<S>();
 }
 
-template <class DA, class DB>
-bool same_bits(const Eigen::DenseBase<DA>& a, const Eigen::DenseBase<DB>& b) {
-  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
-  for (Index j = 0; j < a.cols(); ++j)
-    for (Index i = 0; i < a.rows(); ++i) {
-      const auto x = a.derived().coeff(i, j), y = b.derived().coeff(i, j);
-      if (std::memcmp(&x, &y, sizeof(x)) != 0) return false;
-    }
-  return true;
-}
-
-template <class S>
-bool same_state(const LinearAttentionState<S>& a, const LinearAttentionState<S>& b) {
-  return same_bits(a.S, b.S) && same_bits(a.S_lo, b.S_lo) && same_bits(a.z, b.z) &&
-         same_bits(a.z_lo, b.z_lo) && same_bits(a.m, b.m);
-}
+using test::same_bits;
+using test::same_state;
 
 // Largest |a - b| relative to max(1, |b|) over S + S_lo and z + z_lo, with SoftmaxSplit's shifts
 // undone (the maxima may differ between algorithms only if the keys do).
@@ -98,26 +84,8 @@ double state_error(const LinearAttentionState<S>& a, const LinearAttentionState<
          scale;
 }
 
-struct Allocations {
-  int eigen = 0, news = 0;
-};
-
-template <class F>
-Allocations allocations_in(F&& call) {
-  Allocations a;
-  eigen_hook::g_expect = true;
-  new_counter::calls = 0;
-  {
-    NoMallocScope scope;
-    new_counter::counting = true;
-    call();
-    new_counter::counting = false;
-    a.eigen = scope.failures();
-  }
-  eigen_hook::g_expect = false;
-  a.news = new_counter::calls.load();
-  return a;
-}
+using test::allocations_in;
+using test::Allocations;
 
 // Tokens of step t: B x (H·D) queries and keys, B x (H·M) values, row-major. Keys reach ±50 for
 // SoftmaxSplit so that the running maxima move.

@@ -35,24 +35,8 @@ using linattn::SoftmaxSplit;
 using test::Index;
 using test::Mat;
 
-// Same shape and same bits (NaN payloads and signed zeros included); any layout.
-template <class A, class B>
-bool same_bits(const Eigen::DenseBase<A>& a, const Eigen::DenseBase<B>& b) {
-  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
-  for (Index j = 0; j < a.cols(); ++j)
-    for (Index i = 0; i < a.rows(); ++i) {
-      const typename A::Scalar x = a(i, j);
-      const typename B::Scalar y = b(i, j);
-      if (std::memcmp(&x, &y, sizeof x) != 0) return false;
-    }
-  return true;
-}
-
-template <class S>
-bool same_state(const LinearAttentionState<S>& a, const LinearAttentionState<S>& b) {
-  return same_bits(a.S, b.S) && same_bits(a.z, b.z) && same_bits(a.m, b.m) &&
-         same_bits(a.S_lo, b.S_lo) && same_bits(a.z_lo, b.z_lo);
-}
+using test::same_bits;
+using test::same_state;
 
 template <class T>
 std::string saved(const T& x) {

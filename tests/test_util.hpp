@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <iostream>
 #include <limits>
 #include <ostream>
@@ -323,6 +324,30 @@ inline const std::vector<Shape>& causal_shapes() {
       {257, 257, 4, 16}, {300, 300, 7, 9}, {513, 513, 33, 17}, {100, 100, 1, 1},
   };
   return list;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bitwise comparisons, for the paths documented as bit for bit equal.
+// ---------------------------------------------------------------------------------------------
+
+/// Same shape and same bits (NaN payloads and signed zeros included); any layout.
+template <class A, class B>
+bool same_bits(const Eigen::DenseBase<A>& a, const Eigen::DenseBase<B>& b) {
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+  for (Index j = 0; j < a.cols(); ++j)
+    for (Index i = 0; i < a.rows(); ++i) {
+      const typename A::Scalar x = a.derived().coeff(i, j);
+      const typename B::Scalar y = b.derived().coeff(i, j);
+      if (std::memcmp(&x, &y, sizeof x) != 0) return false;
+    }
+  return true;
+}
+
+/// Every member of two linattn::LinearAttentionState objects, bit for bit.
+template <class State>
+bool same_state(const State& a, const State& b) {
+  return same_bits(a.S, b.S) && same_bits(a.S_lo, b.S_lo) && same_bits(a.z, b.z) &&
+         same_bits(a.z_lo, b.z_lo) && same_bits(a.m, b.m);
 }
 
 }  // namespace test

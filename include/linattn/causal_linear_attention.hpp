@@ -376,11 +376,18 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
   check_feature_map(function, phi, Q.cols());
   const Index F = phi.feature_dim(Q.cols()), M = V.cols(), N = Q.rows();
   const int threads = sequence_split_threads(par, N, F * M);
+  check_output(function, out, N, M);
   if (threads <= 1) {
-    causal_linear_attention_impl(function, Q, K, V, phi, keep, st, out, ws, opts);
+    // The kernel on the whole as one row segment: the same instantiation as the segments below
+    // and the multi-head kernels' heads (row_segment()).
+    const Nested<DQ> q(Q.derived());
+    const Nested<DK> k(K.derived());
+    const Nested<DV> v(V.derived());
+    causal_linear_attention_impl(function, row_segment(q, 0, N), row_segment(k, 0, N),
+                                 row_segment(v, 0, N), phi, shifted_keep(keep, 0), st,
+                                 row_segment(writable(out), 0, N), ws, opts);
     return;
   }
-  check_output(function, out, N, M);
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
   if (opts.chunk_size < 0)
     throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
@@ -410,9 +417,9 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
         scan_parts(&st, x, Index(t) * T, t, carried);
         const RowRange seg = split_rows(N, T, t, C);
         causal_linear_attention_impl(
-            function, q.middleRows(seg.begin, seg.size), k.middleRows(seg.begin, seg.size),
-            v.middleRows(seg.begin, seg.size), phi, shifted_keep(keep, seg.begin), carried,
-            dst.middleRows(seg.begin, seg.size), x.ws[static_cast<std::size_t>(t)], opts);
+            function, row_segment(q, seg.begin, seg.size), row_segment(k, seg.begin, seg.size),
+            row_segment(v, seg.begin, seg.size), phi, shifted_keep(keep, seg.begin), carried,
+            row_segment(dst, seg.begin, seg.size), x.ws[static_cast<std::size_t>(t)], opts);
       });
   std::swap(st, x.carried[static_cast<std::size_t>(team - 1)]);
 }

@@ -64,5 +64,33 @@ constexpr bool is_supported_scalar_v =
 template <class Derived>
 using Nested = typename Eigen::internal::nested_eval<Derived, 2>::type;
 
+template <class T>
+struct DynamicBlockOf : std::false_type {};
+template <class Xpr, bool InnerPanel>
+struct DynamicBlockOf<Eigen::Block<Xpr, Eigen::Dynamic, Eigen::Dynamic, InnerPanel>>
+    : std::true_type {
+  using Expression = Xpr;
+};
+
+// Rows [begin, begin + size) of `x` (an operand as held by Nested, or a writable output) as
+// Block<X, Dynamic, Dynamic, false> of the expression X that holds the data: a dynamic block of
+// a block is re-based on the block's own expression. The kernels are templates on their
+// operands' types, and this gives one type to a call's rows, to its threads' segments (spec §8)
+// and to the heads of the multi-head kernels (`Q.block(...)`): a kernel is compiled once for
+// all of them rather than once for each, which halves the code (and the compile time) of
+// every program that calls both the single-head and the multi-head forms.
+template <class X>
+auto row_segment(X& x, Index begin, Index size) {
+  using Plain = std::remove_const_t<X>;
+  if constexpr (DynamicBlockOf<Plain>::value) {
+    using Xpr = typename DynamicBlockOf<Plain>::Expression;
+    using Base = std::conditional_t<std::is_const_v<X>, const Xpr, Xpr>;
+    return Eigen::Block<Base, Eigen::Dynamic, Eigen::Dynamic, false>(
+        x.nestedExpression(), x.startRow() + begin, x.startCol(), size, x.cols());
+  } else {
+    return Eigen::Block<X, Eigen::Dynamic, Eigen::Dynamic, false>(x, begin, 0, size, x.cols());
+  }
+}
+
 }  // namespace detail
 }  // namespace linattn

@@ -84,11 +84,17 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
   const Index F = phi.feature_dim(Q.cols()), M = V.cols(), N = Q.rows(), L = K.rows();
   // A non-causal row (a key absorbed or a query read) costs half a causal row.
   const int threads = sequence_split_threads(par, (N + L) / 2, F * M);
+  check_output(function, out, N, M);
   if (threads <= 1) {
-    linear_attention_impl(function, Q, K, V, phi, keep, out, ws);
+    // As one row segment: the instantiation of the segments below (row_segment()).
+    const Nested<DQ> q(Q.derived());
+    const Nested<DK> k(K.derived());
+    const Nested<DV> v(V.derived());
+    linear_attention_impl(function, row_segment(q, 0, N), row_segment(k, 0, L),
+                          row_segment(v, 0, L), phi, shifted_keep(keep, 0),
+                          row_segment(writable(out), 0, N), ws);
     return;
   }
-  check_output(function, out, N, M);
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
   auto& dst = writable(out);
   const Nested<DQ> q(Q.derived());
@@ -107,8 +113,8 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
         scan_parts<Scalar>(nullptr, x, T, t, all);
         all.fold();  // read_state() reads the high parts
         const RowRange r = split_rows(N, T, t, kLinearRowBlock);
-        read_queries(phi, q.middleRows(r.begin, r.size), all.S, all.z,
-                     dst.middleRows(r.begin, r.size), x.ws[static_cast<std::size_t>(t)]);
+        read_queries(phi, row_segment(q, r.begin, r.size), all.S, all.z,
+                     row_segment(dst, r.begin, r.size), x.ws[static_cast<std::size_t>(t)]);
       });
 }
 

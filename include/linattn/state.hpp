@@ -321,7 +321,14 @@ class KeyMask {
  public:
   template <class D>
   explicit KeyMask(const D& mask) noexcept : object_(&mask), read_(&read<D>) {}
-  bool operator()(Index j) const { return read_(object_, j); }
+  bool operator()(Index j) const { return read_(object_, offset_ + j); }
+  // The mask of keys [a, ...): still a KeyMask, so that a segment of a sequence (a head's rows,
+  // a thread's share) runs the kernel instantiated for the whole.
+  KeyMask shifted(Index a) const noexcept {
+    KeyMask m = *this;
+    m.offset_ += a;
+    return m;
+  }
 
  private:
   template <class D>
@@ -330,6 +337,7 @@ class KeyMask {
   }
   const void* object_;
   bool (*read_)(const void*, Index);
+  Index offset_ = 0;
 };
 
 // Non-causal absorption of keys: S += φ(K)ᵀ V and z += φ(K)ᵀ 1 blockwise, so that no L x F

@@ -76,13 +76,16 @@ inline RowRange split_rows(Index n, int count, int i, Index align) {
   return {b, e - b};
 }
 
-// The key-keep predicate of rows [a, ...) of a sequence: NoMask stays NoMask (the kernels
-// skip the mask code for it).
+// The key-keep predicate of rows [a, ...) of a sequence, of the same type as `keep` for the
+// library's two (NoMask, which the kernels skip the mask code for, and KeyMask), so that a
+// segment runs the kernel instantiated for the whole sequence.
 template <class Keep>
 auto shifted_keep(const Keep& keep, Index a) {
   if constexpr (std::is_same_v<Keep, NoMask>) {
     (void)a;
     return NoMask{};
+  } else if constexpr (std::is_same_v<Keep, KeyMask>) {
+    return keep.shifted(a);
   } else {
     return [&keep, a](Index j) { return keep(a + j); };
   }
@@ -93,8 +96,8 @@ template <class Phi, class K, class V, class Keep, class Scalar>
 void summarize_rows(const Phi& phi, const K& k, const V& v, const Keep& keep, RowRange r,
                     LinearAttentionState<Scalar>& st, Workspace<Scalar>& ws) {
   st.reset();
-  absorb_keys(phi, k.middleRows(r.begin, r.size), v.middleRows(r.begin, r.size), st.S, st.S_lo,
-              st.z, st.z_lo, st.m, shifted_keep(keep, r.begin), ws);
+  absorb_keys(phi, row_segment(k, r.begin, r.size), row_segment(v, r.begin, r.size), st.S,
+              st.S_lo, st.z, st.z_lo, st.m, shifted_keep(keep, r.begin), ws);
 }
 
 // into = init followed by parts[0, count), merged left to right (the same order on every
