@@ -480,40 +480,6 @@ void elu_backward_from_features(Scalar* gt, const Scalar* pt, Index F, Index b, 
 #pragma GCC diagnostic pop
 #endif
 
-// Asks for rows [start, start + n) of x (any layout with unit inner stride; nothing otherwise)
-// to be brought into the cache, for reading (Write = 0) or writing (1). The recurrent backward
-// calls it for its next block of rows before the current block's recurrent passes, which run
-// from L1: its blocks are short runs of the caller's matrices far apart (the columns of one
-// head, 128 rows each; or rows of D values H·D apart), which the hardware prefetchers do not
-// follow, and mapping the inputs waited on memory most of its time (measured with perf).
-template <int Write, class X>
-void prefetch_block(const X& x, Index start, Index n) {
-  using Plain = std::decay_t<X>;
-  if constexpr (int(Plain::Flags) & Eigen::DirectAccessBit) {
-#if defined(__GNUC__) || defined(__clang__)
-    using Scalar = typename Plain::Scalar;
-    if (n <= 0 || x.rows() == 0 || x.cols() == 0 || x.innerStride() != 1) return;
-    constexpr Index line = 64 / Index(sizeof(Scalar));
-    const Scalar* base = x.data();
-    const Index os = x.outerStride();
-    if constexpr (bool(Plain::IsRowMajor)) {
-      for (Index r = start; r < start + n; ++r)
-        for (Index c = 0; c < x.cols(); c += line) __builtin_prefetch(base + r * os + c, Write, 2);
-    } else {
-      for (Index c = 0; c < x.cols(); ++c) {
-        const Scalar* col = base + c * os;
-        for (Index r = start; r < start + n; r += line) __builtin_prefetch(col + r, Write, 2);
-        __builtin_prefetch(col + start + n - 1, Write, 2);
-      }
-    }
-#else
-    (void)x, (void)start, (void)n;
-#endif
-  } else {
-    (void)x, (void)start, (void)n;
-  }
-}
-
 // Whether x is column-major memory with unit inner stride (a block of the caller's matrix, or
 // the columns of one head of a packed column-major N x (H·D) buffer).
 template <class X>
@@ -561,11 +527,6 @@ void gather_rows(const X& x, Index r0, Index b, typename X::Scalar* buf) {
   Eigen::Map<Matrix<Scalar>>(buf, b, n) = x.middleRows(r0, b);
 }
 
-// The token-major src (F x b, column t = token t, i.e. a row-major b x n buffer) into rows
-// [r0, r0 + b) of the writable x (n columns). Column-major memory: transposed with packets into
-// the contiguous `tmp` (b x n), then written one column at a time with the columns a few ahead
-// asked for writing, as gather_rows reads (a packet transpose straight into the caller's
-// columns writes n runs that share a few cache sets). Anything else: copy_from_row_major.
 // Rows [r0, r0 + b) of x, row-major memory with unit inner stride, into the contiguous
 // row-major b x n buffer `buf` (token-major), one row at a time with the rows a few ahead
 // asked into L1: a head's columns of a packed row-major N x (H·D) buffer are runs of D values
@@ -578,17 +539,21 @@ void gather_rows_row_major(const X& x, Index r0, Index b, typename X::Scalar* bu
   const Index ld = x.outerStride();
 #if defined(__GNUC__) || defined(__clang__)
   constexpr Index line = 64 / Index(sizeof(Scalar));
-  constexpr Index ahead = 8;  // rows
-  const auto ask = [&](Index r) {
+  constexpr Index ahead = 8, far = 32;  // rows, into L1 and into L2
+  const auto ask = [&](Index r, auto level) {
     const Scalar* p = src + r * ld;
-    for (Index c = 0; c < n; c += line) __builtin_prefetch(p + c, 0, 3);
-    __builtin_prefetch(p + n - 1, 0, 3);
+    for (Index c = 0; c < n; c += line) __builtin_prefetch(p + c, 0, decltype(level)::value);
+    __builtin_prefetch(p + n - 1, 0, decltype(level)::value);
   };
-  for (Index r = 0; r < std::min(ahead, b); ++r) ask(r);
+  using L1 = std::integral_constant<int, 3>;
+  using L2 = std::integral_constant<int, 2>;
+  for (Index r = ahead; r < std::min(far, b); ++r) ask(r, L2{});
+  for (Index r = 0; r < std::min(ahead, b); ++r) ask(r, L1{});
 #endif
   for (Index r = 0; r < b; ++r) {
 #if defined(__GNUC__) || defined(__clang__)
-    if (r + ahead < b) ask(r + ahead);
+    if (r + far < b) ask(r + far, L2{});
+    if (r + ahead < b) ask(r + ahead, L1{});
 #endif
     Eigen::Map<Vector<Scalar>>(buf + r * n, n) = Eigen::Map<const Vector<Scalar>>(src + r * ld, n);
   }
@@ -816,13 +781,6 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
     invert_guarded(inv);
     Scalar* gh = ws.matrix(kSlotPrefix, M, b).data();  // Ĝ, in G's layout
     const std::pair<Index, Index> gs = copy_broadcast_rows(G, r0, b, NoMask{}, inv.data(), gh);
-    if (r0 + b < N) {  // the next block, while the recurrent pass runs from L1
-      const Index nb = std::min(kLinearRowBlock, N - r0 - b);
-      prefetch_block<0>(Q, r0 + b, nb);
-      prefetch_block<0>(K, r0 + b, nb);
-      prefetch_block<0>(V, r0 + b, nb);
-      prefetch_block<0>(G, r0 + b, nb);
-    }
     auto P = ws.matrix(kSlotBackwardA, F, b);
     recurrent_block2(S.data(), S_lo.data(), F, M, F, gh, gs.first, gs.second, vb, vs.first,
                      vs.second, b, kt.data(), F, P.data(), F);
@@ -899,14 +857,6 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
     c = dK.col(0).segment(r0, b);
     Scalar* dv = ws.matrix(kSlotScores, M, b).data();  // row-major b x M
     auto gkt = ws.matrix(kSlotBackwardA, F, b);
-    if (r0 > 0) {  // the next block (the one before), while the recurrent passes run from L1
-      const Index nb = std::min(kLinearRowBlock, r0);
-      prefetch_block<0>(Q, r0 - nb, nb);
-      prefetch_block<0>(K, r0 - nb, nb);
-      prefetch_block<0>(V, r0 - nb, nb);
-      prefetch_block<0>(dV, r0 - nb, nb);
-      prefetch_block<0>(dK.col(0), r0 - nb, nb);
-    }
     // Tokens last to first: pointers at token b − 1, negative token strides.
     const Index lt = b - 1;
     recurrent_block(Rt.data(), Rt_lo.data(), M, F, M, kt.data() + lt * F, at.data() + lt * F,
