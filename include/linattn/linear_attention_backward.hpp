@@ -1081,15 +1081,25 @@ void causal_linear_attention_backward_impl(
   const Nested<DV> v(V.derived());
   const Nested<DG> g(dOut.derived());
   const Index C = opts.chunk_size > 0 ? opts.chunk_size : kDefaultChunk;
+  // Every operand as one row segment: the types of the multi-head kernels' heads, so that one
+  // instantiation serves both (row_segment()).
+  const Index N = q.rows();
+  const auto qs = row_segment(q, 0, N);
+  const auto ks = row_segment(k, 0, N);
+  const auto vs = row_segment(v, 0, N);
+  const auto gs = row_segment(g, 0, N);
+  auto dqs = row_segment(gq, 0, N);
+  auto dks = row_segment(gk, 0, N);
+  auto dvs = row_segment(gv, 0, N);
   if constexpr (normalizes_keys_per_feature_v<Phi>)
-    causal_backward_per_feature(phi, q, k, v, g, keep, initial, d_final, gq, gk, gv, d_initial,
-                                ws);
+    causal_backward_per_feature(phi, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
+                                d_initial, ws);
   else if (backward_is_recurrent(opts, F, M))
-    causal_backward_recurrent(phi, q, k, v, g, keep, initial, d_final, gq, gk, gv, d_initial,
-                              ws);
+    causal_backward_recurrent(phi, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
+                              d_initial, ws);
   else
-    causal_backward_product(phi, q, k, v, g, keep, initial, d_final, gq, gk, gv, d_initial, C,
-                            ws);
+    causal_backward_product(phi, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
+                            d_initial, C, ws);
 }
 
 template <class DQ, class DK, class DV, class DG, class Phi, class Keep, class DdQ, class DdK,
@@ -1112,10 +1122,19 @@ void linear_attention_backward_impl(const char* function, const Eigen::MatrixBas
   const Nested<DK> k(K.derived());
   const Nested<DV> v(V.derived());
   const Nested<DG> g(dOut.derived());
+  // As one row segment each: the multi-head kernels' types (see the causal form above).
+  const Index N = q.rows(), L = k.rows();
+  const auto qs = row_segment(q, 0, N);
+  const auto ks = row_segment(k, 0, L);
+  const auto vs = row_segment(v, 0, L);
+  const auto gs = row_segment(g, 0, N);
+  auto dqs = row_segment(gq, 0, N);
+  auto dks = row_segment(gk, 0, L);
+  auto dvs = row_segment(gv, 0, L);
   if constexpr (normalizes_keys_per_feature_v<Phi>)
-    linear_backward_per_feature(phi, q, k, v, g, keep, gq, gk, gv, ws);
+    linear_backward_per_feature(phi, qs, ks, vs, gs, keep, dqs, dks, dvs, ws);
   else
-    linear_backward_product(phi, q, k, v, g, keep, gq, gk, gv, ws);
+    linear_backward_product(phi, qs, ks, vs, gs, keep, dqs, dks, dvs, ws);
 }
 
 }  // namespace detail

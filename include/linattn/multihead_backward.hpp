@@ -47,13 +47,15 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Nested<DG> g(dOut.derived());
   const Index C = options.chunk_size > 0 ? options.chunk_size : kDefaultChunk;
   parallel_tasks<Scalar>(heads, par, ws, [&](Index h, int thread) {
-    const auto qh = q.middleCols(h * D, D);
-    const auto kh = k.middleCols(h * D, D);
-    const auto vh = v.middleCols(h * M, M);
-    const auto gh = g.middleCols(h * M, M);
-    auto dqh = gq.middleCols(h * D, D);
-    auto dkh = gk.middleCols(h * D, D);
-    auto dvh = gv.middleCols(h * M, M);
+    // block(), not middleCols(): the type row_segment() gives a single-head call, so that
+    // both run one instantiation of the kernels.
+    const auto qh = q.block(0, h * D, q.rows(), D);
+    const auto kh = k.block(0, h * D, k.rows(), D);
+    const auto vh = v.block(0, h * M, v.rows(), M);
+    const auto gh = g.block(0, h * M, g.rows(), M);
+    auto dqh = gq.block(0, h * D, gq.rows(), D);
+    auto dkh = gk.block(0, h * D, gk.rows(), D);
+    auto dvh = gv.block(0, h * M, gv.rows(), M);
     Workspace<Scalar>& w = ws.for_thread(thread);
     if constexpr (Causal && normalizes_keys_per_feature_v<Phi>)
       causal_backward_per_feature(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh, dvh,
