@@ -782,7 +782,7 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
     Scalar* gh = ws.matrix(kSlotPrefix, M, b).data();  // Ĝ, in G's layout
     const std::pair<Index, Index> gs = copy_broadcast_rows(G, r0, b, NoMask{}, inv.data(), gh);
     auto P = ws.matrix(kSlotBackwardA, F, b);
-    recurrent_block2(S.data(), S_lo.data(), F, M, F, gh, gs.first, gs.second, vb, vs.first,
+    recurrent_block(S.data(), S_lo.data(), F, M, F, gh, gs.first, gs.second, vb, vs.first,
                      vs.second, b, kt.data(), F, P.data(), F);
     S += S_lo;
     S_lo.setZero();
@@ -861,7 +861,7 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
     const Index lt = b - 1;
     recurrent_block(Rt.data(), Rt_lo.data(), M, F, M, kt.data() + lt * F, at.data() + lt * F,
                     -F, 1, b, gh + lt * M, -M, dv + lt * M, -M);
-    recurrent_block2(Rc.data(), Rc_lo.data(), F, M, F, vb + lt * vs.first, -vs.first, vs.second,
+    recurrent_block(Rc.data(), Rc_lo.data(), F, M, F, vb + lt * vs.first, -vs.first, vs.second,
                      gh + lt * M, -M, 1, b, at.data() + lt * F, -F, gkt.data() + lt * F, -F);
     Rt += Rt_lo;
     Rt_lo.setZero();

@@ -35,95 +35,15 @@ inline constexpr int kRecurrentTokens = 4;
 // over its rows. For each row d and token t in order:
 //   lo(d, :) += pk(t, d) v_t   and   o_t += pq(t, d) (hi(d, :) + lo(d, :)),
 // so o_t reads the state after token t, as the recurrence requires, and the tokens are summed
-// into the low part, where they are not rounded away against a large sum. pq(t, d) and pk(t, d)
-// are at t·ts + d·fs and read by broadcast; v and o are row-major (token t at t·ldv, t·ldo).
-// Packet may be Scalar itself for the last columns.
+// into the low part, where they are not rounded away against a large sum. pq(t, d) is at
+// t·qts + d·qfs and pk(t, d) at t·kts + d·kfs, both read by broadcast (the two strides differ
+// when the causal backward reads the caller's V and G in their own storage orders); v and o
+// are row-major (token t at t·ldv, t·ldo). Packet may be Scalar itself for the last columns.
 template <class Packet, int T, int C, class Scalar>
 EIGEN_ALWAYS_INLINE void recurrent_tile(const Scalar* hi, Scalar* lo, Index lds, Index F,
-                                        Index c0, const Scalar* pq, const Scalar* pk, Index ts,
-                                        Index fs, const Scalar* v, Index ldv, Scalar* o,
-                                        Index ldo) {
-  using namespace Eigen::internal;
-  constexpr Index P = unpacket_traits<Packet>::size;
-  Packet acc[T][C];
-  for (int t = 0; t < T; ++t)
-    for (int c = 0; c < C; ++c) acc[t][c] = pset1<Packet>(Scalar(0));
-  for (Index d = 0; d < F; ++d) {
-    Scalar* row = lo + d * lds + c0;
-    const Scalar* hrow = hi + d * lds + c0;
-    const Scalar* qd = pq + d * fs;
-    const Scalar* kd = pk + d * fs;
-    Packet x[C], h[C];
-    for (int c = 0; c < C; ++c) {
-      x[c] = ploadu<Packet>(row + c * P);
-      h[c] = ploadu<Packet>(hrow + c * P);
-    }
-    for (int t = 0; t < T; ++t) {
-      const Packet k = pset1<Packet>(kd[t * ts]);
-      const Packet q = pset1<Packet>(qd[t * ts]);
-      for (int c = 0; c < C; ++c) {
-        x[c] = pmadd(k, ploadu<Packet>(v + t * ldv + c0 + c * P), x[c]);
-        acc[t][c] = pmadd(q, padd(x[c], h[c]), acc[t][c]);
-      }
-    }
-    for (int c = 0; c < C; ++c) pstoreu(row + c * P, x[c]);
-  }
-  for (int t = 0; t < T; ++t)
-    for (int c = 0; c < C; ++c) pstoreu(o + t * ldo + c0 + c * P, acc[t][c]);
-}
-
-// T tokens through all M columns of the state: two packets at a time, then one, then scalars.
-template <int T, class Scalar>
-void recurrent_tokens(const Scalar* hi, Scalar* lo, Index lds, Index F, Index M,
-                      const Scalar* pq, const Scalar* pk, Index ts, Index fs, const Scalar* v,
-                      Index ldv, Scalar* o, Index ldo) {
-  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
-  constexpr Index P = Eigen::internal::unpacket_traits<Packet>::size;
-  Index c0 = 0;
-  if constexpr (P > 1) {
-    for (; c0 + 2 * P <= M; c0 += 2 * P)
-      recurrent_tile<Packet, T, 2>(hi, lo, lds, F, c0, pq, pk, ts, fs, v, ldv, o, ldo);
-    for (; c0 + P <= M; c0 += P)
-      recurrent_tile<Packet, T, 1>(hi, lo, lds, F, c0, pq, pk, ts, fs, v, ldv, o, ldo);
-  }
-  for (; c0 < M; ++c0)
-    recurrent_tile<Scalar, T, 1>(hi, lo, lds, F, c0, pq, pk, ts, fs, v, ldv, o, ldo);
-}
-
-// Feeds tokens [0, b) through the state: o_t = pq_t (hi + lo_t) with lo_t = lo + Σ_{s≤t} pk_s
-// v_sᵀ, lo updated in place. Exactly 5·b·F·M flops. Layouts as in recurrent_tile.
-template <class Scalar>
-void recurrent_block(const Scalar* hi, Scalar* lo, Index lds, Index F, Index M,
-                     const Scalar* pq, const Scalar* pk, Index ts, Index fs, Index b,
-                     const Scalar* v, Index ldv, Scalar* o, Index ldo) {
-  constexpr int T = kRecurrentTokens;
-  Index t = 0;
-  for (; t + T <= b; t += T)
-    recurrent_tokens<T>(hi, lo, lds, F, M, pq + t * ts, pk + t * ts, ts, fs, v + t * ldv, ldv,
-                        o + t * ldo, ldo);
-  // The last b mod T tokens: 4 (when T = 8), then 2, then 1 at a time.
-  const auto tail = [&](auto n) {
-    constexpr int n_tokens = decltype(n)::value;
-    if (n_tokens < T && b - t >= n_tokens) {
-      recurrent_tokens<n_tokens>(hi, lo, lds, F, M, pq + t * ts, pk + t * ts, ts, fs,
-                                 v + t * ldv, ldv, o + t * ldo, ldo);
-      t += n_tokens;
-    }
-  };
-  tail(std::integral_constant<int, 4>{});
-  tail(std::integral_constant<int, 2>{});
-  tail(std::integral_constant<int, 1>{});
-}
-
-// recurrent_tile with separate strides for pq (token stride qts, feature stride qfs) and pk
-// (kts, kfs), for callers whose two broadcast operands come in different layouts (the causal
-// backward reads the caller's V and G in their own storage orders). Same arithmetic, in the
-// same order, as recurrent_tile.
-template <class Packet, int T, int C, class Scalar>
-EIGEN_ALWAYS_INLINE void recurrent_tile2(const Scalar* hi, Scalar* lo, Index lds, Index F,
-                                         Index c0, const Scalar* pq, Index qts, Index qfs,
-                                         const Scalar* pk, Index kts, Index kfs, const Scalar* v,
-                                         Index ldv, Scalar* o, Index ldo) {
+                                        Index c0, const Scalar* pq, Index qts, Index qfs,
+                                        const Scalar* pk, Index kts, Index kfs, const Scalar* v,
+                                        Index ldv, Scalar* o, Index ldo) {
   using namespace Eigen::internal;
   constexpr Index P = unpacket_traits<Packet>::size;
   Packet acc[T][C];
@@ -153,47 +73,57 @@ EIGEN_ALWAYS_INLINE void recurrent_tile2(const Scalar* hi, Scalar* lo, Index lds
     for (int c = 0; c < C; ++c) pstoreu(o + t * ldo + c0 + c * P, acc[t][c]);
 }
 
+// T tokens through all M columns of the state: two packets at a time, then one, then scalars.
 template <int T, class Scalar>
-void recurrent_tokens2(const Scalar* hi, Scalar* lo, Index lds, Index F, Index M,
-                       const Scalar* pq, Index qts, Index qfs, const Scalar* pk, Index kts,
-                       Index kfs, const Scalar* v, Index ldv, Scalar* o, Index ldo) {
+void recurrent_tokens(const Scalar* hi, Scalar* lo, Index lds, Index F, Index M,
+                      const Scalar* pq, Index qts, Index qfs, const Scalar* pk, Index kts,
+                      Index kfs, const Scalar* v, Index ldv, Scalar* o, Index ldo) {
   using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
   constexpr Index P = Eigen::internal::unpacket_traits<Packet>::size;
   Index c0 = 0;
   if constexpr (P > 1) {
     for (; c0 + 2 * P <= M; c0 += 2 * P)
-      recurrent_tile2<Packet, T, 2>(hi, lo, lds, F, c0, pq, qts, qfs, pk, kts, kfs, v, ldv, o,
-                                    ldo);
+      recurrent_tile<Packet, T, 2>(hi, lo, lds, F, c0, pq, qts, qfs, pk, kts, kfs, v, ldv, o,
+                                   ldo);
     for (; c0 + P <= M; c0 += P)
-      recurrent_tile2<Packet, T, 1>(hi, lo, lds, F, c0, pq, qts, qfs, pk, kts, kfs, v, ldv, o,
-                                    ldo);
+      recurrent_tile<Packet, T, 1>(hi, lo, lds, F, c0, pq, qts, qfs, pk, kts, kfs, v, ldv, o,
+                                   ldo);
   }
   for (; c0 < M; ++c0)
-    recurrent_tile2<Scalar, T, 1>(hi, lo, lds, F, c0, pq, qts, qfs, pk, kts, kfs, v, ldv, o,
-                                  ldo);
+    recurrent_tile<Scalar, T, 1>(hi, lo, lds, F, c0, pq, qts, qfs, pk, kts, kfs, v, ldv, o, ldo);
 }
 
-// recurrent_block with separate strides for pq and pk (see recurrent_tile2).
+// Feeds tokens [0, b) through the state: o_t = pq_t (hi + lo_t) with lo_t = lo + Σ_{s≤t} pk_s
+// v_sᵀ, lo updated in place. Exactly 5·b·F·M flops. Layouts as in recurrent_tile.
 template <class Scalar>
-void recurrent_block2(const Scalar* hi, Scalar* lo, Index lds, Index F, Index M,
-                      const Scalar* pq, Index qts, Index qfs, const Scalar* pk, Index kts,
-                      Index kfs, Index b, const Scalar* v, Index ldv, Scalar* o, Index ldo) {
+void recurrent_block(const Scalar* hi, Scalar* lo, Index lds, Index F, Index M,
+                     const Scalar* pq, Index qts, Index qfs, const Scalar* pk, Index kts,
+                     Index kfs, Index b, const Scalar* v, Index ldv, Scalar* o, Index ldo) {
   constexpr int T = kRecurrentTokens;
   Index t = 0;
   for (; t + T <= b; t += T)
-    recurrent_tokens2<T>(hi, lo, lds, F, M, pq + t * qts, qts, qfs, pk + t * kts, kts, kfs,
-                         v + t * ldv, ldv, o + t * ldo, ldo);
+    recurrent_tokens<T>(hi, lo, lds, F, M, pq + t * qts, qts, qfs, pk + t * kts, kts, kfs,
+                        v + t * ldv, ldv, o + t * ldo, ldo);
+  // The last b mod T tokens: 4 (when T = 8), then 2, then 1 at a time.
   const auto tail = [&](auto n) {
     constexpr int n_tokens = decltype(n)::value;
     if (n_tokens < T && b - t >= n_tokens) {
-      recurrent_tokens2<n_tokens>(hi, lo, lds, F, M, pq + t * qts, qts, qfs, pk + t * kts, kts,
-                                  kfs, v + t * ldv, ldv, o + t * ldo, ldo);
+      recurrent_tokens<n_tokens>(hi, lo, lds, F, M, pq + t * qts, qts, qfs, pk + t * kts, kts,
+                                 kfs, v + t * ldv, ldv, o + t * ldo, ldo);
       t += n_tokens;
     }
   };
   tail(std::integral_constant<int, 4>{});
   tail(std::integral_constant<int, 2>{});
   tail(std::integral_constant<int, 1>{});
+}
+
+// recurrent_block() with pq and pk in one layout (token stride ts, feature stride fs).
+template <class Scalar>
+void recurrent_block(const Scalar* hi, Scalar* lo, Index lds, Index F, Index M,
+                     const Scalar* pq, const Scalar* pk, Index ts, Index fs, Index b,
+                     const Scalar* v, Index ldv, Scalar* o, Index ldo) {
+  recurrent_block(hi, lo, lds, F, M, pq, ts, fs, pk, ts, fs, b, v, ldv, o, ldo);
 }
 
 // The denominators of tokens [0, b): den_t = pq_t · (z + z_lo_t) with z_lo_t = z_lo +
