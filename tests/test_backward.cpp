@@ -6,6 +6,7 @@
 #include <linattn/linattn.hpp>
 
 #include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <limits>
 #include <string>
@@ -342,7 +343,7 @@ TEST(LinearAttentionBackward, WorkingMemoryIsIndependentOfN) {
 template <class S, class Map>
 void check_multihead(const Map& phi, bool causal, const std::string& what,
                      const CausalOptions& opts = {}) {
-  const Index N = 70, H = 3, D = 4, M = 5;
+  const Index N = 300, H = 3, D = 4, M = 5;  // N: several row blocks, the last one partial
   const Mat<S> Q = test::random_matrix<S>(N, H * D, 51, -2, 2);
   const Mat<S> K = test::random_matrix<S>(N, H * D, 52, -2, 2);
   const Mat<S> V = test::random_matrix<S>(N, H * M, 53), W = test::random_matrix<S>(N, H * M, 54);
@@ -398,6 +399,56 @@ TEST(MultiHeadBackward, EqualsPerHeadBackward) {
   check_multihead<float>(EluPlusOne{}, true, "EluPlusOne causal chunked float", chunked);
   check_multihead<double>(NormalizedCosine{}, true, "NormalizedCosine causal double");
   check_multihead<float>(SoftmaxSplit{}, true, "SoftmaxSplit causal float");
+}
+
+// Gradients of at least 2 MiB are written with streaming stores when the caller's buffer is
+// 64-byte aligned (detail::kStreamMinBytes), with ordinary stores otherwise: the same values
+// either way, bit for bit, for both storage orders (column-major runs stream when N is a
+// multiple of a cache line's scalars) and a last block shorter than 128 rows.
+template <class S, int Order>
+void check_streamed_gradients(Index N) {
+  using Out = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Order>;
+  using View = Eigen::Map<Out>;
+  const Index D = 64, M = 64;
+  ASSERT_GE(N * D * Index(sizeof(S)), Index(2) << 20);
+  const Out Q = test::random_matrix<S>(N, D, 61, -2, 2), K = test::random_matrix<S>(N, D, 62, -2, 2);
+  const Out V = test::random_matrix<S>(N, M, 63), W = test::random_matrix<S>(N, M, 64);
+  // Each output in its own buffer, at a 64-byte boundary or one scalar past it.
+  const auto view = [&](std::vector<S>& buf, Index cols, bool aligned) {
+    buf.assign(static_cast<std::size_t>(N * cols + 64), S(0));
+    const auto address = reinterpret_cast<std::uintptr_t>(buf.data());
+    const std::size_t skip = (64 - address % 64) % 64 / sizeof(S) + (aligned ? 0 : 1);
+    return View(buf.data() + skip, N, cols);
+  };
+  std::vector<S> buffers[6];
+  View dQa = view(buffers[0], D, true), dKa = view(buffers[1], D, true),
+       dVa = view(buffers[2], M, true);
+  View dQu = view(buffers[3], D, false), dKu = view(buffers[4], D, false),
+       dVu = view(buffers[5], M, false);
+  linattn::Workspace<S> ws;
+  const std::string tag = std::string(sizeof(S) == 4 ? "float" : "double") +
+                          (Order == Eigen::RowMajor ? " row-major" : " column-major") +
+                          " N=" + std::to_string(N);
+  linattn::causal_linear_attention_backward(Q, K, V, W, EluPlusOne{}, dQa, dKa, dVa, ws);
+  linattn::causal_linear_attention_backward(Q, K, V, W, EluPlusOne{}, dQu, dKu, dVu, ws);
+  EXPECT_TRUE(test::same_bits(dQa, dQu)) << tag;
+  EXPECT_TRUE(test::same_bits(dKa, dKu)) << tag;
+  EXPECT_TRUE(test::same_bits(dVa, dVu)) << tag;
+  // And against the chunked algorithm, which scatters nothing: equal to rounding.
+  CausalOptions chunked;
+  chunked.algorithm = CausalAlgorithm::Chunked;
+  const auto c = linattn::causal_linear_attention_backward(Q, K, V, W, EluPlusOne{}, chunked);
+  const double tol = 64 * std::numeric_limits<S>::epsilon();
+  EXPECT_LE(test::max_abs_diff(dQa, c.dQ), tol * std::max(1.0, test::max_abs(c.dQ))) << tag;
+  EXPECT_LE(test::max_abs_diff(dKa, c.dK), tol * std::max(1.0, test::max_abs(c.dK))) << tag;
+  EXPECT_LE(test::max_abs_diff(dVa, c.dV), tol * std::max(1.0, test::max_abs(c.dV))) << tag;
+}
+
+TEST(CausalLinearAttentionBackward, StreamedGradientsEqualCachedOnes) {
+  check_streamed_gradients<float, Eigen::ColMajor>(8208);
+  check_streamed_gradients<float, Eigen::RowMajor>(8208);
+  check_streamed_gradients<double, Eigen::ColMajor>(4104);
+  check_streamed_gradients<double, Eigen::RowMajor>(4104);
 }
 
 TEST(MultiHeadBackward, ErrorMessages) {

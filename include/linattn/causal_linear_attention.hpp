@@ -377,12 +377,12 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
   const Index F = phi.feature_dim(Q.cols()), M = V.cols(), N = Q.rows();
   const int threads = sequence_split_threads(par, N, F * M);
   check_output(function, out, N, M);
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
   if (threads <= 1) {
     // The kernel on the whole as one row segment: the same instantiation as the segments below
     // and the multi-head kernels' heads (row_segment()).
-    const Nested<DQ> q(Q.derived());
-    const Nested<DK> k(K.derived());
-    const Nested<DV> v(V.derived());
     causal_linear_attention_impl(function, row_segment(q, 0, N), row_segment(k, 0, N),
                                  row_segment(v, 0, N), phi, shifted_keep(keep, 0), st,
                                  row_segment(writable(out), 0, N), ws, opts);
@@ -395,9 +395,6 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
   prepare_state(function, st, phi, Q.cols(), M);
   fold_state(st.S, st.S_lo, st.z, st.z_lo);
   auto& dst = writable(out);
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
   const Index C = causal_block_rows(opts, F * M);
   auto& x = ws.template extension<SplitScratch<Scalar>>();
   x.prepare(threads, Index(threads - 1) * threads, F, M, normalizes_keys_per_feature_v<Phi>);

@@ -159,21 +159,27 @@ void check_feature_map(const char* function, const Phi& phi, Index D) {
   }
 }
 
-// dst = x for the n x D input of a map and a column-major destination block of the same shape
-// (the map then transforms dst in place). A row-major x (a whole matrix, a block, or a Map
-// with an outer stride, such as the columns of one head) is copied with packet transposes:
-// Eigen evaluates an expression whose storage order differs from its destination's with
-// scalar code, several times slower than the maps themselves.
+// dst = x, for instance the n x D input of a map into a column-major block of the same shape
+// (the map then transforms dst in place), or a gradient computed column-major into the caller's
+// row-major output. When one side is row-major memory (a whole matrix, a block, or a Map with an
+// outer stride, such as the columns of one head) and the other column-major, the copy is done
+// with packet transposes: Eigen evaluates an expression whose storage order differs from its
+// destination's with scalar code, several times slower than the maps themselves.
 template <class Derived, class Dst>
 void copy_rows(const Eigen::MatrixBase<Derived>& x, Dst&& dst) {
   using X = std::decay_t<Derived>;
   using Out = std::decay_t<Dst>;
-  if constexpr (bool(X::IsRowMajor) && (int(X::Flags) & Eigen::DirectAccessBit) &&
-                !bool(Out::IsRowMajor) && (int(Out::Flags) & Eigen::DirectAccessBit)) {
+  constexpr bool direct =
+      (int(X::Flags) & Eigen::DirectAccessBit) && (int(Out::Flags) & Eigen::DirectAccessBit);
+  if constexpr (direct && bool(X::IsRowMajor) != bool(Out::IsRowMajor)) {
     if (x.innerStride() == 1 && dst.innerStride() == 1) {
-      // x, read column-major, is the D x n matrix x^T with leading dimension outerStride().
-      transpose_copy(x.derived().data(), x.outerStride(), x.cols(), x.rows(), dst.data(),
-                     dst.outerStride());
+      // The row-major side, read column-major, is the transpose of the other.
+      if constexpr (bool(X::IsRowMajor))
+        transpose_copy(x.derived().data(), x.outerStride(), x.cols(), x.rows(), dst.data(),
+                       dst.outerStride());
+      else
+        transpose_copy(x.derived().data(), x.outerStride(), x.rows(), x.cols(), dst.data(),
+                       dst.outerStride());
       return;
     }
   }

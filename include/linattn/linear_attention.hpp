@@ -85,11 +85,11 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
   // A non-causal row (a key absorbed or a query read) costs half a causal row.
   const int threads = sequence_split_threads(par, (N + L) / 2, F * M);
   check_output(function, out, N, M);
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
   if (threads <= 1) {
     // As one row segment: the instantiation of the segments below (row_segment()).
-    const Nested<DQ> q(Q.derived());
-    const Nested<DK> k(K.derived());
-    const Nested<DV> v(V.derived());
     linear_attention_impl(function, row_segment(q, 0, N), row_segment(k, 0, L),
                           row_segment(v, 0, L), phi, shifted_keep(keep, 0),
                           row_segment(writable(out), 0, N), ws);
@@ -97,9 +97,6 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
   }
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
   auto& dst = writable(out);
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
   auto& x = ws.template extension<SplitScratch<Scalar>>();
   x.prepare(threads, threads, F, M, normalizes_keys_per_feature_v<Phi>);
   run_two_phases(
