@@ -683,9 +683,10 @@ def gradients(res: Results, warn: list[str]) -> list[str]:
              "R_t = Σ_{i≥t} φ(q_i) ĝ_iᵀ twice, once per orientation (φ(K) R and V Rᵀ both read R by broadcast): "
              "three passes of the forward's register-blocked kernel against one, 15·N·F·M flops against "
              "5·N·F·M (each counting the compensated sum's add). It also reads Q, K, V twice plus dOut and its "
-             "stash Ĝ (8 passes over N×D or N×M inputs against 3) and writes 4 outputs against 1. Below 3× the "
-             "forward, the ratio needs state checkpoints (memory growing with N) or a plain, uncompensated "
-             "sum (gradients of long float sequences less exact); linattn takes neither.")
+             "stash Ĝ (8 passes over N×D or N×M inputs against 3) and writes 4 outputs against 1. The measured "
+             "ratio is below those 3×; reaching 2.5× would take state checkpoints (memory growing with N) or a "
+             "plain, uncompensated sum (gradients of long float sequences less exact), and linattn takes "
+             "neither.")
     if med is not None and med < 0.9:
         L.append("")
         L.append(f"The machine was busy (median cpu/wall {med:.2f}): wall times are inflated; the cpu-time figures "
