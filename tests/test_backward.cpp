@@ -434,11 +434,12 @@ void check_streamed_gradients(Index N) {
   EXPECT_TRUE(test::same_bits(dQa, dQu)) << tag;
   EXPECT_TRUE(test::same_bits(dKa, dKu)) << tag;
   EXPECT_TRUE(test::same_bits(dVa, dVu)) << tag;
-  // And against the chunked algorithm, which scatters nothing: equal to rounding.
+  // And against the chunked algorithm, which scatters nothing: equal to rounding (measured at
+  // most 2.7 u relative, dV, in AVX-512 and SSE2 builds).
   CausalOptions chunked;
   chunked.algorithm = CausalAlgorithm::Chunked;
   const auto c = linattn::causal_linear_attention_backward(Q, K, V, W, EluPlusOne{}, chunked);
-  const double tol = 64 * std::numeric_limits<S>::epsilon();
+  const double tol = 8 * std::numeric_limits<S>::epsilon();
   EXPECT_LE(test::max_abs_diff(dQa, c.dQ), tol * std::max(1.0, test::max_abs(c.dQ))) << tag;
   EXPECT_LE(test::max_abs_diff(dKa, c.dK), tol * std::max(1.0, test::max_abs(c.dK))) << tag;
   EXPECT_LE(test::max_abs_diff(dVa, c.dV), tol * std::max(1.0, test::max_abs(c.dV))) << tag;
