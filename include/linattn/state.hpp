@@ -60,6 +60,12 @@ struct LinearAttentionState {
   Vector<Scalar> m;     ///< F running key maxima for SoftmaxSplit; empty otherwise
   StateMatrix S_lo;     ///< F x M, low part of S (or empty: zero)
   Vector<Scalar> z_lo;  ///< F, low part of z (or empty: zero)
+  /// The total log-decay of the keys the state holds, for states of the decayed and gated
+  /// kernels (gated_linear_attention(); spec §9.4): one entry for a per-token scalar decay,
+  /// F for per-feature gates, \f$\sum_t \log a_t\f$ over every token absorbed since the
+  /// state was zero. combine() of two decayed segments needs it: the state of a then b is
+  /// \f$e^{\Lambda_b} S_a + S_b\f$. Empty for undecayed states (no decay: 0).
+  Vector<Scalar> log_decay;
 
   /// An empty state; kernels given one start from zero and size it.
   LinearAttentionState() = default;
@@ -83,6 +89,7 @@ struct LinearAttentionState {
     S_lo.setZero();
     z_lo.setZero();
     m.setConstant(-std::numeric_limits<Scalar>::infinity());
+    log_decay.setZero();
   }
 
   /// Folds the low parts into the high parts exactly: afterwards `S` and `z` are the correctly

@@ -1,0 +1,503 @@
+/// \file detail/gated_forward.hpp
+/// \brief The kernels of decayed and gated linear attention (internal): the chunked form for a
+/// scalar decay per token and for per-feature gates, and the fused recurrent form.
+///
+/// Every decay factor the kernels form is the exponential of a sum of log gates over a
+/// stretch of tokens, summed along that stretch (never the difference of two long prefix sums,
+/// which would cancel: after a reset gate of -1e4, the mild gates that follow would lose every
+/// digit), and every exponent is <= 0: no factor exceeds 1 and none is a product of many small
+/// numbers. Derivations: docs/SPEC.md §9.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "../checks.hpp"
+#include "../common.hpp"
+#include "../feature_map.hpp"
+#include "../gated_options.hpp"
+#include "../state.hpp"
+#include "../workspace.hpp"
+#include "blocking.hpp"
+#include "fast_exp.hpp"
+
+namespace linattn::detail {
+
+// Rows per chunk of the chunked gated kernels when GatedOptions::chunk_size is 0.
+inline constexpr Index kGatedDefaultChunk = 64;
+// Rows per sub-chunk of the per-feature kernel when a chunk's gates are too strong to factor.
+inline constexpr Index kGatedSubChunk = 16;
+
+// The largest decay range (in log units) over which the per-feature kernel factors
+// exp(c_i - c_j) as exp(c_i) · exp(-c_j) with c relative to a reference row. The factors are then
+// within e^{±T} (no overflow, no underflow), and the rounding of c (u·|c| each) perturbs an
+// exponent by at most 2·T·u: with T = 8, below the error of the products themselves.
+template <class Scalar>
+constexpr Scalar gated_factor_span() noexcept {
+  return Scalar(8);
+}
+
+// One head's configuration, fixed for a call.
+template <class Scalar>
+struct GatedConfig {
+  bool normalize = false;
+  Scalar scale = 1;          // s; 1 when normalising
+  bool per_feature = false;  // log gates N x F, else N x 1
+};
+
+template <class Scalar>
+GatedConfig<Scalar> gated_config(const GatedOptions& opts, Index gate_cols) {
+  GatedConfig<Scalar> cfg;
+  cfg.normalize = opts.normalize;
+  cfg.scale = opts.normalize ? Scalar(1) : static_cast<Scalar>(opts.scale);
+  cfg.per_feature = gate_cols > 1;
+  return cfg;
+}
+
+// exp of every entry (all <= 0; below exp_arg_floor the result is exactly 0, never a denormal
+// that would slow every later product).
+template <class X>
+void exp_nonpositive_inplace(X&& x) {
+  using S = typename std::decay_t<X>::Scalar;
+  x = x.unaryExpr(exp_nonpositive_op<S>());
+}
+
+// The log gates of rows [r0, r0 + b) into a column-major b x w buffer.
+template <class DG, class Buf>
+void copy_gates(const DG& G, Index r0, Index b, Buf& gb) {
+  gb = G.middleRows(r0, b);
+}
+
+// One chunk, a scalar decay per token (spec §9.1): with e_ij = exp(Σ_{j<l<=i} g_l),
+//   out_i = s [exp(c_i) φq_i S + Σ_{j<=i} e_ij (φq_i·φk_j) v_j],   c_i = Σ_{l<=i} g_l,
+//   S <- exp(c_last) S + Σ_j exp(Σ_{l>j} g_l) φk_j v_jᵀ (z likewise),
+// each exponent summed along its own stretch of tokens.
+template <class Phi, class DQ, class DK, class DV, class DG, class Scalar, class Out>
+void gated_chunk_scalar(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& G,
+                        Index r0, Index b, LinearAttentionState<Scalar>& st, Out& dst,
+                        Workspace<Scalar>& ws, const GatedConfig<Scalar>& cfg) {
+  const Index F = st.S.rows();
+  auto pq = ws.matrix(kSlotPhiQ, b, F);
+  auto pk = ws.matrix(kSlotPhiK, b, F);
+  phi.map(Q.middleRows(r0, b), pq);
+  phi.map(K.middleRows(r0, b), pk);
+  auto A = ws.matrix(kSlotScores, b, b);
+  auto g = ws.vector(kSlotRowB, b);
+  auto eq = ws.vector(kSlotNormalizer, b);  // exp(c_i): the decay of the carried state at row i
+  auto ek = ws.vector(kSlotPrefix, b);      // exp(Σ_{l>j} g_l): key j's decay to the chunk's end
+  auto t = ws.vector(kSlotExtra, b);
+  g = G.middleRows(r0, b).col(0);
+  Scalar run = 0;
+  for (Index i = 0; i < b; ++i) eq(i) = run += g(i);
+  const Scalar total = run;
+  run = 0;
+  for (Index j = b; j-- > 0;) {
+    ek(j) = run;
+    run += g(j);
+  }
+  exp_nonpositive_inplace(eq.array());
+  exp_nonpositive_inplace(ek.array());
+  A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
+  for (Index j = 0; j < b; ++j) {
+    const Index n = b - j;
+    run = 0;
+    t(0) = 0;
+    for (Index i = 1; i < n; ++i) t(i) = run += g(j + i);
+    auto tn = t.head(n).array();
+    exp_nonpositive_inplace(tn);
+    A.col(j).tail(n).array() *= tn;
+  }
+  if (cfg.normalize) {
+    // The chunk's own terms first, the carried z last (as causal_chunk: a large z would round
+    // each term away).
+    auto den = ws.vector(kSlotRowA, b);
+    den.setZero();
+    for (Index j = 0; j < b; ++j) den.tail(b - j) += A.col(j).tail(b - j);
+    t.noalias() = pq * st.z;
+    den.array() += eq.array() * t.array();
+    invert_guarded(den);
+    for (Index j = 0; j < b; ++j) A.col(j).tail(b - j).array() *= den.tail(b - j).array();
+    eq.array() *= den.array();
+  } else if (cfg.scale != Scalar(1)) {
+    for (Index j = 0; j < b; ++j) A.col(j).tail(b - j) *= cfg.scale;
+    eq *= cfg.scale;
+  }
+  pq.array().colwise() *= eq.array();
+  const auto vr = V.middleRows(r0, b);
+  auto ob = dst.middleRows(r0, b);
+  ob.noalias() = pq * st.S;
+  ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
+  const Scalar decay = std::exp(total);
+  st.S *= decay;
+  st.S_lo *= decay;
+  pk.array().colwise() *= ek.array();
+  st.S_lo.noalias() += pk.transpose() * vr;
+  if (cfg.normalize) {
+    st.z *= decay;
+    st.z_lo *= decay;
+    st.z_lo.noalias() += pk.colwise().sum().transpose();
+  }
+  fold_state(st.S, st.S_lo, st.z, st.z_lo);
+}
+
+// The intra-chunk matrix of the per-feature kernel when the gates are too strong to factor
+// over the whole chunk (spec §9.2, "secondary chunking"): for every sub-chunk J of rows
+// [j0, r], key j's factor is exp(Σ_{j<l<=r} g_l) and row i > r's is exp(Σ_{r<l<=i} g_l), both
+// <= 1 and summed along their own stretch, so A[i, J] is one product of two scaled blocks.
+// Inside J, pairs j <= i take exp(Σ_{j<l<=i} g_l) directly (factored about j0 when J's own range
+// is within gated_factor_span).
+template <class Scalar, class PQ, class PK, class GB, class AM>
+void gated_per_feature_scores(const PQ& pq, const PK& pk, const GB& gb, AM& A, Index b, Index F,
+                              Workspace<Scalar>& ws) {
+  using ColMajor = Eigen::Map<Matrix<Scalar>>;
+  const Index s = kGatedSubChunk;
+  ColMajor kt(ws.matrix(kSlotBackwardA, s, F).data(), s, F);
+  ColMajor qt(ws.matrix(kSlotBackwardB, b, F).data(), b, F);
+  for (Index j0 = 0; j0 < b; j0 += s) {
+    const Index sj = std::min(s, b - j0), r = j0 + sj - 1, n = b - 1 - r;
+    auto ktj = kt.topRows(sj);
+    for (Index d = 0; d < F; ++d) {
+      Scalar run = 0;
+      for (Index j = r; j >= j0; --j) {
+        ktj(j - j0, d) = run;
+        run += gb(j, d);
+      }
+    }
+    exp_nonpositive_inplace(ktj.array());
+    ktj.array() *= pk.middleRows(j0, sj).array();
+    if (n > 0) {
+      auto qtn = qt.topRows(n);
+      for (Index d = 0; d < F; ++d) {
+        Scalar run = 0;
+        for (Index i = 0; i < n; ++i) qtn(i, d) = run += gb(r + 1 + i, d);
+      }
+      exp_nonpositive_inplace(qtn.array());
+      qtn.array() *= pq.bottomRows(n).array();
+      A.block(r + 1, j0, n, sj).noalias() = qtn * ktj.transpose();
+    }
+    // The diagonal block. lp_i = Σ_{j0<l<=i} g_l; its range is -lp_r.
+    auto lp = qt.topRows(sj);
+    for (Index d = 0; d < F; ++d) {
+      Scalar run = 0;
+      lp(0, d) = 0;
+      for (Index i = 1; i < sj; ++i) lp(i, d) = run += gb(j0 + i, d);
+    }
+    const Scalar range = sj > 1 ? -lp.row(sj - 1).minCoeff() : Scalar(0);
+    if (range <= gated_factor_span<Scalar>()) {
+      // exp(lp_i - lp_j) = exp(lp_i) · exp(-lp_j), factors within e^{±T}.
+      auto kd = kt.topRows(sj);
+      kd = (-lp).array().exp();
+      kd.array() *= pk.middleRows(j0, sj).array();
+      exp_nonpositive_inplace(lp.array());
+      lp.array() *= pq.middleRows(j0, sj).array();
+      A.block(j0, j0, sj, sj).template triangularView<Eigen::Lower>() = lp * kd.transpose();
+    } else {
+      // Strong gates: every pair's factor from its own running sum, F exps a pair.
+      auto run = ws.vector(kSlotRowA, F);
+      auto e = ws.vector(kSlotNormalizerLow, F);
+      for (Index j = j0; j <= r; ++j) {
+        run.setZero();
+        A(j, j) = pq.row(j).dot(pk.row(j));
+        for (Index i = j + 1; i <= r; ++i) {
+          run += gb.row(i).transpose();
+          e = run;
+          exp_nonpositive_inplace(e.array());
+          A(i, j) = (pq.row(i).transpose().array() * pk.row(j).transpose().array() * e.array()).sum();
+        }
+      }
+    }
+  }
+}
+
+// One chunk, per-feature gates (spec §9.2): with c_i = Σ_{l<=i} g_l (F-vectors),
+//   out_i = s [(φq_i ∘ exp(c_i)) S + Σ_{j<=i} (Σ_d φq_id φk_jd exp(Σ_{j<l<=i} g_ld)) v_j],
+//   S <- diag(exp(c_last)) S + Σ_j (φk_j ∘ exp(Σ_{l>j} g_l)) v_jᵀ (z likewise).
+// Mild gates (the chunk's range within gated_factor_span) factor the intra-chunk matrix about
+// the chunk's start, one GEMM as in GLA; stronger ones take gated_per_feature_scores.
+template <class Phi, class DQ, class DK, class DV, class DG, class Scalar, class Out>
+void gated_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                             const DG& G, Index r0, Index b, LinearAttentionState<Scalar>& st,
+                             Out& dst, Workspace<Scalar>& ws, const GatedConfig<Scalar>& cfg) {
+  const Index F = st.S.rows();
+  auto pq = ws.matrix(kSlotPhiQ, b, F);
+  auto pk = ws.matrix(kSlotPhiK, b, F);
+  phi.map(Q.middleRows(r0, b), pq);
+  phi.map(K.middleRows(r0, b), pk);
+  auto gb = ws.matrix(kSlotKeys, b, F);
+  gb = G.middleRows(r0, b);
+  auto c = ws.matrix(kSlotPrefix, b, F);  // c_i, then exp(c_i)
+  auto ck = ws.matrix(kSlotExtra, b, F);  // Σ_{l>j} g_l, then its exp
+  auto decay = ws.vector(kSlotNormalizer, F);
+  for (Index d = 0; d < F; ++d) {
+    Scalar run = 0;
+    for (Index i = 0; i < b; ++i) c(i, d) = run += gb(i, d);
+    decay(d) = run;
+    run = 0;
+    for (Index j = b; j-- > 0;) {
+      ck(j, d) = run;
+      run += gb(j, d);
+    }
+  }
+  const Scalar range = -decay.minCoeff();
+  exp_nonpositive_inplace(decay.array());
+  exp_nonpositive_inplace(ck.array());
+  auto A = ws.matrix(kSlotScores, b, b);
+  if (range <= gated_factor_span<Scalar>()) {
+    auto kt = ws.matrix(kSlotBackwardA, b, F);
+    kt = (-c).array().exp();
+    kt.array() *= pk.array();
+    exp_nonpositive_inplace(c.array());
+    pq.array() *= c.array();
+    A.template triangularView<Eigen::Lower>() = pq * kt.transpose();
+  } else {
+    gated_per_feature_scores<Scalar>(pq, pk, gb, A, b, F, ws);
+    exp_nonpositive_inplace(c.array());
+    pq.array() *= c.array();
+  }
+  // pq is now φq_i ∘ exp(c_i): the read of the carried state.
+  if (cfg.normalize) {
+    auto den = ws.vector(kSlotRowA, b);
+    den.setZero();
+    for (Index j = 0; j < b; ++j) den.tail(b - j) += A.col(j).tail(b - j);
+    den.noalias() += pq * st.z;
+    invert_guarded(den);
+    for (Index j = 0; j < b; ++j) A.col(j).tail(b - j).array() *= den.tail(b - j).array();
+    pq.array().colwise() *= den.array();
+  } else if (cfg.scale != Scalar(1)) {
+    for (Index j = 0; j < b; ++j) A.col(j).tail(b - j) *= cfg.scale;
+    pq *= cfg.scale;
+  }
+  const auto vr = V.middleRows(r0, b);
+  auto ob = dst.middleRows(r0, b);
+  ob.noalias() = pq * st.S;
+  ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
+  st.S.array().colwise() *= decay.array();
+  st.S_lo.array().colwise() *= decay.array();
+  pk.array() *= ck.array();
+  st.S_lo.noalias() += pk.transpose() * vr;
+  if (cfg.normalize) {
+    st.z.array() *= decay.array();
+    st.z_lo.array() *= decay.array();
+    st.z_lo.noalias() += pk.colwise().sum().transpose();
+  }
+  fold_state(st.S, st.S_lo, st.z, st.z_lo);
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
+#endif
+// One token through the row-major state (F x M, leading dimension ld), in one pass:
+//   S(d, :) <- a_d S(d, :) + pk(d) v   and   o += w(d) S(d, :),
+// a_d = alpha[d] (per-feature gates) or alpha[0]. Four packets of columns at a time with the
+// outputs in registers; each entry of S is loaded and stored once.
+template <class Scalar>
+void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* alpha,
+                       bool per_feature, const Scalar* pk, const Scalar* w, const Scalar* v,
+                       Scalar* o) {
+  using namespace Eigen::internal;
+  using Packet = typename packet_traits<Scalar>::type;
+  constexpr Index P = packet_traits<Scalar>::size;
+  const Index as = per_feature ? 1 : 0;
+  Index c0 = 0;
+  if constexpr (P > 1) {
+    for (; c0 + 4 * P <= M; c0 += 4 * P) {
+      const Packet v0 = ploadu<Packet>(v + c0), v1 = ploadu<Packet>(v + c0 + P),
+                   v2 = ploadu<Packet>(v + c0 + 2 * P), v3 = ploadu<Packet>(v + c0 + 3 * P);
+      Packet o0 = pset1<Packet>(Scalar(0)), o1 = o0, o2 = o0, o3 = o0;
+      for (Index d = 0; d < F; ++d) {
+        Scalar* row = S + d * ld + c0;
+        const Packet a = pset1<Packet>(alpha[d * as]), kd = pset1<Packet>(pk[d]),
+                     wd = pset1<Packet>(w[d]);
+        const Packet x0 = pmadd(a, ploadu<Packet>(row), pmul(kd, v0));
+        const Packet x1 = pmadd(a, ploadu<Packet>(row + P), pmul(kd, v1));
+        const Packet x2 = pmadd(a, ploadu<Packet>(row + 2 * P), pmul(kd, v2));
+        const Packet x3 = pmadd(a, ploadu<Packet>(row + 3 * P), pmul(kd, v3));
+        pstoreu(row, x0);
+        pstoreu(row + P, x1);
+        pstoreu(row + 2 * P, x2);
+        pstoreu(row + 3 * P, x3);
+        o0 = pmadd(wd, x0, o0);
+        o1 = pmadd(wd, x1, o1);
+        o2 = pmadd(wd, x2, o2);
+        o3 = pmadd(wd, x3, o3);
+      }
+      pstoreu(o + c0, o0);
+      pstoreu(o + c0 + P, o1);
+      pstoreu(o + c0 + 2 * P, o2);
+      pstoreu(o + c0 + 3 * P, o3);
+    }
+    for (; c0 + P <= M; c0 += P) {
+      const Packet v0 = ploadu<Packet>(v + c0);
+      Packet o0 = pset1<Packet>(Scalar(0));
+      for (Index d = 0; d < F; ++d) {
+        Scalar* row = S + d * ld + c0;
+        const Packet x0 = pmadd(pset1<Packet>(alpha[d * as]), ploadu<Packet>(row),
+                                pmul(pset1<Packet>(pk[d]), v0));
+        pstoreu(row, x0);
+        o0 = pmadd(pset1<Packet>(w[d]), x0, o0);
+      }
+      pstoreu(o + c0, o0);
+    }
+  }
+  for (; c0 < M; ++c0) {
+    Scalar acc = 0;
+    for (Index d = 0; d < F; ++d) {
+      Scalar& x = S[d * ld + c0];
+      x = alpha[d * as] * x + pk[d] * v[c0];
+      acc += w[d] * x;
+    }
+    o[c0] = acc;
+  }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+// The read weights of one token: w = s·φq, or for normalize = true, after z <- a ∘ z + φk,
+// w = φq / (φq·z) (guarded; 0 for a degenerate denominator).
+template <class Scalar>
+void gated_token_weights(const Scalar* pq, const Scalar* pk, const Scalar* alpha,
+                         bool per_feature, Index F, const GatedConfig<Scalar>& cfg, Scalar* z,
+                         Scalar* w) {
+  if (cfg.normalize) {
+    Scalar den = 0;
+    for (Index d = 0; d < F; ++d) {
+      z[d] = alpha[per_feature ? d : 0] * z[d] + pk[d];
+      den += pq[d] * z[d];
+    }
+    const Scalar inv = guarded_inverse(den);
+    for (Index d = 0; d < F; ++d) w[d] = pq[d] * inv;
+  } else {
+    for (Index d = 0; d < F; ++d) w[d] = cfg.scale * pq[d];
+  }
+}
+
+// Rows [r0, r0 + b) one token at a time (the RNN form): queries and keys mapped token-major,
+// values and outputs through row-major buffers. The state's high part is the running state;
+// the low part (the residual of the last fold) decays with it, once per block.
+template <class Phi, class DQ, class DK, class DV, class DG, class Scalar, class Out>
+void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& G,
+                          Index r0, Index b, LinearAttentionState<Scalar>& st, Out& dst,
+                          Workspace<Scalar>& ws, const GatedConfig<Scalar>& cfg) {
+  const Index F = st.S.rows(), M = st.S.cols();
+  const Index gw = cfg.per_feature ? F : 1;
+  auto pqt = ws.matrix(kSlotExtra, F, b);
+  auto pkt = ws.matrix(kSlotKeys, F, b);
+  map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F));
+  map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F));
+  auto at = ws.matrix(kSlotBackwardA, gw, b);  // column i: token i's gates
+  copy_to_row_major(G.middleRows(r0, b), at.data());
+  auto total = ws.vector(kSlotNormalizer, gw);
+  total = at.rowwise().sum();
+  exp_nonpositive_inplace(at.array());
+  Scalar* vb = ws.matrix(kSlotScores, b, M).data();
+  Scalar* ob = ws.matrix(kSlotPrefix, b, M).data();
+  copy_to_row_major(V.middleRows(r0, b), vb);
+  auto w = ws.vector(kSlotRowA, F);
+  for (Index i = 0; i < b; ++i) {
+    const Scalar* a = at.data() + i * gw;
+    gated_token_weights(pqt.data() + i * F, pkt.data() + i * F, a, cfg.per_feature, F, cfg,
+                        st.z.data(), w.data());
+    gated_update_read(st.S.data(), st.S.outerStride(), F, M, a, cfg.per_feature,
+                      pkt.data() + i * F, w.data(), vb + i * M, ob + i * M);
+  }
+  exp_nonpositive_inplace(total.array());
+  if (cfg.per_feature) {
+    st.S_lo.array().colwise() *= total.array();
+    st.z_lo.array() *= total.array();
+  } else {
+    st.S_lo *= total(0);
+    st.z_lo *= total(0);
+  }
+  fold_state(st.S, st.S_lo, st.z, st.z_lo);
+  copy_from_row_major(ob, b, M, dst.middleRows(r0, b));
+}
+
+// Whether the recurrent algorithm runs: Recurrent, or Auto for states up to 128 x 128 (the
+// threshold of the undecayed kernels; see docs/benchmarks.md for the gated measurements).
+inline bool gated_runs_recurrent(const GatedOptions& opts, Index state_size) {
+  return opts.algorithm == CausalAlgorithm::Recurrent ||
+         (opts.algorithm == CausalAlgorithm::Auto && state_size <= kAutoRecurrentMaxState);
+}
+
+inline Index gated_block_rows(const GatedOptions& opts, Index state_size) {
+  if (gated_runs_recurrent(opts, state_size)) return kLinearRowBlock;
+  return opts.chunk_size > 0 ? opts.chunk_size : kGatedDefaultChunk;
+}
+
+// The whole of one head's rows, the state prepared and folded (gated_prepare_state). The
+// state's log_decay gains the column sums of the gates.
+template <class Phi, class DQ, class DK, class DV, class DG, class Scalar, class Out>
+void gated_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& G,
+               LinearAttentionState<Scalar>& st, Out& dst, Workspace<Scalar>& ws,
+               const GatedOptions& opts) {
+  const Index N = Q.rows(), F = st.S.rows();
+  const GatedConfig<Scalar> cfg = gated_config<Scalar>(opts, G.cols());
+  const bool recurrent = gated_runs_recurrent(opts, st.S.size());
+  const Index C = gated_block_rows(opts, st.S.size());
+  for (Index r0 = 0; r0 < N; r0 += C) {
+    const Index b = std::min(C, N - r0);
+    if (recurrent)
+      gated_rows_recurrent(phi, Q, K, V, G, r0, b, st, dst, ws, cfg);
+    else if (cfg.per_feature)
+      gated_chunk_per_feature(phi, Q, K, V, G, r0, b, st, dst, ws, cfg);
+    else
+      gated_chunk_scalar(phi, Q, K, V, G, r0, b, st, dst, ws, cfg);
+  }
+  if (N > 0) {
+    if (cfg.per_feature || st.log_decay.size() == 1) {
+      for (Index j = 0; j < G.cols(); ++j) st.log_decay(j) += G.col(j).sum();
+    } else {
+      st.log_decay.array() += G.col(0).sum();  // a scalar decay on a per-feature record
+    }
+  }
+  (void)F;
+}
+
+// Shapes and values of the log gates: N x 1 or N x F (single head), every entry finite and
+// <= 0. `shapes` names every operand for the message.
+template <class DG>
+void check_log_gates(const char* function, const Eigen::MatrixBase<DG>& G, Index N, Index narrow,
+                     Index wide, const std::string& what, const std::string& shapes) {
+  if (G.rows() != N || (G.cols() != narrow && G.cols() != wide))
+    throw_invalid(function, "log_gates is " + shape_of(G) + " but must be " +
+                                shape_string(N, narrow) + " or " + shape_string(N, wide) + " (" +
+                                what + ")" + shapes);
+  using S = typename DG::Scalar;
+  for (Index j = 0; j < G.cols(); ++j)
+    for (Index i = 0; i < G.rows(); ++i) {
+      const S x = G(i, j);
+      if (!(x <= S(0)) || !std::isfinite(x))
+        throw_invalid(function, "log_gates(" + std::to_string(i) + ", " + std::to_string(j) +
+                                    ") = " + std::to_string(x) +
+                                    ": log-decays must be finite and <= 0" + shapes);
+    }
+}
+
+// Sizes or checks a state for a gated call (as prepare_state), folds it, and sizes its
+// log_decay record for gates of width gw (1 or F): an empty record becomes zeros, a scalar
+// record meeting per-feature gates is broadcast to F entries.
+template <class Scalar, class Phi>
+void gated_prepare_state(const char* function, LinearAttentionState<Scalar>& st, const Phi& phi,
+                         Index D, Index M, Index gw) {
+  prepare_state(function, st, phi, D, M);
+  const Index F = st.S.rows();
+  const Index have = st.log_decay.size();
+  if (have == 0) {
+    st.log_decay.setZero(gw);
+  } else if (have == 1 && gw == F && F != 1) {
+    const Scalar v = st.log_decay(0);
+    st.log_decay.setConstant(F, v);
+  } else if (have != 1 && have != F) {
+    throw_invalid(function, "the state's log_decay has " + std::to_string(have) +
+                                " entries but must have 0, 1 or F = " + std::to_string(F));
+  }
+  fold_state(st.S, st.S_lo, st.z, st.z_lo);
+}
+
+}  // namespace linattn::detail

@@ -1,0 +1,50 @@
+/// \file gated_options.hpp
+/// \brief Options and gradients of the decayed and gated kernels (gated_attention.hpp).
+#pragma once
+
+#include "causal_linear_attention.hpp"
+#include "common.hpp"
+
+namespace linattn {
+
+/// \brief Options of gated_linear_attention() and its multi-head, batched, recurrent and
+/// backward forms.
+///
+/// \f[ \mathrm{out}_i = s\,\varphi(q_i)^\top S_i \quad(\texttt{normalize = false}), \qquad
+///     \mathrm{out}_i = \frac{\varphi(q_i)^\top S_i}{\varphi(q_i)^\top z_i}
+///     \quad(\texttt{normalize = true}), \f]
+/// with \f$S_i\f$ (and \f$z_i\f$) decayed by the gates (docs/SPEC.md §9).
+/// \code
+/// linattn::GatedOptions opts;
+/// opts.scale = 1.0 / std::sqrt(64.0);  // RetNet, GLA and Mamba-2 scale the queries by 1/√D
+/// Eigen::MatrixXf out = linattn::gated_linear_attention(Q, K, V, log_gates, linattn::Identity{}, opts);
+/// \endcode
+struct GatedOptions {
+  /// false: the unnormalised output \f$s\,\varphi(q_i)^\top S_i\f$ of RetNet, Mamba-2 and GLA;
+  /// true: divide by \f$\varphi(q_i)^\top z_i\f$, where z decays like S (the denominator guard
+  /// of docs/SPEC.md §2 applies; `scale` is then ignored). With log gates of 0 and
+  /// `normalize = true` the kernels compute causal_linear_attention().
+  bool normalize = false;
+  /// The output scale s of the unnormalised form (models use \f$1/\sqrt{D}\f$).
+  double scale = 1.0;
+  /// Rows per chunk of the chunked algorithm; 0 picks the measured default.
+  Index chunk_size = 0;
+  /// Chunked (GEMMs per chunk), Recurrent (one token at a time), or Auto (by the state's size).
+  CausalAlgorithm algorithm = CausalAlgorithm::Auto;
+};
+
+/// \brief The gradients of a scalar loss with respect to the inputs of a gated call: `dQ`,
+/// `dK`, `dV` and `dlog_gates` have the shapes of Q, K, V and the log gates.
+/// \code
+/// auto g = linattn::gated_linear_attention_backward(Q, K, V, log_gates, dOut);
+/// // g.dQ = ∂L/∂Q, g.dK = ∂L/∂K, g.dV = ∂L/∂V, g.dlog_gates = ∂L/∂log_gates
+/// \endcode
+template <class Scalar>
+struct GatedGradients {
+  Matrix<Scalar> dQ;          ///< N x D
+  Matrix<Scalar> dK;          ///< N x D
+  Matrix<Scalar> dV;          ///< N x M
+  Matrix<Scalar> dlog_gates;  ///< N x 1 or N x F, as the log gates
+};
+
+}  // namespace linattn
