@@ -1,0 +1,221 @@
+/// \file detail/gated_backward.hpp
+/// \brief The gradients of decayed and gated linear attention (internal), memory-efficient:
+/// a forward sweep recomputes the states for dQ, a backward sweep accumulates the adjoint of
+/// the state for dK and dV; the log gates' gradient follows from both (spec §9, gradients).
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+
+#include "../common.hpp"
+#include "../feature_map.hpp"
+#include "../gated_options.hpp"
+#include "../linear_attention_backward.hpp"
+#include "../state.hpp"
+#include "../workspace.hpp"
+#include "blocking.hpp"
+#include "gated_forward.hpp"
+
+namespace linattn::detail {
+
+// b x F token-major features (F x b, column i = token i) into a b x F column-major buffer.
+template <class Src, class Dst>
+void token_major_to_rows(const Src& t, Dst& rows) {
+  copy_from_row_major(t.data(), t.cols(), t.rows(), rows);
+}
+
+// The backward of gated_run() token by token (spec §9, "Gradients"). With g'_i the upstream
+// gradient of the unnormalised product (s·g_i, or for normalize = true [ĝ_i | c_i] with
+// ĝ_i = g_i / d_i, c_i = -(g_i·out_i) / d_i against V' = [V | 1]):
+//   forward:  S_i = diag(α_i) S_{i-1} + φk_i v'_iᵀ,   ∇φq_i = S_i g'_i;
+//   backward: R_i = φq_i g'_iᵀ + diag(α_{i+1}) R_{i+1} (R_N from d_final),
+//             ∇φk_i = R_i v'_i,  ∇v_i = R_i[:, :M]ᵀ φk_i,  ∂L/∂S_0 = diag(α_1) R_1;
+//   gates:    ∂L/∂G_i = φq_i ∘ ∇φq_i − φk_i ∘ ∇φk_i (+ rowsum(∂L/∂S_N ∘ S_N) at i = N), with
+//             G the cumulative log gates, so ∂L/∂g_t = Σ_{i>=t} ∂L/∂G_i (summed over features
+//             for a scalar decay).
+// Working memory O(F·M + 128·(F + M)). For normalize = true, ĝ is kept in dV's rows and c in
+// dK's first column between the sweeps (each row is read before it is overwritten), and the
+// forward sweep's φq ∘ ∇φq waits in dlog_gates: no buffer grows with N.
+template <class Phi, class DQ, class DK, class DV, class DG, class DO, class Scalar, class OQ,
+          class OK, class OV, class OG>
+void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                              const DG& G, const DO& dOut,
+                              const LinearAttentionState<Scalar>& initial,
+                              const StateGradient<Scalar>& d_final, OQ& dQ, OK& dK, OV& dV,
+                              OG& dG, StateGradient<Scalar>* d_initial, Workspace<Scalar>& ws,
+                              const GatedConfig<Scalar>& cfg) {
+  using RowMat = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using RowMap = Eigen::Map<RowMat>;
+  using VecMap = Eigen::Map<Vector<Scalar>>;
+  using CVecMap = Eigen::Map<const Vector<Scalar>>;
+  const Index N = Q.rows(), D = Q.cols(), M = V.cols(), F = phi.feature_dim(D);
+  const Index gw = G.cols();
+  const bool pf = cfg.per_feature;
+  const bool norm = cfg.normalize;
+  RowMap S(ws.matrix(kSlotState, F, M).data(), F, M);
+  auto z = ws.vector(kSlotNormalizer, F);
+  if (initial.empty()) {
+    S.setZero();
+    z.setZero();
+  } else {
+    S = initial.S;
+    if (initial.S_lo.size() == S.size()) S += initial.S_lo;
+    z = initial.z;
+    if (initial.z_lo.size() == F) z += initial.z_lo;
+  }
+  const Index Bk = kLinearRowBlock;
+  auto w = ws.vector(kSlotRowA, F);
+  auto o = ws.vector(kSlotRowB, std::max<Index>(M, 1));
+  auto dq = ws.vector(kSlotNormalizerLow, F);
+  // ---- forward sweep: states for ∇φq ----
+  for (Index r0 = 0; r0 < N; r0 += Bk) {
+    const Index b = std::min(Bk, N - r0);
+    auto pqt = ws.matrix(kSlotExtra, F, b);
+    auto pkt = ws.matrix(kSlotPrefix, F, b);
+    map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F));
+    map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F));
+    auto at = ws.matrix(kSlotBackwardA, gw, b);
+    copy_to_row_major(G.middleRows(r0, b), at.data());
+    exp_nonpositive_inplace(at.array());
+    RowMap vb(ws.matrix(kSlotScores, b, M).data(), b, M);
+    RowMap gb(ws.matrix(kSlotBackwardC, b, M).data(), b, M);
+    copy_to_row_major(V.middleRows(r0, b), vb.data());
+    copy_to_row_major(dOut.middleRows(r0, b), gb.data());
+    auto dqt = ws.matrix(kSlotBackwardB, F, b);
+    for (Index i = 0; i < b; ++i) {
+      const Scalar* a = at.data() + i * gw;
+      const CVecMap q(pqt.data() + i * F, F), k(pkt.data() + i * F, F);
+      if (norm) {
+        Scalar den = 0;
+        for (Index d = 0; d < F; ++d) {
+          z(d) = a[pf ? d : 0] * z(d) + k(d);
+          den += q(d) * z(d);
+        }
+        const Scalar inv = guarded_inverse(den);
+        w = q * inv;
+        gated_update_read(S.data(), S.outerStride(), F, M, a, pf, k.data(), w.data(), vb.data() + i * M,
+                          o.data());
+        // ĝ = g / d and c = -(g·out) / d (0 for a guarded row: its output is the constant 0).
+        auto gi = gb.row(i);
+        const Scalar c = -inv * gi.dot(o.head(M).transpose());
+        gi *= inv;
+        dq.noalias() = S * gi.transpose();
+        dq += c * z;
+        dV.row(r0 + i) = gi;
+        dK(r0 + i, 0) = c;
+      } else {
+        w = q * cfg.scale;
+        gated_update_read(S.data(), S.outerStride(), F, M, a, pf, k.data(), w.data(), vb.data() + i * M,
+                          o.data());
+        dq.noalias() = S * gb.row(i).transpose();
+        dq *= cfg.scale;
+      }
+      dqt.col(i) = dq;
+    }
+    // φq ∘ ∇φq waits in dlog_gates for the backward sweep.
+    if (pf) {
+      auto qdq = ws.matrix(kSlotPhiK, b, F);
+      token_major_to_rows(pqt.cwiseProduct(dqt).eval(), qdq);
+      dG.middleRows(r0, b) = qdq;
+    } else {
+      for (Index i = 0; i < b; ++i) dG(r0 + i, 0) = pqt.col(i).dot(dqt.col(i));
+    }
+    auto dphi = ws.matrix(kSlotPhiQ, b, F);
+    token_major_to_rows(dqt, dphi);
+    map_backward_into(phi, Q.middleRows(r0, b), dphi, dQ.middleRows(r0, b), ws);
+  }
+  // ---- the final state's own term of ∂L/∂G_N ----
+  auto acc = ws.vector(kSlotStateLow, F);  // running Σ_{i>=t} ∂L/∂G_i (gw entries used)
+  acc.setZero();
+  const bool have_final = !d_final.empty();
+  if (have_final) {
+    for (Index d = 0; d < F; ++d) {
+      Scalar t = d_final.dS.size() ? (d_final.dS.row(d).array() * S.row(d).array()).sum()
+                                   : Scalar(0);
+      if (norm && d_final.dz.size()) t += d_final.dz(d) * z(d);
+      acc(pf ? d : 0) += t;
+    }
+  }
+  // ---- backward sweep: the adjoint R of the state for ∇φk and ∇v ----
+  // R takes the slot of S, no longer needed; kSlotKeys and kSlotBackwardX stay free for
+  // map_backward_into. r: the adjoint of z (normalize = true only; otherwise the forward leaves z
+  // as it was and its gradient passes through).
+  RowMap R(S.data(), F, M);
+  VecMap r(ws.vector(kSlotRowA, F).data(), F);
+  if (have_final && d_final.dS.size()) R = d_final.dS; else R.setZero();
+  if (have_final && d_final.dz.size()) r = d_final.dz; else r.setZero();
+  const Index last = N == 0 ? 0 : ((N - 1) / Bk) * Bk;
+  for (Index r0 = last; r0 >= 0 && N > 0; r0 -= Bk) {
+    const Index b = std::min(Bk, N - r0);
+    auto pqt = ws.matrix(kSlotExtra, F, b);
+    auto pkt = ws.matrix(kSlotPrefix, F, b);
+    map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F));
+    map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F));
+    auto at = ws.matrix(kSlotBackwardA, gw, b);
+    copy_to_row_major(G.middleRows(r0, b), at.data());
+    exp_nonpositive_inplace(at.array());
+    RowMap vb(ws.matrix(kSlotScores, b, M).data(), b, M);
+    RowMap gb(ws.matrix(kSlotBackwardC, b, M).data(), b, M);
+    copy_to_row_major(V.middleRows(r0, b), vb.data());
+    auto cb = ws.vector(kSlotRowB, b);
+    if (norm) {
+      copy_to_row_major(dV.middleRows(r0, b), gb.data());
+      for (Index i = 0; i < b; ++i) cb(i) = dK(r0 + i, 0);
+    } else {
+      copy_to_row_major(dOut.middleRows(r0, b), gb.data());
+      gb *= cfg.scale;
+    }
+    auto dkt = ws.matrix(kSlotBackwardB, F, b);
+    RowMap dvb(ws.matrix(kSlotNormalizerLow, b, M).data(), b, M);
+    for (Index i = b; i-- > 0;) {
+      const Scalar* a = at.data() + i * gw;
+      const CVecMap q(pqt.data() + i * F, F), k(pkt.data() + i * F, F);
+      const auto gi = gb.row(i);
+      const auto vi = vb.row(i);
+      R.noalias() += q * gi;
+      auto dk = dkt.col(i);
+      dk.noalias() = R * vi.transpose();
+      if (norm) {
+        r += cb(i) * q;
+        dk += r;
+      }
+      dvb.row(i).noalias() = k.transpose() * R;
+      if (pf) {
+        const CVecMap av(a, F);
+        R.array().colwise() *= av.array();
+        if (norm) r.array() *= av.array();
+      } else {
+        R *= a[0];
+        if (norm) r *= a[0];
+      }
+    }
+    // ∂L/∂g: the running sum of φq∘∇φq − φk∘∇φk from the end.
+    for (Index i = b; i-- > 0;) {
+      if (pf) {
+        for (Index d = 0; d < F; ++d) {
+          acc(d) += dG(r0 + i, d) - pkt(d, i) * dkt(d, i);
+          dG(r0 + i, d) = acc(d);
+        }
+      } else {
+        acc(0) += dG(r0 + i, 0) - pkt.col(i).dot(dkt.col(i));
+        dG(r0 + i, 0) = acc(0);
+      }
+    }
+    copy_from_row_major(dvb.data(), b, M, dV.middleRows(r0, b));
+    auto dphi = ws.matrix(kSlotPhiK, b, F);
+    token_major_to_rows(dkt, dphi);
+    map_backward_into(phi, K.middleRows(r0, b), dphi, dK.middleRows(r0, b), ws);
+  }
+  if (d_initial) {
+    d_initial->dS = R;
+    if (norm)
+      d_initial->dz = r;
+    else if (have_final && d_final.dz.size())
+      d_initial->dz = d_final.dz;
+    else
+      d_initial->dz.setZero(F);
+  }
+}
+
+}  // namespace linattn::detail
