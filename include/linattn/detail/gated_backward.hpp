@@ -25,6 +25,118 @@ void token_major_to_rows(const Src& t, Dst& rows) {
   copy_from_row_major(t.data(), t.cols(), t.rows(), rows);
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
+#endif
+// The forward sweep's token (row-major state S, F x M, leading dimension ld), one pass:
+//   S(d, :) <- a_d S(d, :) + pk(d) v,   o += w(d) S(d, :) (when w is not null),
+//   t(d) = S(d, :) · g,
+// a_d = alpha[d] (per-feature) or alpha[0]. Four packets of columns at a time, the outputs and
+// the dot products' partial sums in registers.
+template <class Scalar>
+void gated_update_read_dot(Scalar* S, Index ld, Index F, Index M, const Scalar* alpha,
+                           bool per_feature, const Scalar* pk, const Scalar* w, const Scalar* v,
+                           const Scalar* g, Scalar* o, Scalar* t) {
+  using namespace Eigen::internal;
+  using Packet = typename packet_traits<Scalar>::type;
+  constexpr Index P = packet_traits<Scalar>::size;
+  const Index as = per_feature ? 1 : 0;
+  std::fill(t, t + F, Scalar(0));
+  Index c0 = 0;
+  if constexpr (P > 1) {
+    for (; c0 + 4 * P <= M; c0 += 4 * P) {
+      Packet vv[4], gg[4], oo[4];
+      for (int c = 0; c < 4; ++c) {
+        vv[c] = ploadu<Packet>(v + c0 + c * P);
+        gg[c] = ploadu<Packet>(g + c0 + c * P);
+        oo[c] = pset1<Packet>(Scalar(0));
+      }
+      for (Index d = 0; d < F; ++d) {
+        Scalar* row = S + d * ld + c0;
+        const Packet a = pset1<Packet>(alpha[d * as]), kd = pset1<Packet>(pk[d]);
+        Packet x[4];
+        for (int c = 0; c < 4; ++c) {
+          x[c] = pmadd(a, ploadu<Packet>(row + c * P), pmul(kd, vv[c]));
+          pstoreu(row + c * P, x[c]);
+        }
+        if (w != nullptr) {
+          const Packet wd = pset1<Packet>(w[d]);
+          for (int c = 0; c < 4; ++c) oo[c] = pmadd(wd, x[c], oo[c]);
+        }
+        const Packet dot = padd(pmadd(x[0], gg[0], pmul(x[1], gg[1])),
+                                pmadd(x[2], gg[2], pmul(x[3], gg[3])));
+        t[d] += predux(dot);
+      }
+      if (w != nullptr)
+        for (int c = 0; c < 4; ++c) pstoreu(o + c0 + c * P, oo[c]);
+    }
+  }
+  for (; c0 < M; ++c0) {
+    Scalar acc = 0;
+    for (Index d = 0; d < F; ++d) {
+      Scalar& x = S[d * ld + c0];
+      x = alpha[d * as] * x + pk[d] * v[c0];
+      if (w != nullptr) acc += w[d] * x;
+      t[d] += x * g[c0];
+    }
+    if (w != nullptr) o[c0] = acc;
+  }
+}
+
+// The backward sweep's token (row-major adjoint R, F x M), one pass:
+//   R(d, :) += q(d) g,   dk(d) = R(d, :) · v,   dv += k(d) R(d, :),   R(d, :) *= a_d.
+template <class Scalar>
+void gated_adjoint_step(Scalar* R, Index ld, Index F, Index M, const Scalar* alpha,
+                        bool per_feature, const Scalar* q, const Scalar* g, const Scalar* v,
+                        const Scalar* k, Scalar* dk, Scalar* dv) {
+  using namespace Eigen::internal;
+  using Packet = typename packet_traits<Scalar>::type;
+  constexpr Index P = packet_traits<Scalar>::size;
+  const Index as = per_feature ? 1 : 0;
+  std::fill(dk, dk + F, Scalar(0));
+  Index c0 = 0;
+  if constexpr (P > 1) {
+    for (; c0 + 4 * P <= M; c0 += 4 * P) {
+      Packet vv[4], gg[4], acc[4];
+      for (int c = 0; c < 4; ++c) {
+        vv[c] = ploadu<Packet>(v + c0 + c * P);
+        gg[c] = ploadu<Packet>(g + c0 + c * P);
+        acc[c] = pset1<Packet>(Scalar(0));
+      }
+      for (Index d = 0; d < F; ++d) {
+        Scalar* row = R + d * ld + c0;
+        const Packet qd = pset1<Packet>(q[d]), kd = pset1<Packet>(k[d]),
+                     a = pset1<Packet>(alpha[d * as]);
+        Packet x[4];
+        for (int c = 0; c < 4; ++c) {
+          x[c] = pmadd(qd, gg[c], ploadu<Packet>(row + c * P));
+          acc[c] = pmadd(kd, x[c], acc[c]);
+          pstoreu(row + c * P, pmul(a, x[c]));
+        }
+        const Packet dot = padd(pmadd(x[0], vv[0], pmul(x[1], vv[1])),
+                                pmadd(x[2], vv[2], pmul(x[3], vv[3])));
+        dk[d] += predux(dot);
+      }
+      for (int c = 0; c < 4; ++c) pstoreu(dv + c0 + c * P, acc[c]);
+    }
+  }
+  for (; c0 < M; ++c0) {
+    Scalar acc = 0;
+    for (Index d = 0; d < F; ++d) {
+      Scalar& x = R[d * ld + c0];
+      x += q[d] * g[c0];
+      acc += k[d] * x;
+      dk[d] += x * v[c0];
+      x *= alpha[d * as];
+    }
+    dv[c0] = acc;
+  }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 // The backward of gated_run() token by token (spec §9, "Gradients"). With g'_i the upstream
 // gradient of the unnormalised product (s·g_i, or for normalize = true [ĝ_i | c_i] with
 // ĝ_i = g_i / d_i, c_i = -(g_i·out_i) / d_i against V' = [V | 1]):
@@ -94,21 +206,20 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
         }
         const Scalar inv = guarded_inverse(den);
         w = q * inv;
-        gated_update_read(S.data(), S.outerStride(), F, M, a, pf, k.data(), w.data(), vb.data() + i * M,
-                          o.data());
-        // ĝ = g / d and c = -(g·out) / d (0 for a guarded row: its output is the constant 0).
         auto gi = gb.row(i);
+        gated_update_read_dot(S.data(), S.outerStride(), F, M, a, pf, k.data(), w.data(),
+                              vb.data() + i * M, gi.data(), o.data(), dq.data());
+        // ĝ = g / d and c = -(g·out) / d (0 for a guarded row: its output is the constant 0);
+        // ∇φq = S ĝ + c z.
         const Scalar c = -inv * gi.dot(o.head(M).transpose());
         gi *= inv;
-        dq.noalias() = S * gi.transpose();
-        dq += c * z;
+        dq = inv * dq + c * z;
         dV.row(r0 + i) = gi;
         dK(r0 + i, 0) = c;
       } else {
-        w = q * cfg.scale;
-        gated_update_read(S.data(), S.outerStride(), F, M, a, pf, k.data(), w.data(), vb.data() + i * M,
-                          o.data());
-        dq.noalias() = S * gb.row(i).transpose();
+        gated_update_read_dot(S.data(), S.outerStride(), F, M, a, pf, k.data(),
+                              static_cast<const Scalar*>(nullptr), vb.data() + i * M,
+                              gb.data() + i * M, o.data(), dq.data());
         dq *= cfg.scale;
       }
       dqt.col(i) = dq;
@@ -171,33 +282,32 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
     for (Index i = b; i-- > 0;) {
       const Scalar* a = at.data() + i * gw;
       const CVecMap q(pqt.data() + i * F, F), k(pkt.data() + i * F, F);
-      const auto gi = gb.row(i);
-      const auto vi = vb.row(i);
-      R.noalias() += q * gi;
       auto dk = dkt.col(i);
-      dk.noalias() = R * vi.transpose();
+      gated_adjoint_step(R.data(), R.outerStride(), F, M, a, pf, q.data(), gb.data() + i * M,
+                         vb.data() + i * M, k.data(), dk.data(), dvb.data() + i * M);
       if (norm) {
         r += cb(i) * q;
         dk += r;
-      }
-      dvb.row(i).noalias() = k.transpose() * R;
-      if (pf) {
-        const CVecMap av(a, F);
-        R.array().colwise() *= av.array();
-        if (norm) r.array() *= av.array();
-      } else {
-        R *= a[0];
-        if (norm) r *= a[0];
+        if (pf)
+          r.array() *= CVecMap(a, F).array();
+        else
+          r *= a[0];
       }
     }
     // ∂L/∂g: the running sum of φq∘∇φq − φk∘∇φk from the end.
-    for (Index i = b; i-- > 0;) {
-      if (pf) {
-        for (Index d = 0; d < F; ++d) {
-          acc(d) += dG(r0 + i, d) - pkt(d, i) * dkt(d, i);
-          dG(r0 + i, d) = acc(d);
+    // Feature by feature (down a column of dlog_gates: one memory page, not F of them).
+    if (pf) {
+      for (Index d = 0; d < F; ++d) {
+        auto col = dG.col(d).segment(r0, b);
+        Scalar running = acc(d);
+        for (Index i = b; i-- > 0;) {
+          running += col(i) - pkt(d, i) * dkt(d, i);
+          col(i) = running;
         }
-      } else {
+        acc(d) = running;
+      }
+    } else {
+      for (Index i = b; i-- > 0;) {
         acc(0) += dG(r0 + i, 0) - pkt.col(i).dot(dkt.col(i));
         dG(r0 + i, 0) = acc(0);
       }
