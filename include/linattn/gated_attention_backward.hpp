@@ -90,8 +90,13 @@ void gated_backward_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
                         StateGradient<Scalar>* d_initial, Workspace<Scalar>& ws,
                         const GatedOptions& opts) {
   const GatedConfig<Scalar> cfg = gated_config<Scalar>(opts, G.cols());
-  gated_backward_recurrent(phi, Q, K, V, G, dOut, initial, d_final, dQ, dK, dV, dG, d_initial,
-                           ws, cfg);
+  const Index F = phi.feature_dim(Q.cols());
+  if (gated_runs_recurrent(opts, F * V.cols()))
+    gated_backward_recurrent(phi, Q, K, V, G, dOut, initial, d_final, dQ, dK, dV, dG, d_initial,
+                             ws, cfg);
+  else
+    gated_backward_chunked(phi, Q, K, V, G, dOut, initial, d_final, dQ, dK, dV, dG, d_initial,
+                           ws, cfg, gated_block_rows(opts, F * V.cols()));
 }
 
 }  // namespace detail

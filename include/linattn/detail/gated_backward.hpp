@@ -328,4 +328,390 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
   }
 }
 
+// A second set of workspace slots for the chunked backward, whose buffers outnumber a
+// Workspace's: kept in the caller's Workspace (allocation-free on reuse).
+template <class Scalar>
+struct GatedScratch final : WorkspaceExtension<Scalar> {
+  Workspace<Scalar> ws;
+  std::size_t bytes() const noexcept override { return ws.bytes(); }
+};
+
+// The decay matrix of a scalar-decay chunk: E(i, j) = exp(Σ_{j<l<=i} g_l) for j <= i (lower
+// triangle; each entry's exponent summed along its own stretch), as gated_chunk_scalar forms it.
+template <class Scalar, class GV, class EM>
+void scalar_decay_matrix(const GV& g, EM& E, Index b) {
+  for (Index j = 0; j < b; ++j) {
+    Scalar run = 0;
+    E(j, j) = 0;
+    for (Index i = j + 1; i < b; ++i) E(i, j) = run += g(i);
+    auto col = E.col(j).tail(b - j).array();
+    exp_nonpositive_inplace(col);
+  }
+}
+
+// The per-feature decayed products of a chunk's backward (spec §9.2), W read in its lower
+// triangle, X and Y b x F, gb the chunk's b x F log gates:
+//   Transposed = false:  Y_i = Σ_{j<=i} W_ij X_j ∘ exp(Σ_{j<l<=i} g_l)   (∇φq's intra-chunk part),
+//   Transposed = true:   Y_j = Σ_{i>=j} W_ij X_i ∘ exp(Σ_{j<l<=i} g_l)   (∇φk's).
+// As the forward's scores: one factored GEMM about the chunk's start when its decay range is
+// within gated_factor_span, else sub-chunks of kGatedSubChunk rows, each factored about its last
+// row against the rows after it, and pairs inside a sub-chunk factored about its first row or,
+// for strong gates, from their own sums. Scratch: ws slots kSlotExtra, kSlotPrefix, kSlotScores,
+// kSlotStateLow, kSlotNormalizer, kSlotRowB.
+template <bool Transposed, class Scalar, class WM, class XM, class GB, class YM>
+void gated_decayed_product(const WM& W, const XM& X, const GB& gb, YM& Y, Workspace<Scalar>& ws) {
+  using ColMajor = Eigen::Map<Matrix<Scalar>>;
+  const Index b = X.rows(), F = X.cols();
+  const auto tril = W.template triangularView<Eigen::Lower>();
+  ColMajor c(ws.matrix(kSlotExtra, b, F).data(), b, F);
+  for (Index d = 0; d < F; ++d) {
+    Scalar run = 0;
+    for (Index i = 0; i < b; ++i) c(i, d) = run += gb(i, d);
+  }
+  const Scalar range = b > 0 ? -c.row(b - 1).minCoeff() : Scalar(0);
+  if (range <= gated_factor_span<Scalar>()) {
+    ColMajor t(ws.matrix(kSlotPrefix, b, F).data(), b, F);
+    if constexpr (!Transposed) {
+      t = (-c).array().exp() * X.array();
+      Y.noalias() = tril * t;
+      exp_nonpositive_inplace(c.array());
+      Y.array() *= c.array();
+    } else {
+      exp_nonpositive_inplace(c.array());
+      t = c.array() * X.array();
+      Y.noalias() = tril.transpose() * t;
+      Y.array() /= c.array();
+    }
+    return;
+  }
+  Y.setZero();
+  const Index s = kGatedSubChunk;
+  ColMajor ek(ws.matrix(kSlotPrefix, s, F).data(), s, F);   // exp(Σ_{j<l<=r} g_l), j in J
+  ColMajor fr(ws.matrix(kSlotExtra, b, F).data(), b, F);    // exp(Σ_{r<l<=i} g_l), i > r
+  ColMajor xs(ws.matrix(kSlotStateLow, b, F).data(), b, F);
+  ColMajor tm(ws.matrix(kSlotScores, b, F).data(), b, F);
+  auto run = ws.vector(kSlotNormalizer, F);
+  auto e = ws.vector(kSlotRowB, F);
+  for (Index j0 = 0; j0 < b; j0 += s) {
+    const Index sj = std::min(s, b - j0), r = j0 + sj - 1, n = b - 1 - r;
+    auto ekj = ek.topRows(sj);
+    for (Index d = 0; d < F; ++d) {
+      Scalar acc = 0;
+      for (Index j = r; j >= j0; --j) {
+        ekj(j - j0, d) = acc;
+        acc += gb(j, d);
+      }
+    }
+    exp_nonpositive_inplace(ekj.array());
+    if (n > 0) {
+      auto frn = fr.topRows(n);
+      for (Index d = 0; d < F; ++d) {
+        Scalar acc = 0;
+        for (Index i = 0; i < n; ++i) frn(i, d) = acc += gb(r + 1 + i, d);
+      }
+      exp_nonpositive_inplace(frn.array());
+      const auto Wb = W.block(r + 1, j0, n, sj);
+      if constexpr (!Transposed) {
+        auto x = xs.topRows(sj);
+        x = X.middleRows(j0, sj).array() * ekj.array();
+        auto t = tm.topRows(n);
+        t.noalias() = Wb * x;
+        Y.bottomRows(n).array() += frn.array() * t.array();
+      } else {
+        auto x = xs.topRows(n);
+        x = X.bottomRows(n).array() * frn.array();
+        auto t = tm.topRows(sj);
+        t.noalias() = Wb.transpose() * x;
+        Y.middleRows(j0, sj).array() += ekj.array() * t.array();
+      }
+    }
+    // Pairs inside J. lp_i = Σ_{j0<l<=i} g_l; the block's range is -lp_r.
+    auto lp = fr.topRows(sj);
+    for (Index d = 0; d < F; ++d) {
+      Scalar acc = 0;
+      lp(0, d) = 0;
+      for (Index i = 1; i < sj; ++i) lp(i, d) = acc += gb(j0 + i, d);
+    }
+    const Scalar block_range = sj > 1 ? -lp.row(sj - 1).minCoeff() : Scalar(0);
+    const auto Wd = W.block(j0, j0, sj, sj).template triangularView<Eigen::Lower>();
+    if (block_range <= gated_factor_span<Scalar>()) {
+      auto x = xs.topRows(sj);
+      auto t = tm.topRows(sj);
+      if constexpr (!Transposed) {
+        x = (-lp).array().exp() * X.middleRows(j0, sj).array();
+        t.noalias() = Wd * x;
+        exp_nonpositive_inplace(lp.array());
+        Y.middleRows(j0, sj).array() += lp.array() * t.array();
+      } else {
+        exp_nonpositive_inplace(lp.array());
+        x = lp.array() * X.middleRows(j0, sj).array();
+        t.noalias() = Wd.transpose() * x;
+        Y.middleRows(j0, sj).array() += t.array() / lp.array();
+      }
+    } else {
+      for (Index j = j0; j <= r; ++j) {
+        run.setZero();
+        for (Index i = j; i <= r; ++i) {
+          if (i > j) run += gb.row(i).transpose();
+          e = run;
+          exp_nonpositive_inplace(e.array());
+          if constexpr (!Transposed)
+            Y.row(i).array() += W(i, j) * X.row(j).array() * e.transpose().array();
+          else
+            Y.row(j).array() += W(i, j) * X.row(i).array() * e.transpose().array();
+        }
+      }
+    }
+  }
+}
+
+// The chunked backward (GEMMs per chunk of C rows), the same quantities as
+// gated_backward_recurrent: a forward sweep over chunks with the state at each chunk's start,
+//   ∇φq_R = E_q ∘ (G' S'ᵀ) + L(B, φk),   B = tril(G' V'ᵀ),
+// then a backward sweep with the adjoint R' at each chunk's end,
+//   ∇φk_R = E_k ∘ (V' R'ᵀ) + U(B, φq),   ∇V_R = Aᵀ Ĝ + (φk ∘ E_k) R,
+//   R' <- diag(e^{c_last}) R' + (φq ∘ E_q)ᵀ G',
+// with E_q = exp(c_i) (the decay of the carried state at row i), E_k = exp(Σ_{l>j} g_l), A the
+// forward's intra-chunk scores and L, U the decayed products (scalar decays: (B ∘ E) φk and
+// (B ∘ E)ᵀ φq). Working memory O(C·(C + F + M) + F·M).
+template <class Phi, class DQ, class DK, class DV, class DG, class DO, class Scalar, class OQ,
+          class OK, class OV, class OG>
+void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                            const DG& G, const DO& dOut,
+                            const LinearAttentionState<Scalar>& initial,
+                            const StateGradient<Scalar>& d_final, OQ& dQ, OK& dK, OV& dV,
+                            OG& dG, StateGradient<Scalar>* d_initial, Workspace<Scalar>& ws,
+                            const GatedConfig<Scalar>& cfg, Index C) {
+  using ColMajor = Eigen::Map<Matrix<Scalar>>;
+  Workspace<Scalar>& w2 = ws.template extension<GatedScratch<Scalar>>().ws;
+  const Index N = Q.rows(), D = Q.cols(), M = V.cols(), F = phi.feature_dim(D);
+  const Index gw = G.cols();
+  const bool pf = cfg.per_feature, norm = cfg.normalize;
+  ColMajor S(w2.matrix(0, F, M).data(), F, M);
+  auto z = w2.vector(1, F);
+  if (initial.empty()) {
+    S.setZero();
+    z.setZero();
+  } else {
+    S = initial.S;
+    if (initial.S_lo.size() == S.size()) S += initial.S_lo;
+    z = initial.z;
+    if (initial.z_lo.size() == F) z += initial.z_lo;
+  }
+  auto decay = w2.vector(15, gw);
+  // Everything a chunk's sweeps share: φq, φk, the gates' factors, the decay matrix (scalar)
+  // and the forward's scores A.
+  const auto prepare = [&](Index r0, Index b) {
+    ColMajor pq(w2.matrix(2, b, F).data(), b, F), pk(w2.matrix(3, b, F).data(), b, F);
+    phi.map(Q.middleRows(r0, b), pq);
+    phi.map(K.middleRows(r0, b), pk);
+    ColMajor gb(w2.matrix(4, b, gw).data(), b, gw);
+    gb = G.middleRows(r0, b);
+    ColMajor eq(w2.matrix(5, b, gw).data(), b, gw), ek(w2.matrix(6, b, gw).data(), b, gw);
+    for (Index d = 0; d < gw; ++d) {
+      Scalar run = 0;
+      for (Index i = 0; i < b; ++i) eq(i, d) = run += gb(i, d);
+      decay(d) = run;
+      run = 0;
+      for (Index j = b; j-- > 0;) {
+        ek(j, d) = run;
+        run += gb(j, d);
+      }
+    }
+    const Scalar range = b > 0 ? -decay.minCoeff() : Scalar(0);
+    exp_nonpositive_inplace(eq.array());
+    exp_nonpositive_inplace(ek.array());
+    exp_nonpositive_inplace(decay.array());
+    ColMajor A(w2.matrix(7, b, b).data(), b, b);
+    if (!pf) {
+      ColMajor E(w2.matrix(14, b, b).data(), b, b);
+      scalar_decay_matrix<Scalar>(gb.col(0), E, b);
+      A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
+      A.template triangularView<Eigen::Lower>() = A.cwiseProduct(E);
+    } else if (range <= gated_factor_span<Scalar>()) {
+      auto qe = ws.matrix(kSlotPhiQ, b, F);
+      auto ke = ws.matrix(kSlotPhiK, b, F);
+      qe = pq.array() * eq.array();
+      ke = pk.array() / eq.array();
+      A.template triangularView<Eigen::Lower>() = qe * ke.transpose();
+    } else {
+      gated_per_feature_scores<Scalar>(pq, pk, gb, A, b, F, ws);
+    }
+  };
+  // pq ∘ E_q and pk ∘ E_k (E broadcast over features for a scalar decay) into a b x F buffer.
+  const auto scaled = [&](ColMajor& x, const ColMajor& e, ColMajor& out) {
+    if (pf)
+      out = x.array() * e.array();
+    else
+      out = x.array().colwise() * e.col(0).array();
+  };
+  const Index last = N == 0 ? 0 : ((N - 1) / C) * C;
+  // ---- forward sweep ----
+  for (Index r0 = 0; r0 < N; r0 += C) {
+    const Index b = std::min(C, N - r0);
+    prepare(r0, b);
+    ColMajor pq(w2.matrix(2, b, F).data(), b, F), pk(w2.matrix(3, b, F).data(), b, F);
+    ColMajor gb(w2.matrix(4, b, gw).data(), b, gw);
+    ColMajor eq(w2.matrix(5, b, gw).data(), b, gw), ek(w2.matrix(6, b, gw).data(), b, gw);
+    ColMajor A(w2.matrix(7, b, b).data(), b, b), B(w2.matrix(8, b, b).data(), b, b);
+    ColMajor gp(w2.matrix(9, b, M).data(), b, M);
+    auto cv = w2.vector(10, b);
+    ColMajor dq(w2.matrix(12, b, F).data(), b, F), qs(w2.matrix(13, b, F).data(), b, F);
+    const auto vr = V.middleRows(r0, b);
+    gp = dOut.middleRows(r0, b);
+    scaled(pq, eq, qs);  // the read of the carried state
+    if (norm) {
+      auto den = w2.vector(11, b);
+      den.setZero();
+      for (Index j = 0; j < b; ++j) den.tail(b - j) += A.col(j).tail(b - j);
+      den.noalias() += qs * z;
+      ColMajor num(ws.matrix(kSlotBackwardC, b, M).data(), b, M);
+      num.noalias() = qs * S;
+      num.noalias() += A.template triangularView<Eigen::Lower>() * vr;
+      invert_guarded(den);
+      // c_i = -(g_i·out_i) / d_i = -inv_i² (g_i·num_i); ĝ_i = g_i · inv_i.
+      cv = -(gp.cwiseProduct(num).rowwise().sum().array() * den.array().square()).matrix();
+      gp.array().colwise() *= den.array();
+      dV.middleRows(r0, b) = gp;
+      dK.middleRows(r0, b).col(0) = cv;
+    } else {
+      gp *= cfg.scale;
+    }
+    B.template triangularView<Eigen::Lower>() = gp * vr.transpose();
+    if (norm)
+      for (Index j = 0; j < b; ++j) B.col(j).tail(b - j) += cv.tail(b - j);
+    if (!pf) {
+      ColMajor E(w2.matrix(14, b, b).data(), b, b);
+      B.template triangularView<Eigen::Lower>() = B.cwiseProduct(E);
+      dq.noalias() = B.template triangularView<Eigen::Lower>() * pk;
+    } else {
+      gated_decayed_product<false, Scalar>(B, pk, gb, dq, ws);
+    }
+    // + E_q ∘ (G' S'ᵀ): into the b x F scratch, then scaled by E_q.
+    ColMajor t(ws.matrix(kSlotBackwardC, b, F).data(), b, F);
+    t.noalias() = gp * S.transpose();
+    if (norm) t.noalias() += cv * z.transpose();
+    if (pf)
+      dq.array() += eq.array() * t.array();
+    else
+      dq.array() += t.array().colwise() * eq.col(0).array();
+    if (pf) {
+      dG.middleRows(r0, b) = pq.cwiseProduct(dq);
+    } else {
+      dG.middleRows(r0, b).col(0) = pq.cwiseProduct(dq).rowwise().sum();
+    }
+    map_backward_into(phi, Q.middleRows(r0, b), dq, dQ.middleRows(r0, b), ws);
+    // The state at the next chunk's start.
+    ColMajor ks(w2.matrix(13, b, F).data(), b, F);
+    scaled(pk, ek, ks);
+    if (pf) {
+      S.array().colwise() *= decay.array();
+      if (norm) z.array() *= decay.array();
+    } else {
+      S *= decay(0);
+      if (norm) z *= decay(0);
+    }
+    S.noalias() += ks.transpose() * vr;
+    if (norm) z.noalias() += ks.colwise().sum().transpose();
+  }
+  // ---- the final state's own term of ∂L/∂G_N ----
+  auto acc = w2.vector(11, F);
+  acc.setZero();
+  const bool have_final = !d_final.empty();
+  if (have_final) {
+    for (Index d = 0; d < F; ++d) {
+      Scalar t = d_final.dS.size() ? (d_final.dS.row(d).array() * S.row(d).array()).sum()
+                                   : Scalar(0);
+      if (norm && d_final.dz.size()) t += d_final.dz(d) * z(d);
+      acc(pf ? d : 0) += t;
+    }
+  }
+  // ---- backward sweep: R' = [R | r] relative to the end of the chunk ----
+  ColMajor R(S.data(), F, M);
+  auto r = w2.vector(1, F);
+  if (have_final && d_final.dS.size()) R = d_final.dS; else R.setZero();
+  if (have_final && d_final.dz.size()) r = d_final.dz; else r.setZero();
+  for (Index r0 = last; r0 >= 0 && N > 0; r0 -= C) {
+    const Index b = std::min(C, N - r0);
+    prepare(r0, b);
+    ColMajor pq(w2.matrix(2, b, F).data(), b, F), pk(w2.matrix(3, b, F).data(), b, F);
+    ColMajor gb(w2.matrix(4, b, gw).data(), b, gw);
+    ColMajor eq(w2.matrix(5, b, gw).data(), b, gw), ek(w2.matrix(6, b, gw).data(), b, gw);
+    ColMajor A(w2.matrix(7, b, b).data(), b, b), B(w2.matrix(8, b, b).data(), b, b);
+    ColMajor gp(w2.matrix(9, b, M).data(), b, M);
+    auto cv = w2.vector(10, b);
+    ColMajor dk(w2.matrix(12, b, F).data(), b, F), ks(w2.matrix(13, b, F).data(), b, F);
+    const auto vr = V.middleRows(r0, b);
+    if (norm) {
+      gp = dV.middleRows(r0, b);
+      cv = dK.middleRows(r0, b).col(0);
+    } else {
+      gp = dOut.middleRows(r0, b);
+      gp *= cfg.scale;
+    }
+    B.template triangularView<Eigen::Lower>() = gp * vr.transpose();
+    if (norm)
+      for (Index j = 0; j < b; ++j) B.col(j).tail(b - j) += cv.tail(b - j);
+    if (!pf) {
+      ColMajor E(w2.matrix(14, b, b).data(), b, b);
+      B.template triangularView<Eigen::Lower>() = B.cwiseProduct(E);
+      dk.noalias() = B.template triangularView<Eigen::Lower>().transpose() * pq;
+    } else {
+      gated_decayed_product<true, Scalar>(B, pq, gb, dk, ws);
+    }
+    // + E_k ∘ (V R ᵀ + 1 rᵀ)
+    ColMajor t(ws.matrix(kSlotBackwardC, b, F).data(), b, F);
+    t.noalias() = vr * R.transpose();
+    if (norm) t.rowwise() += r.transpose();
+    if (pf)
+      dk.array() += ek.array() * t.array();
+    else
+      dk.array() += t.array().colwise() * ek.col(0).array();
+    // ∇V = Aᵀ Ĝ + (φk ∘ E_k) R, into the caller's rows once Ĝ is read.
+    scaled(pk, ek, ks);
+    ColMajor dv(ws.matrix(kSlotBackwardC, b, M).data(), b, M);
+    dv.noalias() = A.template triangularView<Eigen::Lower>().transpose() * gp;
+    dv.noalias() += ks * R;
+    dV.middleRows(r0, b) = dv;
+    // R' <- diag(decay) R' + (φq ∘ E_q)ᵀ G'
+    scaled(pq, eq, ks);
+    if (pf) {
+      R.array().colwise() *= decay.array();
+      if (norm) r.array() *= decay.array();
+    } else {
+      R *= decay(0);
+      if (norm) r *= decay(0);
+    }
+    R.noalias() += ks.transpose() * gp;
+    if (norm) r.noalias() += ks.transpose() * cv;
+    // ∂L/∂g: the running sum of φq∘∇φq − φk∘∇φk from the end, feature by feature.
+    if (pf) {
+      for (Index d = 0; d < F; ++d) {
+        auto col = dG.col(d).segment(r0, b);
+        Scalar running = acc(d);
+        for (Index i = b; i-- > 0;) {
+          running += col(i) - pk(i, d) * dk(i, d);
+          col(i) = running;
+        }
+        acc(d) = running;
+      }
+    } else {
+      for (Index i = b; i-- > 0;) {
+        acc(0) += dG(r0 + i, 0) - pk.row(i).dot(dk.row(i));
+        dG(r0 + i, 0) = acc(0);
+      }
+    }
+    map_backward_into(phi, K.middleRows(r0, b), dk, dK.middleRows(r0, b), ws);
+  }
+  if (d_initial) {
+    d_initial->dS = R;
+    if (norm)
+      d_initial->dz = r;
+    else if (have_final && d_final.dz.size())
+      d_initial->dz = d_final.dz;
+    else
+      d_initial->dz.setZero(F);
+  }
+}
+
 }  // namespace linattn::detail
