@@ -98,11 +98,12 @@ class FullDiskBuf : public std::streambuf {
 };
 
 // A header with a correct CRC declaring what the caller wants (for files the saver never
-// writes).
+// writes): the 60 bytes of version 1, or for any other version the 68 of version 2 with
+// `decay` log-decay entries per head.
 std::string header(std::uint32_t version, std::uint32_t scalar, std::uint32_t kind,
                    std::uint32_t flags, std::uint64_t heads, std::uint64_t D, std::uint64_t F,
-                   std::uint64_t M) {
-  unsigned char h[60];
+                   std::uint64_t M, std::uint64_t decay = 0) {
+  unsigned char h[68];
   const unsigned char magic[8] = {0x89, 'L', 'A', 'S', '\r', '\n', 0x1A, '\n'};
   std::memcpy(h, magic, 8);
   linattn::detail::io::put_le(h + 8, version);
@@ -113,14 +114,51 @@ std::string header(std::uint32_t version, std::uint32_t scalar, std::uint32_t ki
   linattn::detail::io::put_le(h + 32, D);
   linattn::detail::io::put_le(h + 40, F);
   linattn::detail::io::put_le(h + 48, M);
-  linattn::detail::io::put_le(h + 56, linattn::detail::io::crc32(h, 56));
-  return std::string(reinterpret_cast<const char*>(h), 60);
+  const std::size_t n = version == 1 ? 60 : 68;
+  if (version != 1) linattn::detail::io::put_le(h + 56, decay);
+  linattn::detail::io::put_le(h + n - 4, linattn::detail::io::crc32(h, n - 4));
+  return std::string(reinterpret_cast<const char*>(h), n);
 }
 
 // Replaces the trailing CRC by the right one for the (edited) bytes before it.
 void reseal(std::string& file) {
   const std::uint32_t crc = linattn::detail::io::crc32(file.data(), file.size() - 4);
   linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&file[file.size() - 4]), crc);
+}
+
+// Replaces the version-2 header's CRC by the right one for its (edited) bytes 0-63.
+void reseal_header(std::string& file) {
+  auto* b = reinterpret_cast<unsigned char*>(&file[0]);
+  linattn::detail::io::put_le(b + 64, linattn::detail::io::crc32(b, 64));
+}
+
+// The version-1 file of the same record as a version-2 file of an undecayed state (L = 0):
+// version 1, no log-decay field (the 8 bytes at 56), both CRCs recomputed. As linattn wrote
+// before decayed states existed.
+std::string as_version1(const std::string& v2) {
+  EXPECT_EQ(linattn::detail::io::get_le<std::uint64_t>(
+                reinterpret_cast<const unsigned char*>(v2.data()) + 56),
+            0u);
+  std::string f = v2.substr(0, 56) + v2.substr(64);
+  auto* b = reinterpret_cast<unsigned char*>(&f[0]);
+  linattn::detail::io::put_le(b + 8, std::uint32_t(1));
+  linattn::detail::io::put_le(b + 56, linattn::detail::io::crc32(b, 56));
+  reseal(f);
+  return f;
+}
+
+// A state with a total log-decay of `decay` entries (1: scalar decay, F: per-feature gates),
+// some of them -inf (a reset), and low parts that are not zero.
+template <class S>
+LinearAttentionState<S> decayed_state(Index F, Index M, Index decay, std::uint32_t seed) {
+  LinearAttentionState<S> st(F, M);
+  st.S = test::random_matrix<S>(F, M, seed, -3, 3);
+  st.S_lo = test::random_matrix<S>(F, M, seed + 1, -1e-9, 1e-9);
+  st.z = test::random_matrix<S>(F, 1, seed + 2, 0, 3);
+  st.z_lo = test::random_matrix<S>(F, 1, seed + 3, -1e-9, 1e-9);
+  st.log_decay = test::random_matrix<S>(decay, 1, seed + 4, -40, 0);
+  if (decay > 1) st.log_decay(1) = -std::numeric_limits<S>::infinity();
+  return st;
 }
 
 // Runs rnn over rows [from, to) and returns their outputs.
@@ -150,13 +188,13 @@ TEST(StateIoFormat, LayoutIsLittleEndianAsDocumented) {
   st.z << 0.5f;
   st.m << -std::numeric_limits<float>::infinity();
   const std::string f = saved(st);
-  ASSERT_EQ(f.size(), 64u + 16u + 4u * (2 * 2 + 2 + 1));
+  ASSERT_EQ(f.size(), 72u + 16u + 4u * (2 * 2 + 2 + 1));
   const auto* b = reinterpret_cast<const unsigned char*>(f.data());
   const unsigned char magic[8] = {0x89, 0x4C, 0x41, 0x53, 0x0D, 0x0A, 0x1A, 0x0A};
   EXPECT_EQ(std::memcmp(b, magic, 8), 0);
   const auto u32 = [&](std::size_t at) { return linattn::detail::io::get_le<std::uint32_t>(b + at); };
   const auto u64 = [&](std::size_t at) { return linattn::detail::io::get_le<std::uint64_t>(b + at); };
-  EXPECT_EQ(u32(8), 1u);   // version
+  EXPECT_EQ(u32(8), 2u);   // version
   EXPECT_EQ(u32(12), 1u);  // float
   EXPECT_EQ(u32(16), 1u);  // a LinearAttentionState
   EXPECT_EQ(u32(20), 1u);  // maxima
@@ -164,17 +202,46 @@ TEST(StateIoFormat, LayoutIsLittleEndianAsDocumented) {
   EXPECT_EQ(u64(32), 0u);  // D unknown
   EXPECT_EQ(u64(40), 1u);  // F
   EXPECT_EQ(u64(48), 2u);  // M
-  EXPECT_EQ(u32(56), linattn::detail::io::crc32(b, 56));
-  EXPECT_EQ(u64(60), 0u);  // position
-  EXPECT_EQ(u64(68), 0u);  // unfolded tokens
+  EXPECT_EQ(u64(56), 0u);  // no log-decay
+  EXPECT_EQ(u32(64), linattn::detail::io::crc32(b, 64));
+  EXPECT_EQ(u64(68), 0u);  // position
+  EXPECT_EQ(u64(76), 0u);  // unfolded tokens
   // S = (1, -2): 0x3F800000 and 0xC0000000, least significant byte first.
   const unsigned char s_bytes[8] = {0x00, 0x00, 0x80, 0x3F, 0x00, 0x00, 0x00, 0xC0};
-  EXPECT_EQ(std::memcmp(b + 76, s_bytes, 8), 0);
-  EXPECT_EQ(u64(84), 0u);           // S_lo: zeros
-  EXPECT_EQ(u32(92), 0x3F000000u);  // z = 0.5
-  EXPECT_EQ(u32(96), 0u);           // z_lo
-  EXPECT_EQ(u32(100), 0xFF800000u);  // m = -inf
-  EXPECT_EQ(u32(104), linattn::detail::io::crc32(b, 104));
+  EXPECT_EQ(std::memcmp(b + 84, s_bytes, 8), 0);
+  EXPECT_EQ(u64(92), 0u);            // S_lo: zeros
+  EXPECT_EQ(u32(100), 0x3F000000u);  // z = 0.5
+  EXPECT_EQ(u32(104), 0u);           // z_lo
+  EXPECT_EQ(u32(108), 0xFF800000u);  // m = -inf
+  EXPECT_EQ(u32(112), linattn::detail::io::crc32(b, 112));
+}
+
+TEST(StateIoFormat, LogDecayLayoutIsAsDocumented) {
+  LinearAttentionState<double> st(2, 1);
+  st.S << 1.0, 2.0;
+  st.z << 3.0, 4.0;
+  st.log_decay.resize(2);
+  st.log_decay << -0.5, -std::numeric_limits<double>::infinity();
+  const std::string f = saved(st);
+  ASSERT_EQ(f.size(), 72u + 16u + 8u * (2 * 2 + 2 * 2 + 2));
+  const auto* b = reinterpret_cast<const unsigned char*>(f.data());
+  const auto u64 = [&](std::size_t at) { return linattn::detail::io::get_le<std::uint64_t>(b + at); };
+  EXPECT_EQ(u64(56), 2u);  // L = F: per-feature gates
+  EXPECT_EQ(linattn::detail::io::get_le<std::uint32_t>(b + 64), linattn::detail::io::crc32(b, 64));
+  // S (2), S_lo (2), z (2), z_lo (2) from 84, then log_decay: -0.5 and -inf.
+  EXPECT_EQ(u64(84), 0x3FF0000000000000u);
+  EXPECT_EQ(u64(84 + 8 * 8), 0xBFE0000000000000u);
+  EXPECT_EQ(u64(84 + 9 * 8), 0xFFF0000000000000u);
+  EXPECT_EQ(linattn::detail::io::get_le<std::uint32_t>(b + 84 + 10 * 8),
+            linattn::detail::io::crc32(b, 84 + 10 * 8));
+  // One entry: a scalar decay.
+  st.log_decay.resize(1);
+  st.log_decay << -3.0;
+  const std::string g = saved(st);
+  EXPECT_EQ(g.size(), f.size() - 8);
+  EXPECT_EQ(linattn::detail::io::get_le<std::uint64_t>(
+                reinterpret_cast<const unsigned char*>(g.data()) + 56),
+            1u);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -200,7 +267,7 @@ void check_round_trip(const Phi& phi, Index D, Index M, std::uint32_t seed) {
     st.z_lo(0) = 0;
   }
   const std::string f = saved(st);
-  EXPECT_EQ(f.size(), std::size_t(64 + 16 + sizeof(S) * (2 * st.S.size() + 2 * st.z.size() +
+  EXPECT_EQ(f.size(), std::size_t(72 + 16 + sizeof(S) * (2 * st.S.size() + 2 * st.z.size() +
                                                          st.m.size())));
   std::istringstream is(f, std::ios::binary);
   const auto back = linattn::load_state<S>(is);
@@ -213,6 +280,120 @@ TYPED_TEST(StateIoRoundTrip, EveryMapKeepsEveryBit) {
   check_round_trip<S>(EluPlusOne{}, 5, 3, 11);
   check_round_trip<S>(SoftmaxSplit{}, 4, 6, 12);
   check_round_trip<S>(NormalizedCosine{}, 6, 2, 13);
+}
+
+TYPED_TEST(StateIoRoundTrip, DecayedStatesKeepEveryBit) {
+  using S = TypeParam;
+  for (const Index decay : {Index(1), Index(5)}) {
+    SCOPED_TRACE(std::to_string(decay) + " log-decay entries");
+    const auto st = decayed_state<S>(5, 3, decay, 61);
+    const std::string f = saved(st);
+    EXPECT_EQ(f.size(), std::size_t(72 + 16 + sizeof(S) * (2 * 15 + 2 * 5 + decay)));
+    std::istringstream is(f, std::ios::binary);
+    const auto back = linattn::load_state<S>(is);
+    EXPECT_TRUE(same_state(back, st));
+    EXPECT_TRUE(same_bits(back.log_decay, st.log_decay));
+    EXPECT_EQ(is.peek(), std::char_traits<char>::eof());
+    EXPECT_EQ(saved(back), f);
+  }
+  // F = 1: one entry is both a scalar decay and per-feature gates.
+  const auto one = decayed_state<S>(1, 4, 1, 62);
+  std::istringstream is(saved(one), std::ios::binary);
+  EXPECT_TRUE(same_bits(linattn::load_state<S>(is).log_decay, one.log_decay));
+  // An undecayed state loads with an empty log-decay.
+  std::istringstream plain(saved(LinearAttentionState<S>(3, 2)), std::ios::binary);
+  EXPECT_EQ(linattn::load_state<S>(plain).log_decay.size(), 0);
+}
+
+// The state a recurrent object holds is saved with whatever log-decay it has (set_state()
+// copies one), so that it loads back bit for bit.
+TYPED_TEST(StateIoRoundTrip, RecurrentObjectsKeepALogDecay) {
+  using S = TypeParam;
+  using Access = linattn::detail::RecurrentStateAccess;
+  RecurrentLinearAttention<EluPlusOne, S> rnn(4, 3);
+  Access::install(rnn, decayed_state<S>(4, 3, 1, 63), 17, 5);
+  std::stringstream file(std::ios::in | std::ios::out | std::ios::binary);
+  linattn::save_state(file, rnn);
+  RecurrentLinearAttention<EluPlusOne, S> back(4, 3);
+  linattn::load_state(file, back);
+  EXPECT_TRUE(same_state(Access::state(back), Access::state(rnn)));
+  EXPECT_TRUE(same_bits(Access::state(back).log_decay, Access::state(rnn).log_decay));
+  EXPECT_EQ(back.position(), 17);
+
+  MultiHeadRecurrentLinearAttention<EluPlusOne, S> heads(2, 4, 3);
+  Access::install(heads.head(0), decayed_state<S>(4, 3, 4, 64), 1, 1);
+  try {
+    linattn::save_state(file, heads);
+    ADD_FAILURE() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "linattn::save_state: the heads' log-decays differ in size: head 0 has 4 "
+              "entries, head 1 has 0");
+  }
+  Access::install(heads.head(1), decayed_state<S>(4, 3, 4, 65), 1, 1);
+  std::stringstream two(std::ios::in | std::ios::out | std::ios::binary);
+  linattn::save_state(two, heads);
+  MultiHeadRecurrentLinearAttention<EluPlusOne, S> heads_back(2, 4, 3);
+  linattn::load_state(two, heads_back);
+  for (Index h = 0; h < 2; ++h)
+    EXPECT_TRUE(same_bits(Access::state(heads_back.head(h)).log_decay,
+                          Access::state(heads.head(h)).log_decay));
+}
+
+// Files of format version 1 (before decayed states) load exactly as before: the same state,
+// an empty log-decay.
+TYPED_TEST(StateIoRoundTrip, Version1FilesStillLoad) {
+  using S = TypeParam;
+  // Written by hand in the old layout: F = 1, M = 2, S = (1, -2), z = 0.5, with maxima m = 0.25.
+  std::string v1 = header(1, sizeof(S) == 4 ? 1 : 2, 1, 1, 1, 0, 1, 2);
+  ASSERT_EQ(v1.size(), 60u);
+  const auto put = [&](auto v) {
+    unsigned char b[sizeof(v)];
+    linattn::detail::io::put_le(b, v);
+    v1.append(reinterpret_cast<const char*>(b), sizeof(v));
+  };
+  const auto put_scalar = [&](S x) {
+    linattn::detail::io::Bits<S> bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    put(bits);
+  };
+  put(std::uint64_t(0));  // position
+  put(std::uint64_t(0));  // unfolded tokens
+  for (const S x : {S(1), S(-2), S(0), S(0), S(0.5), S(0), S(0.25)}) put_scalar(x);  // S S_lo z z_lo m
+  put(std::uint32_t(0));
+  reseal(v1);
+  ASSERT_EQ(v1.size(), 64u + 16u + sizeof(S) * 7);
+  std::istringstream is(v1, std::ios::binary);
+  const auto st = linattn::load_state<S>(is);
+  EXPECT_EQ(is.peek(), std::char_traits<char>::eof());
+  ASSERT_EQ(st.S.rows(), 1);
+  ASSERT_EQ(st.S.cols(), 2);
+  EXPECT_EQ(st.S(0, 0), S(1));
+  EXPECT_EQ(st.S(0, 1), S(-2));
+  EXPECT_EQ(st.z(0), S(0.5));
+  EXPECT_EQ(st.m(0), S(0.25));
+  EXPECT_TRUE(st.S_lo.isZero(0));
+  EXPECT_EQ(st.log_decay.size(), 0);
+  // Saving it again writes version 2.
+  EXPECT_EQ(as_version1(saved(st)), v1);
+
+  // Every kind: the version-1 file of a state, a recurrent decode and a multi-head one.
+  const auto sum = linattn::summarize(test::random_matrix<S>(9, 3, 71),
+                                      test::random_matrix<S>(9, 2, 72), SoftmaxSplit{});
+  std::istringstream a(as_version1(saved(sum)), std::ios::binary);
+  EXPECT_TRUE(same_state(linattn::load_state<S>(a), sum));
+  const Mat<S> X = test::random_matrix<S>(50, 6, 73);
+  RecurrentLinearAttention<EluPlusOne, S> rnn(6, 6);
+  run(rnn, X, X, X, 0, 50);
+  RecurrentLinearAttention<EluPlusOne, S> rnn_back(6, 6);
+  std::istringstream b(as_version1(saved(rnn)), std::ios::binary);
+  linattn::load_state(b, rnn_back);
+  EXPECT_EQ(saved(rnn_back), saved(rnn));
+  MultiHeadRecurrentLinearAttention<SoftmaxSplit, S> heads(2, 3, 3), heads_back(2, 3, 3);
+  run(heads, X, X, X, 0, 50);
+  std::istringstream c(as_version1(saved(heads)), std::ios::binary);
+  linattn::load_state(c, heads_back);
+  EXPECT_EQ(saved(heads_back), saved(heads));
 }
 
 TYPED_TEST(StateIoRoundTrip, FreshMaximaAreMinusInfinity) {
@@ -397,7 +578,7 @@ TEST(StateIoFailure, EveryTruncationThrowsAndNamesTheField) {
   }
   EXPECT_EQ(saved(target), before);
   // The message says which field and how much of it there was.
-  std::istringstream is(s.file.substr(0, 60 + 16 + 20), std::ios::binary);
+  std::istringstream is(s.file.substr(0, 68 + 16 + 20), std::ios::binary);
   EXPECT_EQ(runtime_error_of([&] { linattn::load_state(is, target); }),
             "linattn::load_state: truncated file: expected 48 bytes of S, got 20");
   std::istringstream empty("");
@@ -419,7 +600,7 @@ TEST(StateIoFailure, EverySingleBitFlipThrows) {
     const std::string m = runtime_error_of([&] { linattn::load_state(is, target); });
     const char* expected = byte < 8    ? "linattn::load_state: wrong magic number"
                            : byte < 12 ? "linattn::load_state: unsupported format version"
-                           : byte < 60 ? "linattn::load_state: corrupted header: checksum mismatch"
+                           : byte < 68 ? "linattn::load_state: corrupted header: checksum mismatch"
                                        : "linattn::load_state: corrupted data: checksum mismatch";
     ASSERT_TRUE(starts_with(m, expected)) << "bit " << bit << ": " << m;
   }
@@ -497,17 +678,71 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
   EXPECT_EQ(load("\x89LAS\n\x1a\n\n" + std::string(100, '\0')),
             p + "wrong magic number: not a linattn state file (or one that went through a "
                 "text-mode stream)");
-  EXPECT_EQ(load(header(2, 1, 1, 0, 1, 0, 2, 2)),
-            p + "unsupported format version 2 (this linattn reads version 1)");
-  EXPECT_EQ(load(header(1, 3, 1, 0, 1, 0, 2, 2)), p + "unknown scalar type code 3");
-  EXPECT_EQ(load(header(1, 1, 4, 0, 1, 0, 2, 2)), p + "unknown kind code 4");
-  EXPECT_EQ(load(header(1, 1, 1, 6, 1, 0, 2, 2)), p + "unknown flags 6");
-  EXPECT_EQ(load(header(1, 1, 1, 0, 2, 0, 2, 2)), p + "invalid head count 2");
-  EXPECT_EQ(load(header(1, 1, 1, 0, 1, 5, 2, 2)), p + "invalid key dimension 5");
-  MultiHeadRecurrentLinearAttention<EluPlusOne, float> heads(2, 2, 2);
-  std::istringstream zero(header(1, 1, 3, 0, 0, 2, 2, 2), std::ios::binary);
-  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(zero, heads); }),
-            p + "invalid head count 0");
+  for (const std::uint32_t v : {0u, 3u, 0x01000000u})
+    EXPECT_EQ(load(header(v, 1, 1, 0, 1, 0, 2, 2)),
+              p + "unsupported format version " + std::to_string(v) +
+                  " (this linattn reads versions 1 and 2)");
+  for (const std::uint32_t v : {1u, 2u}) {  // the same checks in both versions
+    SCOPED_TRACE("version " + std::to_string(v));
+    EXPECT_EQ(load(header(v, 3, 1, 0, 1, 0, 2, 2)), p + "unknown scalar type code 3");
+    EXPECT_EQ(load(header(v, 1, 4, 0, 1, 0, 2, 2)), p + "unknown kind code 4");
+    EXPECT_EQ(load(header(v, 1, 1, 6, 1, 0, 2, 2)), p + "unknown flags 6");
+    EXPECT_EQ(load(header(v, 1, 1, 0, 2, 0, 2, 2)), p + "invalid head count 2");
+    EXPECT_EQ(load(header(v, 1, 1, 0, 1, 5, 2, 2)), p + "invalid key dimension 5");
+    MultiHeadRecurrentLinearAttention<EluPlusOne, float> heads(2, 2, 2);
+    std::istringstream zero(header(v, 1, 3, 0, 0, 2, 2, 2), std::ios::binary);
+    EXPECT_EQ(runtime_error_of([&] { linattn::load_state(zero, heads); }),
+              p + "invalid head count 0");
+  }
+}
+
+// The log-decay size L of a version-2 header must be 0, 1 or F, and 0 with running maxima;
+// a failed load leaves the target as it was.
+TEST(StateIoFailure, BadLogDecaySizeIsRejected) {
+  const auto load = [](const std::string& bytes) {
+    std::istringstream is(bytes, std::ios::binary);
+    return runtime_error_of([&] { linattn::load_state<float>(is); });
+  };
+  const std::string p = "linattn::load_state: ";
+  EXPECT_EQ(load(header(2, 1, 1, 0, 1, 0, 4, 2, 3)),
+            p + "invalid log-decay size 3 (must be 0, 1 or F = 4)");
+  EXPECT_EQ(load(header(2, 1, 1, 0, 1, 0, 4, 2, 5)),
+            p + "invalid log-decay size 5 (must be 0, 1 or F = 4)");
+  EXPECT_EQ(load(header(2, 1, 1, 0, 1, 0, 4, 2, std::uint64_t(1) << 63)),
+            p + "invalid log-decay size 9223372036854775808 (must be 0, 1 or F = 4)");
+  EXPECT_EQ(load(header(2, 1, 1, 1, 1, 0, 4, 2, 1)),
+            p + "invalid log-decay size 1: a state with running maxima (SoftmaxSplit) has no "
+                "log-decay");
+  // Sizes 1 and F with a truncated record: the declared size is accepted, the record is short.
+  EXPECT_EQ(load(header(2, 1, 1, 0, 1, 0, 4, 2, 4)),
+            p + "truncated file: expected 8 bytes of position, got 0");
+
+  // In a real file, into a recurrent object (F = 3): the target is unchanged.
+  const Saved s;  // SoftmaxSplit: running maxima
+  auto target = bystander();
+  const std::string before = saved(target);
+  for (const std::uint64_t L : {std::uint64_t(1), std::uint64_t(2), std::uint64_t(3)}) {
+    std::string f = s.file;
+    linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&f[56]), L);
+    reseal_header(f);
+    std::istringstream is(f, std::ios::binary);
+    EXPECT_EQ(runtime_error_of([&] { linattn::load_state(is, target); }),
+              L == 2 ? p + "invalid log-decay size 2 (must be 0, 1 or F = 3)"
+                     : p + "invalid log-decay size " + std::to_string(L) +
+                           ": a state with running maxima (SoftmaxSplit) has no log-decay");
+  }
+  EXPECT_EQ(saved(target), before);
+
+  // A decayed state's file cut inside its log-decay names the field.
+  const std::string d = saved(decayed_state<double>(2, 2, 2, 81));
+  std::istringstream cut(d.substr(0, d.size() - 4 - 12), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state<double>(cut); }),
+            p + "truncated file: expected 16 bytes of log_decay, got 4");
+  for (std::size_t len = 0; len < d.size(); ++len) {
+    std::istringstream is(d.substr(0, len), std::ios::binary);
+    const std::string m = runtime_error_of([&] { linattn::load_state<double>(is); });
+    ASSERT_TRUE(starts_with(m, p + "truncated file: expected ")) << len << ": " << m;
+  }
 }
 
 TEST(StateIoFailure, InvalidRecordFieldsAreChecked) {
@@ -515,14 +750,14 @@ TEST(StateIoFailure, InvalidRecordFieldsAreChecked) {
   auto target = bystander();
   const std::string before = saved(target);
   std::string f = s.file;
-  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&f[68]), std::uint64_t(200));
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&f[76]), std::uint64_t(200));
   reseal(f);
   std::istringstream a(f, std::ios::binary);
   EXPECT_EQ(runtime_error_of([&] { linattn::load_state(a, target); }),
             "linattn::load_state: invalid record: 200 unfolded tokens (at most 127)");
   EXPECT_EQ(saved(target), before);
   std::string g = saved(LinearAttentionState<double>(2, 2));
-  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&g[60]), std::uint64_t(7));
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&g[68]), std::uint64_t(7));
   reseal(g);
   std::istringstream b(g, std::ios::binary);
   EXPECT_EQ(runtime_error_of([&] { linattn::load_state<double>(b); }),
@@ -569,7 +804,7 @@ TEST(StateIoFailure, StreamStatesAreChecked) {
   std::istringstream masked(s.file.substr(0, 100), std::ios::binary);
   masked.exceptions(std::ios::failbit | std::ios::eofbit | std::ios::badbit);
   EXPECT_TRUE(starts_with(runtime_error_of([&] { linattn::load_state(masked, target); }),
-                          "linattn::load_state: truncated file: expected 48 bytes of S, got 24"));
+                          "linattn::load_state: truncated file: expected 48 bytes of S, got 16"));
   EXPECT_EQ(saved(target), before);
 
   std::ostringstream bad;
@@ -598,6 +833,29 @@ TEST(StateIoFailure, InconsistentStateIsRefusedBySave) {
               "entries, m 0, S_lo is 3x2, z_lo has 3");
   }
   EXPECT_TRUE(os.str().empty());
+}
+
+TEST(StateIoFailure, BadLogDecayIsRefusedBySave) {
+  const auto message = [](const LinearAttentionState<float>& st) {
+    std::ostringstream os;
+    try {
+      linattn::save_state(os, st);
+      ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_TRUE(os.str().empty());
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  LinearAttentionState<float> st(4, 2);
+  st.log_decay.setZero(3);
+  EXPECT_EQ(message(st),
+            "linattn::save_state: the state's log-decay has 3 entries, not 0, 1 or F = 4");
+  LinearAttentionState<float> mx(4, 2, /*per_feature=*/true);
+  mx.log_decay.setZero(1);
+  EXPECT_EQ(message(mx),
+            "linattn::save_state: a state with running maxima (SoftmaxSplit) has no log-decay, "
+            "this one has 1 entries");
 }
 
 }  // namespace

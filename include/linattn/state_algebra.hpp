@@ -46,7 +46,8 @@ void merge_into(LinearAttentionState<Scalar>& a, LinearAttentionState<Scalar>& b
 }  // namespace detail
 
 /// \brief `a` becomes the state of a's keys followed by b's: \f$S_a + S_b\f$ and
-/// \f$z_a + z_b\f$, exactly up to one rounding of each entry (spec §8).
+/// \f$z_a + z_b\f$, exactly up to one rounding of each entry (spec §8); for decayed states
+/// \f$e^{\Lambda_b} S_a + S_b\f$ (below).
 ///
 /// A state is a sum over keys, \f$S = \sum_j \varphi(k_j) v_j^\top\f$ and
 /// \f$z = \sum_j \varphi(k_j)\f$, so the states of consecutive segments of a sequence add up to
@@ -58,10 +59,34 @@ void merge_into(LinearAttentionState<Scalar>& a, LinearAttentionState<Scalar>& b
 /// compensated low parts (LinearAttentionState::S_lo, z_lo) of both sides are kept: the sum of
 /// the high parts is added with TwoSum, its rounding error going into the low part.
 ///
+/// **Decayed states** (gated_linear_attention(); spec §8 and §9.4) carry the total log-decay
+/// \f$\Lambda\f$ of their segment in LinearAttentionState::log_decay: empty (\f$\Lambda = 0\f$,
+/// an undecayed state), one entry (a per-token scalar decay) or F entries (per-feature gates).
+/// The keys of a decay over b's whole segment, so the state of a then b is
+/// \f[
+///   S = \mathrm{diag}\big(e^{\Lambda_b}\big)\, S_a + S_b, \qquad
+///   z = e^{\Lambda_b} \odot z_a + z_b, \qquad
+///   \Lambda = \Lambda_a + \Lambda_b,
+/// \f]
+/// where a scalar \f$\Lambda_b\f$ scales every row alike, and a one-entry \f$\Lambda\f$
+/// combined with an F-entry one broadcasts (the result has F entries). The low parts of a are
+/// scaled with its high parts. When \f$\Lambda_b\f$ is empty (b undecayed, whatever a is), a
+/// is not scaled and the sums are those of the undecayed combine bit for bit; otherwise each
+/// entry of the scaled a, \f$e^{\Lambda_b}(S_a + S_{a,lo})\f$, is rounded once (a relative
+/// error of at most one unit roundoff per part, besides that of the exponential), and the sum
+/// with b then keeps its rounding error in the low part as above. Combine is associative for
+/// decayed states too (to rounding): both bracketings of a, b, c give
+/// \f$e^{\Lambda_b + \Lambda_c} S_a + e^{\Lambda_c} S_b + S_c\f$ and
+/// \f$\Lambda_a + \Lambda_b + \Lambda_c\f$. The entries of \f$\Lambda\f$ are not checked
+/// (the kernels check the gates): \f$-\infty\f$ (a reset) makes a vanish. SoftmaxSplit states
+/// (running maxima) never have a log-decay.
+///
 /// An empty state (default-constructed) is the identity: combining with it copies or leaves
-/// the other. Allocates only a copy of b's sums.
+/// the other. Allocates only a copy of b's sums (and the combined log-decay).
 /// \throws std::invalid_argument (naming both shapes) if the states have different F, M or
-/// one has running maxima and the other not; `a` is then unchanged.
+/// one has running maxima and the other not; (naming both sizes) if a log-decay has neither
+/// 0, 1 nor F entries; or if a state has both running maxima and a log-decay. `a` is then
+/// unchanged.
 /// \code
 /// auto left = linattn::summarize(K.topRows(n), V.topRows(n), phi);
 /// auto right = linattn::summarize(K.bottomRows(N - n), V.bottomRows(N - n), phi);
@@ -89,12 +114,52 @@ void combine_into(LinearAttentionState<Scalar>& a, const LinearAttentionState<Sc
                                   detail::state_shape(a.S.rows(), a.S.cols(), a.m.size()) +
                                   ", b has " +
                                   detail::state_shape(b.S.rows(), b.S.cols(), b.m.size()));
+  const Index F = a.S.rows(), La = a.log_decay.size(), Lb = b.log_decay.size();
+  const auto decay_fits = [F](Index n) { return n == 0 || n == 1 || n == F; };
+  if (!decay_fits(La) || !decay_fits(Lb))
+    detail::throw_invalid(fn, "the log-decays do not fit: a has " + std::to_string(La) +
+                                  " entries, b has " + std::to_string(Lb) +
+                                  " (each must have 0, 1 or F = " + std::to_string(F) + ")");
+  if ((La != 0 || Lb != 0) && a.m.size() != 0)
+    detail::throw_invalid(fn, "a state with running maxima (SoftmaxSplit) has no log-decay, "
+                              "but a's has " + std::to_string(La) + " entries and b's " +
+                              std::to_string(Lb));
   // Everything that may allocate, before `a` changes.
   LinearAttentionState<Scalar> rest = b;
   if (rest.S_lo.size() == 0) rest.S_lo.setZero(b.S.rows(), b.S.cols());
   if (rest.z_lo.size() == 0) rest.z_lo.setZero(b.z.size());
+  // Lambda = Lambda_a + Lambda_b, an empty one counting as 0 and one entry broadcasting.
+  Vector<Scalar> log_decay;
+  if (Lb != 0) {
+    if (La == 0)
+      log_decay = b.log_decay;
+    else if (La == Lb)
+      log_decay = a.log_decay + b.log_decay;
+    else if (La == 1)
+      log_decay = b.log_decay.array() + a.log_decay(0);
+    else
+      log_decay = a.log_decay.array() + b.log_decay(0);
+  }
   if (a.S_lo.size() == 0) a.S_lo.setZero(a.S.rows(), a.S.cols());
   if (a.z_lo.size() == 0) a.z_lo.setZero(a.z.size());
+  if (Lb != 0) {  // a decays over b's segment: each entry of the scaled a is rounded once
+    if (Lb == 1) {
+      const Scalar c = std::exp(b.log_decay(0));
+      a.S *= c;
+      a.S_lo *= c;
+      a.z *= c;
+      a.z_lo *= c;
+    } else {
+      for (Index d = 0; d < F; ++d) {
+        const Scalar c = std::exp(b.log_decay(d));
+        a.S.row(d) *= c;
+        a.S_lo.row(d) *= c;
+        a.z(d) *= c;
+        a.z_lo(d) *= c;
+      }
+    }
+    a.log_decay.swap(log_decay);
+  }
   detail::merge_into(a, rest);
 }
 

@@ -4,7 +4,7 @@
 /// MultiHeadRecurrentLinearAttention, in a little-endian binary format with a checksum
 /// (docs/SPEC.md §8, "What linattn implements: saving a state").
 ///
-/// ### The format (version 1)
+/// ### The format (version 2)
 ///
 /// Every integer is little-endian whatever the host; every scalar is the IEEE 754 bit pattern
 /// (binary32 for float, binary64 for double) written as a little-endian integer, so a file
@@ -13,7 +13,7 @@
 /// | offset | bytes | field |
 /// |-------:|------:|-------|
 /// | 0  | 8 | magic number `89 4C 41 53 0D 0A 1A 0A` (`\x89LAS\r\n\x1a\n`) |
-/// | 8  | 4 | format version, u32 = 1 |
+/// | 8  | 4 | format version, u32 = 2 |
 /// | 12 | 4 | scalar type, u32: 1 = float (binary32), 2 = double (binary64) |
 /// | 16 | 4 | kind, u32: 1 = LinearAttentionState, 2 = RecurrentLinearAttention, 3 = MultiHeadRecurrentLinearAttention |
 /// | 20 | 4 | flags, u32: bit 0 = running maxima `m` present (SoftmaxSplit); other bits 0 |
@@ -21,8 +21,9 @@
 /// | 32 | 8 | key dimension D, u64 (0 for kind 1: a state does not know it) |
 /// | 40 | 8 | feature dimension F, u64 |
 /// | 48 | 8 | value dimension M, u64 |
-/// | 56 | 4 | CRC-32 of bytes 0–55 |
-/// | 60 | … | H head records, one after the other (below) |
+/// | 56 | 8 | log-decay entries per head L, u64: 0 (undecayed), 1 (scalar decay) or F (per-feature gates); 0 with running maxima |
+/// | 64 | 4 | CRC-32 of bytes 0–63 |
+/// | 68 | … | H head records, one after the other (below) |
 /// | end − 4 | 4 | CRC-32 of every byte before it |
 ///
 /// A head record (s = 4 or 8 bytes per scalar; matrices row-major):
@@ -36,10 +37,16 @@
 /// | F·s   | `z` |
 /// | F·s   | `z_lo` (zeros when empty) |
 /// | F·s   | `m`, only when flag bit 0 is set |
+/// | L·s   | `log_decay` (LinearAttentionState::log_decay), only when L > 0 |
 ///
-/// The file is 64 + H·(16 + s·(2·F·M + 2·F [+ F])) bytes. The CRC-32 is the common one
+/// The file is 72 + H·(16 + s·(2·F·M + 2·F [+ F] + L)) bytes. The CRC-32 is the common one
 /// (reflected polynomial 0xEDB88320, initial value and final XOR 0xFFFFFFFF; "123456789" gives
 /// 0xCBF43926): it detects every error of one bit and every burst of up to 32.
+///
+/// **Version 1** (linattn before decayed states) is still read, exactly as before: its header
+/// has no L field (bytes 0–55 as above with version 1, the CRC-32 of bytes 0–55 at 56, the
+/// records from 60), its records no `log_decay`, and a loaded state has an empty `log_decay`.
+/// The file is 64 + H·(16 + s·(2·F·M + 2·F [+ F])) bytes. Only version 2 is written.
 #pragma once
 
 #include <Eigen/Core>
@@ -95,11 +102,13 @@ struct RecurrentStateAccess {
 namespace io {
 
 constexpr std::array<unsigned char, 8> kMagic = {0x89, 'L', 'A', 'S', '\r', '\n', 0x1A, '\n'};
-constexpr std::uint32_t kVersion = 1;
+constexpr std::uint32_t kVersion = 2;   // written; version 1 (no log-decay) is still read
+constexpr std::uint32_t kVersion1 = 1;
 constexpr std::uint32_t kFloat = 1, kDouble = 2;
 constexpr std::uint32_t kKindState = 1, kKindRecurrent = 2, kKindMultiHead = 3;
 constexpr std::uint32_t kFlagMaxima = 1;
-constexpr std::size_t kHeaderBytes = 60;  // with its CRC
+constexpr std::size_t kHeaderBytes = 68;    // with its CRC (version 2)
+constexpr std::size_t kHeaderBytesV1 = 60;  // version 1: no log-decay field
 constexpr std::size_t kHeadPrefixBytes = 16;  // position, unfolded tokens
 // Sanity bounds on a file's declared shapes, checked before anything is allocated: far above
 // any real state (a 4096 x 4096 double state is 256 MiB), far below what would overflow the
@@ -182,14 +191,15 @@ inline std::int64_t to_signed(std::uint64_t v) noexcept {
 
 // What a header declares.
 struct Header {
-  std::uint32_t scalar = 0, kind = 0, flags = 0;
+  std::uint32_t version = 0, scalar = 0, kind = 0, flags = 0;
   std::uint64_t heads = 0, key_dim = 0, F = 0, M = 0;
+  std::uint64_t decay = 0;  // log-decay entries per head: 0, 1 or F (0 in version 1)
   bool maxima() const noexcept { return (flags & kFlagMaxima) != 0; }
 };
 
 // Bytes of one head record for scalars of s bytes (the bounds keep this from overflowing).
 inline std::uint64_t head_bytes(const Header& h, std::uint64_t s) {
-  return kHeadPrefixBytes + s * (2 * h.F * h.M + (h.maxima() ? 3 : 2) * h.F);
+  return kHeadPrefixBytes + s * (2 * h.F * h.M + (h.maxima() ? 3 : 2) * h.F + h.decay);
 }
 
 // Which field byte `offset` of the payload falls in, and how many of its bytes came before:
@@ -198,7 +208,8 @@ inline std::string truncation_message(const Header& h, std::uint64_t s, std::uin
   const std::uint64_t FM = h.F * h.M;
   const std::pair<const char*, std::uint64_t> fields[] = {
       {"position", 8}, {"unfolded token count", 8}, {"S", FM * s}, {"S_lo", FM * s},
-      {"z", h.F * s},  {"z_lo", h.F * s},           {"m", h.maxima() ? h.F * s : 0}};
+      {"z", h.F * s},  {"z_lo", h.F * s},           {"m", h.maxima() ? h.F * s : 0},
+      {"log_decay", h.decay * s}};
   std::uint64_t at = 0;
   for (std::uint64_t head = 0; head < h.heads; ++head)
     for (const auto& f : fields) {
@@ -336,15 +347,19 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
              "text-mode stream)");
   read_exact(is, fn, h + 8, 4, "format version");
   const std::uint32_t version = get_le<std::uint32_t>(h + 8);
-  if (version != kVersion)
+  if (version != kVersion && version != kVersion1)
     fail(fn, "unsupported format version " + std::to_string(version) +
-                 " (this linattn reads version " + std::to_string(kVersion) + ")");
-  read_exact(is, fn, h + 12, kHeaderBytes - 12, "header");
-  const std::uint32_t stored = get_le<std::uint32_t>(h + 56);
-  if (crc32(h, 56) != stored) fail(fn, "corrupted header: checksum mismatch");
-  crc = crc32_update(0xFFFFFFFFu, h, kHeaderBytes);
+                 " (this linattn reads versions " + std::to_string(kVersion1) + " and " +
+                 std::to_string(kVersion) + ")");
+  const std::size_t header_bytes = version == kVersion1 ? kHeaderBytesV1 : kHeaderBytes;
+  read_exact(is, fn, h + 12, header_bytes - 12, "header");
+  const std::uint32_t stored = get_le<std::uint32_t>(h + header_bytes - 4);
+  if (crc32(h, header_bytes - 4) != stored) fail(fn, "corrupted header: checksum mismatch");
+  crc = crc32_update(0xFFFFFFFFu, h, header_bytes);
 
   Header hd;
+  hd.version = version;
+  hd.decay = version == kVersion1 ? 0 : get_le<std::uint64_t>(h + 56);
   hd.scalar = get_le<std::uint32_t>(h + 12);
   hd.kind = get_le<std::uint32_t>(h + 16);
   hd.flags = get_le<std::uint32_t>(h + 20);
@@ -367,6 +382,12 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
     fail(fn, "invalid head count " + std::to_string(hd.heads));
   if ((kind == kKindState) != (hd.key_dim == 0) || hd.key_dim > kMaxDim)
     fail(fn, "invalid key dimension " + std::to_string(hd.key_dim));
+  if (hd.decay != 0 && hd.decay != 1 && hd.decay != hd.F)
+    fail(fn, "invalid log-decay size " + std::to_string(hd.decay) + " (must be 0, 1 or F = " +
+                 std::to_string(hd.F) + ")");
+  if (hd.decay != 0 && hd.maxima())
+    fail(fn, "invalid log-decay size " + std::to_string(hd.decay) +
+                 ": a state with running maxima (SoftmaxSplit) has no log-decay");
   if (hd.F > kMaxDim || hd.M > kMaxDim ||
       head_bytes(hd, sizeof(Scalar)) > kMaxPayloadBytes / hd.heads)
     fail(fn, "absurd shape: F = " + std::to_string(hd.F) + ", M = " + std::to_string(hd.M) +
@@ -449,14 +470,18 @@ std::vector<HeadRecord<Scalar>> read_payload(std::istream& is, const char* fn, c
       st.m.resize(F);
       get_scalars(st.m.data(), F);
     }
+    if (hd.decay != 0) {
+      st.log_decay.resize(static_cast<Index>(hd.decay));
+      get_scalars(st.log_decay.data(), st.log_decay.size());
+    }
   }
   return heads;
 }
 
-// Writes a header (with its CRC) for the given shapes.
+// Writes a header (with its CRC) for the given shapes and log-decay entries per head.
 template <class Scalar>
 void write_header(Writer& w, std::uint32_t kind, bool maxima, Index heads, Index key_dim, Index F,
-                  Index M) {
+                  Index M, Index decay) {
   w.bytes(kMagic.data(), kMagic.size());
   w.integer(kVersion);
   w.integer(scalar_code<Scalar>());
@@ -466,6 +491,7 @@ void write_header(Writer& w, std::uint32_t kind, bool maxima, Index heads, Index
   w.integer(std::uint64_t(key_dim));
   w.integer(std::uint64_t(F));
   w.integer(std::uint64_t(M));
+  w.integer(std::uint64_t(decay));
   w.header_crc();
 }
 
@@ -480,6 +506,21 @@ void write_head(Writer& w, const LinearAttentionState<Scalar>& st, Index positio
   w.scalars(st.z.data(), F);
   if (st.z_lo.size() != 0) w.scalars(st.z_lo.data(), F); else w.zeros<Scalar>(F);
   if (st.m.size() != 0) w.scalars(st.m.data(), F);
+  if (st.log_decay.size() != 0) w.scalars(st.log_decay.data(), st.log_decay.size());
+}
+
+// The log-decay entries of a state to save (0, 1 or F; 0 with running maxima), or
+// std::invalid_argument.
+template <class Scalar>
+Index decay_entries(const char* fn, const LinearAttentionState<Scalar>& st) {
+  const Index L = st.log_decay.size(), F = st.S.rows();
+  if (L != 0 && L != 1 && L != F)
+    throw_invalid(fn, "the state's log-decay has " + std::to_string(L) +
+                          " entries, not 0, 1 or F = " + std::to_string(F));
+  if (L != 0 && st.m.size() != 0)
+    throw_invalid(fn, "a state with running maxima (SoftmaxSplit) has no log-decay, this one "
+                      "has " + std::to_string(L) + " entries");
+  return L;
 }
 
 // A recurrent object's shapes against a header's, as runtime_error naming both.
@@ -504,16 +545,19 @@ inline void check_object_shape(const char* fn, const Header& hd, const char* obj
 
 /// \brief Writes `state` to `os` in linattn's binary state format (kind 1; layout in
 /// state_io.hpp and docs/SPEC.md §8), bit for bit: the high parts \f$S, z\f$, the compensated
-/// low parts \f$S_{lo}, z_{lo}\f$ (zeros when empty) and, for SoftmaxSplit, the running maxima
-/// \f$m\f$ (including \f$-\infty\f$ for features before any key). load_state() gives back a
-/// state equal to it in every bit.
+/// low parts \f$S_{lo}, z_{lo}\f$ (zeros when empty), for SoftmaxSplit the running maxima
+/// \f$m\f$ (including \f$-\infty\f$ for features before any key), and for a decayed state its
+/// total log-decay LinearAttentionState::log_decay (L = 0, 1 or F entries). load_state() gives
+/// back a state equal to it in every bit.
 ///
-/// The file is \f$64 + 16 + s\,(2FM + 2F\,[+F])\f$ bytes for s-byte scalars; it records F, M
-/// and the presence of maxima, not the feature map: load it only for the map that made it.
+/// The file (format version 2) is \f$72 + 16 + s\,(2FM + 2F\,[+F] + L)\f$ bytes for s-byte
+/// scalars; it records F, M, L and the presence of maxima, not the feature map: load it only
+/// for the map that made it.
 /// Open files in binary mode (`std::ios::binary`). The stream is flushed; its state is
 /// checked after every write, whatever its exception mask.
 /// \throws std::invalid_argument if the state's parts disagree in shape (z not F entries, a
-/// low part neither empty nor of its high part's shape, m neither empty nor F entries).
+/// low part neither empty nor of its high part's shape, m neither empty nor F entries), or
+/// its log_decay has neither 0, 1 nor F entries, or it has both maxima and a log-decay.
 /// \throws std::runtime_error naming the cause if the stream was not writable or a write
 /// failed (the stream then holds part of a record).
 /// \code
@@ -536,14 +580,18 @@ void save_state(std::ostream& os, const LinearAttentionState<Scalar>& state) {
                                   std::to_string(state.m.size()) + ", S_lo is " +
                                   detail::shape_of(state.S_lo) + ", z_lo has " +
                                   std::to_string(state.z_lo.size()));
+  const Index decay = detail::io::decay_entries(fn, state);
   detail::io::Writer w(os, fn);
-  detail::io::write_header<Scalar>(w, detail::io::kKindState, state.m.size() != 0, 1, 0, F, M);
+  detail::io::write_header<Scalar>(w, detail::io::kKindState, state.m.size() != 0, 1, 0, F, M,
+                                   decay);
   detail::io::write_head(w, state, 0, 0);
   w.finish();
 }
 
-/// \brief Reads a state that save_state() wrote: \f$S, S_{lo}, z, z_{lo}\f$ (and \f$m\f$) with
-/// the saved bits; the low parts are always sized (zeros if the saved state's were empty).
+/// \brief Reads a state that save_state() wrote: \f$S, S_{lo}, z, z_{lo}\f$ (and \f$m\f$,
+/// `log_decay`) with the saved bits; the low parts are always sized (zeros if the saved
+/// state's were empty). Files of format version 1 (written before decayed states existed)
+/// load exactly as before, with an empty `log_decay`.
 ///
 /// Reads exactly one record, leaving the stream just after it (records may follow each
 /// other in one stream). Allocates nothing beyond what the stream actually delivers (plus 1
@@ -553,7 +601,8 @@ void save_state(std::ostream& os, const LinearAttentionState<Scalar>& state) {
 /// \throws std::runtime_error `"linattn::load_state: ..."` naming the problem: the stream not
 /// readable; a truncated file ("truncated file: expected 16384 bytes of S, got 100"); a wrong
 /// magic number; an unsupported version; a corrupted header or payload (checksum mismatch); a
-/// wrong scalar type; a wrong kind (a recurrent object's file); invalid or absurd shapes. The
+/// wrong scalar type; a wrong kind (a recurrent object's file); invalid or absurd shapes
+/// (including a log-decay size other than 0, 1 or F, or one with running maxima). The
 /// stream's position is then unspecified.
 /// \code
 /// std::ifstream file("prompt.state", std::ios::binary);
@@ -578,7 +627,9 @@ LinearAttentionState<Scalar> load_state(std::istream& is) {
 /// Between folds (every \f$128\f$ tokens) \f$S = S_{hi} + S_{lo}\f$ holds the latest tokens in
 /// \f$S_{lo}\f$; saving state() instead would fold them, and the resumed decode would round
 /// differently from then on (equal only to rounding).
-/// \throws std::runtime_error if the stream was not writable or a write failed.
+/// \throws std::runtime_error if the stream was not writable or a write failed;
+/// std::invalid_argument if a state's log_decay (normally empty here: set_state() copies
+/// it) has neither 0, 1 nor F entries.
 /// \code
 /// linattn::RecurrentLinearAttention<linattn::EluPlusOne, float> rnn(64, 64);
 /// // ... rnn.step(q, k, v, out) for the prompt and some tokens ...
@@ -588,10 +639,11 @@ LinearAttentionState<Scalar> load_state(std::istream& is) {
 template <class FeatureMap, class Scalar>
 void save_state(std::ostream& os, const RecurrentLinearAttention<FeatureMap, Scalar>& rnn) {
   using Access = detail::RecurrentStateAccess;
+  const Index decay = detail::io::decay_entries("save_state", Access::state(rnn));
   detail::io::Writer w(os, "save_state");
   detail::io::write_header<Scalar>(w, detail::io::kKindRecurrent,
                                    normalizes_keys_per_feature_v<FeatureMap>, 1, rnn.key_dim(),
-                                   rnn.feature_dim(), rnn.value_dim());
+                                   rnn.feature_dim(), rnn.value_dim(), decay);
   detail::io::write_head(w, Access::state(rnn), rnn.position(), Access::unfolded(rnn));
   w.finish();
 }
@@ -631,7 +683,9 @@ void load_state(std::istream& is, RecurrentLinearAttention<FeatureMap, Scalar>& 
 /// \brief Writes the exact decoding position of every head of `rnn` (kind 3): one record per
 /// head as for save_state(os, RecurrentLinearAttention), so that load_state(is, rnn) resumes
 /// all heads bit-identically.
-/// \throws std::runtime_error if the stream was not writable or a write failed.
+/// \throws std::runtime_error if the stream was not writable or a write failed;
+/// std::invalid_argument if a state's log_decay (normally empty here: set_state() copies
+/// it) has neither 0, 1 nor F entries, or the heads' differ in size.
 /// \code
 /// linattn::MultiHeadRecurrentLinearAttention<linattn::SoftmaxSplit, double> rnn(8, 64, 64);
 /// // ... rnn.step(q, k, v, out) ...
@@ -641,11 +695,18 @@ void load_state(std::istream& is, RecurrentLinearAttention<FeatureMap, Scalar>& 
 template <class FeatureMap, class Scalar>
 void save_state(std::ostream& os, const MultiHeadRecurrentLinearAttention<FeatureMap, Scalar>& rnn) {
   using Access = detail::RecurrentStateAccess;
-  detail::io::Writer w(os, "save_state");
   const auto& first = rnn.head(0);
+  const Index decay = detail::io::decay_entries("save_state", Access::state(first));
+  for (Index h = 1; h < rnn.heads(); ++h)
+    if (detail::io::decay_entries("save_state", Access::state(rnn.head(h))) != decay)
+      detail::throw_invalid("save_state", "the heads' log-decays differ in size: head 0 has " +
+                                              std::to_string(decay) + " entries, head " +
+                                              std::to_string(h) + " has " +
+                                              std::to_string(Access::state(rnn.head(h)).log_decay.size()));
+  detail::io::Writer w(os, "save_state");
   detail::io::write_header<Scalar>(w, detail::io::kKindMultiHead,
                                    normalizes_keys_per_feature_v<FeatureMap>, rnn.heads(),
-                                   first.key_dim(), first.feature_dim(), first.value_dim());
+                                   first.key_dim(), first.feature_dim(), first.value_dim(), decay);
   for (Index h = 0; h < rnn.heads(); ++h)
     detail::io::write_head(w, Access::state(rnn.head(h)), rnn.head(h).position(),
                            Access::unfolded(rnn.head(h)));

@@ -1,8 +1,9 @@
 // libFuzzer target of the state loader (state_io.hpp): arbitrary bytes go to load_state for
 // float and double states and into recurrent and multi-head recurrent objects, through a
 // seekable and a non-seekable stream. Any exception but std::runtime_error is a bug, and so
-// is a load that succeeds and does not save back to exactly the bytes it consumed, or one
-// that fails and changes the object. ASan and UBSan catch the rest.
+// is a load that succeeds and does not save back to exactly the bytes it consumed (for a
+// record of the old format version 1: to its version-2 form), or one that fails and changes
+// the object. ASan and UBSan catch the rest.
 #include <linattn/linattn.hpp>
 
 #include <cstddef>
@@ -33,6 +34,19 @@ class OneWayBuf : public std::streambuf {
   }
 };
 
+// The version-2 form of the version-1 record `v1` (no log-decay): an 8-byte log-decay field of
+// 0 inserted at 56, version 2, both CRCs recomputed. What saving a loaded version-1 record
+// writes.
+std::string upgraded(const std::string& v1) {
+  if (v1.size() < 64) return std::string();
+  std::string f = v1.substr(0, 56) + std::string(12, '\0') + v1.substr(60);
+  auto* b = reinterpret_cast<unsigned char*>(&f[0]);
+  linattn::detail::io::put_le(b + 8, std::uint32_t(2));
+  linattn::detail::io::put_le(b + 64, linattn::detail::io::crc32(b, 64));
+  linattn::detail::io::put_le(b + f.size() - 4, linattn::detail::io::crc32(b, f.size() - 4));
+  return f;
+}
+
 template <class T>
 std::string saved(const T& x) {
   std::ostringstream os(std::ios::binary);
@@ -61,8 +75,17 @@ void check(std::string& bytes, Load&& load, Resave&& resave, Unchanged&& unchang
       bug("a non-standard exception");
     }
     const std::string again = resave();
-    if (again.size() > bytes.size() || bytes.compare(0, again.size(), again) != 0)
+    const bool version1 =
+        bytes.size() >= 12 &&
+        linattn::detail::io::get_le<std::uint32_t>(
+            reinterpret_cast<const unsigned char*>(bytes.data()) + 8) == 1;
+    if (version1) {
+      if (again.size() < 8 || again.size() - 8 > bytes.size() ||
+          upgraded(bytes.substr(0, again.size() - 8)) != again)
+        bug("a loaded version-1 record does not save back to its version-2 form");
+    } else if (again.size() > bytes.size() || bytes.compare(0, again.size(), again) != 0) {
       bug("a loaded record does not save back to the bytes it came from");
+    }
   }
 }
 

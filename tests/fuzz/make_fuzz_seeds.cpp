@@ -1,14 +1,17 @@
 // Writes the seed corpus of fuzz_load_state into the directory given: one valid file of each
-// kind and scalar type, in the shapes the fuzz target's objects have, so that the fuzzer
+// kind and scalar type, in the shapes the fuzz target's objects have, decayed states (a scalar
+// and a per-feature log-decay) and files of the old format version 1, so that the fuzzer
 // starts from inputs that pass the checksums and mutates from there.
 #include <linattn/linattn.hpp>
 
 #include <Eigen/Core>
 
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <ios>
+#include <sstream>
 #include <string>
 #include <system_error>
 
@@ -18,6 +21,24 @@ template <class T>
 bool write(const std::string& dir, const char* name, const T& x) {
   std::ofstream out(dir + "/" + name, std::ios::binary);
   linattn::save_state(out, x);
+  return static_cast<bool>(out);
+}
+
+// The same record in format version 1 (linattn before decayed states; no log-decay): the
+// version-2 file without its log-decay field (bytes 56-63, which must be 0), version 1, both
+// CRCs recomputed.
+template <class T>
+bool write_version1(const std::string& dir, const char* name, const T& x) {
+  std::ostringstream os(std::ios::binary);
+  linattn::save_state(os, x);
+  std::string f = os.str();
+  f = f.substr(0, 56) + f.substr(64);
+  auto* b = reinterpret_cast<unsigned char*>(&f[0]);
+  linattn::detail::io::put_le(b + 8, std::uint32_t(1));
+  linattn::detail::io::put_le(b + 56, linattn::detail::io::crc32(b, 56));
+  linattn::detail::io::put_le(b + f.size() - 4, linattn::detail::io::crc32(b, f.size() - 4));
+  std::ofstream out(dir + "/" + name, std::ios::binary);
+  out.write(f.data(), static_cast<std::streamsize>(f.size()));
   return static_cast<bool>(out);
 }
 
@@ -46,9 +67,23 @@ int main(int argc, char** argv) {
   ok &= write(dir, "state_double", linattn::summarize(K.cast<double>().eval(),
                                                       V.cast<double>().eval()));
   ok &= write(dir, "state_empty", linattn::LinearAttentionState<float>{});
+  // Decayed states (gated_linear_attention): per-feature gates in float, a scalar in double.
+  linattn::LinearAttentionState<float> gated(3, 2);
+  gated.S.setConstant(0.5f);
+  gated.z.setConstant(1.5f);
+  gated.log_decay = Eigen::VectorXf::LinSpaced(3, -2.0f, -0.125f);
+  ok &= write(dir, "state_gated_float", gated);
+  linattn::LinearAttentionState<double> decayed(2, 3);
+  decayed.S.setConstant(-0.25);
+  decayed.z.setConstant(2.0);
+  decayed.log_decay = Eigen::VectorXd::Constant(1, -0.75);
+  ok &= write(dir, "state_decayed_double", decayed);
+  ok &= write_version1(dir, "state_double_v1", linattn::summarize(K.cast<double>().eval(),
+                                                                  V.cast<double>().eval()));
   linattn::MultiHeadRecurrentLinearAttention<linattn::EluPlusOne, float> rf(1, 3, 2);
   steps<float>(rf, 5, 3, 2);
   ok &= write(dir, "recurrent_float", rf.head(0));
+  ok &= write_version1(dir, "recurrent_float_v1", rf.head(0));
   linattn::MultiHeadRecurrentLinearAttention<linattn::SoftmaxSplit, double> rd(1, 2, 3);
   steps<double>(rd, 7, 2, 3);
   ok &= write(dir, "recurrent_double", rd.head(0));
