@@ -1,6 +1,6 @@
 // Conformance of feature maps to the FeatureMap concept (feature_map.hpp) and to spec §2: a
-// typed suite that every map (the three built-in ones and two user-defined ones) must pass, in
-// float and double, plus exact per-map checks.
+// typed suite that every map (the built-in ones, L2Normalize over two inner maps, and two
+// user-defined ones) must pass, in float and double, plus exact per-map checks.
 #include <linattn/linattn.hpp>
 
 #include <gtest/gtest.h>
@@ -116,10 +116,36 @@ static_assert(linattn::has_backward_v<linattn::EluPlusOne, float>);
 static_assert(linattn::normalizes_keys_per_feature_v<linattn::SoftmaxSplit>);
 static_assert(!linattn::normalizes_keys_per_feature_v<linattn::EluPlusOne>);
 static_assert(!linattn::normalizes_keys_per_feature_v<Relu>);
+static_assert(linattn::is_feature_map_v<linattn::Identity, float>);
+static_assert(linattn::is_feature_map_v<linattn::Silu, double>);
+static_assert(linattn::is_feature_map_v<linattn::L2Normalize<>, float>);
+static_assert(linattn::is_feature_map_v<linattn::L2Normalize<linattn::Silu>, double>);
+static_assert(linattn::has_backward_v<linattn::Identity, float>);
+static_assert(linattn::has_backward_v<linattn::Silu, float>);
+static_assert(linattn::has_backward_v<linattn::L2Normalize<>, double>);
+static_assert(linattn::has_backward_v<linattn::L2Normalize<linattn::Silu>, float>);
+static_assert(std::is_same_v<linattn::L2Normalize<>, linattn::L2Normalize<linattn::Identity>>);
+// Silu and Identity are elementwise (mapped token-major by the kernels), L2Normalize is not;
+// none of them has non-negative features, except L2Normalize over a map that has.
+static_assert(linattn::detail::declares_elementwise<linattn::Silu>::value);
+static_assert(linattn::detail::declares_elementwise<linattn::Identity>::value);
+static_assert(!linattn::detail::declares_elementwise<linattn::L2Normalize<linattn::Silu>>::value);
+static_assert(linattn::detail::may_cancel_v<linattn::Silu>);
+static_assert(linattn::detail::may_cancel_v<linattn::L2Normalize<linattn::Silu>>);
+static_assert(!linattn::detail::may_cancel_v<linattn::L2Normalize<linattn::EluPlusOne>>);
 
 // ---------------------------------------------------------------------------------------------
 // What the typed suite knows about each map.
 // ---------------------------------------------------------------------------------------------
+
+// What a map promises about signs, checked by FeatureAndSimilarityBounds and used by
+// LinearAttentionMatchesTheDoubleReference to tell which denominators may cancel:
+//  - NonNegative: every similarity φ(x)·φ(y) >= 0 (and every feature > 0 if strictly_positive);
+//  - UnitRows:    every nonzero feature row is a unit vector, so sim = cos ∈ [-1, 1];
+//  - Signed:      features of both signs, each >= lowest_feature (no bound on sim).
+// Denominators of UnitRows and Signed maps cancel: they are compared with the reference on the
+// rows where they are well conditioned only (see LinearAttentionMatchesTheDoubleReference).
+enum class Similarity { NonNegative, UnitRows, Signed };
 
 template <class Map>
 struct MapInfo;
@@ -131,6 +157,7 @@ struct MapInfo<linattn::EluPlusOne> {
   static Index expected_F(Index D) { return D; }
   static constexpr bool strictly_positive = true;
   static constexpr bool has_backward = true;
+  static constexpr Similarity similarity = Similarity::NonNegative;
 };
 template <>
 struct MapInfo<linattn::SoftmaxSplit> {
@@ -139,6 +166,7 @@ struct MapInfo<linattn::SoftmaxSplit> {
   static Index expected_F(Index D) { return D; }
   static constexpr bool strictly_positive = true;
   static constexpr bool has_backward = true;
+  static constexpr Similarity similarity = Similarity::NonNegative;
 };
 template <>
 struct MapInfo<linattn::NormalizedCosine> {
@@ -147,6 +175,7 @@ struct MapInfo<linattn::NormalizedCosine> {
   static Index expected_F(Index D) { return D + 1; }
   static constexpr bool strictly_positive = false;
   static constexpr bool has_backward = true;
+  static constexpr Similarity similarity = Similarity::NonNegative;
 };
 template <>
 struct MapInfo<Relu> {
@@ -155,6 +184,7 @@ struct MapInfo<Relu> {
   static Index expected_F(Index D) { return D; }
   static constexpr bool strictly_positive = false;
   static constexpr bool has_backward = false;
+  static constexpr Similarity similarity = Similarity::NonNegative;
 };
 template <>
 struct MapInfo<ExpRandomFeatures> {
@@ -163,6 +193,47 @@ struct MapInfo<ExpRandomFeatures> {
   static Index expected_F(Index D) { return 2 * D; }
   static constexpr bool strictly_positive = true;
   static constexpr bool has_backward = true;
+  static constexpr Similarity similarity = Similarity::NonNegative;
+};
+
+template <>
+struct MapInfo<linattn::Identity> {
+  static constexpr const char* name = "Identity";
+  static linattn::Identity make(Index) { return {}; }
+  static Index expected_F(Index D) { return D; }
+  static constexpr bool strictly_positive = false;
+  static constexpr bool has_backward = true;
+  static constexpr Similarity similarity = Similarity::Signed;
+  static constexpr double lowest_feature = -std::numeric_limits<double>::infinity();
+};
+template <>
+struct MapInfo<linattn::Silu> {
+  static constexpr const char* name = "Silu";
+  static linattn::Silu make(Index) { return {}; }
+  static Index expected_F(Index D) { return D; }
+  static constexpr bool strictly_positive = false;
+  static constexpr bool has_backward = true;
+  static constexpr Similarity similarity = Similarity::Signed;
+  // min_x x·σ(x), at x = -1.27846 (the root of 1 + x(1 − σ(x))), rounded down.
+  static constexpr double lowest_feature = -0.2784645428;
+};
+template <>
+struct MapInfo<linattn::L2Normalize<linattn::Identity>> {
+  static constexpr const char* name = "L2NormalizeIdentity";
+  static linattn::L2Normalize<linattn::Identity> make(Index) { return {}; }
+  static Index expected_F(Index D) { return D; }
+  static constexpr bool strictly_positive = false;
+  static constexpr bool has_backward = true;
+  static constexpr Similarity similarity = Similarity::UnitRows;
+};
+template <>
+struct MapInfo<linattn::L2Normalize<linattn::Silu>> {
+  static constexpr const char* name = "L2NormalizeSilu";
+  static linattn::L2Normalize<linattn::Silu> make(Index) { return {}; }
+  static Index expected_F(Index D) { return D; }
+  static constexpr bool strictly_positive = false;
+  static constexpr bool has_backward = true;
+  static constexpr Similarity similarity = Similarity::UnitRows;
 };
 
 template <class MapT, class ScalarT>
@@ -183,7 +254,11 @@ using CaseScalar = double;
 using MapCases = ::testing::Types<MapCase<linattn::EluPlusOne, CaseScalar>,
                                   MapCase<linattn::SoftmaxSplit, CaseScalar>,
                                   MapCase<linattn::NormalizedCosine, CaseScalar>,
-                                  MapCase<Relu, CaseScalar>, MapCase<ExpRandomFeatures, CaseScalar>>;
+                                  MapCase<Relu, CaseScalar>, MapCase<ExpRandomFeatures, CaseScalar>,
+                                  MapCase<linattn::Identity, CaseScalar>,
+                                  MapCase<linattn::Silu, CaseScalar>,
+                                  MapCase<linattn::L2Normalize<linattn::Identity>, CaseScalar>,
+                                  MapCase<linattn::L2Normalize<linattn::Silu>, CaseScalar>>;
 
 struct MapCaseNames {
   template <class C>
@@ -351,21 +426,34 @@ TYPED_TEST(FeatureMapConformance, FiniteForInputsOfMagnitude100) {
   }
 }
 
-TYPED_TEST(FeatureMapConformance, FeaturesOrSimilaritiesArePositive) {
+TYPED_TEST(FeatureMapConformance, FeatureAndSimilarityBounds) {
   // EluPlusOne, SoftmaxSplit and the exp map promise strictly positive features; Relu and
   // NormalizedCosine only non-negative similarities φ(x)·φ(y) (NormalizedCosine's features
-  // can be negative, sim = 1 + cos ≥ 0).
+  // can be negative, sim = 1 + cos ≥ 0). L2Normalize promises unit rows (sim = cos ∈ [-1, 1]);
+  // Identity and Silu features of both signs, bounded below (Silu by min x·σ(x)).
   using S = typename TestFixture::S;
   using Info = typename TestFixture::Info;
   for (const Index D : {1, 5, 64}) {
     const auto map = Info::make(D);
     const Mat<S> x = test::random_matrix<S>(300, D, test::seed_of({D, 5}), -5, 5);
     const Mat<S> phi = TestFixture::apply(map, x);
-    if (Info::strictly_positive) {
-      EXPECT_GT(phi.minCoeff(), S(0)) << "D=" << D;
-    }
     const Mat<S> sim = phi * phi.transpose();
-    EXPECT_GE(sim.minCoeff(), -S(4) * std::numeric_limits<S>::epsilon()) << "D=" << D;
+    if constexpr (Info::similarity == Similarity::NonNegative) {
+      if (Info::strictly_positive) {
+        EXPECT_GT(phi.minCoeff(), S(0)) << "D=" << D;
+      }
+      EXPECT_GE(sim.minCoeff(), -S(4) * std::numeric_limits<S>::epsilon()) << "D=" << D;
+    } else if constexpr (Info::similarity == Similarity::UnitRows) {
+      // No zero row among these inputs: every row has norm 1 to a few ulps, and so
+      // sim(x, x) = 1 and |sim| <= 1.
+      const double tol = 4 * std::sqrt(double(D)) * std::numeric_limits<S>::epsilon();
+      EXPECT_LE(test::max_abs_diff(phi.rowwise().norm(), Mat<S>::Ones(x.rows(), 1)), tol)
+          << "D=" << D;
+      EXPECT_LE(test::max_abs(sim), 1 + tol) << "D=" << D;
+    } else {
+      EXPECT_GE(double(phi.minCoeff()), Info::lowest_feature) << "D=" << D;
+      EXPECT_LT(phi.minCoeff(), S(0)) << "D=" << D << ": features of both signs expected";
+    }
   }
 }
 
@@ -373,7 +461,7 @@ TYPED_TEST(FeatureMapConformance, LinearAttentionMatchesTheDoubleReference) {
   using S = typename TestFixture::S;
   using Info = typename TestFixture::Info;
   double worst = 0;
-  Index skipped = 0;
+  Index skipped = 0, compared = 0;
   for (const test::Shape& sh : test::shapes()) {
     const auto map = Info::make(sh.D);
     const Mat<S> Q = test::random_matrix<S>(sh.N, sh.D, test::seed_of({sh.N, sh.L, sh.D, 11}));
@@ -385,24 +473,54 @@ TYPED_TEST(FeatureMapConformance, LinearAttentionMatchesTheDoubleReference) {
     const MatD expected =
         ref::linear_attention(Q.template cast<double>(), K.template cast<double>(),
                               V.template cast<double>(), map, &den);
-    // Rows whose denominator is (near) 0 are degenerate: Relu has φ(q) = 0 when q ≤ 0, and
-    // NormalizedCosine has sim = 0 for every key exactly opposite to q (with D = 1: every key
-    // of the other sign). NormalizedCosine's features can be negative, so φ(q)ᵀz cancels and
-    // carries a rounding error of about ε·L: its rows are compared when den ≥ 5% of L.
-    const double min_den =
-        std::is_same_v<typename TestFixture::Map, linattn::NormalizedCosine> ? 0.05 * double(sh.L)
-                                                                            : 1e-3;
-    const auto rc =
-        test::compare_well_conditioned_rows(out, expected, den, min_den, test::max_abs(V));
-    EXPECT_LE(rc.max_err, test::tolerance<S>(test::max_abs(V))) << sh;
-    if (Info::strictly_positive) {
-      EXPECT_EQ(rc.skipped, 0) << sh << ": unexpected degenerate rows";
+    if constexpr (Info::similarity == Similarity::NonNegative) {
+      // Rows whose denominator is (near) 0 are degenerate: Relu has φ(q) = 0 when q ≤ 0, and
+      // NormalizedCosine has sim = 0 for every key exactly opposite to q (with D = 1: every key
+      // of the other sign). NormalizedCosine's features can be negative, so φ(q)ᵀz cancels and
+      // carries a rounding error of about ε·L: its rows are compared when den ≥ 5% of L.
+      const double min_den =
+          std::is_same_v<typename TestFixture::Map, linattn::NormalizedCosine> ? 0.05 * double(sh.L)
+                                                                              : 1e-3;
+      const auto rc =
+          test::compare_well_conditioned_rows(out, expected, den, min_den, test::max_abs(V));
+      EXPECT_LE(rc.max_err, test::tolerance<S>(test::max_abs(V))) << sh;
+      if (Info::strictly_positive) {
+        EXPECT_EQ(rc.skipped, 0) << sh << ": unexpected degenerate rows";
+      }
+      worst = std::max(worst, rc.max_err);
+      skipped += rc.skipped;
+      compared += rc.compared;
+    } else {
+      // Similarities of both signs: den = Σ_j sim_ij cancels, and the output, no longer a
+      // convex combination of value rows, carries a rounding error of about ε·Σ_j |sim_ij| / den
+      // relative to its magnitude. A row is compared when that condition number is at most 20
+      // (den ≥ 5% of Σ_j |sim_ij|), against a tolerance relative to max(|V|, |out_i|); the
+      // others (which the kernels may also zero as rounding noise) must be finite.
+      const MatD PQ = ref::features_row_by_row(Q.template cast<double>(), map);
+      const MatD PK = ref::features_row_by_row(K.template cast<double>(), map);
+      const Eigen::VectorXd abs_den = (PQ * PK.transpose()).cwiseAbs().rowwise().sum();
+      for (Index i = 0; i < sh.N; ++i) {
+        if (den(i) > 0 && den(i) >= 0.05 * abs_den(i)) {
+          ++compared;
+          const double err = test::max_abs_diff(out.row(i), expected.row(i));
+          const double scale = std::max(test::max_abs(V), test::max_abs(expected.row(i)));
+          EXPECT_LE(err, test::tolerance<S>(scale)) << sh << " row " << i;
+          worst = std::max(worst, err / std::max(1.0, scale));
+        } else {
+          ++skipped;
+          EXPECT_TRUE(test::all_finite(out.row(i))) << sh << " row " << i;
+        }
+      }
     }
-    worst = std::max(worst, rc.max_err);
-    skipped += rc.skipped;
   }
-  std::cout << "[ info     ] " << Info::name << ": " << skipped
-            << " degenerate rows (tiny denominator) checked for finiteness only\n";
+  std::cout << "[ info     ] " << Info::name << ": " << compared << " rows compared, " << skipped
+            << " degenerate rows (tiny or cancelling denominator) checked for finiteness only\n";
+  if constexpr (Info::similarity != Similarity::NonNegative) {
+    // With inputs symmetric about 0, |den| ~ √L·|sim| against Σ_j |sim_ij| ~ L·|sim|: about a
+    // third of the rows are compared for Identity and L2Normalize<Identity> (float: 1161 and
+    // 1096 of 3286), two thirds for the Silu maps.
+    EXPECT_GE(4 * compared, compared + skipped) << Info::name;
+  }
   test::report_error(std::string("linear_attention/") + Info::name + "/" +
                          test::scalar_name<S>() + "/shape_list",
                      worst);
