@@ -32,3 +32,5 @@
 #include "softmax_attention.hpp"
 #include "softmax_attention_backward.hpp"
 #include "attention_layer.hpp"
+#include "gated_attention.hpp"
+#include "gated_attention_backward.hpp"

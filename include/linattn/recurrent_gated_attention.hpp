@@ -68,6 +68,9 @@ class RecurrentGatedAttention {
     k_.resize(1, key_dim);
     pq_.resize(1, F);
     pk_.resize(1, F);
+    qv_.resize(key_dim);
+    kv_.resize(key_dim);
+    pqv_.resize(F);
     pkv_.resize(F);
     w_.resize(F);
     alpha_.resize(F);
@@ -99,17 +102,28 @@ class RecurrentGatedAttention {
                                     " entries");
     detail::check_token(fn, "out", out, value_dim_);
     const bool per_feature = log_gate.size() > 1;
-    q_.row(0) = q.reshaped().transpose();
-    k_.row(0) = k.reshaped().transpose();
-    phi_.map(q_, pq_);
-    phi_.map(k_, pk_);
-    pkv_ = pk_.reshaped();
+    if constexpr (detail::declares_elementwise<Phi>::value) {
+      // An elementwise map takes the token as a contiguous column: no 1-row matrix, whose
+      // run-time strides Eigen copies one scalar at a time.
+      qv_ = q.reshaped();
+      kv_ = k.reshaped();
+      using ColMap = Eigen::Map<Matrix<Scalar>>;
+      phi_.map(ColMap(qv_.data(), key_dim_, 1), ColMap(pqv_.data(), F, 1));
+      phi_.map(ColMap(kv_.data(), key_dim_, 1), ColMap(pkv_.data(), F, 1));
+    } else {
+      q_.row(0) = q.reshaped().transpose();
+      k_.row(0) = k.reshaped().transpose();
+      phi_.map(q_, pq_);
+      phi_.map(k_, pk_);
+      pqv_ = pq_.reshaped();
+      pkv_ = pk_.reshaped();
+    }
     v_ = v.reshaped();
     const Index gw = log_gate.size();
     alpha_.head(gw) = log_gate.reshaped();
     detail::exp_nonpositive_inplace(alpha_.head(gw).array());
     const detail::GatedConfig<Scalar> cfg = detail::gated_config<Scalar>(options_, gw);
-    detail::gated_token_weights(pq_.data(), pkv_.data(), alpha_.data(), per_feature, F, cfg,
+    detail::gated_token_weights(pqv_.data(), pkv_.data(), alpha_.data(), per_feature, F, cfg,
                                 state_.z.data(), w_.data());
     detail::gated_update_read(state_.S.data(), state_.S.outerStride(), F, value_dim_,
                               alpha_.data(), per_feature, pkv_.data(), w_.data(), v_.data(),
@@ -171,7 +185,7 @@ class RecurrentGatedAttention {
   Index position_ = 0;
   State state_;
   Matrix<Scalar> q_, k_, pq_, pk_;
-  Vector<Scalar> pkv_, w_, alpha_, v_, o_;
+  Vector<Scalar> qv_, kv_, pqv_, pkv_, w_, alpha_, v_, o_;
 };
 
 }  // namespace linattn

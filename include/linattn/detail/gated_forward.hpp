@@ -393,7 +393,8 @@ void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   auto at = ws.matrix(kSlotBackwardA, gw, b);  // column i: token i's gates
   copy_to_row_major(G.middleRows(r0, b), at.data());
   auto total = ws.vector(kSlotNormalizer, gw);
-  total = at.rowwise().sum();
+  total.setZero();  // column by column: Eigen's rowwise().sum() of a column-major block is a strided reduction
+  for (Index i = 0; i < b; ++i) total += at.col(i);
   exp_nonpositive_inplace(at.array());
   Scalar* vb = ws.matrix(kSlotScores, b, M).data();
   Scalar* ob = ws.matrix(kSlotPrefix, b, M).data();
@@ -450,11 +451,18 @@ void gated_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& 
       gated_chunk_scalar(phi, Q, K, V, G, r0, b, st, dst, ws, cfg);
   }
   if (N > 0) {
-    if (cfg.per_feature || st.log_decay.size() == 1) {
-      for (Index j = 0; j < G.cols(); ++j) st.log_decay(j) += G.col(j).sum();
+    // Column sums in the gates' storage order (a column of a row-major block is strided).
+    auto sums = ws.vector(kSlotNormalizer, G.cols());
+    sums.setZero();
+    if constexpr (bool(std::decay_t<DG>::IsRowMajor)) {
+      for (Index i = 0; i < N; ++i) sums += G.row(i).transpose();
     } else {
-      st.log_decay.array() += G.col(0).sum();  // a scalar decay on a per-feature record
+      for (Index j = 0; j < G.cols(); ++j) sums(j) = G.col(j).sum();
     }
+    if (cfg.per_feature || st.log_decay.size() == 1)
+      st.log_decay += sums;
+    else
+      st.log_decay.array() += sums(0);  // a scalar decay on a per-feature record
   }
   (void)F;
 }
@@ -469,6 +477,20 @@ void check_log_gates(const char* function, const Eigen::MatrixBase<DG>& G, Index
                                 shape_string(N, narrow) + " or " + shape_string(N, wide) + " (" +
                                 what + ")" + shapes);
   using S = typename DG::Scalar;
+  // One pass in storage order with a branch-free test (an O(N·F) check before O(N·F·M) work);
+  // the search for the entry to name only on failure. x - x is 0 for finite x only.
+  const Index outer = DG::IsRowMajor ? G.rows() : G.cols();
+  const Index inner = DG::IsRowMajor ? G.cols() : G.rows();
+  bool ok = true;
+  for (Index o = 0; o < outer && ok; ++o) {
+    int bad = 0;
+    for (Index i = 0; i < inner; ++i) {
+      const S x = DG::IsRowMajor ? G.coeff(o, i) : G.coeff(i, o);
+      bad |= int(!(x <= S(0))) | int(!(x - x == S(0)));
+    }
+    ok = bad == 0;
+  }
+  if (ok) return;
   for (Index j = 0; j < G.cols(); ++j)
     for (Index i = 0; i < G.rows(); ++i) {
       const S x = G(i, j);
