@@ -64,6 +64,7 @@ class RecurrentGatedAttention {
     detail::check_feature_map("RecurrentGatedAttention", phi_, key_dim);
     const Index F = phi_.feature_dim(key_dim);
     state_ = State(F, value_dim);
+    state_.log_decay.setZero(F);
     q_.resize(1, key_dim);
     k_.resize(1, key_dim);
     pq_.resize(1, F);
@@ -129,12 +130,9 @@ class RecurrentGatedAttention {
                               alpha_.data(), per_feature, pkv_.data(), w_.data(), v_.data(),
                               o_.data());
     detail::writable(out).reshaped() = o_;
-    if (state_.log_decay.size() != gw && !(state_.log_decay.size() == F && gw == 1)) {
-      // First gate of this width (or a scalar record meeting per-feature gates): resize once.
-      const Scalar keep = state_.log_decay.size() == 1 ? state_.log_decay(0) : Scalar(0);
-      state_.log_decay.setConstant(gw, keep);
-    }
-    if (gw == state_.log_decay.size())
+    // log_decay keeps F entries (a scalar decay adds to each): sized once, so that no step
+    // allocates; combine() reads F equal entries as the scalar decay they are.
+    if (gw == F)
       state_.log_decay += log_gate.reshaped();
     else
       state_.log_decay.array() += log_gate.reshaped()(0);
@@ -144,11 +142,11 @@ class RecurrentGatedAttention {
   /// Back to the empty sequence.
   void reset() {
     state_.reset();
-    state_.log_decay.resize(0);
     position_ = 0;
   }
 
-  /// The current state (S, z; low parts zero; log_decay the sum of the log gates seen).
+  /// The current state (S, z; low parts zero; log_decay the F per-feature sums of the log gates
+  /// seen, a scalar decay counting for every feature).
   const State& state() const noexcept { return state_; }
 
   /// Continues from `state` (for example the one a gated_linear_attention() prefill left): its
@@ -162,6 +160,10 @@ class RecurrentGatedAttention {
       detail::throw_invalid(fn, "the state's log_decay has " +
                                     std::to_string(copy.log_decay.size()) +
                                     " entries but must have 0, 1 or F = " + std::to_string(F));
+    if (copy.log_decay.size() != F) {  // none (0) or a scalar decay's total: F entries
+      const Scalar total = copy.log_decay.size() == 1 ? copy.log_decay(0) : Scalar(0);
+      copy.log_decay.setConstant(F, total);
+    }
     copy.S += copy.S_lo;
     copy.z += copy.z_lo;
     copy.S_lo.setZero();
@@ -179,6 +181,10 @@ class RecurrentGatedAttention {
   const GatedOptions& options() const noexcept { return options_; }
 
  private:
+  // save_state() / load_state() (state_io.hpp) restore the state's bits and position() as
+  // saved; set_state() would add the (zero) low parts, turning a -0 of S into +0.
+  friend struct detail::RecurrentStateAccess;
+
   Phi phi_;
   GatedOptions options_;
   Index key_dim_, value_dim_;

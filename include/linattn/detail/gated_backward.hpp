@@ -30,8 +30,10 @@ void token_major_to_rows(const Src& t, Dst& rows) {
 #pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
 #endif
 // The forward sweep's token (row-major state S, F x M, leading dimension ld), one pass:
-//   S(d, :) <- a_d S(d, :) + pk(d) v,   o += w(d) S(d, :) (when w is not null),
-//   t(d) = S(d, :) · g,
+//   t(d) = a_d S(d, :) · g,   S(d, :) <- a_d S(d, :) + pk(d) v,   o += w(d) S(d, :) (when w is
+//   not null);
+// t excludes the token's own term pk(d) (v·g), which the caller adds: the log gates' gradient
+// needs the sum without it (see gated_backward_recurrent).
 // a_d = alpha[d] (per-feature) or alpha[0]. Four packets of columns at a time, the outputs and
 // the dot products' partial sums in registers.
 template <class Scalar>
@@ -55,17 +57,18 @@ void gated_update_read_dot(Scalar* S, Index ld, Index F, Index M, const Scalar* 
       for (Index d = 0; d < F; ++d) {
         Scalar* row = S + d * ld + c0;
         const Packet a = pset1<Packet>(alpha[d * as]), kd = pset1<Packet>(pk[d]);
-        Packet x[4];
+        Packet x[4], y[4];
         for (int c = 0; c < 4; ++c) {
-          x[c] = pmadd(a, ploadu<Packet>(row + c * P), pmul(kd, vv[c]));
+          y[c] = pmul(a, ploadu<Packet>(row + c * P));
+          x[c] = pmadd(kd, vv[c], y[c]);
           pstoreu(row + c * P, x[c]);
         }
         if (w != nullptr) {
           const Packet wd = pset1<Packet>(w[d]);
           for (int c = 0; c < 4; ++c) oo[c] = pmadd(wd, x[c], oo[c]);
         }
-        const Packet dot = padd(pmadd(x[0], gg[0], pmul(x[1], gg[1])),
-                                pmadd(x[2], gg[2], pmul(x[3], gg[3])));
+        const Packet dot = padd(pmadd(y[0], gg[0], pmul(y[1], gg[1])),
+                                pmadd(y[2], gg[2], pmul(y[3], gg[3])));
         t[d] += predux(dot);
       }
       if (w != nullptr)
@@ -76,16 +79,18 @@ void gated_update_read_dot(Scalar* S, Index ld, Index F, Index M, const Scalar* 
     Scalar acc = 0;
     for (Index d = 0; d < F; ++d) {
       Scalar& x = S[d * ld + c0];
-      x = alpha[d * as] * x + pk[d] * v[c0];
+      const Scalar y = alpha[d * as] * x;
+      x = pk[d] * v[c0] + y;
       if (w != nullptr) acc += w[d] * x;
-      t[d] += x * g[c0];
+      t[d] += y * g[c0];
     }
     if (w != nullptr) o[c0] = acc;
   }
 }
 
 // The backward sweep's token (row-major adjoint R, F x M), one pass:
-//   R(d, :) += q(d) g,   dk(d) = R(d, :) · v,   dv += k(d) R(d, :),   R(d, :) *= a_d.
+//   dk(d) = R(d, :) · v,   R(d, :) += q(d) g,   dv += k(d) R(d, :),   R(d, :) *= a_d;
+// dk excludes the token's own term q(d) (g·v), which the caller adds (as for t above).
 template <class Scalar>
 void gated_adjoint_step(Scalar* R, Index ld, Index F, Index M, const Scalar* alpha,
                         bool per_feature, const Scalar* q, const Scalar* g, const Scalar* v,
@@ -108,14 +113,15 @@ void gated_adjoint_step(Scalar* R, Index ld, Index F, Index M, const Scalar* alp
         Scalar* row = R + d * ld + c0;
         const Packet qd = pset1<Packet>(q[d]), kd = pset1<Packet>(k[d]),
                      a = pset1<Packet>(alpha[d * as]);
-        Packet x[4];
+        Packet x[4], y[4];
         for (int c = 0; c < 4; ++c) {
-          x[c] = pmadd(qd, gg[c], ploadu<Packet>(row + c * P));
+          y[c] = ploadu<Packet>(row + c * P);
+          x[c] = pmadd(qd, gg[c], y[c]);
           acc[c] = pmadd(kd, x[c], acc[c]);
           pstoreu(row + c * P, pmul(a, x[c]));
         }
-        const Packet dot = padd(pmadd(x[0], vv[0], pmul(x[1], vv[1])),
-                                pmadd(x[2], vv[2], pmul(x[3], vv[3])));
+        const Packet dot = padd(pmadd(y[0], vv[0], pmul(y[1], vv[1])),
+                                pmadd(y[2], vv[2], pmul(y[3], vv[3])));
         dk[d] += predux(dot);
       }
       for (int c = 0; c < 4; ++c) pstoreu(dv + c0 + c * P, acc[c]);
@@ -125,9 +131,9 @@ void gated_adjoint_step(Scalar* R, Index ld, Index F, Index M, const Scalar* alp
     Scalar acc = 0;
     for (Index d = 0; d < F; ++d) {
       Scalar& x = R[d * ld + c0];
+      dk[d] += x * v[c0];
       x += q[d] * g[c0];
       acc += k[d] * x;
-      dk[d] += x * v[c0];
       x *= alpha[d * as];
     }
     dv[c0] = acc;
@@ -145,7 +151,10 @@ void gated_adjoint_step(Scalar* R, Index ld, Index F, Index M, const Scalar* alp
 //             ∇φk_i = R_i v'_i,  ∇v_i = R_i[:, :M]ᵀ φk_i,  ∂L/∂S_0 = diag(α_1) R_1;
 //   gates:    ∂L/∂G_i = φq_i ∘ ∇φq_i − φk_i ∘ ∇φk_i (+ rowsum(∂L/∂S_N ∘ S_N) at i = N), with
 //             G the cumulative log gates, so ∂L/∂g_t = Σ_{i>=t} ∂L/∂G_i (summed over features
-//             for a scalar decay).
+//             for a scalar decay). Both products contain the pair j = i, φq_i ∘ φk_i (v'_i·g'_i),
+//             which cancels exactly; it is left out of both (the sweeps form ∇φq and ∇φk
+//             without it, then add it), so that with strong gates, where ∂L/∂G_i is e^{g}
+//             times smaller than that pair, the gradient is not rounding noise.
 // Working memory O(F·M + 128·(F + M)). For normalize = true, ĝ is kept in dV's rows and c in
 // dK's first column between the sweeps (each row is read before it is overwritten), and the
 // forward sweep's φq ∘ ∇φq waits in dlog_gates: no buffer grows with N.
@@ -195,13 +204,17 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
     copy_to_row_major(V.middleRows(r0, b), vb.data());
     copy_to_row_major(dOut.middleRows(r0, b), gb.data());
     auto dqt = ws.matrix(kSlotBackwardB, F, b);
+    auto qdx = ws.matrix(kSlotStateLow, F, b);  // φq ∘ ∇φq without the pair j = i
+    // Taken each block: map_backward_into below may grow kSlotKeys.
+    auto zx = ws.vector(kSlotKeys, F);
     for (Index i = 0; i < b; ++i) {
       const Scalar* a = at.data() + i * gw;
       const CVecMap q(pqt.data() + i * F, F), k(pkt.data() + i * F, F);
       if (norm) {
         Scalar den = 0;
         for (Index d = 0; d < F; ++d) {
-          z(d) = a[pf ? d : 0] * z(d) + k(d);
+          zx(d) = a[pf ? d : 0] * z(d);  // the decayed z without the token
+          z(d) = zx(d) + k(d);
           den += q(d) * z(d);
         }
         const Scalar inv = guarded_inverse(den);
@@ -210,10 +223,12 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
         gated_update_read_dot(S.data(), S.outerStride(), F, M, a, pf, k.data(), w.data(),
                               vb.data() + i * M, gi.data(), o.data(), dq.data());
         // ĝ = g / d and c = -(g·out) / d (0 for a guarded row: its output is the constant 0);
-        // ∇φq = S ĝ + c z.
+        // ∇φq = S ĝ + c z, here first without the token's own term φk_i (v_i·ĝ_i + c).
         const Scalar c = -inv * gi.dot(o.head(M).transpose());
         gi *= inv;
-        dq = inv * dq + c * z;
+        dq = inv * dq + c * zx;
+        qdx.col(i) = q.cwiseProduct(dq);
+        dq += (vb.row(i).dot(gi) + c) * k;
         dV.row(r0 + i) = gi;
         dK(r0 + i, 0) = c;
       } else {
@@ -221,16 +236,18 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
                               static_cast<const Scalar*>(nullptr), vb.data() + i * M,
                               gb.data() + i * M, o.data(), dq.data());
         dq *= cfg.scale;
+        qdx.col(i) = q.cwiseProduct(dq);
+        dq += (cfg.scale * vb.row(i).dot(gb.row(i))) * k;
       }
       dqt.col(i) = dq;
     }
     // φq ∘ ∇φq waits in dlog_gates for the backward sweep.
     if (pf) {
       auto qdq = ws.matrix(kSlotPhiK, b, F);
-      token_major_to_rows(pqt.cwiseProduct(dqt).eval(), qdq);
+      token_major_to_rows(qdx, qdq);
       dG.middleRows(r0, b) = qdq;
     } else {
-      for (Index i = 0; i < b; ++i) dG(r0 + i, 0) = pqt.col(i).dot(dqt.col(i));
+      for (Index i = 0; i < b; ++i) dG(r0 + i, 0) = qdx.col(i).sum();
     }
     auto dphi = ws.matrix(kSlotPhiQ, b, F);
     token_major_to_rows(dqt, dphi);
@@ -278,6 +295,7 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
       gb *= cfg.scale;
     }
     auto dkt = ws.matrix(kSlotBackwardB, F, b);
+    auto kdx = ws.matrix(kSlotPhiQ, F, b);  // φk ∘ ∇φk without the pair j = i
     RowMap dvb(ws.matrix(kSlotNormalizerLow, b, M).data(), b, M);
     for (Index i = b; i-- > 0;) {
       const Scalar* a = at.data() + i * gw;
@@ -285,14 +303,20 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
       auto dk = dkt.col(i);
       gated_adjoint_step(R.data(), R.outerStride(), F, M, a, pf, q.data(), gb.data() + i * M,
                          vb.data() + i * M, k.data(), dk.data(), dvb.data() + i * M);
+      // dk is ∇φk without the token's own term φq_i (g'_i·v'_i): φk ∘ that for the gates, then
+      // the term.
+      Scalar own = gb.row(i).dot(vb.row(i));
       if (norm) {
-        r += cb(i) * q;
         dk += r;
+        own += cb(i);
+        r += cb(i) * q;
         if (pf)
           r.array() *= CVecMap(a, F).array();
         else
           r *= a[0];
       }
+      kdx.col(i) = k.cwiseProduct(dk);
+      dk += own * q;
     }
     // ∂L/∂g: the running sum of φq∘∇φq − φk∘∇φk from the end.
     // Feature by feature (down a column of dlog_gates: one memory page, not F of them).
@@ -301,14 +325,14 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
         auto col = dG.col(d).segment(r0, b);
         Scalar running = acc(d);
         for (Index i = b; i-- > 0;) {
-          running += col(i) - pkt(d, i) * dkt(d, i);
+          running += col(i) - kdx(d, i);
           col(i) = running;
         }
         acc(d) = running;
       }
     } else {
       for (Index i = b; i-- > 0;) {
-        acc(0) += dG(r0 + i, 0) - pkt.col(i).dot(dkt.col(i));
+        acc(0) += dG(r0 + i, 0) - kdx.col(i).sum();
         dG(r0 + i, 0) = acc(0);
       }
     }
@@ -583,10 +607,15 @@ void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& 
     if (!pf) {
       ColMajor E(w2.matrix(14, b, b).data(), b, b);
       B.template triangularView<Eigen::Lower>() = B.cwiseProduct(E);
-      dq.noalias() = B.template triangularView<Eigen::Lower>() * pk;
-    } else {
-      gated_decayed_product<false, Scalar>(B, pk, gb, dq, ws);
     }
+    // The pairs j = i apart (see gated_backward_recurrent): ∇φq first without them.
+    auto bd = ws.vector(kSlotState, b);
+    bd = B.diagonal();
+    B.diagonal().setZero();
+    if (!pf)
+      dq.noalias() = B.template triangularView<Eigen::Lower>() * pk;
+    else
+      gated_decayed_product<false, Scalar>(B, pk, gb, dq, ws);
     // + E_q ∘ (G' S'ᵀ): into the b x F scratch, then scaled by E_q.
     ColMajor t(ws.matrix(kSlotBackwardC, b, F).data(), b, F);
     t.noalias() = gp * S.transpose();
@@ -600,6 +629,7 @@ void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& 
     } else {
       dG.middleRows(r0, b).col(0) = pq.cwiseProduct(dq).rowwise().sum();
     }
+    dq.array() += pk.array().colwise() * ws.vector(kSlotState, b).array();
     map_backward_into(phi, Q.middleRows(r0, b), dq, dQ.middleRows(r0, b), ws);
     // The state at the next chunk's start.
     ColMajor ks(w2.matrix(13, b, F).data(), b, F);
@@ -655,10 +685,14 @@ void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& 
     if (!pf) {
       ColMajor E(w2.matrix(14, b, b).data(), b, b);
       B.template triangularView<Eigen::Lower>() = B.cwiseProduct(E);
-      dk.noalias() = B.template triangularView<Eigen::Lower>().transpose() * pq;
-    } else {
-      gated_decayed_product<true, Scalar>(B, pq, gb, dk, ws);
     }
+    auto bd = ws.vector(kSlotState, b);
+    bd = B.diagonal();
+    B.diagonal().setZero();
+    if (!pf)
+      dk.noalias() = B.template triangularView<Eigen::Lower>().transpose() * pq;
+    else
+      gated_decayed_product<true, Scalar>(B, pq, gb, dk, ws);
     // + E_k ∘ (V R ᵀ + 1 rᵀ)
     ColMajor t(ws.matrix(kSlotBackwardC, b, F).data(), b, F);
     t.noalias() = vr * R.transpose();
@@ -701,6 +735,7 @@ void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& 
         dG(r0 + i, 0) = acc(0);
       }
     }
+    dk.array() += pq.array().colwise() * ws.vector(kSlotState, b).array();
     map_backward_into(phi, K.middleRows(r0, b), dk, dK.middleRows(r0, b), ws);
   }
   if (d_initial) {
