@@ -2,7 +2,8 @@
 // double keep every bit; a recurrent decode saved part-way and resumed in a fresh object gives
 // the uninterrupted outputs bit for bit; every malformed file (truncated, bit-flipped, wrong
 // type, kind or shape, absurd shapes, failing streams) is a std::runtime_error that names the
-// problem and leaves the target object as it was.
+// problem and leaves the target object as it was. The gated decoder (RecurrentGatedAttention,
+// kind 4) resumes bit for bit with scalar and per-feature gates.
 #include <linattn/linattn.hpp>
 
 #include <gtest/gtest.h>
@@ -27,10 +28,14 @@
 namespace {
 
 using linattn::EluPlusOne;
+using linattn::GatedOptions;
+using linattn::Identity;
 using linattn::LinearAttentionState;
 using linattn::MultiHeadRecurrentLinearAttention;
 using linattn::NormalizedCosine;
+using linattn::RecurrentGatedAttention;
 using linattn::RecurrentLinearAttention;
+using linattn::Silu;
 using linattn::SoftmaxSplit;
 using test::Index;
 using test::Mat;
@@ -168,6 +173,20 @@ Mat<S> run(R& rnn, const Mat<S>& Q, const Mat<S>& K, const Mat<S>& V, Index from
   Eigen::Matrix<S, Eigen::Dynamic, 1> o(V.cols());
   for (Index t = from; t < to; ++t) {
     rnn.step(Q.row(t), K.row(t), V.row(t), o);
+    out.row(t - from) = o.transpose();
+  }
+  return out;
+}
+
+// Runs a gated decoder over rows [from, to) with the log gates of row t of G (N x 1 or N x F)
+// before `switch_at` and of row t of G2 from it on, and returns their outputs.
+template <class R, class S>
+Mat<S> run_gated(R& rnn, const Mat<S>& Q, const Mat<S>& K, const Mat<S>& V, const Mat<S>& G,
+                 const Mat<S>& G2, Index switch_at, Index from, Index to) {
+  Mat<S> out(to - from, V.cols());
+  Eigen::Matrix<S, Eigen::Dynamic, 1> o(V.cols());
+  for (Index t = from; t < to; ++t) {
+    rnn.step(Q.row(t), K.row(t), V.row(t), t < switch_at ? G.row(t) : G2.row(t), o);
     out.row(t - from) = o.transpose();
   }
   return out;
@@ -536,6 +555,103 @@ TEST(StateIoResume, ThroughAFile) {
   EXPECT_TRUE(same_bits(run(resumed, Q, K, V, k, N), expected.bottomRows(N - k)));
 }
 
+// The gated decoder: the uninterrupted run against runs saved after k tokens, loaded into a
+// fresh object (built with the same map and options: the file does not record them) and
+// continued. Scalar gates, per-feature gates, scalar gates that turn into per-feature ones
+// after token 50, and the unused decoder; gates down to -20 (float underflows some products to
+// zero). The decoder keeps F log-decay entries whatever its gates (L = F in the file).
+template <class S, class Phi>
+void check_gated_resume(Index D, Index M, const GatedOptions& opts, std::uint32_t seed) {
+  constexpr Index N = 120;
+  const Mat<S> Q = test::random_matrix<S>(N, D, seed, -2, 2);
+  const Mat<S> K = test::random_matrix<S>(N, D, seed + 1, -2, 2);
+  const Mat<S> V = test::random_matrix<S>(N, M, seed + 2);
+  const Index F = Phi{}.feature_dim(D);
+  const Mat<S> scalar_gates = test::random_matrix<S>(N, 1, seed + 3, -1, 0);
+  Mat<S> feature_gates = test::random_matrix<S>(N, F, seed + 4, -0.5, 0);
+  feature_gates(N / 2, 0) = S(-20);
+  struct Case {
+    const char* name;
+    const Mat<S>* G;
+    Index switch_at;
+  };
+  const Case cases[] = {{"scalar gates", &scalar_gates, N},
+                        {"per-feature gates", &feature_gates, N},
+                        {"scalar, then per-feature gates", &scalar_gates, 50}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    RecurrentGatedAttention<Phi, S> whole(D, M, opts);
+    const Mat<S> expected = run_gated(whole, Q, K, V, *c.G, feature_gates, c.switch_at, 0, N);
+    for (const Index k : {Index(0), Index(1), Index(49), Index(50), Index(77), N - 1}) {
+      SCOPED_TRACE("saved after " + std::to_string(k) + " tokens");
+      RecurrentGatedAttention<Phi, S> first(D, M, opts);
+      run_gated(first, Q, K, V, *c.G, feature_gates, c.switch_at, 0, k);
+      std::stringstream file(std::ios::in | std::ios::out | std::ios::binary);
+      linattn::save_state(file, first);
+      EXPECT_EQ(file.str().size(), std::size_t(72 + 16 + sizeof(S) * (2 * F * M + 3 * F)));
+      RecurrentGatedAttention<Phi, S> resumed(D, M, opts);
+      linattn::load_state(file, resumed);
+      EXPECT_EQ(file.peek(), std::char_traits<char>::eof());  // exactly one record consumed
+      EXPECT_EQ(resumed.position(), k);
+      EXPECT_TRUE(same_state(resumed.state(), first.state()));
+      EXPECT_TRUE(same_bits(resumed.state().log_decay, first.state().log_decay));
+      const Mat<S> rest = run_gated(resumed, Q, K, V, *c.G, feature_gates, c.switch_at, k, N);
+      EXPECT_TRUE(same_bits(rest, expected.bottomRows(N - k)));
+      EXPECT_TRUE(same_state(resumed.state(), whole.state()));
+      EXPECT_TRUE(same_bits(resumed.state().log_decay, whole.state().log_decay));
+      EXPECT_EQ(resumed.position(), N);
+    }
+  }
+}
+
+template <class S>
+class StateIoGatedResume : public ::testing::Test {};
+TYPED_TEST_SUITE(StateIoGatedResume, StateIoScalars, );
+
+TYPED_TEST(StateIoGatedResume, IsBitIdentical) {
+  using S = TypeParam;
+  GatedOptions scaled;
+  scaled.scale = 0.35;
+  GatedOptions normalized;
+  normalized.normalize = true;
+  check_gated_resume<S, Identity>(6, 5, scaled, 91);
+  check_gated_resume<S, Silu>(5, 7, GatedOptions{}, 92);
+  check_gated_resume<S, linattn::L2Normalize<Silu>>(4, 3, scaled, 93);
+  check_gated_resume<S, EluPlusOne>(5, 4, normalized, 94);
+}
+
+// The documented layout of a gated record: kind 4, the key dimension, L, zero low parts, no
+// unfolded tokens, the position.
+TEST(StateIoGatedResume, LayoutIsAsDocumented) {
+  RecurrentGatedAttention<Identity, float> rnn(3, 2);
+  const Mat<float> X = test::random_matrix<float>(4, 3, 95);
+  const Mat<float> G = test::random_matrix<float>(4, 3, 96, -1, 0);
+  run_gated(rnn, X, X, X.leftCols(2).eval(), G, G, 4, 0, 4);
+  const std::string f = saved(rnn);
+  ASSERT_EQ(f.size(), std::size_t(72 + 16 + 4 * (2 * 6 + 2 * 3 + 3)));
+  const auto* b = reinterpret_cast<const unsigned char*>(f.data());
+  using linattn::detail::io::get_le;
+  EXPECT_EQ(get_le<std::uint32_t>(b + 8), 2u);   // version
+  EXPECT_EQ(get_le<std::uint32_t>(b + 12), 1u);  // float
+  EXPECT_EQ(get_le<std::uint32_t>(b + 16), 4u);  // kind: RecurrentGatedAttention
+  EXPECT_EQ(get_le<std::uint32_t>(b + 20), 0u);  // no maxima
+  EXPECT_EQ(get_le<std::uint64_t>(b + 24), 1u);  // heads
+  EXPECT_EQ(get_le<std::uint64_t>(b + 32), 3u);  // D
+  EXPECT_EQ(get_le<std::uint64_t>(b + 40), 3u);  // F
+  EXPECT_EQ(get_le<std::uint64_t>(b + 48), 2u);  // M
+  EXPECT_EQ(get_le<std::uint64_t>(b + 56), 3u);  // L = F
+  EXPECT_EQ(get_le<std::uint64_t>(b + 68), 4u);  // position
+  EXPECT_EQ(get_le<std::uint64_t>(b + 76), 0u);  // unfolded tokens
+  for (std::size_t i = 84 + 4 * 6; i < 84 + 4 * 12; ++i) EXPECT_EQ(b[i], 0) << i;  // S_lo
+  for (std::size_t i = 84 + 4 * 15; i < 84 + 4 * 18; ++i) EXPECT_EQ(b[i], 0) << i;  // z_lo
+  Eigen::VectorXf ld(3);
+  for (Index i = 0; i < 3; ++i) {
+    const std::uint32_t bits = get_le<std::uint32_t>(b + 84 + 4 * (18 + i));
+    std::memcpy(&ld(i), &bits, sizeof bits);
+  }
+  EXPECT_TRUE(same_bits(ld, rnn.state().log_decay));
+}
+
 // ------------------------------------------------------------------------------------------
 // Failures
 // ------------------------------------------------------------------------------------------
@@ -685,7 +801,7 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
   for (const std::uint32_t v : {1u, 2u}) {  // the same checks in both versions
     SCOPED_TRACE("version " + std::to_string(v));
     EXPECT_EQ(load(header(v, 3, 1, 0, 1, 0, 2, 2)), p + "unknown scalar type code 3");
-    EXPECT_EQ(load(header(v, 1, 4, 0, 1, 0, 2, 2)), p + "unknown kind code 4");
+    EXPECT_EQ(load(header(v, 1, 5, 0, 1, 0, 2, 2)), p + "unknown kind code 5");
     EXPECT_EQ(load(header(v, 1, 1, 6, 1, 0, 2, 2)), p + "unknown flags 6");
     EXPECT_EQ(load(header(v, 1, 1, 0, 2, 0, 2, 2)), p + "invalid head count 2");
     EXPECT_EQ(load(header(v, 1, 1, 0, 1, 5, 2, 2)), p + "invalid key dimension 5");
@@ -694,6 +810,24 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
     EXPECT_EQ(runtime_error_of([&] { linattn::load_state(zero, heads); }),
               p + "invalid head count 0");
   }
+  // Kind 4 (RecurrentGatedAttention) came with version 2.
+  EXPECT_EQ(load(header(1, 1, 4, 0, 1, 2, 2, 2)), p + "unknown kind code 4");
+  RecurrentGatedAttention<Identity, float> gated(2, 2);
+  std::istringstream v1(header(1, 1, 4, 0, 1, 2, 2, 2), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(v1, gated); }),
+            p + "unknown kind code 4");
+  std::istringstream two_heads(header(2, 1, 4, 0, 2, 2, 2, 2, 2), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(two_heads, gated); }),
+            p + "invalid head count 2");
+  // The gated decoder keeps F log-decay entries: L = 0 or 1 is no record of it.
+  for (const std::uint64_t L : {std::uint64_t(0), std::uint64_t(1)}) {
+    std::istringstream is(header(2, 1, 4, 0, 1, 2, 2, 2, L), std::ios::binary);
+    EXPECT_EQ(runtime_error_of([&] { linattn::load_state(is, gated); }),
+              p + "invalid log-decay size " + std::to_string(L) +
+                  ": a RecurrentGatedAttention keeps F = 2 entries");
+  }
+  EXPECT_EQ(gated.position(), 0);
+  EXPECT_TRUE(same_bits(gated.state().log_decay, Eigen::VectorXf::Zero(2)));
 }
 
 // The log-decay size L of a version-2 header must be 0, 1 or F, and 0 with running maxima;
@@ -763,6 +897,141 @@ TEST(StateIoFailure, InvalidRecordFieldsAreChecked) {
   EXPECT_EQ(runtime_error_of([&] { linattn::load_state<double>(b); }),
             "linattn::load_state: invalid record: a LinearAttentionState has position 0 and 0 "
             "unfolded tokens, the file says 7 and 0");
+}
+
+// A gated decode in progress (Silu, double, per-feature gates: L = F = 3, M = 2), its file,
+// and another object of the same shape in another position (what a failed load must keep).
+template <class Phi = Silu>
+RecurrentGatedAttention<Phi, double> gated_decoder(Index D, Index M, Index tokens,
+                                                   std::uint32_t seed) {
+  RecurrentGatedAttention<Phi, double> rnn(D, M);
+  const Mat<double> X = test::random_matrix<double>(tokens, D, seed);
+  const Mat<double> V = test::random_matrix<double>(tokens, M, seed + 1);
+  const Mat<double> G = test::random_matrix<double>(tokens, D, seed + 2, -1, 0);
+  run_gated(rnn, X, X, V, G, G, tokens, 0, tokens);
+  return rnn;
+}
+
+// Everything a failed load must keep: the state's bits, log_decay and position.
+template <class R>
+std::string snapshot(const R& rnn) {
+  return saved(rnn) + "|" + std::to_string(rnn.position()) + "|" +
+         std::to_string(rnn.state().log_decay.size());
+}
+
+TEST(StateIoGatedFailure, WrongShapeIsRejectedAndTheObjectKept) {
+  const auto source = gated_decoder(3, 2, 10, 71);
+  const std::string file = saved(source);
+  const std::string p = "linattn::load_state: shape mismatch: the file holds 1 head(s) of D = 3, "
+                        "F = 3, M = 2 without running maxima, this RecurrentGatedAttention has ";
+  auto wider = gated_decoder(3, 5, 4, 72);   // another value dimension
+  auto longer = gated_decoder(4, 2, 4, 73);  // another key (and feature) dimension
+  const std::string wider_before = snapshot(wider), longer_before = snapshot(longer);
+  std::istringstream a(file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(a, wider); }),
+            p + "1 head(s) of D = 3, F = 3, M = 5 without running maxima");
+  std::istringstream b(file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(b, longer); }),
+            p + "1 head(s) of D = 4, F = 4, M = 2 without running maxima");
+  EXPECT_EQ(snapshot(wider), wider_before);
+  EXPECT_EQ(snapshot(longer), longer_before);
+  EXPECT_EQ(wider.position(), 4);
+  // The same shape loads (and the file records the state, not the map: Identity has F = D).
+  RecurrentGatedAttention<Identity, double> other_map(3, 2);
+  std::istringstream c(file, std::ios::binary);
+  linattn::load_state(c, other_map);
+  EXPECT_TRUE(same_state(other_map.state(), source.state()));
+  EXPECT_EQ(other_map.position(), 10);
+}
+
+TEST(StateIoGatedFailure, WrongKindIsRejected) {
+  const std::string file = saved(gated_decoder(3, 2, 10, 74));
+  const std::string p = "linattn::load_state: wrong kind: the file holds ";
+  std::istringstream a(file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state<double>(a); }),
+            p + "the state of a RecurrentGatedAttention, not a LinearAttentionState");
+  RecurrentLinearAttention<EluPlusOne, double> plain(3, 2);
+  std::istringstream b(file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(b, plain); }),
+            p + "the state of a RecurrentGatedAttention, not the state of a "
+                "RecurrentLinearAttention");
+  auto target = gated_decoder(3, 2, 5, 75);
+  const std::string before = snapshot(target);
+  std::istringstream c(saved(plain), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(c, target); }),
+            p + "the state of a RecurrentLinearAttention, not the state of a "
+                "RecurrentGatedAttention");
+  std::istringstream d(saved(target.state()), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(d, target); }),
+            p + "a LinearAttentionState, not the state of a RecurrentGatedAttention");
+  EXPECT_EQ(snapshot(target), before);
+}
+
+TEST(StateIoGatedFailure, EveryTruncationAndBitFlipThrows) {
+  const std::string file = saved(gated_decoder(3, 2, 10, 76));
+  auto target = gated_decoder(3, 2, 5, 77);
+  const std::string before = snapshot(target);
+  for (std::size_t len = 0; len < file.size(); ++len) {
+    SCOPED_TRACE("first " + std::to_string(len) + " bytes");
+    const std::string cut = file.substr(0, len);
+    std::istringstream seekable(cut, std::ios::binary);
+    const std::string m1 = runtime_error_of([&] { linattn::load_state(seekable, target); });
+    EXPECT_TRUE(starts_with(m1, "linattn::load_state: truncated file: expected ")) << m1;
+    OneWayBuf buf(cut);
+    std::istream pipe(&buf);
+    EXPECT_EQ(runtime_error_of([&] { linattn::load_state(pipe, target); }), m1);
+  }
+  // Cut inside the log-decay (3 doubles before the trailing CRC), the message names it.
+  std::istringstream cut(file.substr(0, file.size() - 4 - 20), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(cut, target); }),
+            "linattn::load_state: truncated file: expected 24 bytes of log_decay, got 4");
+  for (std::size_t bit = 0; bit < file.size() * 8; bit += 7) {
+    std::string f = file;
+    f[bit / 8] = char(f[bit / 8] ^ (1 << (bit % 8)));
+    std::istringstream is(f, std::ios::binary);
+    const std::string m = runtime_error_of([&] { linattn::load_state(is, target); });
+    ASSERT_TRUE(starts_with(m, "linattn::load_state: ")) << "bit " << bit << ": " << m;
+  }
+  EXPECT_EQ(snapshot(target), before);
+}
+
+// A gated record has no low part: unfolded tokens or low parts that are not all zero bits (a
+// -0 included) are refused, though the checksums are right.
+TEST(StateIoGatedFailure, InvalidRecordFieldsAreChecked) {
+  const std::string file = saved(gated_decoder(3, 2, 10, 78));
+  auto target = gated_decoder(3, 2, 5, 79);
+  const std::string before = snapshot(target);
+  const std::string p = "linattn::load_state: invalid record: a RecurrentGatedAttention keeps "
+                        "no low part";
+  std::string f = file;
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&f[76]), std::uint64_t(3));
+  reseal(f);
+  std::istringstream a(f, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(a, target); }),
+            p + ", so 0 unfolded tokens, the file says 3");
+  const std::size_t s_lo = 84 + 8 * 6, z_lo = 84 + 8 * (12 + 3);
+  for (const std::size_t at : {s_lo, s_lo + 8 * 5, z_lo, z_lo + 8 * 2}) {
+    for (const double lo : {1e-20, -0.0}) {
+      std::string g = file;
+      std::uint64_t bits;
+      std::memcpy(&bits, &lo, sizeof bits);
+      linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&g[at]), bits);
+      reseal(g);
+      std::istringstream b(g, std::ios::binary);
+      EXPECT_EQ(runtime_error_of([&] { linattn::load_state(b, target); }),
+                p + ", the file's S_lo or z_lo is not all zero bits")
+          << "byte " << at << ", " << lo;
+    }
+  }
+  EXPECT_EQ(snapshot(target), before);
+  // Positions are taken as written (set_state() accepts any).
+  std::string h = file;
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&h[68]), std::uint64_t(123456789));
+  reseal(h);
+  std::istringstream c(h, std::ios::binary);
+  linattn::load_state(c, target);
+  EXPECT_EQ(target.position(), 123456789);
+  EXPECT_EQ(saved(target), h);
 }
 
 // Shapes past the sanity bounds are refused from the header; a large declared state with a

@@ -1,8 +1,8 @@
 /// \file state_io.hpp
 /// \brief Saving a state to a stream and loading it back, exactly: a LinearAttentionState, or
-/// the whole decoding position of a RecurrentLinearAttention or a
-/// MultiHeadRecurrentLinearAttention, in a little-endian binary format with a checksum
-/// (docs/SPEC.md §8, "What linattn implements: saving a state").
+/// the whole decoding position of a RecurrentLinearAttention, a
+/// MultiHeadRecurrentLinearAttention or a RecurrentGatedAttention, in a little-endian binary
+/// format with a checksum (docs/SPEC.md §8, "What linattn implements: saving a state").
 ///
 /// ### The format (version 2)
 ///
@@ -15,13 +15,13 @@
 /// | 0  | 8 | magic number `89 4C 41 53 0D 0A 1A 0A` (`\x89LAS\r\n\x1a\n`) |
 /// | 8  | 4 | format version, u32 = 2 |
 /// | 12 | 4 | scalar type, u32: 1 = float (binary32), 2 = double (binary64) |
-/// | 16 | 4 | kind, u32: 1 = LinearAttentionState, 2 = RecurrentLinearAttention, 3 = MultiHeadRecurrentLinearAttention |
+/// | 16 | 4 | kind, u32: 1 = LinearAttentionState, 2 = RecurrentLinearAttention, 3 = MultiHeadRecurrentLinearAttention, 4 = RecurrentGatedAttention (version 2 only) |
 /// | 20 | 4 | flags, u32: bit 0 = running maxima `m` present (SoftmaxSplit); other bits 0 |
 /// | 24 | 8 | heads H, u64 (1 unless kind 3) |
 /// | 32 | 8 | key dimension D, u64 (0 for kind 1: a state does not know it) |
 /// | 40 | 8 | feature dimension F, u64 |
 /// | 48 | 8 | value dimension M, u64 |
-/// | 56 | 8 | log-decay entries per head L, u64: 0 (undecayed), 1 (scalar decay) or F (per-feature gates); 0 with running maxima |
+/// | 56 | 8 | log-decay entries per head L, u64: 0 (undecayed), 1 (scalar decay) or F (per-feature gates); 0 with running maxima; F for kind 4 |
 /// | 64 | 4 | CRC-32 of bytes 0–63 |
 /// | 68 | … | H head records, one after the other (below) |
 /// | end − 4 | 4 | CRC-32 of every byte before it |
@@ -31,11 +31,11 @@
 /// | bytes | field |
 /// |------:|-------|
 /// | 8     | position, i64 (two's complement; 0 for kind 1) |
-/// | 8     | tokens in the low parts since their last fold, u64 (below 128; 0 for kind 1) |
+/// | 8     | tokens in the low parts since their last fold, u64 (below 128; 0 for kinds 1 and 4) |
 /// | F·M·s | `S` |
-/// | F·M·s | `S_lo` (zeros when the state's low part is empty) |
+/// | F·M·s | `S_lo` (zeros when the state's low part is empty; all bits 0 for kind 4) |
 /// | F·s   | `z` |
-/// | F·s   | `z_lo` (zeros when empty) |
+/// | F·s   | `z_lo` (zeros when empty; all bits 0 for kind 4) |
 /// | F·s   | `m`, only when flag bit 0 is set |
 /// | L·s   | `log_decay` (LinearAttentionState::log_decay), only when L > 0 |
 ///
@@ -71,6 +71,7 @@
 #include "common.hpp"
 #include "feature_map.hpp"
 #include "multihead.hpp"
+#include "recurrent_gated_attention.hpp"
 #include "recurrent_linear_attention.hpp"
 #include "state.hpp"
 
@@ -97,6 +98,13 @@ struct RecurrentStateAccess {
     r.position_ = position;
     r.unfolded_ = unfolded;
   }
+  // The gated decoder keeps no low part: its state and position are all there is.
+  template <class Phi, class Scalar>
+  static void install(RecurrentGatedAttention<Phi, Scalar>& r, LinearAttentionState<Scalar>&& st,
+                      Index position) noexcept {
+    r.state_ = std::move(st);
+    r.position_ = position;
+  }
 };
 
 namespace io {
@@ -106,6 +114,7 @@ constexpr std::uint32_t kVersion = 2;   // written; version 1 (no log-decay) is 
 constexpr std::uint32_t kVersion1 = 1;
 constexpr std::uint32_t kFloat = 1, kDouble = 2;
 constexpr std::uint32_t kKindState = 1, kKindRecurrent = 2, kKindMultiHead = 3;
+constexpr std::uint32_t kKindGated = 4;  // version 2 only
 constexpr std::uint32_t kFlagMaxima = 1;
 constexpr std::size_t kHeaderBytes = 68;    // with its CRC (version 2)
 constexpr std::size_t kHeaderBytesV1 = 60;  // version 1: no log-decay field
@@ -172,6 +181,7 @@ inline const char* kind_name(std::uint32_t kind) {
   switch (kind) {
     case kKindState: return "a LinearAttentionState";
     case kKindRecurrent: return "the state of a RecurrentLinearAttention";
+    case kKindGated: return "the state of a RecurrentGatedAttention";
     default: return "the states of a MultiHeadRecurrentLinearAttention";
   }
 }
@@ -372,7 +382,7 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
   if (hd.scalar != scalar_code<Scalar>())
     fail(fn, std::string("wrong scalar type: the file holds ") + scalar_name(hd.scalar) +
                  ", not " + scalar_name(scalar_code<Scalar>()));
-  if (hd.kind < kKindState || hd.kind > kKindMultiHead)
+  if (hd.kind < kKindState || hd.kind > (version == kVersion1 ? kKindMultiHead : kKindGated))
     fail(fn, "unknown kind code " + std::to_string(hd.kind));
   if (hd.kind != kind)
     fail(fn, std::string("wrong kind: the file holds ") + kind_name(hd.kind) + ", not " +
@@ -388,6 +398,9 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
   if (hd.decay != 0 && hd.maxima())
     fail(fn, "invalid log-decay size " + std::to_string(hd.decay) +
                  ": a state with running maxima (SoftmaxSplit) has no log-decay");
+  if (kind == kKindGated && hd.decay != hd.F)
+    fail(fn, "invalid log-decay size " + std::to_string(hd.decay) +
+                 ": a RecurrentGatedAttention keeps F = " + std::to_string(hd.F) + " entries");
   if (hd.F > kMaxDim || hd.M > kMaxDim ||
       head_bytes(hd, sizeof(Scalar)) > kMaxPayloadBytes / hd.heads)
     fail(fn, "absurd shape: F = " + std::to_string(hd.F) + ", M = " + std::to_string(hd.M) +
@@ -451,6 +464,9 @@ std::vector<HeadRecord<Scalar>> read_payload(std::istream& is, const char* fn, c
     if (hd.kind == kKindState && (position != 0 || unfolded != 0))
       fail(fn, "invalid record: a LinearAttentionState has position 0 and 0 unfolded tokens, "
                "the file says " + std::to_string(position) + " and " + std::to_string(unfolded));
+    if (hd.kind == kKindGated && unfolded != 0)
+      fail(fn, "invalid record: a RecurrentGatedAttention keeps no low part, so 0 unfolded "
+               "tokens, the file says " + std::to_string(unfolded));
     if (unfolded >= std::uint64_t(RecurrentLinearAttention<>::kFoldTokens))
       fail(fn, "invalid record: " + which + std::to_string(unfolded) +
                    " unfolded tokens (at most " +
@@ -466,6 +482,17 @@ std::vector<HeadRecord<Scalar>> read_payload(std::istream& is, const char* fn, c
     get_scalars(st.S_lo.data(), F * M);
     get_scalars(st.z.data(), F);
     get_scalars(st.z_lo.data(), F);
+    if (hd.kind == kKindGated) {
+      const auto zero_bits = [](const Scalar* x, Index n) {
+        const Scalar zero(0);
+        for (Index i = 0; i < n; ++i)
+          if (std::memcmp(x + i, &zero, sizeof zero) != 0) return false;
+        return true;
+      };
+      if (!zero_bits(st.S_lo.data(), F * M) || !zero_bits(st.z_lo.data(), F))
+        fail(fn, "invalid record: a RecurrentGatedAttention keeps no low part, the file's "
+                 "S_lo or z_lo is not all zero bits");
+    }
     if (hd.maxima()) {
       st.m.resize(F);
       get_scalars(st.m.data(), F);
@@ -741,6 +768,63 @@ void load_state(std::istream& is, MultiHeadRecurrentLinearAttention<FeatureMap, 
     auto& r = heads[static_cast<std::size_t>(h)];
     detail::RecurrentStateAccess::install(rnn.head(h), std::move(r.state), r.position, r.unfolded);
   }
+}
+
+/// \brief Writes the exact decoding position of a gated decoder (kind 4): its state S, z and
+/// total log-decay `log_decay` (the decoder keeps F entries, so L = F), and position().
+/// Loading it into an object of the same shapes with load_state(is, rnn) and stepping on
+/// gives outputs bit-identical to `rnn`'s own.
+///
+/// The decoder keeps no low part, so the record's low parts and unfolded token count are zero.
+/// The file records the state, not the feature map or the GatedOptions (normalize, scale):
+/// load it into an object built with the same map and options.
+/// \throws std::runtime_error if the stream was not writable or a write failed.
+/// \code
+/// linattn::RecurrentGatedAttention<linattn::Identity, float> rnn(64, 64);
+/// // ... rnn.step(q, k, v, log_gate, out) for the prompt and some tokens ...
+/// std::ofstream file("conversation.state", std::ios::binary);
+/// linattn::save_state(file, rnn);
+/// \endcode
+template <class Phi, class Scalar>
+void save_state(std::ostream& os, const RecurrentGatedAttention<Phi, Scalar>& rnn) {
+  const auto& st = rnn.state();
+  const Index decay = detail::io::decay_entries("save_state", st);
+  detail::io::Writer w(os, "save_state");
+  detail::io::write_header<Scalar>(w, detail::io::kKindGated, false, 1, rnn.key_dim(),
+                                   rnn.feature_dim(), rnn.value_dim(), decay);
+  detail::io::write_head(w, st, rnn.position(), 0);
+  w.finish();
+}
+
+/// \brief Restores into `rnn` a decoding position that save_state(os, rnn) wrote: afterwards
+/// `rnn` steps exactly as the saved object would have (same state bits, log_decay and
+/// position()).
+///
+/// The file must come from an object of the same key dimension D, feature dimension F and
+/// value dimension M; the map and the options are not recorded (use the ones that wrote it).
+/// Strong guarantee: on any failure `rnn` is unchanged. Reads exactly one record.
+/// \throws std::runtime_error `"linattn::load_state: ..."` for every failure of
+/// load_state(std::istream&) (truncated, corrupted, wrong magic, version, scalar type or
+/// kind, absurd shapes), "shape mismatch" naming the file's and the object's D, F and M,
+/// "invalid log-decay size" for L other than F, and "invalid record" for a record with low
+/// parts or unfolded tokens (neither is ever written).
+/// \code
+/// linattn::RecurrentGatedAttention<linattn::Identity, float> rnn(64, 64);
+/// std::ifstream file("conversation.state", std::ios::binary);
+/// linattn::load_state(file, rnn);
+/// rnn.step(q, k, v, log_gate, out);  // continues the saved decode
+/// \endcode
+template <class Phi, class Scalar>
+void load_state(std::istream& is, RecurrentGatedAttention<Phi, Scalar>& rnn) {
+  constexpr const char* fn = "load_state";
+  std::uint32_t crc = 0;
+  const auto hd = detail::io::read_header<Scalar>(is, fn, detail::io::kKindGated, crc);
+  detail::io::check_object_shape(fn, hd, "RecurrentGatedAttention", 1,
+                                 std::uint64_t(rnn.key_dim()), std::uint64_t(rnn.feature_dim()),
+                                 std::uint64_t(rnn.value_dim()), false);
+  auto heads = detail::io::read_payload<Scalar>(is, fn, hd, crc);
+  auto& r = heads.front();
+  detail::RecurrentStateAccess::install(rnn, std::move(r.state), r.position);
 }
 
 }  // namespace linattn

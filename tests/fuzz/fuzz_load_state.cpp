@@ -1,9 +1,9 @@
 // libFuzzer target of the state loader (state_io.hpp): arbitrary bytes go to load_state for
-// float and double states and into recurrent and multi-head recurrent objects, through a
-// seekable and a non-seekable stream. Any exception but std::runtime_error is a bug, and so
-// is a load that succeeds and does not save back to exactly the bytes it consumed (for a
-// record of the old format version 1: to its version-2 form), or one that fails and changes
-// the object. ASan and UBSan catch the rest.
+// float and double states and into recurrent, multi-head recurrent and gated recurrent
+// objects (every kind), through a seekable and a non-seekable stream. Any exception but
+// std::runtime_error is a bug, and so is a load that succeeds and does not save back to exactly
+// the bytes it consumed (for a record of the old format version 1: to its version-2 form), or
+// one that fails and changes the object. ASan and UBSan catch the rest.
 #include <linattn/linattn.hpp>
 
 #include <cstddef>
@@ -114,5 +114,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string mh_before = saved(mh);
   check(bytes, [&](std::istream& is) { linattn::load_state(is, mh); }, [&] { return saved(mh); },
         [&] { return saved(mh) == mh_before; });
+  // Kind 4: a gated decoder in float and in double (D = F = 3, M = 2 and D = F = 2, M = 3).
+  linattn::RecurrentGatedAttention<linattn::Identity, float> gf(3, 2);
+  const std::string gf_before = saved(gf);
+  check(bytes, [&](std::istream& is) { linattn::load_state(is, gf); }, [&] { return saved(gf); },
+        [&] { return saved(gf) == gf_before && gf.position() == 0; });
+  linattn::RecurrentGatedAttention<linattn::Silu, double> gd(2, 3);
+  const std::string gd_before = saved(gd);
+  check(bytes, [&](std::istream& is) { linattn::load_state(is, gd); }, [&] { return saved(gd); },
+        [&] { return saved(gd) == gd_before && gd.position() == 0; });
   return 0;
 }

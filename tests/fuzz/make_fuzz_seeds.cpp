@@ -1,6 +1,7 @@
 // Writes the seed corpus of fuzz_load_state into the directory given: one valid file of each
 // kind and scalar type, in the shapes the fuzz target's objects have, decayed states (a scalar
-// and a per-feature log-decay) and files of the old format version 1, so that the fuzzer
+// and a per-feature log-decay), gated decoders (kind 4: per-feature gates in float, scalar
+// gates in double) and files of the old format version 1, so that the fuzzer
 // starts from inputs that pass the checksums and mutates from there.
 #include <linattn/linattn.hpp>
 
@@ -90,6 +91,20 @@ int main(int argc, char** argv) {
   linattn::MultiHeadRecurrentLinearAttention<linattn::SoftmaxSplit, float> mh(2, 2, 2);
   steps<float>(mh, 4, 4, 4);
   ok &= write(dir, "multihead_float", mh);
+  // Gated decoders (kind 4) in the shapes of the fuzz target's: per-feature gates in float,
+  // scalar gates in double (the decoder keeps F log-decay entries either way: L = F).
+  linattn::RecurrentGatedAttention<linattn::Identity, float> gf(3, 2);
+  linattn::RecurrentGatedAttention<linattn::Silu, double> gd(2, 3);
+  for (int t = 0; t < 6; ++t) {
+    const Eigen::VectorXf q = Eigen::VectorXf::LinSpaced(3, -1.0f + 0.1f * t, 1.0f);
+    gf.step(q, q.reverse(), Eigen::VectorXf::LinSpaced(2, 0.5f, -0.25f * t),
+            Eigen::VectorXf::LinSpaced(3, -0.5f, -0.0625f * t), Eigen::VectorXf(2));
+    const Eigen::VectorXd qd = Eigen::VectorXd::LinSpaced(2, -1.0 + 0.2 * t, 1.0);
+    gd.step(qd, qd.reverse(), Eigen::VectorXd::LinSpaced(3, 0.25, -0.5 * t),
+            Eigen::VectorXd::Constant(1, -0.125 * (t + 1)), Eigen::VectorXd(3));
+  }
+  ok &= write(dir, "gated_float", gf);
+  ok &= write(dir, "gated_double", gd);
   if (!ok) std::fprintf(stderr, "make_fuzz_seeds: could not write into %s\n", dir.c_str());
   return ok ? 0 : 1;
 }
