@@ -112,9 +112,15 @@ void gated_backward_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
 ///     \varphi(k_i) \odot \nabla\varphi(k_i), \qquad
 ///     \frac{\partial L}{\partial g_t} = \sum_{i \ge t} \frac{\partial L}{\partial G_i} \f]
 /// (G the cumulative log gates; summed over features for a scalar decay), plus the final
-/// state's term \f$\sum_m \partial L/\partial S_N \odot S_N\f$ at i = N. No per-token state is
-/// stored: working memory O(F·M + 128·(F + M)), independent of N. Every algorithm option gives
-/// the same token-by-token sweeps.
+/// state's term \f$\sum_m \partial L/\partial S_N \odot S_N\f$ at i = N. The pair j = i, which
+/// both products contain and which cancels exactly, is left out of both, so that the gates'
+/// gradient keeps its relative accuracy with strong gates. No per-token state is stored.
+///
+/// `options.algorithm` picks the sweeps' form as for the forward: Recurrent (token by token
+/// with fused one-pass kernels, what Auto picks for states up to 128 x 128; working memory
+/// O(F·M + 128·(F + M))) or Chunked (GEMMs per chunk of C rows, the decayed products of spec
+/// §9 with the forward's sub-chunks for strong gates; O(C·(C + F + M) + F·M)). Both are
+/// independent of N and agree to rounding.
 ///
 /// \param initial the state the forward started from (empty: zero), unchanged.
 /// \param d_final the gradient with respect to the state the forward left (empty: zero).

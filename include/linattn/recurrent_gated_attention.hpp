@@ -139,6 +139,17 @@ class RecurrentGatedAttention {
     ++position_;
   }
 
+  /// step() with a scalar decay given as a number: \f$S_t = e^{g} S_{t-1} + \varphi(k_t) v_t^\top\f$.
+  /// \code
+  /// rnn.step(q, k, v, log_a(t), out);
+  /// \endcode
+  template <class DQ, class DK, class DV, class DOut>
+  void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+            const Eigen::MatrixBase<DV>& v, Scalar log_gate, const Eigen::MatrixBase<DOut>& out) {
+    const Eigen::Map<const Vector<Scalar>> g(&log_gate, 1);
+    step(q, k, v, g, out);
+  }
+
   /// Back to the empty sequence.
   void reset() {
     state_.reset();
