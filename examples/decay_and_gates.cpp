@@ -178,7 +178,7 @@ bool mamba2(bool smoke) {
   generated.topRows(prompt) = prompt_out;
   Eigen::VectorXf y(M);
   for (Index t = prompt; t < N; ++t) {
-    rnn.step(Q.row(t), K.row(t), V.row(t), log_a.segment(t, 1), y);  // a 1-entry log gate
+    rnn.step(Q.row(t), K.row(t), V.row(t), log_a(t), y);  // a scalar log gate
     generated.row(t) = y.transpose();
   }
 
