@@ -1,0 +1,527 @@
+/// \file detail/state_io_format.hpp
+/// \brief linattn's binary state format, byte for byte (internal): the little-endian encoding
+/// of integers and scalars, the CRC-32, the header and head-record writers and readers with
+/// their checks and error messages, and the access to a recurrent object's own members that
+/// save_state()/load_state() (state_io.hpp) need. The layout is documented in state_io.hpp and
+/// docs/SPEC.md §8.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <ios>
+#include <istream>
+#include <limits>
+#include <ostream>
+#include <stdexcept>
+#include <streambuf>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "../checks.hpp"
+#include "../common.hpp"
+#include "../recurrent_gated_attention.hpp"
+#include "../recurrent_linear_attention.hpp"
+#include "../state.hpp"
+
+namespace linattn {
+namespace detail {
+
+// The objects' own members, so that a resumed decode continues from the very bits an
+// uninterrupted one holds: state() folds the low parts and set_state() restarts the fold
+// schedule, either of which changes the rounding of every later token.
+struct RecurrentStateAccess {
+  template <class Phi, class Scalar>
+  static const LinearAttentionState<Scalar>& state(const RecurrentLinearAttention<Phi, Scalar>& r) {
+    return r.state_;
+  }
+  template <class Phi, class Scalar>
+  static Index unfolded(const RecurrentLinearAttention<Phi, Scalar>& r) noexcept {
+    return r.unfolded_;
+  }
+  // noexcept: the loaders install every head only once all of them have been read.
+  template <class Phi, class Scalar>
+  static void install(RecurrentLinearAttention<Phi, Scalar>& r, LinearAttentionState<Scalar>&& st,
+                      Index position, Index unfolded) noexcept {
+    r.state_ = std::move(st);
+    r.position_ = position;
+    r.unfolded_ = unfolded;
+  }
+  // The gated decoder keeps no low part: its state and position are all there is.
+  template <class Phi, class Scalar>
+  static void install(RecurrentGatedAttention<Phi, Scalar>& r, LinearAttentionState<Scalar>&& st,
+                      Index position) noexcept {
+    r.state_ = std::move(st);
+    r.position_ = position;
+  }
+};
+
+namespace io {
+
+constexpr std::array<unsigned char, 8> kMagic = {0x89, 'L', 'A', 'S', '\r', '\n', 0x1A, '\n'};
+constexpr std::uint32_t kVersion = 2;   // written; version 1 (no log-decay) is still read
+constexpr std::uint32_t kVersion1 = 1;
+constexpr std::uint32_t kFloat = 1, kDouble = 2;
+constexpr std::uint32_t kKindState = 1, kKindRecurrent = 2, kKindMultiHead = 3;
+constexpr std::uint32_t kKindGated = 4;  // version 2 only
+constexpr std::uint32_t kFlagMaxima = 1;
+constexpr std::size_t kHeaderBytes = 68;    // with its CRC (version 2)
+constexpr std::size_t kHeaderBytesV1 = 60;  // version 1: no log-decay field
+constexpr std::size_t kHeadPrefixBytes = 16;  // position, unfolded tokens
+// Sanity bounds on a file's declared shapes, checked before anything is allocated: far above
+// any real state (a 4096 x 4096 double state is 256 MiB), far below what would overflow the
+// size arithmetic.
+constexpr std::uint64_t kMaxHeads = std::uint64_t(1) << 16;
+constexpr std::uint64_t kMaxDim = std::uint64_t(1) << 24;
+constexpr std::uint64_t kMaxPayloadBytes = std::uint64_t(1) << 36;  // 64 GiB
+// Bytes read from the stream at a time: a file that declares more than it holds costs at most
+// this much beyond its actual length before the truncation is found.
+constexpr std::size_t kReadChunk = std::size_t(1) << 20;
+
+constexpr std::array<std::uint32_t, 256> make_crc32_table() {
+  std::array<std::uint32_t, 256> t{};
+  for (std::uint32_t i = 0; i < 256; ++i) {
+    std::uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+    t[i] = c;
+  }
+  return t;
+}
+inline constexpr std::array<std::uint32_t, 256> kCrc32Table = make_crc32_table();
+
+// The running register of a CRC-32 (start with 0xFFFFFFFF, XOR the end result with it).
+inline std::uint32_t crc32_update(std::uint32_t crc, const unsigned char* p, std::size_t n) noexcept {
+  for (std::size_t i = 0; i < n; ++i) crc = kCrc32Table[(crc ^ p[i]) & 0xFFu] ^ (crc >> 8);
+  return crc;
+}
+
+/// CRC-32 of n bytes (exposed for the tests' check value).
+inline std::uint32_t crc32(const void* data, std::size_t n) noexcept {
+  return crc32_update(0xFFFFFFFFu, static_cast<const unsigned char*>(data), n) ^ 0xFFFFFFFFu;
+}
+
+// Byte-wise shifts, not memcpy of the integer: the file is little-endian on any host.
+template <class U>
+void put_le(unsigned char* p, U v) noexcept {
+  for (std::size_t i = 0; i < sizeof(U); ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+template <class U>
+U get_le(const unsigned char* p) noexcept {
+  U v = 0;
+  for (std::size_t i = 0; i < sizeof(U); ++i) v |= static_cast<U>(p[i]) << (8 * i);
+  return v;
+}
+
+template <class Scalar>
+using Bits = std::conditional_t<sizeof(Scalar) == 4, std::uint32_t, std::uint64_t>;
+
+template <class Scalar>
+constexpr std::uint32_t scalar_code() {
+  static_assert(is_supported_scalar_v<Scalar>, "linattn: the scalar type must be float or double");
+  static_assert(std::numeric_limits<Scalar>::is_iec559,
+                "linattn: the state format stores IEEE 754 scalars");
+  static_assert(sizeof(Scalar) == sizeof(Bits<Scalar>), "linattn: unexpected scalar size");
+  return std::is_same_v<Scalar, float> ? kFloat : kDouble;
+}
+
+inline const char* scalar_name(std::uint32_t code) { return code == kFloat ? "float" : "double"; }
+
+inline const char* kind_name(std::uint32_t kind) {
+  switch (kind) {
+    case kKindState: return "a LinearAttentionState";
+    case kKindRecurrent: return "the state of a RecurrentLinearAttention";
+    case kKindGated: return "the state of a RecurrentGatedAttention";
+    default: return "the states of a MultiHeadRecurrentLinearAttention";
+  }
+}
+
+[[noreturn]] inline void fail(const char* function, const std::string& what) {
+  throw std::runtime_error(std::string("linattn::") + function + ": " + what);
+}
+
+// Integers that may be any two's complement value go through u64 explicitly: converting an
+// out-of-range unsigned to a signed type is implementation-defined before C++20.
+inline std::uint64_t from_signed(std::int64_t v) noexcept { return static_cast<std::uint64_t>(v); }
+inline std::int64_t to_signed(std::uint64_t v) noexcept {
+  return v <= std::uint64_t(std::numeric_limits<std::int64_t>::max())
+             ? static_cast<std::int64_t>(v)
+             : -static_cast<std::int64_t>(~v) - 1;
+}
+
+// What a header declares.
+struct Header {
+  std::uint32_t version = 0, scalar = 0, kind = 0, flags = 0;
+  std::uint64_t heads = 0, key_dim = 0, F = 0, M = 0;
+  std::uint64_t decay = 0;  // log-decay entries per head: 0, 1 or F (0 in version 1)
+  bool maxima() const noexcept { return (flags & kFlagMaxima) != 0; }
+};
+
+// Bytes of one head record for scalars of s bytes (the bounds keep this from overflowing).
+inline std::uint64_t head_bytes(const Header& h, std::uint64_t s) {
+  return kHeadPrefixBytes + s * (2 * h.F * h.M + (h.maxima() ? 3 : 2) * h.F + h.decay);
+}
+
+// Which field byte `offset` of the payload falls in, and how many of its bytes came before:
+// for the message of a truncated file.
+inline std::string truncation_message(const Header& h, std::uint64_t s, std::uint64_t got) {
+  const std::uint64_t FM = h.F * h.M;
+  const std::pair<const char*, std::uint64_t> fields[] = {
+      {"position", 8}, {"unfolded token count", 8}, {"S", FM * s}, {"S_lo", FM * s},
+      {"z", h.F * s},  {"z_lo", h.F * s},           {"m", h.maxima() ? h.F * s : 0},
+      {"log_decay", h.decay * s}};
+  std::uint64_t at = 0;
+  for (std::uint64_t head = 0; head < h.heads; ++head)
+    for (const auto& f : fields) {
+      if (f.second > 0 && got < at + f.second)
+        return "truncated file: expected " + std::to_string(f.second) + " bytes of " + f.first +
+               (h.heads > 1 ? " (head " + std::to_string(head) + ")" : std::string()) +
+               ", got " + std::to_string(got - at);
+      at += f.second;
+    }
+  return "truncated file: expected 4 bytes of checksum, got " + std::to_string(got - at);
+}
+
+// Buffered writer keeping the running CRC; checks the stream after every write rather than
+// relying on its exception mask.
+class Writer {
+ public:
+  Writer(std::ostream& os, const char* function) : os_(os), fn_(function) {
+    if (!os_) fail(fn_, "the stream is not writable (its failbit or badbit is set)");
+  }
+  void bytes(const unsigned char* p, std::size_t n) {
+    while (n > 0) {
+      const std::size_t k = std::min(n, buf_.size() - used_);
+      std::memcpy(buf_.data() + used_, p, k);
+      used_ += k;
+      p += k;
+      n -= k;
+      if (used_ == buf_.size()) flush();
+    }
+  }
+  template <class U>
+  void integer(U v) {
+    unsigned char b[sizeof(U)];
+    put_le(b, v);
+    bytes(b, sizeof(U));
+  }
+  template <class Scalar>
+  void scalars(const Scalar* x, Index n) {
+    for (Index i = 0; i < n; ++i) {
+      Bits<Scalar> b;
+      std::memcpy(&b, x + i, sizeof b);
+      integer(b);
+    }
+  }
+  template <class Scalar>
+  void zeros(Index n) {
+    for (Index i = 0; i < n; ++i) integer(Bits<Scalar>(0));
+  }
+  // A header's own CRC covers what was written so far: the header.
+  void header_crc() { integer(crc_so_far()); }
+  // The trailing CRC, then the bytes out of our buffer and the stream's.
+  void finish() {
+    integer(crc_so_far());
+    flush();
+    bool failed = false;
+    try {
+      os_.flush();
+    } catch (const std::ios_base::failure&) {  // an exception mask: report it our way
+      failed = true;
+    }
+    if (failed || !os_) fail(fn_, "writing failed: the stream's flush reported an error after " +
+                            std::to_string(written_) + " bytes");
+  }
+
+ private:
+  std::uint32_t crc_so_far() const noexcept {
+    return crc32_update(crc_, buf_.data(), used_) ^ 0xFFFFFFFFu;
+  }
+  void flush() {
+    crc_ = crc32_update(crc_, buf_.data(), used_);
+    bool failed = false;
+    try {
+      os_.write(reinterpret_cast<const char*>(buf_.data()), static_cast<std::streamsize>(used_));
+    } catch (const std::ios_base::failure&) {  // an exception mask: report it our way
+      failed = true;
+    }
+    if (failed || !os_)
+      fail(fn_, "writing failed after " + std::to_string(written_) + " bytes (disk full, or "
+                "the stream was closed?)");
+    written_ += used_;
+    used_ = 0;
+  }
+
+  std::ostream& os_;
+  const char* fn_;
+  std::array<unsigned char, 16384> buf_{};
+  std::size_t used_ = 0;
+  std::uint64_t written_ = 0;
+  std::uint32_t crc_ = 0xFFFFFFFFu;
+};
+
+// Reads up to n bytes; returns how many arrived (a short count at the end of the stream or
+// on an error, whatever the stream's exception mask).
+inline std::size_t read_some(std::istream& is, unsigned char* p, std::size_t n) {
+  std::size_t got = 0;
+  try {
+    is.read(reinterpret_cast<char*>(p), static_cast<std::streamsize>(n));
+    got = static_cast<std::size_t>(is.gcount());
+  } catch (const std::ios_base::failure&) {
+    got = static_cast<std::size_t>(is.gcount());
+  }
+  return got;
+}
+
+inline void read_exact(std::istream& is, const char* fn, unsigned char* p, std::size_t n,
+                       const char* what) {
+  const std::size_t got = read_some(is, p, n);
+  if (got != n)
+    fail(fn, "truncated file: expected " + std::to_string(n) + " bytes of " + what + ", got " +
+                 std::to_string(got));
+}
+
+// Bytes left in the stream when it can tell (a file, a string stream), or -1 (a pipe). Asks
+// the buffer directly: istream::seekg would set failbit on a stream that cannot seek.
+inline std::int64_t bytes_left(std::istream& is) {
+  std::streambuf* sb = is.rdbuf();
+  if (sb == nullptr) return -1;
+  const auto cur = sb->pubseekoff(0, std::ios_base::cur, std::ios_base::in);
+  if (cur == std::streampos(-1)) return -1;
+  const auto end = sb->pubseekoff(0, std::ios_base::end, std::ios_base::in);
+  const auto back = sb->pubseekpos(cur, std::ios_base::in);
+  if (end == std::streampos(-1) || back != cur || end < cur) return -1;
+  return static_cast<std::int64_t>(end - cur);
+}
+
+// Reads and checks the header: magic, version, its CRC, then the declared scalar type, kind
+// and shapes against what the caller asks for and the sanity bounds. Returns it and the CRC
+// register after it.
+template <class Scalar>
+Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::uint32_t& crc) {
+  if (!is) fail(fn, "the stream is not readable (its failbit or badbit is set)");
+  unsigned char h[kHeaderBytes];
+  read_exact(is, fn, h, 8, "magic number");
+  if (std::memcmp(h, kMagic.data(), 8) != 0)
+    fail(fn, "wrong magic number: not a linattn state file (or one that went through a "
+             "text-mode stream)");
+  read_exact(is, fn, h + 8, 4, "format version");
+  const std::uint32_t version = get_le<std::uint32_t>(h + 8);
+  if (version != kVersion && version != kVersion1)
+    fail(fn, "unsupported format version " + std::to_string(version) +
+                 " (this linattn reads versions " + std::to_string(kVersion1) + " and " +
+                 std::to_string(kVersion) + ")");
+  const std::size_t header_bytes = version == kVersion1 ? kHeaderBytesV1 : kHeaderBytes;
+  read_exact(is, fn, h + 12, header_bytes - 12, "header");
+  const std::uint32_t stored = get_le<std::uint32_t>(h + header_bytes - 4);
+  if (crc32(h, header_bytes - 4) != stored) fail(fn, "corrupted header: checksum mismatch");
+  crc = crc32_update(0xFFFFFFFFu, h, header_bytes);
+
+  Header hd;
+  hd.version = version;
+  hd.decay = version == kVersion1 ? 0 : get_le<std::uint64_t>(h + 56);
+  hd.scalar = get_le<std::uint32_t>(h + 12);
+  hd.kind = get_le<std::uint32_t>(h + 16);
+  hd.flags = get_le<std::uint32_t>(h + 20);
+  hd.heads = get_le<std::uint64_t>(h + 24);
+  hd.key_dim = get_le<std::uint64_t>(h + 32);
+  hd.F = get_le<std::uint64_t>(h + 40);
+  hd.M = get_le<std::uint64_t>(h + 48);
+  if (hd.scalar != kFloat && hd.scalar != kDouble)
+    fail(fn, "unknown scalar type code " + std::to_string(hd.scalar));
+  if (hd.scalar != scalar_code<Scalar>())
+    fail(fn, std::string("wrong scalar type: the file holds ") + scalar_name(hd.scalar) +
+                 ", not " + scalar_name(scalar_code<Scalar>()));
+  if (hd.kind < kKindState || hd.kind > (version == kVersion1 ? kKindMultiHead : kKindGated))
+    fail(fn, "unknown kind code " + std::to_string(hd.kind));
+  if (hd.kind != kind)
+    fail(fn, std::string("wrong kind: the file holds ") + kind_name(hd.kind) + ", not " +
+                 kind_name(kind));
+  if ((hd.flags & ~kFlagMaxima) != 0) fail(fn, "unknown flags " + std::to_string(hd.flags));
+  if (hd.heads == 0 || hd.heads > kMaxHeads || (kind != kKindMultiHead && hd.heads != 1))
+    fail(fn, "invalid head count " + std::to_string(hd.heads));
+  if ((kind == kKindState) != (hd.key_dim == 0) || hd.key_dim > kMaxDim)
+    fail(fn, "invalid key dimension " + std::to_string(hd.key_dim));
+  if (hd.decay != 0 && hd.decay != 1 && hd.decay != hd.F)
+    fail(fn, "invalid log-decay size " + std::to_string(hd.decay) + " (must be 0, 1 or F = " +
+                 std::to_string(hd.F) + ")");
+  if (hd.decay != 0 && hd.maxima())
+    fail(fn, "invalid log-decay size " + std::to_string(hd.decay) +
+                 ": a state with running maxima (SoftmaxSplit) has no log-decay");
+  if (kind == kKindGated && hd.decay != hd.F)
+    fail(fn, "invalid log-decay size " + std::to_string(hd.decay) +
+                 ": a RecurrentGatedAttention keeps F = " + std::to_string(hd.F) + " entries");
+  if (hd.F > kMaxDim || hd.M > kMaxDim ||
+      head_bytes(hd, sizeof(Scalar)) > kMaxPayloadBytes / hd.heads)
+    fail(fn, "absurd shape: F = " + std::to_string(hd.F) + ", M = " + std::to_string(hd.M) +
+                 ", " + std::to_string(hd.heads) + " head(s) (more than the " +
+                 std::to_string(kMaxPayloadBytes >> 30) + " GiB this loader accepts)");
+  return hd;
+}
+
+// One head's state and decoding position.
+template <class Scalar>
+struct HeadRecord {
+  LinearAttentionState<Scalar> state;
+  Index position = 0, unfolded = 0;
+};
+
+// Reads the payload and the trailing CRC after a checked header, verifies the CRC, and only
+// then decodes: nothing is allocated beyond the bytes that actually arrived (plus one chunk),
+// and nothing reaches the caller unless every byte checked out.
+template <class Scalar>
+std::vector<HeadRecord<Scalar>> read_payload(std::istream& is, const char* fn, const Header& hd,
+                                             std::uint32_t crc) {
+  constexpr std::uint64_t s = sizeof(Scalar);
+  const std::uint64_t total = hd.heads * head_bytes(hd, s) + 4;
+  if (total > std::uint64_t(std::numeric_limits<std::size_t>::max()))
+    fail(fn, "the state (" + std::to_string(total) + " bytes) is too large for this machine");
+  const std::int64_t left = bytes_left(is);
+  if (left >= 0 && std::uint64_t(left) < total)
+    fail(fn, truncation_message(hd, s, std::uint64_t(left)));
+  std::vector<unsigned char> buf;
+  if (left >= 0) buf.reserve(static_cast<std::size_t>(total));
+  std::uint64_t got = 0;
+  while (got < total) {
+    const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(kReadChunk, total - got));
+    buf.resize(static_cast<std::size_t>(got) + want);
+    const std::size_t n = read_some(is, buf.data() + got, want);
+    got += n;
+    if (n < want) fail(fn, truncation_message(hd, s, got));
+  }
+  const std::size_t body = static_cast<std::size_t>(total - 4);
+  const std::uint32_t stored = get_le<std::uint32_t>(buf.data() + body);
+  const std::uint32_t computed = crc32_update(crc, buf.data(), body) ^ 0xFFFFFFFFu;
+  if (stored != computed)
+    fail(fn, "corrupted data: checksum mismatch (stored " + std::to_string(stored) +
+                 ", computed " + std::to_string(computed) + ")");
+
+  const Index F = static_cast<Index>(hd.F), M = static_cast<Index>(hd.M);
+  const unsigned char* p = buf.data();
+  const auto get_scalars = [&p](Scalar* x, Index n) {
+    for (Index i = 0; i < n; ++i, p += s) {
+      const Bits<Scalar> b = get_le<Bits<Scalar>>(p);
+      std::memcpy(x + i, &b, sizeof b);
+    }
+  };
+  std::vector<HeadRecord<Scalar>> heads(static_cast<std::size_t>(hd.heads));
+  for (std::size_t h = 0; h < heads.size(); ++h) {
+    HeadRecord<Scalar>& r = heads[h];
+    const std::int64_t position = to_signed(get_le<std::uint64_t>(p));
+    const std::uint64_t unfolded = get_le<std::uint64_t>(p + 8);
+    p += kHeadPrefixBytes;
+    const std::string which = hd.heads > 1 ? "head " + std::to_string(h) + ": " : std::string();
+    if (hd.kind == kKindState && (position != 0 || unfolded != 0))
+      fail(fn, "invalid record: a LinearAttentionState has position 0 and 0 unfolded tokens, "
+               "the file says " + std::to_string(position) + " and " + std::to_string(unfolded));
+    if (hd.kind == kKindGated && unfolded != 0)
+      fail(fn, "invalid record: a RecurrentGatedAttention keeps no low part, so 0 unfolded "
+               "tokens, the file says " + std::to_string(unfolded));
+    if (unfolded >= std::uint64_t(RecurrentLinearAttention<>::kFoldTokens))
+      fail(fn, "invalid record: " + which + std::to_string(unfolded) +
+                   " unfolded tokens (at most " +
+                   std::to_string(RecurrentLinearAttention<>::kFoldTokens - 1) + ")");
+    r.position = static_cast<Index>(position);
+    r.unfolded = static_cast<Index>(unfolded);
+    auto& st = r.state;
+    st.S.resize(F, M);
+    st.S_lo.resize(F, M);
+    st.z.resize(F);
+    st.z_lo.resize(F);
+    get_scalars(st.S.data(), F * M);
+    get_scalars(st.S_lo.data(), F * M);
+    get_scalars(st.z.data(), F);
+    get_scalars(st.z_lo.data(), F);
+    if (hd.kind == kKindGated) {
+      const auto zero_bits = [](const Scalar* x, Index n) {
+        const Scalar zero(0);
+        for (Index i = 0; i < n; ++i)
+          if (std::memcmp(x + i, &zero, sizeof zero) != 0) return false;
+        return true;
+      };
+      if (!zero_bits(st.S_lo.data(), F * M) || !zero_bits(st.z_lo.data(), F))
+        fail(fn, "invalid record: a RecurrentGatedAttention keeps no low part, the file's "
+                 "S_lo or z_lo is not all zero bits");
+    }
+    if (hd.maxima()) {
+      st.m.resize(F);
+      get_scalars(st.m.data(), F);
+    }
+    if (hd.decay != 0) {
+      st.log_decay.resize(static_cast<Index>(hd.decay));
+      get_scalars(st.log_decay.data(), st.log_decay.size());
+    }
+  }
+  return heads;
+}
+
+// Writes a header (with its CRC) for the given shapes and log-decay entries per head.
+template <class Scalar>
+void write_header(Writer& w, std::uint32_t kind, bool maxima, Index heads, Index key_dim, Index F,
+                  Index M, Index decay) {
+  w.bytes(kMagic.data(), kMagic.size());
+  w.integer(kVersion);
+  w.integer(scalar_code<Scalar>());
+  w.integer(kind);
+  w.integer(std::uint32_t(maxima ? kFlagMaxima : 0));
+  w.integer(std::uint64_t(heads));
+  w.integer(std::uint64_t(key_dim));
+  w.integer(std::uint64_t(F));
+  w.integer(std::uint64_t(M));
+  w.integer(std::uint64_t(decay));
+  w.header_crc();
+}
+
+// One head record; empty low parts are written as zeros.
+template <class Scalar>
+void write_head(Writer& w, const LinearAttentionState<Scalar>& st, Index position, Index unfolded) {
+  const Index F = st.S.rows(), M = st.S.cols();
+  w.integer(from_signed(std::int64_t(position)));
+  w.integer(std::uint64_t(unfolded));
+  w.scalars(st.S.data(), F * M);
+  if (st.S_lo.size() != 0) w.scalars(st.S_lo.data(), F * M); else w.zeros<Scalar>(F * M);
+  w.scalars(st.z.data(), F);
+  if (st.z_lo.size() != 0) w.scalars(st.z_lo.data(), F); else w.zeros<Scalar>(F);
+  if (st.m.size() != 0) w.scalars(st.m.data(), F);
+  if (st.log_decay.size() != 0) w.scalars(st.log_decay.data(), st.log_decay.size());
+}
+
+// The log-decay entries of a state to save (0, 1 or F; 0 with running maxima), or
+// std::invalid_argument.
+template <class Scalar>
+Index decay_entries(const char* fn, const LinearAttentionState<Scalar>& st) {
+  const Index L = st.log_decay.size(), F = st.S.rows();
+  if (L != 0 && L != 1 && L != F)
+    throw_invalid(fn, "the state's log-decay has " + std::to_string(L) +
+                          " entries, not 0, 1 or F = " + std::to_string(F));
+  if (L != 0 && st.m.size() != 0)
+    throw_invalid(fn, "a state with running maxima (SoftmaxSplit) has no log-decay, this one "
+                      "has " + std::to_string(L) + " entries");
+  return L;
+}
+
+// A recurrent object's shapes against a header's, as runtime_error naming both.
+inline void check_object_shape(const char* fn, const Header& hd, const char* object,
+                               std::uint64_t heads, std::uint64_t key_dim, std::uint64_t F,
+                               std::uint64_t M, bool maxima) {
+  if (hd.heads == heads && hd.key_dim == key_dim && hd.F == F && hd.M == M && hd.maxima() == maxima)
+    return;
+  const auto describe = [](std::uint64_t h, std::uint64_t d, std::uint64_t f, std::uint64_t m,
+                           bool mx) {
+    return std::to_string(h) + " head(s) of D = " + std::to_string(d) + ", F = " +
+           std::to_string(f) + ", M = " + std::to_string(m) + (mx ? " with" : " without") +
+           " running maxima";
+  };
+  fail(fn, std::string("shape mismatch: the file holds ") +
+               describe(hd.heads, hd.key_dim, hd.F, hd.M, hd.maxima()) + ", this " + object +
+               " has " + describe(heads, key_dim, F, M, maxima));
+}
+
+}  // namespace io
+}  // namespace detail
+}  // namespace linattn
