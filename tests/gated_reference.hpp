@@ -26,6 +26,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "test_util.hpp"
@@ -320,6 +321,17 @@ inline Mat finite_difference(const Forward& f, const Mat& Q, const Mat& K, const
 /// max |a − b| / max |b|, or +inf on a shape mismatch or a non-finite entry.
 inline double relative_error(const test::CRefD& a, const test::CRefD& b) {
   return test::max_abs_diff(a, b) / std::max(test::max_abs(b), 1e-300);
+}
+
+/// The maps the gated tests run, by name; EluPlusOne is tested in the normalised form (its use
+/// with gates), the others unnormalised.
+inline const char* map_name(const linattn::Identity&) { return "Identity"; }
+inline const char* map_name(const linattn::Silu&) { return "Silu"; }
+inline const char* map_name(const linattn::L2Normalize<linattn::Silu>&) { return "L2Normalize<Silu>"; }
+inline const char* map_name(const linattn::EluPlusOne&) { return "EluPlusOne"; }
+template <class Phi>
+bool normalizes(const Phi&) {
+  return std::is_same_v<Phi, linattn::EluPlusOne>;
 }
 
 }  // namespace gref

@@ -89,16 +89,8 @@ double same_bound() {
 // Maps, options, inputs
 // ---------------------------------------------------------------------------------------------
 
-inline const char* map_name(const Identity&) { return "Identity"; }
-inline const char* map_name(const Silu&) { return "Silu"; }
-inline const char* map_name(const SiluL2&) { return "L2Normalize<Silu>"; }
-inline const char* map_name(const EluPlusOne&) { return "EluPlusOne"; }
-
-// EluPlusOne is tested in the normalised form (its use with gates), the others unnormalised.
-template <class Phi>
-bool normalizes(const Phi&) {
-  return std::is_same_v<Phi, EluPlusOne>;
-}
+using gref::map_name;
+using gref::normalizes;
 
 struct Algo {
   CausalAlgorithm algorithm;

@@ -58,15 +58,8 @@ constexpr double kAgreeFloat = 3e-6;
 // Float gradients against double gradients: measured at most 1.1e-6.
 constexpr double kFloatVsDouble = 4e-6;
 
-inline const char* map_name(const Identity&) { return "Identity"; }
-inline const char* map_name(const Silu&) { return "Silu"; }
-inline const char* map_name(const SiluL2&) { return "L2Normalize<Silu>"; }
-inline const char* map_name(const EluPlusOne&) { return "EluPlusOne"; }
-
-template <class Phi>
-bool normalizes(const Phi&) {
-  return std::is_same_v<Phi, EluPlusOne>;
-}
+using gref::map_name;
+using gref::normalizes;
 
 const char* gate_name(bool per_feature) { return per_feature ? "per-feature" : "scalar"; }
 
