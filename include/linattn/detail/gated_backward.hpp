@@ -362,15 +362,9 @@ struct GatedScratch final : WorkspaceExtension<Scalar> {
 
 // The decay matrix of a scalar-decay chunk: E(i, j) = exp(Σ_{j<l<=i} g_l) for j <= i (lower
 // triangle; each entry's exponent summed along its own stretch), as gated_chunk_scalar forms it.
-template <class Scalar, class GV, class EM>
+template <class GV, class EM>
 void scalar_decay_matrix(const GV& g, EM& E, Index b) {
-  for (Index j = 0; j < b; ++j) {
-    Scalar run = 0;
-    E(j, j) = 0;
-    for (Index i = j + 1; i < b; ++i) E(i, j) = run += g(i);
-    auto col = E.col(j).tail(b - j).array();
-    exp_nonpositive_inplace(col);
-  }
+  for (Index j = 0; j < b; ++j) scalar_decay_column(g, j, b, E.col(j).tail(b - j));
 }
 
 // The per-feature decayed products of a chunk's backward (spec §9.2), W read in its lower
@@ -388,10 +382,7 @@ void gated_decayed_product(const WM& W, const XM& X, const GB& gb, YM& Y, Worksp
   const Index b = X.rows(), F = X.cols();
   const auto tril = W.template triangularView<Eigen::Lower>();
   ColMajor c(ws.matrix(kSlotExtra, b, F).data(), b, F);
-  for (Index d = 0; d < F; ++d) {
-    Scalar run = 0;
-    for (Index i = 0; i < b; ++i) c(i, d) = run += gb(i, d);
-  }
+  forward_sums(gb, 0, b, c);
   const Scalar range = b > 0 ? -c.row(b - 1).minCoeff() : Scalar(0);
   if (range <= gated_factor_span<Scalar>()) {
     ColMajor t(ws.matrix(kSlotPrefix, b, F).data(), b, F);
@@ -419,20 +410,11 @@ void gated_decayed_product(const WM& W, const XM& X, const GB& gb, YM& Y, Worksp
   for (Index j0 = 0; j0 < b; j0 += s) {
     const Index sj = std::min(s, b - j0), r = j0 + sj - 1, n = b - 1 - r;
     auto ekj = ek.topRows(sj);
-    for (Index d = 0; d < F; ++d) {
-      Scalar acc = 0;
-      for (Index j = r; j >= j0; --j) {
-        ekj(j - j0, d) = acc;
-        acc += gb(j, d);
-      }
-    }
+    backward_sums(gb, j0, r, ekj);
     exp_nonpositive_inplace(ekj.array());
     if (n > 0) {
       auto frn = fr.topRows(n);
-      for (Index d = 0; d < F; ++d) {
-        Scalar acc = 0;
-        for (Index i = 0; i < n; ++i) frn(i, d) = acc += gb(r + 1 + i, d);
-      }
+      forward_sums(gb, r + 1, n, frn);
       exp_nonpositive_inplace(frn.array());
       const auto Wb = W.block(r + 1, j0, n, sj);
       if constexpr (!Transposed) {
@@ -451,11 +433,8 @@ void gated_decayed_product(const WM& W, const XM& X, const GB& gb, YM& Y, Worksp
     }
     // Pairs inside J. lp_i = Σ_{j0<l<=i} g_l; the block's range is -lp_r.
     auto lp = fr.topRows(sj);
-    for (Index d = 0; d < F; ++d) {
-      Scalar acc = 0;
-      lp(0, d) = 0;
-      for (Index i = 1; i < sj; ++i) lp(i, d) = acc += gb(j0 + i, d);
-    }
+    lp.row(0).setZero();
+    forward_sums(gb, j0 + 1, sj - 1, lp.bottomRows(sj - 1));
     const Scalar block_range = sj > 1 ? -lp.row(sj - 1).minCoeff() : Scalar(0);
     const auto Wd = W.block(j0, j0, sj, sj).template triangularView<Eigen::Lower>();
     if (block_range <= gated_factor_span<Scalar>()) {
@@ -532,16 +511,9 @@ void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& 
     ColMajor gb(w2.matrix(4, b, gw).data(), b, gw);
     gb = G.middleRows(r0, b);
     ColMajor eq(w2.matrix(5, b, gw).data(), b, gw), ek(w2.matrix(6, b, gw).data(), b, gw);
-    for (Index d = 0; d < gw; ++d) {
-      Scalar run = 0;
-      for (Index i = 0; i < b; ++i) eq(i, d) = run += gb(i, d);
-      decay(d) = run;
-      run = 0;
-      for (Index j = b; j-- > 0;) {
-        ek(j, d) = run;
-        run += gb(j, d);
-      }
-    }
+    forward_sums(gb, 0, b, eq);
+    backward_sums(gb, 0, b - 1, ek);
+    decay = eq.row(b - 1).transpose();
     const Scalar range = b > 0 ? -decay.minCoeff() : Scalar(0);
     exp_nonpositive_inplace(eq.array());
     exp_nonpositive_inplace(ek.array());
@@ -549,7 +521,7 @@ void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& 
     ColMajor A(w2.matrix(7, b, b).data(), b, b);
     if (!pf) {
       ColMajor E(w2.matrix(14, b, b).data(), b, b);
-      scalar_decay_matrix<Scalar>(gb.col(0), E, b);
+      scalar_decay_matrix(gb.col(0), E, b);
       A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
       A.template triangularView<Eigen::Lower>() = A.cwiseProduct(E);
     } else if (range <= gated_factor_span<Scalar>()) {

@@ -66,6 +66,41 @@ void exp_nonpositive_inplace(X&& x) {
   x = x.unaryExpr(exp_nonpositive_op<S>());
 }
 
+// The running sums every decay factor is the exponential of, each column added along its own
+// stretch of rows (never a difference of two prefix sums; see the file's comment):
+//   forward_sums:  out(i - first, d) = Σ_{first<=l<=i} g(l, d),   i in [first, first + n);
+//   backward_sums: out(j - first, d) = Σ_{j<l<=last} g(l, d),     j in [first, last].
+template <class GB, class Out>
+void forward_sums(const GB& g, Index first, Index n, Out&& out) {
+  using S = typename std::decay_t<Out>::Scalar;
+  for (Index d = 0; d < g.cols(); ++d) {
+    S run = 0;
+    for (Index i = 0; i < n; ++i) out(i, d) = run += g(first + i, d);
+  }
+}
+template <class GB, class Out>
+void backward_sums(const GB& g, Index first, Index last, Out&& out) {
+  using S = typename std::decay_t<Out>::Scalar;
+  for (Index d = 0; d < g.cols(); ++d) {
+    S run = 0;
+    for (Index j = last; j >= first; --j) {
+      out(j - first, d) = run;
+      run += g(j, d);
+    }
+  }
+}
+
+// Column j of a scalar-decay chunk's decay matrix: t(i - j) = exp(Σ_{j<l<=i} g_l) for i in
+// [j, b), summed from j + 1 (t(0) = 1).
+template <class GV, class T>
+void scalar_decay_column(const GV& g, Index j, Index b, T&& t) {
+  using S = typename std::decay_t<T>::Scalar;
+  t(0) = S(0);
+  forward_sums(g, j + 1, b - 1 - j, t.segment(1, b - 1 - j));
+  auto head = t.head(b - j).array();
+  exp_nonpositive_inplace(head);
+}
+
 // The log gates of rows [r0, r0 + b) into a column-major b x w buffer.
 template <class DG, class Buf>
 void copy_gates(const DG& G, Index r0, Index b, Buf& gb) {
@@ -91,25 +126,15 @@ void gated_chunk_scalar(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
   auto ek = ws.vector(kSlotPrefix, b);      // exp(Σ_{l>j} g_l): key j's decay to the chunk's end
   auto t = ws.vector(kSlotExtra, b);
   g = G.middleRows(r0, b).col(0);
-  Scalar run = 0;
-  for (Index i = 0; i < b; ++i) eq(i) = run += g(i);
-  const Scalar total = run;
-  run = 0;
-  for (Index j = b; j-- > 0;) {
-    ek(j) = run;
-    run += g(j);
-  }
+  forward_sums(g, 0, b, eq);
+  backward_sums(g, 0, b - 1, ek);
+  const Scalar total = eq(b - 1);
   exp_nonpositive_inplace(eq.array());
   exp_nonpositive_inplace(ek.array());
   A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
   for (Index j = 0; j < b; ++j) {
-    const Index n = b - j;
-    run = 0;
-    t(0) = 0;
-    for (Index i = 1; i < n; ++i) t(i) = run += g(j + i);
-    auto tn = t.head(n).array();
-    exp_nonpositive_inplace(tn);
-    A.col(j).tail(n).array() *= tn;
+    scalar_decay_column(g, j, b, t);
+    A.col(j).tail(b - j).array() *= t.head(b - j).array();
   }
   if (cfg.normalize) {
     // The chunk's own terms first, the carried z last (as causal_chunk: a large z would round
@@ -160,32 +185,20 @@ void gated_per_feature_scores(const PQ& pq, const PK& pk, const GB& gb, AM& A, I
   for (Index j0 = 0; j0 < b; j0 += s) {
     const Index sj = std::min(s, b - j0), r = j0 + sj - 1, n = b - 1 - r;
     auto ktj = kt.topRows(sj);
-    for (Index d = 0; d < F; ++d) {
-      Scalar run = 0;
-      for (Index j = r; j >= j0; --j) {
-        ktj(j - j0, d) = run;
-        run += gb(j, d);
-      }
-    }
+    backward_sums(gb, j0, r, ktj);
     exp_nonpositive_inplace(ktj.array());
     ktj.array() *= pk.middleRows(j0, sj).array();
     if (n > 0) {
       auto qtn = qt.topRows(n);
-      for (Index d = 0; d < F; ++d) {
-        Scalar run = 0;
-        for (Index i = 0; i < n; ++i) qtn(i, d) = run += gb(r + 1 + i, d);
-      }
+      forward_sums(gb, r + 1, n, qtn);
       exp_nonpositive_inplace(qtn.array());
       qtn.array() *= pq.bottomRows(n).array();
       A.block(r + 1, j0, n, sj).noalias() = qtn * ktj.transpose();
     }
     // The diagonal block. lp_i = Σ_{j0<l<=i} g_l; its range is -lp_r.
     auto lp = qt.topRows(sj);
-    for (Index d = 0; d < F; ++d) {
-      Scalar run = 0;
-      lp(0, d) = 0;
-      for (Index i = 1; i < sj; ++i) lp(i, d) = run += gb(j0 + i, d);
-    }
+    lp.row(0).setZero();
+    forward_sums(gb, j0 + 1, sj - 1, lp.bottomRows(sj - 1));
     const Scalar range = sj > 1 ? -lp.row(sj - 1).minCoeff() : Scalar(0);
     if (range <= gated_factor_span<Scalar>()) {
       // exp(lp_i - lp_j) = exp(lp_i) · exp(-lp_j), factors within e^{±T}.
@@ -232,16 +245,9 @@ void gated_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV&
   auto c = ws.matrix(kSlotPrefix, b, F);  // c_i, then exp(c_i)
   auto ck = ws.matrix(kSlotExtra, b, F);  // Σ_{l>j} g_l, then its exp
   auto decay = ws.vector(kSlotNormalizer, F);
-  for (Index d = 0; d < F; ++d) {
-    Scalar run = 0;
-    for (Index i = 0; i < b; ++i) c(i, d) = run += gb(i, d);
-    decay(d) = run;
-    run = 0;
-    for (Index j = b; j-- > 0;) {
-      ck(j, d) = run;
-      run += gb(j, d);
-    }
-  }
+  forward_sums(gb, 0, b, c);
+  backward_sums(gb, 0, b - 1, ck);
+  decay = c.row(b - 1).transpose();
   const Scalar range = -decay.minCoeff();
   exp_nonpositive_inplace(decay.array());
   exp_nonpositive_inplace(ck.array());
