@@ -39,19 +39,8 @@ struct EluPlusOne {
   void map(const Eigen::MatrixBase<Derived>& x,
            MatrixRef<typename Derived::Scalar> phi) const {
     using S = typename Derived::Scalar;
-    const detail::elu_plus_one_op<S> op;
-    if (detail::map_single_row(x, phi, [&op](auto& row) { row = row.unaryExpr(op); })) return;
-    if constexpr (detail::is_row_major_memory_v<Derived>) {
-      // Transposed into phi with packets, then mapped in place (see detail::copy_rows).
-      for (Index r0 = 0; r0 < x.rows(); r0 += detail::kMapRowBlock) {
-        const Index n = std::min(detail::kMapRowBlock, x.rows() - r0);
-        auto p = phi.middleRows(r0, n);
-        detail::copy_rows(x.middleRows(r0, n), p);
-        p.array() = p.array().unaryExpr(op);
-      }
-    } else {
-      phi.array() = x.array().unaryExpr(op);
-    }
+    // Row-major memory is transposed into phi with packets, then mapped in place.
+    detail::map_elementwise(x, phi, detail::elu_plus_one_op<S>());
   }
 
   /// \f$\nabla_x = \nabla_\varphi \odot \varphi'(x)\f$ with \f$\varphi'(x) = e^{\min(x, 0)}\f$.

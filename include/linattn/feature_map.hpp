@@ -51,6 +51,7 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -240,6 +241,26 @@ bool map_single_row(const Eigen::MatrixBase<Derived>& x, MatrixRef<typename Deri
   g(row);
   phi.row(0) = row.transpose().matrix();
   return true;
+}
+
+// The map of an elementwise functor op (operator() and packetOp, as Eigen's functors) over the
+// rows of x into phi: the recurrent step's single row through map_single_row; row-major memory
+// transposed into phi with packets (blocks that stay in cache) and mapped in place, since mixed
+// storage orders would be evaluated one scalar at a time; anything else in one pass.
+template <class Derived, class Op>
+void map_elementwise(const Eigen::MatrixBase<Derived>& x, MatrixRef<typename Derived::Scalar> phi,
+                     const Op& op) {
+  if (map_single_row(x, phi, [&op](auto& row) { row = row.unaryExpr(op); })) return;
+  if constexpr (is_row_major_memory_v<Derived>) {
+    for (Index r0 = 0; r0 < x.rows(); r0 += kMapRowBlock) {
+      const Index n = std::min(kMapRowBlock, x.rows() - r0);
+      auto p = phi.middleRows(r0, n);
+      copy_rows(x.middleRows(r0, n), p);
+      p.array() = p.array().unaryExpr(op);
+    }
+  } else {
+    phi.array() = x.array().unaryExpr(op);
+  }
 }
 
 }  // namespace detail

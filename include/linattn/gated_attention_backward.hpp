@@ -6,6 +6,7 @@
 #include <Eigen/Core>
 
 #include <string>
+#include <utility>
 
 #include "checks.hpp"
 #include "common.hpp"
@@ -79,6 +80,13 @@ void check_gated_states(const char* fn, const LinearAttentionState<Scalar>& init
     throw_invalid(fn, "the final state's gradient (dS is " + shape_of(d_final.dS) + ", dz has " +
                           std::to_string(d_final.dz.size()) + " entries) does not fit F = " +
                           std::to_string(F) + ", M = " + std::to_string(M));
+}
+
+// Uninitialised gradients of the shapes of Q, K, V and the log gates (the returning forms).
+template <class Scalar, class DQ, class DK, class DV, class DG>
+GatedGradients<Scalar> gated_gradients_like(const DQ& Q, const DK& K, const DV& V, const DG& G) {
+  AttentionGradients<Scalar> a = gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
+  return {std::move(a.dQ), std::move(a.dK), std::move(a.dV), Matrix<Scalar>(G.rows(), G.cols())};
 }
 
 // One head's backward on blocks of the caller's operands (the multi-head form's type too).
@@ -189,9 +197,7 @@ GatedGradients<typename DQ::Scalar> gated_linear_attention_backward(
     const Eigen::MatrixBase<DO>& dOut, const Phi& phi = Phi{}, const GatedOptions& options = {}) {
   using Scalar = typename DQ::Scalar;
   detail::check_qkv("gated_linear_attention_backward", Q, K, V, /*causal=*/true);
-  GatedGradients<Scalar> g{Matrix<Scalar>(Q.rows(), Q.cols()), Matrix<Scalar>(K.rows(), K.cols()),
-                           Matrix<Scalar>(V.rows(), V.cols()),
-                           Matrix<Scalar>(log_gates.rows(), log_gates.cols())};
+  auto g = detail::gated_gradients_like<Scalar>(Q, K, V, log_gates);
   LinearAttentionState<Scalar> initial;
   StateGradient<Scalar> none, d_initial;
   Workspace<Scalar> ws;
@@ -255,9 +261,7 @@ GatedGradients<typename DQ::Scalar> multihead_gated_linear_attention_backward(
     const Eigen::MatrixBase<DO>& dOut, Index heads, const Phi& phi = Phi{},
     const GatedOptions& options = {}, const ParallelOptions& par = {}) {
   using Scalar = typename DQ::Scalar;
-  GatedGradients<Scalar> g{Matrix<Scalar>(Q.rows(), Q.cols()), Matrix<Scalar>(K.rows(), K.cols()),
-                           Matrix<Scalar>(V.rows(), V.cols()),
-                           Matrix<Scalar>(log_gates.rows(), log_gates.cols())};
+  auto g = detail::gated_gradients_like<Scalar>(Q, K, V, log_gates);
   MultiHeadWorkspace<Scalar> ws;
   multihead_gated_linear_attention_backward(Q, K, V, log_gates, dOut, heads, phi, g.dQ, g.dK,
                                             g.dV, g.dlog_gates, ws, options, par);

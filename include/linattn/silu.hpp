@@ -137,22 +137,7 @@ struct Silu {
   void map(const Eigen::MatrixBase<Derived>& x,
            MatrixRef<typename Derived::Scalar> phi) const {
     using S = typename Derived::Scalar;
-    const detail::silu_op<S> op;
-    // The recurrent step's single row: through an aligned stack buffer, so that it is mapped
-    // with packets (a 1-row block of a column-major matrix is strided).
-    if (detail::map_single_row(x, phi, [&op](auto& row) { row = row.unaryExpr(op); })) return;
-    if constexpr (detail::is_row_major_memory_v<Derived>) {
-      // Mixed storage orders would be evaluated one scalar at a time: the rows are transposed
-      // into phi with packets (blocks that stay in cache), then mapped in place.
-      for (Index r0 = 0; r0 < x.rows(); r0 += detail::kMapRowBlock) {
-        const Index n = std::min(detail::kMapRowBlock, x.rows() - r0);
-        auto p = phi.middleRows(r0, n);
-        detail::copy_rows(x.middleRows(r0, n), p);
-        p.array() = p.array().unaryExpr(op);
-      }
-    } else {
-      phi.array() = x.array().unaryExpr(op);
-    }
+    detail::map_elementwise(x, phi, detail::silu_op<S>());
   }
 
   /// \f$\nabla_x = \nabla_\varphi \odot \varphi'(x)\f$ with
