@@ -15,6 +15,7 @@
 #include "detail/blocking.hpp"
 #include "detail/result.hpp"
 #include "detail/fast_exp.hpp"
+#include "detail/products.hpp"
 #include "detail/recurrent_block.hpp"
 #include "detail/sequence_split.hpp"
 #include "elu_plus_one.hpp"
@@ -173,53 +174,60 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
 
 // One chunk of the generic chunked form (spec §3):
 //   out_R = [φq S + tril(φq φkᵀ) V_R] / max(φq z + tril(φq φkᵀ) 1, ε),  S += φkᵀ V_R, z += φkᵀ 1.
+// Every product runs on the micro-kernel (products.hpp) with φq column-major and φk token-major,
+// the layouts it reads, and the values where they are (strided_rows).
 template <class Phi, class DQ, class DK, class DV, class Scalar, class Keep, class Out>
 void causal_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r0, Index b,
                   LinearAttentionState<Scalar>& st, const Keep& keep, Out& dst,
                   Workspace<Scalar>& ws) {
-  const Index F = st.S.rows();
+  const Index F = st.S.rows(), M = st.S.cols();
   auto A = ws.matrix(kSlotScores, b, b);
   auto den = ws.vector(kSlotRowA, b);
-  const auto vr = V.middleRows(r0, b);
-  auto ob = dst.middleRows(r0, b);
-  // pq, pk: the chunk's b x F features (with_mapped_rows: a buffer or a token-major view).
-  with_mapped_rows(phi, Q.middleRows(r0, b), F, kSlotPhiQ, ws, [&](auto&& pq) {
-    with_mapped_rows(phi, K.middleRows(r0, b), F, kSlotPhiK, ws, [&](auto&& pk) {
-      if constexpr (!std::is_same_v<Keep, NoMask>)
-        for (Index j = 0; j < b; ++j)
-          if (!keep(r0 + j)) pk.row(j).setZero();
-      A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
-      // The chunk's own terms first, the carried z last: added one by one to a large z, each
-      // term would be rounded against it (in float, lost entirely once z is 2^24 times larger).
-      den.setZero();
-      for (Index j = 0; j < b; ++j) den.tail(b - j) += A.col(j).tail(b - j);
-      den.noalias() += pq * st.z;
-      if constexpr (may_cancel_v<Phi>) {
-        // Is den_i rounding noise against |φq_i|·|z_i| (z_i: the prefix sum of φk up to row i),
-        // the same test as the recurrent form's? z_i from prefix sums down the chunk: O(b·F).
-        auto zi = ws.matrix(kSlotPrefix, b, F);
-        auto scale = ws.vector(kSlotRowB, b);
-        for (Index d = 0; d < F; ++d) {
-          Scalar running = st.z(d);
-          for (Index i = 0; i < b; ++i) zi(i, d) = std::abs(running += pk(i, d));
-        }
-        scale = pq.cwiseAbs().cwiseProduct(zi).rowwise().sum();
-        const Scalar t = cancellation_threshold<Scalar>(F);
-        den = (den.array() > t * scale.array()).select(den, Scalar(0));
-      }
-      invert_guarded(den);
-      // Scaling the rows of φq and A divides the output rows without touching the output
-      // twice.
-      pq.array().colwise() *= den.array();
-      for (Index j = 0; j < b; ++j) A.col(j).tail(b - j).array() *= den.tail(b - j).array();
-      ob.noalias() = pq * st.S;
-      ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
-      // The chunk's sums go into the low parts, then one exact fold: the state keeps its
-      // precision however long the sequence (see LinearAttentionState).
-      st.S_lo.noalias() += pk.transpose() * vr;
-      st.z_lo.noalias() += pk.colwise().sum().transpose();
-    });
+  auto pq = ws.matrix(kSlotPhiQ, b, F);
+  auto pkt = ws.matrix(kSlotKeys, F, b);  // column j: key j's features
+  map_column_major(phi, Q.middleRows(r0, b), pq, ws.matrix(kSlotExtra, F, b));
+  map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F));
+  if constexpr (!std::is_same_v<Keep, NoMask>)
+    for (Index j = 0; j < b; ++j)
+      if (!keep(r0 + j)) pkt.col(j).setZero();
+  // A = φq φkᵀ, whole; its strict upper triangle is set to 0 below.
+  product<Scalar>(b, b, F, {pq.data(), 1, b}, {pkt.data(), 1, F}, A.data(), 1, b, false, ws,
+                  kSlotProductA);
+  // The chunk's own terms first, the carried z last: added one by one to a large z, each
+  // term would be rounded against it (in float, lost entirely once z is 2^24 times larger).
+  den.setZero();
+  for (Index j = 0; j < b; ++j) den.tail(b - j) += A.col(j).tail(b - j);
+  den.noalias() += pq * st.z;
+  if constexpr (may_cancel_v<Phi>) {
+    // Is den_i rounding noise against |φq_i|·|z_i| (z_i: the prefix sum of φk up to row i),
+    // the same test as the recurrent form's? z_i from prefix sums down the chunk: O(b·F).
+    auto zi = ws.matrix(kSlotPrefix, b, F);
+    auto scale = ws.vector(kSlotRowB, b);
+    for (Index d = 0; d < F; ++d) {
+      Scalar running = st.z(d);
+      for (Index i = 0; i < b; ++i) zi(i, d) = std::abs(running += pkt(d, i));
+    }
+    scale = pq.cwiseAbs().cwiseProduct(zi).rowwise().sum();
+    const Scalar t = cancellation_threshold<Scalar>(F);
+    den = (den.array() > t * scale.array()).select(den, Scalar(0));
+  }
+  invert_guarded(den);
+  // Scaling the rows of φq and A divides the output rows without touching the output
+  // twice; with A's strict upper triangle 0, A multiplies V whole.
+  pq.array().colwise() *= den.array();
+  for (Index j = 0; j < b; ++j) {
+    A.col(j).head(j).setZero();
+    A.col(j).tail(b - j).array() *= den.tail(b - j).array();
+  }
+  const Strided<Scalar> vr = strided_rows(V.middleRows(r0, b), ws, kSlotProductB);
+  write_rows(dst.middleRows(r0, b), ws, kSlotPrefix, [&](Scalar* o, Index crs, Index ccs) {
+    product<Scalar>(b, M, F, {pq.data(), 1, b}, strided_of(st.S), o, crs, ccs, false, ws,
+                    kSlotProductA);
+    product<Scalar>(b, M, b, {A.data(), 1, b}, vr, o, crs, ccs, true, ws, kSlotProductA);
   });
+  // The chunk's sums go into the low parts, then one exact fold: the state keeps its
+  // precision however long the sequence (see LinearAttentionState).
+  absorb_token_major(pkt.data(), F, F, b, vr, st.S_lo, st.z_lo, ws);
   fold_state(st.S, st.S_lo, st.z, st.z_lo);
 }
 
@@ -234,7 +242,7 @@ template <class Phi, class DQ, class DK, class DV, class Scalar, class Keep, cla
 bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r0,
                               Index b, LinearAttentionState<Scalar>& st, const Keep& keep,
                               Out& dst, Workspace<Scalar>& ws) {
-  const Index F = st.S.rows();
+  const Index F = st.S.rows(), M = st.S.cols();
   auto E = ws.matrix(kSlotPhiK, b, F);
   auto Z = ws.matrix(kSlotPrefix, b, F);
   auto c = ws.vector(kSlotRowB, F);
@@ -280,12 +288,19 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
   auto A = ws.matrix(kSlotScores, b, b);
   phi.map(Q.middleRows(r0, b), pq);
   pq.array() /= Z.array();
-  const auto vr = V.middleRows(r0, b);
-  auto ob = dst.middleRows(r0, b);
-  A.template triangularView<Eigen::Lower>() = pq * E.transpose();
-  ob.noalias() = pq * st.S;
-  ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
-  st.S_lo.noalias() += E.transpose() * vr;
+  // As causal_chunk, on the micro-kernel; E (b x F) is column-major, read as φkᵀ by broadcast.
+  product<Scalar>(b, b, F, {pq.data(), 1, b}, {E.data(), b, 1}, A.data(), 1, b, false, ws,
+                  kSlotProductA);
+  for (Index j = 1; j < b; ++j) A.col(j).head(j).setZero();
+  const Strided<Scalar> vr = strided_rows(V.middleRows(r0, b), ws, kSlotProductB);
+  write_rows(dst.middleRows(r0, b), ws, kSlotExtra, [&](Scalar* o, Index crs, Index ccs) {
+    product<Scalar>(b, M, F, {pq.data(), 1, b}, strided_of(st.S), o, crs, ccs, false, ws,
+                    kSlotProductA);
+    product<Scalar>(b, M, b, {A.data(), 1, b}, vr, o, crs, ccs, true, ws, kSlotProductA);
+  });
+  const Strided<Scalar> s_lo = strided_of(st.S_lo);
+  product<Scalar>(F, M, b, {E.data(), b, 1}, vr, st.S_lo.data(), s_lo.rs, s_lo.cs, true, ws,
+                  kSlotProductA);
   fold_state(st.S, st.S_lo, st.z, st.z_lo);
   return true;
 }
@@ -336,8 +351,9 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
     // A chunk may fall back to the token path, whose buffers have other shapes: size every
     // slot for both now, so that repeated calls stay allocation-free whichever path runs.
     const Index c = std::min(C, N);
-    for (int slot : {kSlotPhiQ, kSlotPhiK, kSlotExtra, kSlotKeys, kSlotPrefix})
+    for (int slot : {kSlotPhiQ, kSlotPhiK, kSlotExtra, kSlotKeys, kSlotPrefix, kSlotProductB})
       ws.reserve(slot, c * std::max(F, M));
+    ws.reserve(kSlotProductA, c * std::max({c, F, M}));  // the products' copies (products.hpp)
     ws.reserve(kSlotScores, c * std::max(c, M));
     for (int slot : {kSlotNormalizer, kSlotRowA, kSlotRowB}) ws.reserve(slot, std::max(F, c));
   }

@@ -217,6 +217,23 @@ void map_token_major(const Phi& phi, const Eigen::MatrixBase<Derived>& x, Pt& pt
   }
 }
 
+// φ(x) into the column-major n x F buffer p: phi.map(x, p) itself, except for an elementwise
+// map of row-major x, which maps token-major into `scratch` (F x n) without a transpose of x
+// (Eigen would evaluate the mixed storage orders one scalar at a time) and transposes the
+// features with packets.
+template <class Phi, class Derived, class P, class Scratch>
+void map_column_major(const Phi& phi, const Eigen::MatrixBase<Derived>& x, P& p,
+                      Scratch&& scratch) {
+  if constexpr (maps_token_major_v<Phi, Derived>) {
+    phi.map(x.transpose(), scratch);
+    transpose_copy(scratch.data(), scratch.outerStride(), scratch.rows(), scratch.cols(),
+                   p.data(), p.outerStride());
+  } else {
+    (void)scratch;
+    phi.map(x, p);
+  }
+}
+
 // The largest block of rows a built-in map processes at once; its per-row scratch lives on
 // the stack, so the maps never allocate.
 inline constexpr Index kMapRowBlock = 256;

@@ -383,9 +383,9 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
           const Index h = hr.first + i;
           MatMap Si = S(i), S_lo(S_lo_all.data() + i * sS, F, M);
           VecMap zi = z(i), z_lo(z_lo_all.data() + i * sz, F);
-          const auto pk = pt.middleRows(i * D, D).transpose();
-          S_lo.noalias() += pk.transpose() * v.block(k0 + j0, h * M, r, M);
-          z_lo.noalias() += pk.colwise().sum().transpose();
+          absorb_token_major(pt.data() + i * D, pt.outerStride(), D, r,
+                             strided_rows(v.block(k0 + j0, h * M, r, M), w, kSlotProductB), S_lo,
+                             z_lo, w);
           fold_state(Si, S_lo, zi, z_lo);
         }
       }
@@ -396,7 +396,7 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
         auto den = w.vector(kSlotRowA, r);
         for (Index i = 0; i < hr.count; ++i) {
           auto pq = pt.middleRows(i * D, D).transpose();
-          read_state<Phi>(S(i), z(i), pq, den, dst.block(q0 + i0, (hr.first + i) * M, r, M));
+          read_state<Phi>(S(i), z(i), pq, den, dst.block(q0 + i0, (hr.first + i) * M, r, M), w);
         }
       }
       return;

@@ -14,6 +14,7 @@
 #include "common.hpp"
 #include "detail/blocking.hpp"
 #include "detail/fast_exp.hpp"
+#include "detail/products.hpp"
 #include "feature_map.hpp"
 #include "workspace.hpp"
 
@@ -292,11 +293,11 @@ void with_mapped_rows(const Phi& phi, const X& x, Index F, int slot, Workspace<S
   }
 }
 
-// Reads a folded state (low parts below an ulp of the high parts, which this read ignores) with
-// already-mapped query rows pq (n x F, overwritten): out = pq S · guarded_inverse(pq z), or for
-// per-feature key softmax out = (pq ./ z) S.
-template <class Phi, class SMat, class ZVec, class PQ, class Den, class Out>
-void read_state(const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out) {
+// Divides already-mapped query rows pq (n x F) by their denominators pq z (den: n scratch
+// entries), guarded, or for per-feature key softmax each feature by its z: then pq S is the
+// output.
+template <class Phi, class ZVec, class PQ, class Den>
+void normalize_queries(const ZVec& z, PQ& pq, Den& den) {
   if constexpr (normalizes_keys_per_feature_v<Phi>) {
     // z(d) == 0 only before any key: that feature then contributes nothing.
     for (Index d = 0; d < z.size(); ++d) pq.col(d) *= guarded_inverse(z(d));
@@ -311,7 +312,24 @@ void read_state(const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out) {
     invert_guarded(den);
     pq.array().colwise() *= den.array();
   }
+}
+
+// Reads a folded state (low parts below an ulp of the high parts, which this read ignores) with
+// already-mapped query rows pq (n x F, overwritten): out = pq S · guarded_inverse(pq z), or for
+// per-feature key softmax out = (pq ./ z) S. One row at a time (the recurrent step's read).
+template <class Phi, class SMat, class ZVec, class PQ, class Den, class Out>
+void read_state(const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out) {
+  normalize_queries<Phi>(z, pq, den);
   out.noalias() = pq * S;
+}
+
+// read_state() for a block of rows, with the product on the micro-kernel: pq is memory (a
+// column-major buffer or the transposed view of a token-major one), S column-major memory.
+template <class Phi, class SMat, class ZVec, class PQ, class Den, class Out, class Scalar>
+void read_state(const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out,
+                Workspace<Scalar>& ws) {
+  normalize_queries<Phi>(z, pq, den);
+  read_product(strided_of(pq), pq.rows(), pq.cols(), S, std::forward<Out>(out), ws);
 }
 
 // No key is masked.
@@ -369,8 +387,16 @@ void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, SMat& S_lo, 
       if constexpr (masked)  // after exp: a fully masked feature has m = -inf and NaN here
         for (Index j = 0; j < b; ++j)
           if (!keep(j0 + j)) pk.row(j).setZero();
-      S_lo.noalias() += pk.transpose() * V.middleRows(j0, b);
-      z_lo.noalias() += pk.colwise().sum().transpose();
+      // The micro-kernel reads φ(K) token-major (each token's features contiguous).
+      const Scalar* pkt = pk.data();
+      ws.reserve(kSlotKeys, F * b);  // for either storage order of K (see strided_rows)
+      if (!(bool(std::decay_t<decltype(pk)>::IsRowMajor) && pk.outerStride() == F)) {
+        Scalar* buf = ws.matrix(kSlotKeys, F, b).data();  // (the products use kSlotProduct*)
+        transpose_copy(pk.data(), pk.outerStride(), b, F, buf, F);
+        pkt = buf;
+      }
+      absorb_token_major(pkt, F, F, b, strided_rows(V.middleRows(j0, b), ws, kSlotProductB), S_lo,
+                         z_lo, ws);
       fold_state(S, S_lo, z, z_lo);
     };
     if constexpr (normalizes_keys_per_feature_v<Phi>) {

@@ -32,12 +32,14 @@ struct WorkspaceExtension {
 /// in it, so that the guarantee holds for a given thread count as well. Copying a Workspace
 /// copies its buffers (not that per-thread scratch); a copy is never needed for correctness.
 ///
-/// The kernels' matrix products are Eigen's. When Eigen itself runs products on several threads
-/// (OpenMP with Eigen::nbThreads() > 1, outside a parallel region), Eigen's parallel GEMM
-/// allocates its own blocking buffers; the guarantee is then void for the kernels that use
-/// GEMMs (non-causal, chunked causal, softmax). The recurrent step and the recurrent causal
-/// algorithm (the default) use no Eigen product and never allocate. Inside a parallel region,
-/// as in the multi-head kernels, Eigen's products run serially.
+/// The state products of the non-causal and causal forward kernels (S += φ(K)ᵀ V, φ(Q) S, the
+/// chunk's scores) run on linattn's own register-blocked micro-kernel and never allocate. The
+/// softmax kernels and the gradients still use Eigen's matrix products: when Eigen itself runs
+/// products on several threads (OpenMP with Eigen::nbThreads() > 1, outside a parallel region),
+/// Eigen's parallel GEMM allocates its own blocking buffers, and the guarantee is then void for
+/// those. The recurrent step and the recurrent causal algorithm (the default) use no matrix
+/// product and never allocate. Inside a parallel region, as in the multi-head kernels, Eigen's
+/// products run serially.
 ///
 /// \code
 /// linattn::Workspace<float> ws;
@@ -48,7 +50,7 @@ struct WorkspaceExtension {
 template <class Scalar>
 class Workspace {
  public:
-  static constexpr int kSlots = 16;
+  static constexpr int kSlots = 18;
 
   Workspace() = default;
   Workspace(const Workspace& other) : buffers_(other.buffers_) {}

@@ -34,6 +34,8 @@ enum Slot : int {
   kSlotBackwardA = 13,  // the recurrent causal backward's token-major buffers and state
   kSlotBackwardB = 14,
   kSlotBackwardC = 15,
+  kSlotProductA = 16,  // the state products' (products.hpp) copies: token-major features,
+  kSlotProductB = 17,  // a transposed state, values not readable in place
 };
 
 // Chunk length of the chunked causal algorithm when the caller does not choose one: a

@@ -1,0 +1,148 @@
+/// \file detail/microkernel.hpp
+/// \brief A register-blocked matrix-product kernel for the skinny shapes of linear attention
+/// (internal): C += A·B with m, n of a head's F, M (16 … 256) and k a block of tokens or F.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <utility>
+
+#include "../common.hpp"
+
+namespace linattn::detail {
+
+// Why not Eigen's GEMM for these products: at m, n ≤ 256 and k = 128 Eigen packs both operands
+// on every call and its AVX-512 float kernel keeps 12 accumulators of a 48 x 4 tile, so that
+// the products ran at 0.37 of this core's FMA peak (bench_roofline, docs/benchmarks.md). The
+// kernel below reads its operands where they are, in the layouts the attention kernels have
+// anyway, and keeps an MR-packet x NR tile of C in registers for the whole k loop:
+//   A: m x k, column-major (A(i, p) at a[i + p·lda]): the rows of the tile are contiguous.
+//   B: k x n, any strides (B(p, j) at b[p·bk + j·bn]): read one scalar at a time, broadcast.
+//   C: m x n, column-major (C(i, j) at c[i + j·ldc]).
+// With A a token-major buffer of features and B the caller's values, in either storage order,
+// no operand is copied or transposed. Instantiated once per scalar type: the kernels pass
+// pointers and strides, not Eigen expressions, so that each caller's layout does not
+// instantiate a GEMM of its own (compile time of every program that includes the library).
+//
+// Tile: NR columns and MR packets of rows, all NR·MR accumulators plus MR packets of A and one
+// broadcast in registers: 32 vector registers (AVX-512) hold 4 x 6 (24 accumulators, 4 + 6
+// loads per 24 FMAs), 16 registers (AVX, SSE, NEON without SVE) 2 x 6 (12 accumulators).
+#if defined(__AVX512F__) || defined(__aarch64__)
+inline constexpr int kMicroRegisters = 32;
+#else
+inline constexpr int kMicroRegisters = 16;
+#endif
+inline constexpr int kMicroRowPackets = kMicroRegisters >= 32 ? 4 : 2;
+inline constexpr int kMicroCols = 6;
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
+#endif
+
+// Calls f(integral_constant<int, I>) for I = 0 … N-1, unrolled at every optimisation level:
+// the tile's accumulators stay in registers only if every index into them is a constant.
+template <class F, int... I>
+EIGEN_ALWAYS_INLINE void unrolled(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class F>
+EIGEN_ALWAYS_INLINE void unrolled(F&& f) {
+  unrolled(std::forward<F>(f), std::make_integer_sequence<int, N>{});
+}
+
+// One MR-packet x NR tile: C(i0 … i0 + MR·P, j0 … j0 + nr) (+)= A(i0 …, 0 … k) B(0 … k, j0 …),
+// nr ≤ NR. Columns past nr repeat column j0 + nr - 1 (valid memory; their sums are dropped),
+// so that every tile runs the same unrolled code. Packet may be Scalar itself (rows one by one).
+template <class Packet, int MR, int NR, class Scalar>
+EIGEN_ALWAYS_INLINE void micro_tile(Index k, const Scalar* a, Index lda, const Scalar* b,
+                                    Index bk, Index bn, Index nr, Scalar* c, Index ldc,
+                                    bool accumulate) {
+  using namespace Eigen::internal;
+  constexpr Index P = unpacket_traits<Packet>::size;
+  const Scalar* bcol[NR];
+  unrolled<NR>([&](auto j) { bcol[j] = b + std::min<Index>(j, nr - 1) * bn; });
+  Packet acc[MR][NR];
+  unrolled<MR>([&](auto r) { unrolled<NR>([&](auto j) { acc[r][j] = pset1<Packet>(Scalar(0)); }); });
+  for (Index p = 0; p < k; ++p) {
+    Packet av[MR];
+    unrolled<MR>([&](auto r) { av[r] = ploadu<Packet>(a + p * lda + r * P); });
+    const Index off = p * bk;
+    unrolled<NR>([&](auto j) {
+      const Packet bv = pset1<Packet>(bcol[j][off]);
+      unrolled<MR>([&](auto r) { acc[r][j] = pmadd(av[r], bv, acc[r][j]); });
+    });
+  }
+  unrolled<NR>([&](auto j) {
+    if (j < nr) {
+      Scalar* cj = c + j * ldc;
+      unrolled<MR>([&](auto r) {
+        Packet x = acc[r][j];
+        if (accumulate) x = padd(x, ploadu<Packet>(cj + r * P));
+        pstoreu(cj + r * P, x);
+      });
+    }
+  });
+}
+
+// Rows [i0, i0 + MR·P) of C, every column.
+template <class Packet, int MR, class Scalar>
+void micro_rows(Index n, Index k, const Scalar* a, Index lda, const Scalar* b, Index bk,
+                Index bn, Scalar* c, Index ldc, bool accumulate) {
+  for (Index j0 = 0; j0 < n; j0 += kMicroCols)
+    micro_tile<Packet, MR, kMicroCols>(k, a, lda, b + j0 * bn, bk, bn,
+                                       std::min<Index>(kMicroCols, n - j0), c + j0 * ldc, ldc,
+                                       accumulate);
+}
+
+// Rows [0, m) of C with packets of type Packet, then the rest with half packets, down to
+// scalars: an odd F (65 for NormalizedCosine at D = 64) or a small one costs a few narrow tiles.
+template <class Packet, class Scalar>
+void micro_edge_rows(Index m, Index n, Index k, const Scalar* a, Index lda, const Scalar* b,
+                     Index bk, Index bn, Scalar* c, Index ldc, bool accumulate) {
+  using namespace Eigen::internal;
+  constexpr Index P = unpacket_traits<Packet>::size;
+  Index i = 0;
+  if constexpr (P > 1) {
+    for (; i + P <= m; i += P)
+      micro_rows<Packet, 1>(n, k, a + i, lda, b, bk, bn, c + i, ldc, accumulate);
+    using Half = typename unpacket_traits<Packet>::half;
+    if constexpr (unpacket_traits<Half>::size < P) {
+      micro_edge_rows<Half>(m - i, n, k, a + i, lda, b, bk, bn, c + i, ldc, accumulate);
+      return;
+    }
+  }
+  for (; i < m; ++i) micro_rows<Scalar, 1>(n, k, a + i, lda, b, bk, bn, c + i, ldc, accumulate);
+}
+
+/// C = A·B (accumulate = false) or C += A·B (true), in the layouts described above. m, n or k
+/// may be 0 (with k = 0, C = 0 or unchanged). Each entry is the sum over p = 0 … k-1 in order,
+/// from 0, then added to C: the same shape gives the same bits whatever the strides (a head of a
+/// packed buffer and a single-head call agree exactly). Rows past the last full packet go
+/// through narrower packets or scalars, where the compiler decides whether a·b + c is fused.
+template <class Scalar>
+void gemm_acc(Index m, Index n, Index k, const Scalar* a, Index lda, const Scalar* b, Index bk,
+              Index bn, Scalar* c, Index ldc, bool accumulate) {
+  using namespace Eigen::internal;
+  using Packet = typename packet_traits<Scalar>::type;
+  constexpr Index P = unpacket_traits<Packet>::size;
+  if (m <= 0 || n <= 0) return;
+  Index i = 0;
+  if constexpr (P > 1) {
+    constexpr Index MRP = kMicroRowPackets * P;
+    for (; i + MRP <= m; i += MRP)
+      micro_rows<Packet, kMicroRowPackets>(n, k, a + i, lda, b, bk, bn, c + i, ldc, accumulate);
+    if constexpr (kMicroRowPackets > 2) {
+      for (; i + 2 * P <= m; i += 2 * P)
+        micro_rows<Packet, 2>(n, k, a + i, lda, b, bk, bn, c + i, ldc, accumulate);
+    }
+  }
+  micro_edge_rows<Packet>(m - i, n, k, a + i, lda, b, bk, bn, c + i, ldc, accumulate);
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+}  // namespace linattn::detail
