@@ -109,6 +109,7 @@ class Run:
         self.cpu = float(entry["cpu_time"]) * unit
         self.iterations = int(entry.get("iterations", 0))
         self.counters = {k: v for k, v in entry.items() if isinstance(v, (int, float))}
+        self.label = str(entry.get("label", ""))
         self.error = entry.get("error_message") if entry.get("error_occurred") else None
 
     def get(self, key: str, default=None):
@@ -129,6 +130,7 @@ class Run:
 class Results:
     def __init__(self, directory: str):
         self.runs: list[Run] = []
+        roof_runs: list[Run] = []  # bench_roofline's: this core's limits, kept out of the kernels' tables
         self.fits: list[dict] = []
         self.contexts: dict[str, dict] = {}
         self.errors: list[str] = []
@@ -158,7 +160,8 @@ class Results:
                 if r.error:
                     self.errors.append(f"{r.name}: {r.error}")
                     continue
-                self.runs.append(r)
+                (roof_runs if r.kind.startswith("roofline_") else self.runs).append(r)
+        self.roof = Roofline(roof_runs, self.contexts)
         self.index: dict[tuple, Run] = {}
         for r in self.runs:
             self.index[r.family() + (("size", r.size),)] = r
@@ -195,6 +198,266 @@ def frac_of_gemm(res: Results, r: Run, cpu: bool = False) -> float | None:
         return None
     a, b = r.gflops(cpu), g.gflops(cpu)
     return a / b if a and b else None
+
+
+# ------------------------------------------------------------------------------------------------
+# The roofline (bench_roofline): this core's limits, and the kernels' place under them
+# ------------------------------------------------------------------------------------------------
+
+ROOF_LEVELS = ("L1", "L2", "L3", "mem")
+CACHE_LEVELS = ("L1", "L2", "L3")
+LEVEL_LABEL = {"L1": "L1", "L2": "L2", "L3": "L3", "mem": "memory"}
+# Sizes that place a working set in a level when the JSON's context does not list that cache (Google
+# Benchmark finds none in this VM): one core's L1D and L2, 48 KiB and 1 MiB, and the L3 its cores
+# share, 32 MiB, as on AMD Zen 4/5 (one CCD). Anything larger than L3 is taken to come from memory.
+DEFAULT_CACHE_BYTES = {"L1": 48 << 10, "L2": 1 << 20, "L3": 32 << 20}
+# The roofline table and plot: the configuration of the targets, one thread.
+ROOF_N = 16384
+ROOF_BATCHES = (1, 64)
+
+
+def cache_sizes(contexts: dict[str, dict]) -> tuple[dict[str, int], str]:
+    """L1D, L2 and L3 sizes (bytes) from the first context that lists caches (Google Benchmark's
+    `caches`: one entry per level and type, the size of one cache, L3 the whole of one shared
+    L3), the levels it lacks from DEFAULT_CACHE_BYTES; and where they came from, naming what was
+    assumed. A context that lists L1 and L2 but no L3 describes a core without one: no L3 level."""
+    for c in contexts.values():
+        found = {}
+        for cache in c.get("caches", []):
+            if cache.get("type", "").lower() in ("data", "unified") and cache.get("level") in (1, 2, 3) \
+                    and cache.get("size"):
+                found[f"L{cache['level']}"] = int(cache["size"])
+        if not found:
+            continue
+        if "L1" in found and "L2" in found and "L3" not in found:
+            return found, "the caches in the JSON's context, which lists no L3"
+        missing = [lv for lv in CACHE_LEVELS if lv not in found]
+        sizes = {lv: found.get(lv, DEFAULT_CACHE_BYTES[lv]) for lv in CACHE_LEVELS}
+        if not missing:
+            return sizes, "the caches in the JSON's context"
+        return sizes, ("the caches in the JSON's context; assumed " +
+                       ", ".join(f"{lv} {fmt_bytes(DEFAULT_CACHE_BYTES[lv])}" for lv in missing) + ", not listed")
+    return dict(DEFAULT_CACHE_BYTES), ("assumed, as on AMD Zen 4/5: L1D 48 KiB and L2 1 MiB per core, L3 32 MiB "
+                                       "shared; the JSON's context lists no caches")
+
+
+class Roofline:
+    """This core's limits measured by bench_roofline (falsy when it did not run): the FMA peak per
+    scalar type and per ISA, read and read + write bandwidths per level; and the cache sizes that
+    say in which level a working set lives."""
+
+    def __init__(self, runs: list[Run], contexts: dict[str, dict]):
+        self.peak: dict[str, Run] = {}              # dtype -> roofline_fma_peak_<dtype>
+        self.isa: dict[tuple[str, str], Run] = {}   # (dtype, isa) -> roofline_fma_isa
+        self.read: dict[str, Run] = {}              # level -> roofline_read_bw/<level>
+        self.rw: dict[str, Run] = {}                # level -> roofline_rw_bw/<level>
+        for r in runs:
+            parts = r.name.split("/")
+            if r.kind.startswith("roofline_fma_peak_"):
+                self.peak[r.kind.rsplit("_", 1)[1]] = r
+            elif r.kind == "roofline_fma_isa":
+                self.isa[(r.params.get("dtype", "?"), r.params.get("isa", "?"))] = r
+            elif r.kind in ("roofline_read_bw", "roofline_rw_bw") and len(parts) > 1:
+                (self.read if r.kind == "roofline_read_bw" else self.rw)[parts[1]] = r
+        self.cache_bytes, self.cache_source = cache_sizes(contexts)
+
+    def __bool__(self) -> bool:
+        return bool(self.peak or self.read or self.rw)
+
+    def peak_run(self, dtype: str = "f32", cpu: bool = False) -> Run | None:
+        """The fastest FMA run of `dtype`: roofline_fma_peak_<dtype> or one of the per-ISA runs
+        roofline_fma_isa/dtype:<dtype> (the same kernels; another process on the core can only
+        slow a run down, so the fastest is the best estimate of the peak)."""
+        runs = [r for r in [self.peak.get(dtype)] + [r for (d, _), r in self.isa.items() if d == dtype]
+                if r is not None and r.gflops(cpu)]
+        return max(runs, key=lambda r: r.gflops(cpu)) if runs else None
+
+    def gflops(self, dtype: str = "f32", cpu: bool = False) -> float | None:
+        """The FMA peak of one core (GFLOP/s) for `dtype`."""
+        r = self.peak_run(dtype, cpu)
+        return r.gflops(cpu) if r else None
+
+    def isa_of(self, dtype: str = "f32") -> str:
+        """The ISA the peak was timed with: the first word of its label."""
+        r = self.peak_run(dtype)
+        return r.label.split(" ", 1)[0] if r and r.label else "?"
+
+    def bandwidth(self, level: str, rw: bool = False, cpu: bool = False) -> float | None:
+        """Bytes per second of one core at `level`: read, or read + write (rw). Where the results
+        hold no read + write measurement of the level (older bench_roofline runs: none at L3 and
+        memory), its read bandwidth stands in."""
+        r = (self.rw.get(level) if rw else None) or self.read.get(level)
+        if r is None:
+            return None
+        t = r.cpu if cpu else r.wall
+        return bw_bytes(r) / t if t > 0 else None
+
+    def level_of(self, nbytes: float, threads: int = 1) -> str:
+        """The level a working set of `nbytes` (all threads together) lives in: the first cache it
+        fits, else memory. L1D and L2 are private: each thread's share (nbytes ÷ threads) must fit
+        one; L3 is shared by the cores: the whole must fit it."""
+        for lv in CACHE_LEVELS:
+            size = self.cache_bytes.get(lv)
+            if size and (nbytes if lv == "L3" else nbytes / max(threads, 1)) <= size:
+                return lv
+        return "mem"
+
+    def rw_fallback(self) -> list[str]:
+        """The levels measured for read but not for read + write (their read bandwidth stands in)."""
+        return [lv for lv in ROOF_LEVELS if lv in self.read and lv not in self.rw]
+
+    def ridge(self, level: str, rw: bool = False, dtype: str = "f32") -> float | None:
+        """Peak ÷ bandwidth (flop/byte): above it, a kernel whose data lives at `level` is
+        compute-bound."""
+        p, b = self.gflops(dtype), self.bandwidth(level, rw)
+        return p * 1e9 / b if p and b else None
+
+
+def bw_bytes(r: Run) -> float:
+    """Bytes one iteration of a bandwidth benchmark moves (as it counts them: the buffer times the
+    sweeps, twice for read + write)."""
+    buf, sweeps = r.get("buffer_bytes"), r.get("sweeps")
+    if buf and sweeps:
+        return float(buf) * float(sweeps) * (2.0 if r.kind == "roofline_rw_bw" else 1.0)
+    return float(r.get("GBps", 0.0)) * 1e9 * r.wall  # GBps: a rate over wall time
+
+
+def frac_of_peak(res: Results, r: Run | None, cpu: bool = False) -> float | None:
+    """Useful GFLOP/s of `r` ÷ the FMA peak of its scalar type (× its threads), same results
+    directory; None without a roofline or flops."""
+    if r is None:
+        return None
+    p = res.roof.gflops(r.params.get("dtype", "f32"), cpu)
+    g = r.gflops(cpu)
+    thr = int(r.params.get("thr", "1") or 1)
+    return g / (p * thr) if g and p else None
+
+
+def fmt_frac_peak(res: Results, r: Run | None, pct: bool = False) -> str:
+    x = frac_of_peak(res, r)
+    if x is None:
+        return "–"
+    return f"{x * 100:.0f} %" if pct else f"{x:.2f}"
+
+
+# Bytes a recurrent decode step moves, per byte of its state (state_bytes: S and z with their low
+# parts, the compensated sums): detail::recurrent_update_and_read reads S, S_lo, z and z_lo and
+# writes S_lo and z_lo back (the fold into S every kFoldTokens = 128 steps is not counted), so
+# 3·(F·M + F) floats a head against 2·(F·M + F) kept. The token's q, k, v and output
+# (4·(D + M) floats a head, 1.5 % at D = M = 64) are not counted either.
+DECODE_TRAFFIC = 1.5
+
+
+def decode_bw(res: Results, r: Run | None, softmax: bool = False) -> tuple[float | None, str]:
+    """(frac_of_bw, level) of a decode step (one iteration of `r`): bytes moved ÷ wall time ÷ the
+    bandwidth of the level its state lives in. Recurrent: DECODE_TRAFFIC × state_bytes at the
+    read + write bandwidth; softmax: its KV cache (state_bytes) read once. The level is decided
+    by the state's bytes per thread for L1 and L2, by all of them for the shared L3 (level_of); a
+    cache level's bandwidth counts once per thread (L1 and L2 are private, and each core reads the
+    L3 at its own rate: one core's measurement), memory's once (the bus is shared)."""
+    if r is None or not r.get("state_bytes"):
+        return None, ""
+    thr = int(r.params.get("thr", "1") or 1)
+    state = float(r.get("state_bytes"))
+    level = res.roof.level_of(state, thr)
+    bw = res.roof.bandwidth(level, rw=not softmax)
+    if not bw or r.wall <= 0:
+        return None, level
+    if level != "mem":
+        bw *= thr
+    moved = state if softmax else DECODE_TRAFFIC * state
+    return moved / r.wall / bw, level
+
+
+def cache_levels_text(roof: "Roofline") -> str:
+    """'L1 48.0 KiB, L2 1.0 MiB and L3 32.0 MiB (assumed …)': the sizes that place a working set."""
+    c = roof.cache_bytes
+    parts = [f"{lv} {fmt_bytes(c[lv])}" for lv in CACHE_LEVELS if c.get(lv)]
+    return (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts)) + \
+        f" ({roof.cache_source})"
+
+
+def rw_fallback_text(roof: "Roofline") -> str:
+    """' (L3, memory: the read bandwidth, no read + write measured there)', or ''."""
+    fb = roof.rw_fallback()
+    return (f" ({', '.join(LEVEL_LABEL[lv] for lv in fb)}: the read bandwidth, no read + write measured there)"
+            if fb else "")
+
+
+def decode_bw_note(res: Results) -> str:
+    """What the frac_of_bw columns of the decode-step tables assume."""
+    roof = res.roof
+    no_l3 = " (no L3 bandwidth in these results: a step whose states live in L3 shows –)" \
+        if roof and roof.cache_bytes.get("L3") and "L3" not in roof.read else ""
+    return ("frac_of_bw = bytes a step moves ÷ its wall time ÷ the bandwidth (`bench_roofline`) of the level the "
+            "states live in, named in parentheses. The recurrent step reads S, z and their compensated low parts and "
+            f"writes the low parts back ({DECODE_TRAFFIC:g} × the state kept; the token's q, k, v and output are not "
+            "counted), against the read + write bandwidth of that level" + rw_fallback_text(roof) + "; the softmax "
+            "step reads its KV cache once, against the read bandwidth. The level: the first cache the states fit, "
+            f"{cache_levels_text(roof)}, else memory; the states' bytes per thread against the private L1 and L2, "
+            "all threads' states against the shared L3" + no_l3 + ". With several threads a cache level's bandwidth "
+            "counts once per thread (L1 and L2 are private; each core reads the L3 at its own rate, though the "
+            "cores of a CCD share its capacity and other processes' data competes for it), memory's once (the bus "
+            "is shared)." + ("" if roof else " No bench_roofline runs in these results: the columns show –."))
+
+
+def fmt_bw_frac(x: tuple[float | None, str]) -> str:
+    f, level = x
+    return "–" if f is None else f"{f:.2f} ({LEVEL_LABEL.get(level, level)})"
+
+
+# The kernels of the roofline table: label, cost (kernel_cost) and how the measured run is found.
+ROOF_KERNELS = (
+    ("non-causal forward", "fwd", "mh_linear"),
+    ("causal forward (Auto)", "fwd", "mh_causal"),
+    ("non-causal backward", "bwd", "mh_train_linear"),
+    ("causal backward", "bwd", "mh_train_causal"),
+    ("decode step, B = 1", "decode", "serve_batched"),
+    ("decode step, B = 64", "decode", "serve_batched"),
+)
+
+
+def kernel_cost(cost: str, D: int, M: int, scalar_bytes: int = 4) -> tuple[float, float]:
+    """(useful flops, bytes) per token and head, F = D (EluPlusOne). Flops as the benchmarks count
+    them: 4·F·M for a forward (2 for the key's update of S, 2 for the query's read), 8·F·M for a
+    backward (bench_backward: R = φ(Q)ᵀ Ĝ, Ĝ Sᵀ, φ(K) R, V Rᵀ), 4·F·M for a decode step. Bytes: the
+    compulsory traffic of a sequence (the F×M state stays in cache): a forward reads q, k, v and
+    writes its output; a backward reads q, k, v, dOut and writes dQ, dK, dV; a decode step moves
+    its state (DECODE_TRAFFIC × S and z with their low parts)."""
+    F = D
+    if cost == "fwd":
+        return 4.0 * F * M, scalar_bytes * (2.0 * D + 2.0 * M)
+    if cost == "bwd":
+        return 8.0 * F * M, scalar_bytes * (4.0 * D + 3.0 * M)
+    return 4.0 * F * M, DECODE_TRAFFIC * scalar_bytes * 2.0 * (F * M + F)
+
+
+def roof_working_set(cost: str, D: int, M: int, n: int, heads: int = 8) -> tuple[float, bool]:
+    """(bytes, read + write?) of the data a kernel streams: n tokens × heads for a sequence (its
+    inputs and outputs, read-dominated: the read bandwidth), the n = B sequences' states for a decode
+    step (updated in place: the read + write bandwidth)."""
+    if cost == "decode":
+        return n * heads * 4.0 * 2.0 * (D * M + D), True
+    return n * heads * kernel_cost(cost, D, M)[1], False
+
+
+def roof_run(res: Results, label: str, kind: str, D: int, layout: str = "col") -> Run | None:
+    """The measured run of a roofline kernel: H = 8, float, 1 thread, N = ROOF_N (or the largest N
+    measured) and, for the decode step, B from its label."""
+    q = dict(TARGET, D=str(D), layout=layout)
+    if kind == "serve_batched":
+        b = int(label.rsplit("= ", 1)[1])
+        return res.find(kind, b, **dict(q, phi="elu"))
+    if kind.startswith("mh_train"):
+        q = dict(q, **{"pass": "bwd"})
+    ns = res.sizes(kind, **q)
+    if not ns and kind == "mh_causal":  # D = M = 128: bench_gated's plain causal reference
+        ns = res.sizes("gt_causal", **q, phi="elu", alg="auto")
+        n = ROOF_N if ROOF_N in ns else (ns[-1] if ns else None)
+        return gt_find(res, "gt_causal", n, **q, phi="elu", alg="auto") if n else None
+    if not ns:
+        return None
+    return res.find(kind, ROOF_N if ROOF_N in ns else ns[-1], **q)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,8 +522,9 @@ def table(header: list[str], rows: list[list[str]], align: str | None = None) ->
 # ------------------------------------------------------------------------------------------------
 
 
-def summary(res: Results) -> tuple[list[str], list[str]]:
-    """Markdown lines of the target summary, and warnings."""
+def summary(res: Results, roof_svg: str | None = None) -> tuple[list[str], list[str]]:
+    """Markdown lines of the target summary, and warnings. `roof_svg`: the roofline plot to link
+    from its section (relative to the Markdown file), if written."""
     L: list[str] = []
     warn: list[str] = []
     T = TARGET
@@ -271,6 +535,9 @@ def summary(res: Results) -> tuple[list[str], list[str]]:
         L.append(f"**{title}**")
         L.append("")
 
+    section("Roofline: this core's limits")
+    L += roofline_section(res, roof_svg)
+
     # 1. Non-causal linear vs its GEMMs, N >= 4096.
     section(f"1. Non-causal linear attention vs the GEMMs of the same shapes, N ≥ 4096 ({cfg})")
     rows = []
@@ -279,10 +546,10 @@ def summary(res: Results) -> tuple[list[str], list[str]]:
         g = res.gemm_for(r)
         rows.append([fmt_n(n), fmt_time(r.wall), fmt_time(r.cpu), fmt_time(g.wall if g else None),
                      fmt_time(g.cpu if g else None), fmt_ratio(frac_of_gemm(res, r)),
-                     fmt_ratio(frac_of_gemm(res, r, cpu=True))])
+                     fmt_ratio(frac_of_gemm(res, r, cpu=True)), fmt_frac_peak(res, r)])
     if rows:
         L += table(["N", "linear (wall)", "linear (cpu)", "GEMMs Kᵀ V, Q S (wall)", "GEMMs (cpu)",
-                    "frac_of_gemm", "frac (cpu time)"], rows)
+                    "frac_of_gemm", "frac (cpu time)", "frac_of_peak"], rows)
     else:
         L.append("(no multi-head linear runs with N ≥ 4096 in these results)")
 
@@ -298,10 +565,10 @@ def summary(res: Results) -> tuple[list[str], list[str]]:
         g = res.gemm_for(r)
         rows.append([fmt_n(n), fmt_time(r.wall), fmt_time(r.cpu), fmt_time(g.wall if g else None),
                      fmt_time(g.cpu if g else None), fmt_ratio(frac_of_gemm(res, r)),
-                     fmt_ratio(frac_of_gemm(res, r, cpu=True))])
+                     fmt_ratio(frac_of_gemm(res, r, cpu=True)), fmt_frac_peak(res, r)])
     if rows:
         L += table(["N", "causal (wall)", "causal (cpu)", "GEMMs (wall)", "GEMMs (cpu)", "frac_of_gemm",
-                    "frac (cpu time)"], rows)
+                    "frac (cpu time)", "frac_of_peak"], rows)
     L.append("")
     L.append("The paper's CPU algorithm, measured in the same run, is compared in table 8.")
     # Chunk sizes (single head) at the largest N.
@@ -314,7 +581,8 @@ def summary(res: Results) -> tuple[list[str], list[str]]:
                          and all(r.params.get(k) == v for k, v in DEFAULTS.items())),
                         key=lambda r: (r.params.get("alg"), int(r.params.get("chunk", 0)))):
             label = f"chunk {r.params['chunk']}" if r.params.get("alg") == "chunked" else r.params.get("alg")
-            cells.append(f"{label}: {fmt_time(r.wall)} (frac {fmt_ratio(frac_of_gemm(res, r))})")
+            cells.append(f"{label}: {fmt_time(r.wall)} (frac_of_gemm {fmt_ratio(frac_of_gemm(res, r))}, "
+                         f"frac_of_peak {fmt_frac_peak(res, r)})")
         L.append("")
         L.append(f"Single head, EluPlusOne, D = M = 64, N = {fmt_n(n)}: " + "; ".join(cells) + ".")
 
@@ -327,12 +595,12 @@ def summary(res: Results) -> tuple[list[str], list[str]]:
         c = res.find("mh_causal_softmax", n, alg="tiled", **T)
         g = res.gemm_for(r)
         rows.append([fmt_n(n), fmt_time(g.wall if g else None), fmt_time(r.wall), fmt_ratio(frac_of_gemm(res, r)),
-                     fmt_ratio(frac_of_gemm(res, r, cpu=True)), fmt_time(c.wall if c else None),
+                     fmt_ratio(frac_of_gemm(res, r, cpu=True)), fmt_frac_peak(res, r), fmt_time(c.wall if c else None),
                      fmt_ratio(frac_of_gemm(res, c) if c else None),
-                     fmt_ratio(frac_of_gemm(res, c, cpu=True) if c else None)])
+                     fmt_ratio(frac_of_gemm(res, c, cpu=True) if c else None), fmt_frac_peak(res, c)])
     if rows:
-        L += table(["N", "GEMMs (wall)", "softmax (wall)", "frac_of_gemm", "frac (cpu time)",
-                    "causal softmax (wall)", "frac_of_gemm", "frac (cpu time)"], rows)
+        L += table(["N", "GEMMs (wall)", "softmax (wall)", "frac_of_gemm", "frac (cpu time)", "frac_of_peak",
+                    "causal softmax (wall)", "frac_of_gemm", "frac (cpu time)", "frac_of_peak"], rows)
     else:
         L.append("(no multi-head softmax runs with N ≥ 2048 in these results)")
 
@@ -369,16 +637,19 @@ def summary(res: Results) -> tuple[list[str], list[str]]:
             sm_t.append(b.wall)
         rows.append([fmt_n(p), fmt_time(a.wall if a else None), fmt_time(a.cpu if a else None),
                      fmt_time(b.wall if b else None), fmt_ratio(b.wall / a.wall if a and b else None, 1),
-                     fmt_bytes(a.get("state_bytes") if a else None), fmt_bytes(b.get("state_bytes") if b else None)])
+                     fmt_bytes(a.get("state_bytes") if a else None), fmt_bytes(b.get("state_bytes") if b else None),
+                     fmt_bw_frac(decode_bw(res, a)), fmt_bw_frac(decode_bw(res, b, softmax=True))])
     if rows:
         L += table(["position", "recurrent step", "(cpu)", "softmax step", "softmax / recurrent",
-                    "recurrent state", "KV cache"], rows)
+                    "recurrent state", "KV cache", "recurrent frac_of_bw", "softmax frac_of_bw"], rows)
         if len(rec_t) > 1:
             L.append("")
             L.append(f"Flatness: recurrent step max/min over positions {max(rec_t) / min(rec_t):.2f} "
                      f"(1.00 = flat; last/first {rec_t[-1] / rec_t[0]:.2f}); softmax step last/first "
                      f"{(sm_t[-1] / sm_t[0]) if len(sm_t) > 1 else float('nan'):.1f} over a "
                      f"{pos[-1] // pos[0]}× longer cache.")
+        L.append("")
+        L.append(decode_bw_note(res))
     else:
         L.append("(no decode runs in these results)")
 
@@ -449,11 +720,12 @@ def summary(res: Results) -> tuple[list[str], list[str]]:
             col = res.find(lk, n, **T)
             rows.append([label, fmt_n(n), fmt_time(b.wall), fmt_time(b.cpu),
                          fmt_time(same.wall if same else None), speedup(b, same),
-                         fmt_time(col.wall if col else None), speedup(b, col)])
+                         fmt_time(col.wall if col else None), speedup(b, col),
+                         " / ".join(fmt_frac_peak(res, x) for x in (b, same, col))])
     if rows:
         L += table(["", "N", "paper (wall)", "paper (cpu)", "linattn, same [H, N, D] memory (wall)",
-                    "speed-up wall (cpu)", "linattn, column-major packed (wall)", "speed-up wall (cpu)"], rows,
-                   "llrrrrrr")
+                    "speed-up wall (cpu)", "linattn, column-major packed (wall)", "speed-up wall (cpu)",
+                    "frac_of_peak: paper / same memory / packed"], rows, "llrrrrrrr")
     else:
         L.append("(no mh_paper_* runs in these results)")
 
@@ -512,6 +784,114 @@ def summary(res: Results) -> tuple[list[str], list[str]]:
             f"{TARGET_GATED_FEATURE:.1f}×, decode step ≤ {TARGET_GATED_DECODE:.1f}× the plain recurrent step")
     L += gated_section(res, warn)
     return L, warn
+
+
+DTYPE_LABEL = {"f32": "float", "f64": "double"}
+
+
+def roofline_limits(res: Results) -> list[str]:
+    """The table of bench_roofline's measurements and the ridge points."""
+    roof = res.roof
+    used = {id(roof.peak_run(dt)) for dt in ("f32", "f64") if roof.peak_run(dt)}
+    fma = [(f"FMA peak, {DTYPE_LABEL[dt]} (`roofline_fma_peak_{dt}`)", roof.peak[dt]) for dt in ("f32", "f64")
+           if dt in roof.peak]
+    fma += [(f"FMA, {DTYPE_LABEL.get(dt, dt)}, {isa}", r) for (dt, isa), r in
+            sorted(roof.isa.items(), key=lambda kv: (kv[0][0], -float(kv[1].get("vector_bits", 0))))]
+    rows = []
+    for what, r in fma:
+        g = f"{fmt_ratio(r.gflops(), 1)} GFLOP/s"
+        rows.append([f"**{what}**" if id(r) in used else what, f"**{g}**" if id(r) in used else g,
+                     f"{fmt_ratio(r.gflops(cpu=True), 1)} GFLOP/s", escape_md(r.label)])
+    for what, src, rw in (("read", roof.read, False), ("read + write", roof.rw, True)):
+        for lv in ROOF_LEVELS:
+            r = src.get(lv)
+            if r:
+                bw, bw_cpu = roof.bandwidth(lv, rw), roof.bandwidth(lv, rw, cpu=True)
+                rows.append([f"{what} bandwidth, {LEVEL_LABEL[lv]} ({fmt_bytes(r.get('buffer_bytes'))} buffer)",
+                             f"{fmt_ratio(bw / 1e9 if bw else None, 1)} GB/s",
+                             f"{fmt_ratio(bw_cpu / 1e9 if bw_cpu else None, 1)} GB/s", escape_md(r.label)])
+    L = table(["limit (one core)", "wall time", "cpu time", "ISA, kernel"], rows, "lrrl")
+    peaks = [f"{DTYPE_LABEL[dt]} {roof.gflops(dt):.1f} GFLOP/s ({roof.isa_of(dt)})" for dt in ("f32", "f64")
+             if roof.gflops(dt)]
+    if peaks:
+        L += ["", "The peak of a scalar type (in bold) is its fastest FMA run, wall time: " + "; ".join(peaks) +
+              ". It divides the GFLOP/s of the frac_of_peak columns and caps the roofs below."]
+    ridges = [f"{LEVEL_LABEL[lv]} {roof.ridge(lv):.2f}" for lv in ROOF_LEVELS if roof.ridge(lv)]
+    ridges += [f"{LEVEL_LABEL[lv]} read + write {roof.ridge(lv, rw=True):.2f}" for lv in ROOF_LEVELS
+               if lv in roof.rw and roof.ridge(lv, rw=True)]
+    if ridges:
+        L += ["", "Ridge points, float (flop/byte; peak ÷ bandwidth: a kernel of higher arithmetic intensity whose "
+              "data lives at that level is compute-bound, of lower intensity bandwidth-bound): " + "; ".join(ridges) +
+              "."]
+    return L
+
+
+def roofline_kernels(res: Results) -> list[str]:
+    """Flops, bytes and intensity per token and head of the library's kernels, where each sits under the
+    roof, and the GFLOP/s measured (H = 8, float, one thread)."""
+    roof = res.roof
+    peak = roof.gflops("f32")
+    rows = []
+    for d in (64, 128):
+        for label, cost, kind in ROOF_KERNELS:
+            flops, nbytes = kernel_cost(cost, d, d)
+            inten = flops / nbytes
+            n = int(label.rsplit("= ", 1)[1]) if cost == "decode" else ROOF_N
+            ws, rw = roof_working_set(cost, d, d, n)
+            level = roof.level_of(ws)
+            ridge, bw = roof.ridge(level, rw), roof.bandwidth(level, rw)
+            roof_g = min(peak, inten * bw * 1e-9) if peak and bw else None
+            bound = ("compute" if inten > ridge else f"{LEVEL_LABEL[level]} bandwidth") if ridge else "–"
+            r = roof_run(res, label, kind, d)
+            g = r.gflops() if r else None
+            at = f" (N = {fmt_n(r.size)})" if r and cost != "decode" and r.size != ROOF_N else ""
+            rows.append([label, str(d), f"{flops:,.0f}", f"{nbytes:,.0f}", f"{inten:.2f}",
+                         fmt_bytes(ws) + (f" (B = {n})" if cost == "decode" else f" (N = {fmt_n(n)})"),
+                         LEVEL_LABEL[level] + (" (r + w)" if rw else ""), fmt_ratio(ridge), bound,
+                         fmt_ratio(roof_g, 1), (fmt_ratio(g, 1) + at) if g else "–",
+                         fmt_ratio(g / roof_g if g and roof_g else None)])
+    return table(["kernel", "D = M", "flop / token / head", "bytes / token / head", "flop / byte", "data (H = 8)",
+                  "lives in", "ridge", "bound", "roof GFLOP/s", "measured GFLOP/s", "measured ÷ roof"], rows,
+                 "lrrrrrlrlrrr")
+
+
+def roofline_section(res: Results, svg_name: str | None = None) -> list[str]:
+    """The section 'Roofline: this core's limits' of the summary: bench_roofline's figures, the
+    kernels' flops, bytes and place under the roof, and the plot."""
+    roof = res.roof
+    L: list[str] = []
+    if roof:
+        L.append("`bench_roofline`, one thread, same build as the kernels: the FMA peak is independent chains of "
+                 "vector FMAs held in registers (the ISA named is the one timed; the calibration figures of its "
+                 "label are the best 1 ms runs), the bandwidths a vectorised float sum (read) or x = x·a + b in "
+                 "place (read + write) over a buffer of the size given. Wall time is the figure used below; cpu "
+                 "time is given beside it (other processes on the core lower the wall-time figure).")
+        L.append("")
+        L += roofline_limits(res)
+    else:
+        L.append("(no bench_roofline runs in these results: the frac_of_peak and frac_of_bw columns below show –, "
+                 "and the table below gives the kernels' flops and bytes only)")
+    L += ["", f"The library's kernels{' under that roof' if roof else ''} (float, EluPlusOne so F = D, H = 8, one "
+          f"thread; sequences of N = {fmt_n(ROOF_N)} tokens, decode steps of B sequences; measured = useful GFLOP/s "
+          "of the run of that configuration in these results):", ""]
+    L += roofline_kernels(res)
+    L += ["", "Flops per token and head are those the benchmarks count (useful flops): 4·F·M for a forward, "
+          "non-causal or causal (2·F·M for the key's update of the state, 2·F·M for the query's read; the causal "
+          "kernel's in-chunk triangle is extra work, not counted), 8·F·M for a backward (`bench_backward`: the "
+          "four products R = φ(Q)ᵀ Ĝ, Ĝ Sᵀ, φ(K) R, V Rᵀ; its recomputations are not counted), 4·F·M for a "
+          "decode step. Bytes are the compulsory traffic: a forward reads q, k, v and writes its output "
+          "(4·(2·D + 2·M) bytes), a backward reads q, k, v, dOut and writes dQ, dK, dV (4·(4·D + 3·M)); the F×M "
+          "state stays in cache. A decode step moves its state: it reads S, z and their compensated low parts and "
+          f"writes the low parts back, {DECODE_TRAFFIC:g} × the state kept (`state_bytes` of bench_decode and "
+          "bench_serving: 2·(F·M + F) floats a head), 3·4·(F·M + F) bytes a head; its q, k, v and output are not "
+          f"counted. *Lives in*: the first cache its data fits, from its size against {cache_levels_text(roof)}; "
+          "larger is memory. The ridge is peak ÷ the bandwidth of that level, read bandwidth for a sequence's "
+          "read-dominated streams, read + write for the decode step's in-place update" + rw_fallback_text(roof) +
+          "; a kernel is compute-bound when its intensity exceeds the ridge, and its roof is min(peak, intensity × "
+          "bandwidth)."]
+    if svg_name:
+        L += ["", f"![roofline: GFLOP/s vs arithmetic intensity, log-log]({svg_name})"]
+    return L
 
 
 TARGET_GATED_SCALAR = 1.3
@@ -649,10 +1029,12 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
                 rows.append([d, SHORT_LAYOUT.get(lay, lay), fmt_n(n), fmt_time(c.wall),
                              fmt_time(s_.wall if s_ else None), speed_ratio(s_, c),
                              fmt_time(f_.wall if f_ else None), speed_ratio(f_, c),
-                             f"{pct(c)} / {pct(s_)} / {pct(f_)}"])
+                             f"{pct(c)} / {pct(s_)} / {pct(f_)}",
+                             " / ".join(fmt_frac_peak(res, x, pct=True) for x in (c, s_, f_))])
     if rows:
         L += table(["D = M", "layout", "N", "plain causal", "scalar decay", "÷ plain, wall (cpu)", "per-feature",
-                    "÷ plain, wall (cpu)", "% of GEMM: plain / scalar / per-feature"], rows, "rlrrrrrrr")
+                    "÷ plain, wall (cpu)", "% of GEMM: plain / scalar / per-feature",
+                    "% of peak (frac_of_peak): plain / scalar / per-feature"], rows, "rlrrrrrrrr")
     else:
         L.append("(no gt_causal runs in these results)")
 
@@ -721,14 +1103,15 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
                 cb = res.find("gt_train", n, **cq, **{"pass": "bwd"})
                 rows.append([SHORT_LAYOUT.get(lay, lay), g, fmt_n(n), fmt_time(f.wall if f else None), fmt_time(b.wall),
                              speed_ratio(b, f), fmt_time(cb.wall if cb else None), speed_ratio(b, cb),
-                             speed_ratio(f, cf), fmt_ratio(b.gflops(), 1), fmt_bytes(b.get("ws_bytes"))])
+                             speed_ratio(f, cf), fmt_ratio(b.gflops(), 1), fmt_frac_peak(res, b, pct=True),
+                             fmt_bytes(b.get("ws_bytes"))])
     L += ["", "Gradients, H = 8, D = M = 64 (`multihead_gated_linear_attention_backward` and "
           "`multihead_causal_linear_attention_backward` with a reused `MultiHeadWorkspace`, gradients in the inputs' "
           "layout; forwards likewise; useful flops of a backward 8·N·F·M per head):", ""]
     if rows:
         L += table(["layout", "gate", "N", "gated forward", "gated backward", "backward ÷ own forward, wall (cpu)",
                     "plain causal backward", "gated ÷ plain backward, wall (cpu)", "gated ÷ plain forward, wall (cpu)",
-                    "backward GFLOP/s", "backward working memory"], rows, "llrrrrrrrrr")
+                    "backward GFLOP/s", "backward % of peak", "backward working memory"], rows, "llrrrrrrrrrr")
     else:
         L.append("(not measured: this build has no multihead_gated_linear_attention_backward)")
     return L
@@ -744,12 +1127,14 @@ def serving_table(res: Results) -> list[str]:
             a, s = res.find("serve_batched", b, thr=t, **q), res.find("serve_separate", b, thr=t, **q)
             ta, ts = (a.get("tokens_per_s") if a else None), (s.get("tokens_per_s") if s else None)
             rows.append([t, str(b), f"{ta / 1e3:.1f} k" if ta else "–", f"{ts / 1e3:.1f} k" if ts else "–",
-                         fmt_ratio(ta / ts if ta and ts else None)])
+                         fmt_ratio(ta / ts if ta and ts else None), fmt_bytes(a.get("state_bytes") if a else None),
+                         fmt_bw_frac(decode_bw(res, a)), fmt_bw_frac(decode_bw(res, s))])
     if not rows:
         return ["(no serve_* runs in these results)"]
-    return table(["threads", "B", "batched step", "B separate steps", "batched ÷ separate"], rows, "rrrrr") + [
+    return table(["threads", "B", "batched step", "B separate steps", "batched ÷ separate", "states",
+                  "batched frac_of_bw", "separate frac_of_bw"], rows, "rrrrrrrr") + [
         "", "Separate steps on several threads: an OpenMP loop over the sequences (each sequence's heads stay on one "
-        "thread). Both compute the same values bit for bit (tests/test_serving.cpp)."]
+        "thread). Both compute the same values bit for bit (tests/test_serving.cpp).", "", decode_bw_note(res)]
 
 
 TARGET_SPLIT_SPEEDUP = 1.7
@@ -825,12 +1210,12 @@ def gradients(res: Results, warn: list[str]) -> list[str]:
                          f"{fmt_ms(fb.wall)} ({fmt_ms(fb.cpu)})" if fb else "–",
                          fmt_ratio(b.gflops(), 1),
                          f"{frac * 100:.0f} % ({frac_cpu * 100:.0f} %)" if frac and frac_cpu else "–",
-                         fmt_bytes(b.get("ws_bytes"))])
+                         fmt_frac_peak(res, b, pct=True), fmt_bytes(b.get("ws_bytes"))])
     if not rows:
         return ["(no gradient runs (bench_backward) in these results)"]
     L += table(["kernel", "layout", "N", "forward", "backward", "backward ÷ forward, wall (cpu)",
                 "fwd + bwd ms, wall (cpu)", "backward GFLOP/s", "backward % of GEMM, wall (cpu)",
-                "backward working memory"], rows, "llrrrrrrrr")
+                "backward % of peak (frac_of_peak)", "backward working memory"], rows, "llrrrrrrrrr")
     L.append("")
     L.append("Useful flops of the backward per head: 8·N·F·M for linear and causal linear attention (twice the "
              "forward's 4·N·F·M: the products R = φ(Q)ᵀ Ĝ, Ĝ Sᵀ, φ(K) R and V Rᵀ; the kernels' recomputation of "
@@ -997,12 +1382,14 @@ def ratio_table(res: Results, specs: list[tuple], target: float, warn: list[str]
         if last is None:
             continue
         n, w, c, x, y = last
-        rows.append([label] + cells + [f"{fmt_time(x.wall)} vs {fmt_time(y.wall)}"])
+        rows.append([label] + cells + [f"{fmt_time(x.wall)} vs {fmt_time(y.wall)}",
+                                       f"{fmt_frac_peak(res, x)} / {fmt_frac_peak(res, y)}"])
         if w > target and c > target:
             warn.append(f"{label}: {w:.2f} (cpu {c:.2f}) at N = {n}, above the target {target:.2f}")
     if not rows:
         return ["(not measured in these results)"]
-    return table(["", *[f"N = {fmt_n(n)}" for n in ns], "largest N (wall)"], rows, "l" + "r" * (len(ns) + 1))
+    return table(["", *[f"N = {fmt_n(n)}" for n in ns], "largest N (wall)",
+                  "frac_of_peak, largest N: variant / reference"], rows, "l" + "r" * (len(ns) + 2))
 
 
 def headline(res: Results, load_before: str, link: str) -> list[str]:
@@ -1040,6 +1427,10 @@ def headline(res: Results, load_before: str, link: str) -> list[str]:
             return "–"
         return f"{f:.2f} (cpu {c:.2f})" if busy and c else f"{f:.2f}"
 
+    def of_peak(r):  # nothing without bench_roofline's runs
+        x = frac_of_peak(res, r)
+        return f", {x:.2f} of this core's measured FMA peak" if x else ""
+
     def vs_paper(r, b, same, what):
         if not (r and b):
             return f"{what}: not measured in this run"
@@ -1054,10 +1445,10 @@ def headline(res: Results, load_before: str, link: str) -> list[str]:
     paper = "the paper's"
     rows = [
         ["non-causal linear attention",
-         f"{t(lin)}, {frac(lin)} of the throughput of its own GEMMs; "
+         f"{t(lin)}, {frac(lin)} of the throughput of its own GEMMs{of_peak(lin)}; "
          f"{vs_softmax(lin, sm, 'tiled softmax')}; {vs_paper(lin, pl, hl, paper + ' non-causal module')}"],
         ["causal linear attention",
-         f"{t(cau)}, {frac(cau)} of GEMM throughput (useful flops); "
+         f"{t(cau)}, {frac(cau)} of GEMM throughput (useful flops){of_peak(cau)}; "
          f"{vs_softmax(cau, csm, 'causal tiled softmax')}; {vs_paper(cau, pc, hc, paper + ' causal CPU algorithm')}"],
     ]
     if rl and rc:
@@ -1212,8 +1603,10 @@ def variant_label(kind: str, p: dict) -> str:
 
 
 def full_tables(res: Results) -> list[str]:
-    """One table per (kind, shape): rows N, a column per variant; cells wall time · GFLOP/s · frac."""
-    L: list[str] = ["", "Cells: wall time · useful GFLOP/s · frac_of_gemm (– where there is no GEMM reference)."]
+    """One table per (kind, shape): rows N, a column per variant; cells wall time · GFLOP/s · frac_of_gemm ·
+    frac_of_peak."""
+    L: list[str] = ["", "Cells: wall time · useful GFLOP/s · frac_of_gemm (– where there is no GEMM reference) · "
+                        "frac_of_peak (– without bench_roofline's runs or a flop count)."]
     groups: dict[tuple, dict[tuple, dict[int, Run]]] = {}
     for r in res.runs:
         vk = variant_keys(r.kind)
@@ -1240,7 +1633,8 @@ def full_tables(res: Results) -> list[str]:
             for v in variants:
                 r = groups[g][v].get(n)
                 row.append("–" if r is None else
-                           f"{fmt_time(r.wall)} · {fmt_ratio(r.gflops(), 1)} · {fmt_ratio(frac_of_gemm(res, r))}")
+                           f"{fmt_time(r.wall)} · {fmt_ratio(r.gflops(), 1)} · {fmt_ratio(frac_of_gemm(res, r))} · "
+                           f"{fmt_frac_peak(res, r)}")
             rows.append(row)
         L += table(header, rows)
     return L
@@ -1405,6 +1799,191 @@ def svg_plot(res: Results, path: str) -> bool:
                      'stroke="black" stroke-width="2.5"/>')
         else:
             o.append(f'<line x1="{lx + 13}" y1="{yy - 4}" x2="{lx + 41}" y2="{yy - 4}" stroke="black" stroke-width="2.5"/>')
+        o.append(f'<text x="{lx + 52}" y="{yy}">{escape(lab)}</text>')
+        yy += 22
+    o.append("</svg>")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(o) + "\n")
+    return True
+
+
+# Points of the roofline plot: label, cost (kernel_cost), kind, layout, colour, marker.
+ROOF_POINTS = (
+    ("non-causal", "fwd", "mh_linear", "col", "#1f77b4", "circle"),
+    ("causal", "fwd", "mh_causal", "col", "#2ca02c", "square"),
+    ("non-causal, row-major", "fwd", "mh_linear", "row", "#1f77b4", "open-circle"),
+    ("causal, row-major", "fwd", "mh_causal", "row", "#2ca02c", "open-square"),
+    ("backward, non-causal", "bwd", "mh_train_linear", "col", "#9467bd", "circle"),
+    ("backward, causal", "bwd", "mh_train_causal", "col", "#9467bd", "square"),
+    ("decode step, B = 1", "decode", "serve_batched", "col", "#d62728", "diamond"),
+    ("decode step, B = 64", "decode", "serve_batched", "col", "#ff7f0e", "diamond"),
+)
+ROOF_LINE_STYLE = {("L1", False): ("#444444", ""), ("L2", False): ("#777777", ""), ("L3", False): ("#8c564b", ""),
+                   ("mem", False): ("#aaaaaa", ""), ("L1", True): ("#444444", "6,4"), ("L2", True): ("#777777", "6,4"),
+                   ("L3", True): ("#8c564b", "6,4"), ("mem", True): ("#aaaaaa", "6,4")}
+
+
+def svg_marker(marker: str, cx: float, cy: float, color: str) -> str:
+    if marker.endswith("square"):
+        fill = "white" if marker.startswith("open") else color
+        return (f'<rect x="{cx - 4.5:.1f}" y="{cy - 4.5:.1f}" width="9" height="9" fill="{fill}" stroke="{color}" '
+                'stroke-width="1.8"/>')
+    if marker == "diamond":
+        return (f'<path d="M{cx:.1f},{cy - 6:.1f} L{cx + 6:.1f},{cy:.1f} L{cx:.1f},{cy + 6:.1f} '
+                f'L{cx - 6:.1f},{cy:.1f} Z" fill="{color}"/>')
+    fill = "white" if marker.startswith("open") else color
+    return f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4.5" fill="{fill}" stroke="{color}" stroke-width="1.8"/>'
+
+
+def place_labels(points: list[tuple[float, float, str]], obstacles: list[tuple[float, float, float, float]],
+                 bounds: tuple[float, float, float, float], char_w: float = 7.0,
+                 line_h: float = 15.0) -> list[tuple[float, float, str, str]]:
+    """Positions (x, y of the text baseline, anchor, text), in the order given, for labels of points (x, y,
+    text), placed from the top down: right of the
+    point, else moved up or down, else left of it, so that no two labels and no label and marker overlap
+    (as far as the candidates allow). obstacles: boxes (x0, y0, x1, y1); bounds: the plot area."""
+    placed: list[tuple[float, float, float, float]] = []
+    out: list[tuple[float, float, str, str]] = [(0.0, 0.0, "start", "")] * len(points)
+    bx0, by0, bx1, by1 = bounds
+
+    def free(box):
+        x0, y0, x1, y1 = box
+        if x0 < bx0 or x1 > bx1 or y0 < by0 or y1 > by1:
+            return False
+        return all(x1 <= a0 or x0 >= a1 or y1 <= b0 or y0 >= b1 for a0, b0, a1, b1 in placed + obstacles)
+
+    for k in sorted(range(len(points)), key=lambda k: points[k][1]):  # top to bottom
+        px, py, text = points[k]
+        w = char_w * len(text)
+        choice = None
+        for dy in [0.0] + [s * k * line_h for k in range(1, 9) for s in (1, -1)]:
+            for side in ("start", "end"):
+                x0 = px + 9 if side == "start" else px - 9 - w
+                box = (x0, py + dy - 10, x0 + w, py + dy + 4)
+                if free(box):
+                    choice = (px + 9 if side == "start" else px - 9, py + dy + 4, side, box)
+                    break
+            if choice:
+                break
+        if choice is None:
+            choice = (px + 9, py + 4, "start", (px + 9, py - 10, px + 9 + w, py + 4))
+        placed.append(choice[3])
+        out[k] = (choice[0], choice[1], choice[2], text)
+    return out
+
+
+def roofline_plot(res: Results, path: str) -> bool:
+    """docs/roofline_plot.svg: log-log GFLOP/s against arithmetic intensity, the roofs measured by
+    bench_roofline (FMA peak, float; read bandwidth of L1, L2, L3 and memory, read + write of the
+    same levels dashed) and a point per kernel (H = 8, D = M = 64, float, one thread, N = ROOF_N). False without
+    bench_roofline's float peak."""
+    roof = res.roof
+    peak = roof.gflops("f32")
+    if not peak:
+        return False
+    pts = []
+    for label, cost, kind, layout, color, marker in ROOF_POINTS:
+        r = roof_run(res, label, kind, 64, layout)
+        g = r.gflops() if r else None
+        if g:
+            flops, nbytes = kernel_cost(cost, 64, 64)
+            at = f", N = {fmt_n(r.size)}" if cost != "decode" and r.size != ROOF_N else ""
+            pts.append((f"{label}: {g:.1f}{at}", flops / nbytes, g, color, marker))
+    roofs = []  # (label, bandwidth in bytes/s, colour, dash)
+    for rw in (False, True):
+        for lv in ROOF_LEVELS:
+            if (lv, rw) in ROOF_LINE_STYLE and lv in (roof.rw if rw else roof.read):
+                bw = roof.bandwidth(lv, rw)
+                color, dash = ROOF_LINE_STYLE[(lv, rw)]
+                roofs.append((f"{'read + write' if rw else 'read'}, {LEVEL_LABEL[lv]}: {bw / 1e9:.1f} GB/s", bw, color,
+                              dash))
+
+    W, H = 900, 620
+    ml, mr, mt, mb = 90, 30, 60, 70
+    pw, ph = W - ml - mr, H - mt - mb
+    xs = [p[1] for p in pts] + [peak * 1e9 / bw for _, bw, _, _ in roofs]
+    if not xs:
+        return False
+    ys = [p[2] for p in pts] + [peak]
+    x0, x1 = math.floor(math.log10(min(xs) / 2)), math.ceil(math.log10(max(xs) * 3))
+    y0, y1 = math.floor(math.log10(min(ys) / 2)), math.ceil(math.log10(peak * 1.5))
+    if x1 - x0 < 2:
+        x1 = x0 + 2
+    if y1 - y0 < 2:
+        y0 = y1 - 2
+
+    def X(v):
+        return ml + (math.log10(v) - x0) / (x1 - x0) * pw
+
+    def Y(v):
+        return mt + ph - (math.log10(v) - y0) / (y1 - y0) * ph
+
+    o: list[str] = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+        'font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="13">',
+        f'<rect x="0" y="0" width="{W}" height="{H}" fill="white"/>',
+        f'<text x="{W / 2:.0f}" y="28" text-anchor="middle" font-size="17" font-weight="bold">'
+        'linattn under the roofline of one core</text>',
+        f'<text x="{W / 2:.0f}" y="47" text-anchor="middle" fill="#444">float, H = 8, D = M = 64, N = {fmt_n(ROOF_N)}, '
+        'one thread; roofs from bench_roofline, same run (wall time) — log-log</text>']
+    for e in range(y0, y1 + 1):
+        y = Y(10.0 ** e)
+        o.append(f'<line x1="{ml}" y1="{y:.1f}" x2="{ml + pw}" y2="{y:.1f}" stroke="#cccccc"/>')
+        o.append(f'<text x="{ml - 9}" y="{y + 4:.1f}" text-anchor="end">{10.0 ** e:g}</text>')
+        for m in range(2, 10) if e < y1 else ():
+            ym = Y(m * 10.0 ** e)
+            o.append(f'<line x1="{ml}" y1="{ym:.1f}" x2="{ml + pw}" y2="{ym:.1f}" stroke="#f0f0f0"/>')
+    for e in range(x0, x1 + 1):
+        x = X(10.0 ** e)
+        o.append(f'<line x1="{x:.1f}" y1="{mt}" x2="{x:.1f}" y2="{mt + ph}" stroke="#cccccc"/>')
+        o.append(f'<text x="{x:.1f}" y="{mt + ph + 21}" text-anchor="middle">{10.0 ** e:g}</text>')
+        for m in range(2, 10) if e < x1 else ():
+            xm = X(m * 10.0 ** e)
+            o.append(f'<line x1="{xm:.1f}" y1="{mt}" x2="{xm:.1f}" y2="{mt + ph}" stroke="#f0f0f0"/>')
+    o.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="black"/>')
+    o.append(f'<text x="{ml + pw / 2:.0f}" y="{H - 22}" text-anchor="middle" font-size="14">arithmetic intensity '
+             '(useful flop per byte of compulsory traffic; log scale)</text>')
+    o.append(f'<text transform="translate(22,{mt + ph / 2:.0f}) rotate(-90)" text-anchor="middle" '
+             'font-size="14">GFLOP/s (useful flops; log scale)</text>')
+    # Roofs: each bandwidth's slope up to its ridge point, then the FMA peak.
+    lo_i, hi_i = 10.0 ** x0, 10.0 ** x1
+    for _, bw, color, dash in roofs:
+        ridge = peak * 1e9 / bw
+        a = max(lo_i, 10.0 ** y0 * 1e9 / bw)
+        if a < ridge:
+            dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+            o.append(f'<line x1="{X(a):.1f}" y1="{Y(a * bw * 1e-9):.1f}" x2="{X(ridge):.1f}" y2="{Y(peak):.1f}" '
+                     f'stroke="{color}" stroke-width="2.2"{dash_attr}/>')
+    left = min([peak * 1e9 / bw for _, bw, _, _ in roofs] or [lo_i])
+    o.append(f'<line x1="{X(max(left, lo_i)):.1f}" y1="{Y(peak):.1f}" x2="{X(hi_i):.1f}" y2="{Y(peak):.1f}" '
+             'stroke="black" stroke-width="2.5"/>')
+    o.append(f'<text x="{ml + pw - 6}" y="{Y(peak) - 7:.1f}" text-anchor="end">FMA peak, float '
+             f'({escape(roof.isa_of("f32"))}): {peak:.1f} GFLOP/s</text>')
+    # Points and their labels.
+    markers = [(X(i) - 6, Y(g) - 6, X(i) + 6, Y(g) + 6) for _, i, g, _, _ in pts]
+    for _, i, g, color, marker in pts:
+        o.append(svg_marker(marker, X(i), Y(g), color))
+    peak_label = (ml + pw - 6 - 7.0 * 48, Y(peak) - 20, ml + pw, Y(peak) - 3)
+    labels = place_labels([(X(i), Y(g), text) for text, i, g, _, _ in pts], markers + [peak_label],
+                          (ml + 2, mt + 2, ml + pw - 2, mt + ph - 2), char_w=6.6)
+    for (tx, ty, anchor, text), (_, i, g, color, _) in zip(labels, pts):
+        px, py = X(i), Y(g)
+        if abs(ty - 4 - py) > 6:
+            o.append(f'<line x1="{px:.1f}" y1="{py:.1f}" x2="{tx + (-3 if anchor == "start" else 3):.1f}" '
+                     f'y2="{ty - 4:.1f}" stroke="{color}" stroke-width="0.8"/>')
+        o.append(f'<text x="{tx:.1f}" y="{ty:.1f}" text-anchor="{anchor}" font-size="12" fill="{color}">'
+                 f'{escape(text)}</text>')
+    # Legend of the roofs (bottom right: below the slopes, where no kernel sits).
+    lw, lh = 330, 22 * len(roofs) + 30
+    lx, ly = ml + pw - lw - 12, mt + ph - lh - 12
+    o.append(f'<rect x="{lx}" y="{ly}" width="{lw}" height="{lh}" fill="white" fill-opacity="0.92" stroke="#888888"/>')
+    o.append(f'<text x="{lx + 10}" y="{ly + 18}" font-weight="bold">bandwidth roofs (GFLOP/s = I × GB/s)</text>')
+    yy = ly + 40
+    for lab, _, color, dash in roofs:
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        o.append(f'<line x1="{lx + 10}" y1="{yy - 4}" x2="{lx + 44}" y2="{yy - 4}" stroke="{color}" '
+                 f'stroke-width="2.2"{dash_attr}/>')
         o.append(f'<text x="{lx + 52}" y="{yy}">{escape(lab)}</text>')
         yy += 22
     o.append("</svg>")
@@ -1673,8 +2252,8 @@ def write_markdown(res: Results, path: str, svg_name: str | None, command: str, 
          "## How to reproduce", "", "```sh", command, "```", "",
          "`bash .ci/bench` configures and builds `build/bench` (Release, `-O3 -march=native`, OpenMP), runs "
          "`benchmarks/run.sh` (JSON in `build/bench/results/`), then `benchmarks/report.py`, which prints the "
-         "summary and rewrites this page and `docs/benchmark_plot.svg`. `--full` runs the full sweep "
-         "(N to 65536, D = M ∈ {32, 64, 128}); `--smoke` only the smallest sizes.", "",
+         "summary and rewrites this page, `docs/benchmark_plot.svg` and `docs/roofline_plot.svg`. `--full` runs the "
+         "full sweep (N to 65536, D = M ∈ {32, 64, 128}); `--smoke` only the smallest sizes.", "",
          "## Machine", ""]
     L += table(["", ""], [[k, escape_md(v)] for k, v in machine_info(res, load_before)], "ll")
     L += ["", noise, ""]
@@ -1692,6 +2271,24 @@ def write_markdown(res: Results, path: str, svg_name: str | None, command: str, 
           "and the block stays in L2 (same flops), with the keys stored transposed beforehand (Kᵀ packs "
           "fastest that way; the reference is the best these products do). Multi-head references run the per-head products over the packed layout with the same "
           "number of threads.",
+          "- **frac_of_peak** = kernel GFLOP/s (useful flops, wall time) ÷ the FMA peak of the same scalar type "
+          "measured by `bench_roofline` in the same results (the fastest of `roofline_fma_peak_f32` and the per-ISA "
+          "`roofline_fma_isa/dtype:f32/…`, or their f64 counterparts: independent chains of vector FMAs held in "
+          "registers, one thread; × the threads of a multi-threaded run). It says how much of the core's "
+          "arithmetic a kernel turns into useful work: extra arithmetic (the causal chunks' triangles, the "
+          "compensated sums' adds, a backward's recomputations) is not counted. \"–\" when the results hold no "
+          "`bench_roofline` run.",
+          "- **frac_of_bw** (decode steps) = bytes a step moves ÷ its wall time ÷ the bandwidth `bench_roofline` "
+          "measured at the level the states live in. A recurrent step reads S, z and their compensated low parts "
+          f"and writes the low parts back: {DECODE_TRAFFIC:g} × `state_bytes`, against the read + write bandwidth "
+          "(`roofline_rw_bw`, L1, L2, L3 and memory); a softmax step reads its KV cache (`state_bytes`) once, "
+          "against the read bandwidth (`roofline_read_bw`). The level is the first cache the states fit (L1D, "
+          "then L2, of one thread's states; then the shared L3, of all threads' states: the sizes in the JSON's "
+          "context, else 48 KiB, 1 MiB and 32 MiB), else memory; so 8 heads × 64×64 floats × 2 parts (260 KiB "
+          "with z) live in L2 for up to 3 sequences on one thread, in L3 from 4 (1.0 MiB) to 126 (32 MiB), in memory "
+          "beyond. "
+          "Ridge points, the kernels' arithmetic intensities and which are compute- or bandwidth-bound are in the "
+          "section *Roofline: this core's limits* below.",
           "- **ws_bytes** is `Workspace::bytes()` (`MultiHeadWorkspace::bytes()`) after the calls: the "
           "working memory the kernel allocated. **state_bytes** is the recurrent state (or, for the softmax "
           "decode step, the KV cache) kept between calls.",
@@ -1785,7 +2382,13 @@ def main(argv: list[str]) -> int:
     if not res.runs:
         print(f"report.py: no benchmark results in {args.results}", file=sys.stderr)
         return 1
-    lines, warnings = summary(res)
+    roof_svg_name = None
+    if args.svg:
+        roof_svg = os.path.join(os.path.dirname(os.path.abspath(args.svg)), "roofline_plot.svg")
+        if roofline_plot(res, roof_svg):
+            roof_svg_name = os.path.relpath(roof_svg, os.path.dirname(os.path.abspath(args.md or args.svg)))
+            print(f"wrote {roof_svg}")
+    lines, warnings = summary(res, roof_svg_name)
     _, noise = contention(res)
     print("== Headline figures")
     print("\n".join(headline(res, args.load_before, "docs/benchmarks.md")))
