@@ -309,7 +309,7 @@ endfunction()
 # linattn_add_benchmark(<name> <source> [OWN_MAIN] [FILTER <regex>])
 #
 # Google Benchmark executable <name> built from benchmarks/<source> (only if
-# the file exists) with -O3 (and -march=native when LINATTN_NATIVE=ON).
+# the file exists) with LINATTN_BENCH_OPT (-O3 by default; and -march=native when LINATTN_NATIVE=ON).
 # Links benchmark::benchmark_main unless the source provides main() itself:
 # pass OWN_MAIN, or it is detected (BENCHMARK_MAIN() / "int main(").
 # Registers ctest "bench_smoke_<name>" (label "bench") that runs every
@@ -342,8 +342,8 @@ function(linattn_add_benchmark name source)
   if(NOT _own_main)
     target_link_libraries(${name} PRIVATE benchmark::benchmark_main)
   endif()
-  if(NOT MSVC)
-    target_compile_options(${name} PRIVATE -O3)
+  if(NOT MSVC AND LINATTN_BENCH_OPT)
+    target_compile_options(${name} PRIVATE ${LINATTN_BENCH_OPT})
   endif()
   linattn_target_warnings(${name})
   linattn_target_native(${name})
