@@ -79,32 +79,27 @@ namespace {
 // Vector operations per ISA (Ops<T>: V, lanes, set1, fma, add, loadu, storeu)
 // ---------------------------------------------------------------------------------------------
 
+// One ISA's vector type and the five operations the loops use, for float (suffix ps) and double
+// (pd): the intrinsics differ only in their prefix and suffix.
+#define LINATTN_ROOF_TRAITS(NAME, SCALAR, VEC, LANES, PRE, SUF)                        \
+  template <>                                                                         \
+  struct NAME<SCALAR> {                                                               \
+    using T = SCALAR;                                                                 \
+    using V = VEC;                                                                    \
+    static constexpr int lanes = LANES;                                               \
+    static V set1(T x) { return PRE##_set1_##SUF(x); }                                \
+    static V fma(V a, V b, V c) { return PRE##_fmadd_##SUF(a, b, c); }                \
+    static V add(V a, V b) { return PRE##_add_##SUF(a, b); }                          \
+    static V loadu(const T* p) { return PRE##_loadu_##SUF(p); }                       \
+    static void storeu(T* p, V v) { PRE##_storeu_##SUF(p, v); }                       \
+  }
+
 #if defined(__AVX512F__)
 #define LINATTN_ROOF_AVX512 1
 template <class T>
 struct Avx512;
-template <>
-struct Avx512<float> {
-  using T = float;
-  using V = __m512;
-  static constexpr int lanes = 16;
-  static V set1(T x) { return _mm512_set1_ps(x); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V loadu(const T* p) { return _mm512_loadu_ps(p); }
-  static void storeu(T* p, V v) { _mm512_storeu_ps(p, v); }
-};
-template <>
-struct Avx512<double> {
-  using T = double;
-  using V = __m512d;
-  static constexpr int lanes = 8;
-  static V set1(T x) { return _mm512_set1_pd(x); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
-  static V add(V a, V b) { return _mm512_add_pd(a, b); }
-  static V loadu(const T* p) { return _mm512_loadu_pd(p); }
-  static void storeu(T* p, V v) { _mm512_storeu_pd(p, v); }
-};
+LINATTN_ROOF_TRAITS(Avx512, float, __m512, 16, _mm512, ps);
+LINATTN_ROOF_TRAITS(Avx512, double, __m512d, 8, _mm512, pd);
 #else
 #define LINATTN_ROOF_AVX512 0
 #endif
@@ -113,28 +108,8 @@ struct Avx512<double> {
 #define LINATTN_ROOF_AVX2 1
 template <class T>
 struct Avx2;
-template <>
-struct Avx2<float> {
-  using T = float;
-  using V = __m256;
-  static constexpr int lanes = 8;
-  static V set1(T x) { return _mm256_set1_ps(x); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static V loadu(const T* p) { return _mm256_loadu_ps(p); }
-  static void storeu(T* p, V v) { _mm256_storeu_ps(p, v); }
-};
-template <>
-struct Avx2<double> {
-  using T = double;
-  using V = __m256d;
-  static constexpr int lanes = 4;
-  static V set1(T x) { return _mm256_set1_pd(x); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
-  static V add(V a, V b) { return _mm256_add_pd(a, b); }
-  static V loadu(const T* p) { return _mm256_loadu_pd(p); }
-  static void storeu(T* p, V v) { _mm256_storeu_pd(p, v); }
-};
+LINATTN_ROOF_TRAITS(Avx2, float, __m256, 8, _mm256, ps);
+LINATTN_ROOF_TRAITS(Avx2, double, __m256d, 4, _mm256, pd);
 #else
 #define LINATTN_ROOF_AVX2 0
 #endif
@@ -490,10 +465,9 @@ void bw_counters(benchmark::State& st, const Isa<float>& isa, const LevelSpec& s
   st.SetLabel(std::string(isa.name) + " " + what + ", " + size + " x" + std::to_string(s.sweeps));
 }
 
-void BM_read_bw(benchmark::State& st, Level l) {
-  const Isa<float>& isa = isas<float>()[0];
-  const LevelSpec s = level_spec(l);
-  Buffer own;
+// The buffer of level l: the shared memory-level buffer, or one of its own in `own`; null (the
+// benchmark skipped with an error) when it cannot be allocated.
+float* level_buffer(benchmark::State& st, Level l, const LevelSpec& s, Buffer& own) {
   float* x = nullptr;
   if (l == Level::Mem) {
     x = mem_buffer();
@@ -501,52 +475,38 @@ void BM_read_bw(benchmark::State& st, Level l) {
     own = make_buffer(s.bytes);
     x = own.data;
   }
-  if (!x) {
-    st.SkipWithError("allocation failed");
-    return;
-  }
+  if (!x) st.SkipWithError("allocation failed");
+  return x;
+}
+
+// Read (write = false: a vectorised sum) or read + write (x = x·a + b in place) bandwidth at
+// level l.
+void BM_bw(benchmark::State& st, Level l, bool write) {
+  const Isa<float>& isa = isas<float>()[0];
+  const LevelSpec s = level_spec(l);
+  Buffer own;
+  float* x = level_buffer(st, l, s, own);
+  if (!x) return;
   const std::size_t n = s.bytes / sizeof(float);
+  float r = 0;
+  const auto sweep = [&](int sweeps) {
+    if (write) {
+      isa.rw(x, n, sweeps);
+      benchmark::ClobberMemory();
+    } else {
+      r = isa.read(x, n, sweeps);
+      keep(r);
+    }
+  };
   // Warm-up: the buffer into its cache level, the clock up.
   const auto t0 = Clock::now();
   do {
-    keep(isa.read(x, n, 1));
+    sweep(1);
   } while (seconds_since(t0) < settings().warmup_s);
-  float r = 0;
-  for (auto _ : st) {
-    r = isa.read(x, n, s.sweeps);
-    keep(r);
-  }
-  if (!std::isfinite(r)) st.SkipWithError("non-finite sum");
-  bw_counters(st, isa, s, double(s.bytes) * s.sweeps, "loads");
-}
-
-void BM_rw_bw(benchmark::State& st, Level l) {
-  const Isa<float>& isa = isas<float>()[0];
-  const LevelSpec s = level_spec(l);
-  Buffer own;
-  float* x = nullptr;
-  if (l == Level::Mem) {
-    x = mem_buffer();
-  } else {
-    own = make_buffer(s.bytes);
-    x = own.data;
-  }
-  if (!x) {
-    st.SkipWithError("allocation failed");
-    return;
-  }
-  const std::size_t n = s.bytes / sizeof(float);
-  const auto t0 = Clock::now();
-  do {
-    isa.rw(x, n, 1);
-    benchmark::ClobberMemory();
-  } while (seconds_since(t0) < settings().warmup_s);
-  for (auto _ : st) {
-    isa.rw(x, n, s.sweeps);
-    benchmark::ClobberMemory();
-  }
-  if (!std::isfinite(x[n / 2])) st.SkipWithError("non-finite values");
-  bw_counters(st, isa, s, 2.0 * double(s.bytes) * s.sweeps, "load+fma+store");
+  for (auto _ : st) sweep(s.sweeps);
+  if (!std::isfinite(write ? x[n / 2] : r)) st.SkipWithError("non-finite values");
+  bw_counters(st, isa, s, (write ? 2.0 : 1.0) * double(s.bytes) * s.sweeps,
+              write ? "load+fma+store" : "loads");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -570,14 +530,14 @@ void register_all(const lb::Profile&) {
     reg("roofline_fma_isa" + lb::key("dtype", "f64") + lb::key("isa", isa),
         [i](benchmark::State& st) { BM_fma_isa<double>(st, i); }, benchmark::kMicrosecond);
   }
-  reg("roofline_read_bw/L1", [](benchmark::State& st) { BM_read_bw(st, Level::L1); }, benchmark::kMicrosecond);
-  reg("roofline_read_bw/L2", [](benchmark::State& st) { BM_read_bw(st, Level::L2); }, benchmark::kMicrosecond);
-  reg("roofline_read_bw/L3", [](benchmark::State& st) { BM_read_bw(st, Level::L3); }, benchmark::kMicrosecond);
-  reg("roofline_read_bw/mem", [](benchmark::State& st) { BM_read_bw(st, Level::Mem); }, benchmark::kMillisecond);
-  reg("roofline_rw_bw/L1", [](benchmark::State& st) { BM_rw_bw(st, Level::L1); }, benchmark::kMicrosecond);
-  reg("roofline_rw_bw/L2", [](benchmark::State& st) { BM_rw_bw(st, Level::L2); }, benchmark::kMicrosecond);
-  reg("roofline_rw_bw/L3", [](benchmark::State& st) { BM_rw_bw(st, Level::L3); }, benchmark::kMicrosecond);
-  reg("roofline_rw_bw/mem", [](benchmark::State& st) { BM_rw_bw(st, Level::Mem); }, benchmark::kMillisecond);
+  reg("roofline_read_bw/L1", [](benchmark::State& st) { BM_bw(st, Level::L1, false); }, benchmark::kMicrosecond);
+  reg("roofline_read_bw/L2", [](benchmark::State& st) { BM_bw(st, Level::L2, false); }, benchmark::kMicrosecond);
+  reg("roofline_read_bw/L3", [](benchmark::State& st) { BM_bw(st, Level::L3, false); }, benchmark::kMicrosecond);
+  reg("roofline_read_bw/mem", [](benchmark::State& st) { BM_bw(st, Level::Mem, false); }, benchmark::kMillisecond);
+  reg("roofline_rw_bw/L1", [](benchmark::State& st) { BM_bw(st, Level::L1, true); }, benchmark::kMicrosecond);
+  reg("roofline_rw_bw/L2", [](benchmark::State& st) { BM_bw(st, Level::L2, true); }, benchmark::kMicrosecond);
+  reg("roofline_rw_bw/L3", [](benchmark::State& st) { BM_bw(st, Level::L3, true); }, benchmark::kMicrosecond);
+  reg("roofline_rw_bw/mem", [](benchmark::State& st) { BM_bw(st, Level::Mem, true); }, benchmark::kMillisecond);
 }
 
 std::string notes(const lb::Profile&) {

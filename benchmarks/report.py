@@ -1801,11 +1801,7 @@ def svg_plot(res: Results, path: str) -> bool:
             o.append(f'<line x1="{lx + 13}" y1="{yy - 4}" x2="{lx + 41}" y2="{yy - 4}" stroke="black" stroke-width="2.5"/>')
         o.append(f'<text x="{lx + 52}" y="{yy}">{escape(lab)}</text>')
         yy += 22
-    o.append("</svg>")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(o) + "\n")
-    return True
+    return write_svg(path, o)
 
 
 # Points of the roofline plot: label, cost (kernel_cost), kind, layout, colour, marker.
@@ -1873,6 +1869,36 @@ def place_labels(points: list[tuple[float, float, str]], obstacles: list[tuple[f
     return out
 
 
+def write_svg(path: str, o: list[str]) -> bool:
+    """Closes the SVG document of lines o and writes it to path (creating its directory)."""
+    o.append("</svg>")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(o) + "\n")
+    return True
+
+
+def svg_log_grid(o: list[str], e0: int, e1: int, pos, horizontal: bool,
+                 box: tuple[float, float, float, float]) -> None:
+    """One axis of a log-log plot: a labelled line per decade 10^e0 … 10^e1 and lighter lines
+    at 2…9 times each decade but the last; pos maps a value to its pixel coordinate."""
+    ml, mt, pw, ph = box
+    for e in range(e0, e1 + 1):
+        lines = [(pos(10.0 ** e), "#cccccc")]
+        if e < e1:
+            lines += [(pos(m * 10.0 ** e), "#f0f0f0") for m in range(2, 10)]
+        for p, colour in lines:
+            if horizontal:
+                o.append(f'<line x1="{ml}" y1="{p:.1f}" x2="{ml + pw}" y2="{p:.1f}" stroke="{colour}"/>')
+            else:
+                o.append(f'<line x1="{p:.1f}" y1="{mt}" x2="{p:.1f}" y2="{mt + ph}" stroke="{colour}"/>')
+        p = lines[0][0]
+        if horizontal:
+            o.append(f'<text x="{ml - 9}" y="{p + 4:.1f}" text-anchor="end">{10.0 ** e:g}</text>')
+        else:
+            o.append(f'<text x="{p:.1f}" y="{mt + ph + 21}" text-anchor="middle">{10.0 ** e:g}</text>')
+
+
 def roofline_plot(res: Results, path: str) -> bool:
     """docs/roofline_plot.svg: log-log GFLOP/s against arithmetic intensity, the roofs measured by
     bench_roofline (FMA peak, float; read bandwidth of L1, L2, L3 and memory, read + write of the
@@ -1927,20 +1953,9 @@ def roofline_plot(res: Results, path: str) -> bool:
         'linattn under the roofline of one core</text>',
         f'<text x="{W / 2:.0f}" y="47" text-anchor="middle" fill="#444">float, H = 8, D = M = 64, N = {fmt_n(ROOF_N)}, '
         'one thread; roofs from bench_roofline, same run (wall time) — log-log</text>']
-    for e in range(y0, y1 + 1):
-        y = Y(10.0 ** e)
-        o.append(f'<line x1="{ml}" y1="{y:.1f}" x2="{ml + pw}" y2="{y:.1f}" stroke="#cccccc"/>')
-        o.append(f'<text x="{ml - 9}" y="{y + 4:.1f}" text-anchor="end">{10.0 ** e:g}</text>')
-        for m in range(2, 10) if e < y1 else ():
-            ym = Y(m * 10.0 ** e)
-            o.append(f'<line x1="{ml}" y1="{ym:.1f}" x2="{ml + pw}" y2="{ym:.1f}" stroke="#f0f0f0"/>')
-    for e in range(x0, x1 + 1):
-        x = X(10.0 ** e)
-        o.append(f'<line x1="{x:.1f}" y1="{mt}" x2="{x:.1f}" y2="{mt + ph}" stroke="#cccccc"/>')
-        o.append(f'<text x="{x:.1f}" y="{mt + ph + 21}" text-anchor="middle">{10.0 ** e:g}</text>')
-        for m in range(2, 10) if e < x1 else ():
-            xm = X(m * 10.0 ** e)
-            o.append(f'<line x1="{xm:.1f}" y1="{mt}" x2="{xm:.1f}" y2="{mt + ph}" stroke="#f0f0f0"/>')
+    box = (ml, mt, pw, ph)
+    svg_log_grid(o, y0, y1, Y, True, box)
+    svg_log_grid(o, x0, x1, X, False, box)
     o.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="black"/>')
     o.append(f'<text x="{ml + pw / 2:.0f}" y="{H - 22}" text-anchor="middle" font-size="14">arithmetic intensity '
              '(useful flop per byte of compulsory traffic; log scale)</text>')
@@ -1986,11 +2001,7 @@ def roofline_plot(res: Results, path: str) -> bool:
                  f'stroke-width="2.2"{dash_attr}/>')
         o.append(f'<text x="{lx + 52}" y="{yy}">{escape(lab)}</text>')
         yy += 22
-    o.append("</svg>")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(o) + "\n")
-    return True
+    return write_svg(path, o)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2367,6 +2378,18 @@ def escape_md(s: str) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
+def sibling_plot(args, name: str, plot) -> str | None:
+    """With --svg, plot(path) writes the plot `name` next to the --svg file; returns its path
+    relative to the markdown (for the link), or None when there was nothing to plot."""
+    if not args.svg:
+        return None
+    path = os.path.join(os.path.dirname(os.path.abspath(args.svg)), name)
+    if not plot(path):
+        return None
+    print(f"wrote {path}")
+    return os.path.relpath(path, os.path.dirname(os.path.abspath(args.md or args.svg)))
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default="build/bench/results", help="directory of the bench_*.json files")
@@ -2382,12 +2405,7 @@ def main(argv: list[str]) -> int:
     if not res.runs:
         print(f"report.py: no benchmark results in {args.results}", file=sys.stderr)
         return 1
-    roof_svg_name = None
-    if args.svg:
-        roof_svg = os.path.join(os.path.dirname(os.path.abspath(args.svg)), "roofline_plot.svg")
-        if roofline_plot(res, roof_svg):
-            roof_svg_name = os.path.relpath(roof_svg, os.path.dirname(os.path.abspath(args.md or args.svg)))
-            print(f"wrote {roof_svg}")
+    roof_svg_name = sibling_plot(args, "roofline_plot.svg", lambda path: roofline_plot(res, path))
     lines, warnings = summary(res, roof_svg_name)
     _, noise = contention(res)
     print("== Headline figures")
@@ -2410,12 +2428,7 @@ def main(argv: list[str]) -> int:
             print(f"wrote {args.svg}")
         else:
             print("report.py: nothing to plot", file=sys.stderr)
-    gen_svg_name = None
-    if args.svg:
-        gen_svg = os.path.join(os.path.dirname(os.path.abspath(args.svg)), "generation_plot.svg")
-        if gen_plot(res, gen_svg):
-            gen_svg_name = os.path.relpath(gen_svg, os.path.dirname(os.path.abspath(args.md or args.svg)))
-            print(f"wrote {gen_svg}")
+    gen_svg_name = sibling_plot(args, "generation_plot.svg", lambda path: gen_plot(res, path))
     print("== Image generation")
     print("\n".join(generation(res)))
     if args.md:
