@@ -324,7 +324,8 @@ void read_state(const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out) {
 }
 
 // read_state() for a block of rows, with the product on the micro-kernel: pq is memory (a
-// column-major buffer or the transposed view of a token-major one), S column-major memory.
+// column-major buffer or the transposed view of a token-major one), S memory of either storage
+// order (a workspace buffer, a LinearAttentionState's row-major sums).
 template <class Phi, class SMat, class ZVec, class PQ, class Den, class Out, class Scalar>
 void read_state(const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out,
                 Workspace<Scalar>& ws) {
