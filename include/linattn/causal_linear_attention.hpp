@@ -172,6 +172,20 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
   }
 }
 
+// A chunk's output rows, out = φq S + A V, of both chunked forms: φq (b x F) and A (b x b, the
+// scaled scores with its strict upper triangle 0) column-major buffers, S the carried state, V
+// the chunk's values; written in place or through slot `slot` (write_rows).
+template <class PQ, class AMat, class SMat, class Scalar, class Out>
+void write_chunk_rows(const PQ& pq, const AMat& A, const SMat& S, Strided<Scalar> vr, Out&& out,
+                      Workspace<Scalar>& ws, int slot) {
+  const Index b = pq.rows(), F = pq.cols(), M = S.cols();
+  write_rows(std::forward<Out>(out), ws, slot, [&](Scalar* o, Index crs, Index ccs) {
+    product<Scalar>(b, M, F, {pq.data(), 1, b}, strided_of(S), o, crs, ccs, false, ws,
+                    kSlotProductA);
+    product<Scalar>(b, M, b, {A.data(), 1, b}, vr, o, crs, ccs, true, ws, kSlotProductA);
+  });
+}
+
 // One chunk of the generic chunked form (spec §3):
 //   out_R = [φq S + tril(φq φkᵀ) V_R] / max(φq z + tril(φq φkᵀ) 1, ε),  S += φkᵀ V_R, z += φkᵀ 1.
 // Every product runs on the micro-kernel (products.hpp) with φq column-major and φk token-major,
@@ -180,7 +194,7 @@ template <class Phi, class DQ, class DK, class DV, class Scalar, class Keep, cla
 void causal_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r0, Index b,
                   LinearAttentionState<Scalar>& st, const Keep& keep, Out& dst,
                   Workspace<Scalar>& ws) {
-  const Index F = st.S.rows(), M = st.S.cols();
+  const Index F = st.S.rows();
   auto A = ws.matrix(kSlotScores, b, b);
   auto den = ws.vector(kSlotRowA, b);
   auto pq = ws.matrix(kSlotPhiQ, b, F);
@@ -220,11 +234,7 @@ void causal_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r
     A.col(j).tail(b - j).array() *= den.tail(b - j).array();
   }
   const Strided<Scalar> vr = strided_rows(V.middleRows(r0, b), ws, kSlotProductB);
-  write_rows(dst.middleRows(r0, b), ws, kSlotPrefix, [&](Scalar* o, Index crs, Index ccs) {
-    product<Scalar>(b, M, F, {pq.data(), 1, b}, strided_of(st.S), o, crs, ccs, false, ws,
-                    kSlotProductA);
-    product<Scalar>(b, M, b, {A.data(), 1, b}, vr, o, crs, ccs, true, ws, kSlotProductA);
-  });
+  write_chunk_rows(pq, A, st.S, vr, dst.middleRows(r0, b), ws, kSlotPrefix);
   // The chunk's sums go into the low parts, then one exact fold: the state keeps its
   // precision however long the sequence (see LinearAttentionState).
   absorb_token_major(pkt.data(), F, F, b, vr, st.S_lo, st.z_lo, ws);
@@ -293,11 +303,7 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
                   kSlotProductA);
   for (Index j = 1; j < b; ++j) A.col(j).head(j).setZero();
   const Strided<Scalar> vr = strided_rows(V.middleRows(r0, b), ws, kSlotProductB);
-  write_rows(dst.middleRows(r0, b), ws, kSlotExtra, [&](Scalar* o, Index crs, Index ccs) {
-    product<Scalar>(b, M, F, {pq.data(), 1, b}, strided_of(st.S), o, crs, ccs, false, ws,
-                    kSlotProductA);
-    product<Scalar>(b, M, b, {A.data(), 1, b}, vr, o, crs, ccs, true, ws, kSlotProductA);
-  });
+  write_chunk_rows(pq, A, st.S, vr, dst.middleRows(r0, b), ws, kSlotExtra);
   const Strided<Scalar> s_lo = strided_of(st.S_lo);
   product<Scalar>(F, M, b, {E.data(), b, 1}, vr, st.S_lo.data(), s_lo.rs, s_lo.cs, true, ws,
                   kSlotProductA);
