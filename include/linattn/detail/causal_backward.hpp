@@ -26,6 +26,22 @@
 namespace linattn {
 namespace detail {
 
+// The sums (S, z) a backward sweep starts from: the carried state's, its compensation folded
+// in, or zero without one. Returns whether a state was carried.
+template <class Scalar, class SMat, class ZVec>
+bool start_sums(const LinearAttentionState<Scalar>* initial, SMat& S, ZVec& z) {
+  if (initial == nullptr || initial->empty()) {
+    S.setZero();
+    z.setZero();
+    return false;
+  }
+  S = initial->S;
+  z = initial->z;
+  if (initial->S_lo.size() != 0) S += initial->S_lo;
+  if (initial->z_lo.size() != 0) z += initial->z_lo;
+  return true;
+}
+
 // The causal backward's chunk of b rows starting at r0, shared by both sweeps: a = φ(Q_R) and
 // k̃ = φ(K_R) (masked keys zero) into the workspace.
 template <class Phi, class DQ, class DK, class Keep, class A, class Kt>
@@ -60,15 +76,7 @@ void causal_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV&
   const Index F = phi.feature_dim(Q.cols());
   auto S = ws.matrix(kSlotState, F, M);
   auto z = ws.vector(kSlotNormalizer, F);
-  if (initial != nullptr && !initial->empty()) {
-    S = initial->S;
-    z = initial->z;
-    if (initial->S_lo.size() != 0) S += initial->S_lo;
-    if (initial->z_lo.size() != 0) z += initial->z_lo;
-  } else {
-    S.setZero();
-    z.setZero();
-  }
+  start_sums(initial, S, z);
   for (Index r0 = 0; r0 < N; r0 += C) {
     const Index b = std::min(C, N - r0);
     auto a = ws.matrix(kSlotPhiQ, b, F);
@@ -236,15 +244,7 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
   auto S_lo = ws.matrix(kSlotStateLow, F, M);
   auto z = ws.vector(kSlotNormalizer, F);
   auto z_lo = ws.vector(kSlotNormalizerLow, F);
-  if (initial != nullptr && !initial->empty()) {
-    S = initial->S;
-    z = initial->z;
-    if (initial->S_lo.size() != 0) S += initial->S_lo;
-    if (initial->z_lo.size() != 0) z += initial->z_lo;
-  } else {
-    S.setZero();
-    z.setZero();
-  }
+  start_sums(initial, S, z);
   S_lo.setZero();
   z_lo.setZero();
   const Scalar threshold = cancellation_threshold<Scalar>(F);
@@ -414,18 +414,11 @@ void causal_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const
   auto m0 = ws.vector(kSlotRowB, F);
   auto e = ws.vector(kSlotRowA, F);
   auto tmp = ws.vector(kSlotScores, F);
-  const bool carried = initial != nullptr && !initial->empty();
-  if (carried) {
-    A = initial->S;
-    B = initial->z;
-    if (initial->S_lo.size() != 0) A += initial->S_lo;
-    if (initial->z_lo.size() != 0) B += initial->z_lo;
+  const bool carried = start_sums(initial, A, B);
+  if (carried)
     m = initial->m;
-  } else {
-    A.setZero();
-    B.setZero();
+  else
     m.setConstant(kNegInf);
-  }
   m0 = m;
   for (Index r0 = 0; r0 < N; r0 += kLinearRowBlock) {
     const Index b = std::min(kLinearRowBlock, N - r0);
