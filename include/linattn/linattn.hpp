@@ -34,3 +34,4 @@
 #include "attention_layer.hpp"
 #include "gated_attention.hpp"
 #include "gated_attention_backward.hpp"
+#include "delta_rule.hpp"

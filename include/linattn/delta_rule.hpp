@@ -1,0 +1,401 @@
+/// \file delta_rule.hpp
+/// \brief The delta rule: DeltaNet and Gated DeltaNet (Qwen3-Next, Kimi Linear's base), chunked
+/// at GEMM speed, recurrent, multi-head and batched.
+///
+/// The state does not only accumulate, it overwrites: per token t, with \f$\hat k_t = \varphi(k_t)\f$,
+/// \f[ S_t = a_t (I - \beta_t \hat k_t \hat k_t^\top) S_{t-1} + \beta_t \hat k_t v_t^\top,
+///     \qquad \mathrm{out}_t = s\,\varphi(q_t)^\top S_t, \f]
+/// with \f$\beta_t \in [0, 2]\f$ and \f$a_t = e^{g_t}\f$, \f$g_t \le 0\f$ (Gated DeltaNet), or
+/// \f$a_t = 1\f$ (DeltaNet, no decay). With \f$\beta_t = 1\f$ and a unit key the value stored
+/// under \f$\hat k_t\f$ is replaced by \f$v_t\f$. Models map q and k with `L2Normalize<Silu>`
+/// and scale by \f$1/\sqrt{D}\f$ (DeltaOptions::scale). docs/SPEC.md §9.3 has the chunked form.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <string>
+#include <vector>
+
+#include "checks.hpp"
+#include "common.hpp"
+#include "delta_options.hpp"
+#include "detail/delta_forward.hpp"
+#include "detail/gated_forward.hpp"
+#include "detail/result.hpp"
+#include "feature_map.hpp"
+#include "identity.hpp"
+#include "multihead.hpp"
+#include "parallel.hpp"
+#include "recurrent_delta_rule.hpp"
+#include "state.hpp"
+#include "workspace.hpp"
+
+namespace linattn {
+namespace detail {
+
+inline void check_delta_chunk_size(const char* function, const DeltaOptions& opts) {
+  if (opts.chunk_size < 0)
+    throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
+                                std::to_string(opts.chunk_size));
+}
+
+// Entry (i, h) of a per-token parameter: an N x H matrix, or (one head) a vector of N entries
+// given as a column or a row.
+template <class D>
+typename D::Scalar token_param(const D& x, Index i, Index h) {
+  return x.cols() == 1 || x.rows() != 1 ? x.coeff(i, h) : x.coeff(h, i);
+}
+
+// The name of entry (i, h) in a message: "beta(3)" for one head, "beta(3, 1)" for H.
+inline std::string param_entry(const char* name, Index i, Index h, bool one_head) {
+  return std::string(name) + "(" + std::to_string(i) +
+         (one_head ? std::string() : ", " + std::to_string(h)) + ")";
+}
+
+// beta: N x H (H = 1: a vector of N entries, column or row), every entry in [0, 2];
+// log_a: of size 0 (no decay) or shaped as beta, every entry finite and <= 0. `shapes` names
+// the other operands for the message (called on failure only: no string is built otherwise).
+template <class DB, class DA, class Shapes>
+void check_delta_params(const char* fn, const Eigen::MatrixBase<DB>& beta,
+                        const Eigen::MatrixBase<DA>& log_a, Index N, Index heads,
+                        const Shapes& shapes) {
+  const bool one = heads == 1;
+  const auto fits = [&](Index r, Index c) {
+    return (r == N && c == heads) || (one && r == 1 && c == N);
+  };
+  const auto want = [&] {
+    return one ? "a vector of N = " + std::to_string(N) + " entries"
+               : shape_string(N, heads) + " (one entry per token and head, H = " +
+                     std::to_string(heads) + ")";
+  };
+  if (!fits(beta.rows(), beta.cols()))
+    throw_invalid(fn, "beta is " + shape_of(beta) + " but must be " + want() + shapes());
+  if (log_a.size() != 0 && !fits(log_a.rows(), log_a.cols()))
+    throw_invalid(fn, "log_a is " + shape_of(log_a) + " but must be empty (no decay) or " +
+                          want() + shapes());
+  using S = typename DB::Scalar;
+  for (Index h = 0; h < heads; ++h)
+    for (Index i = 0; i < N; ++i) {
+      const S b = token_param(beta.derived(), i, h);
+      if (!(b >= S(0) && b <= S(2)))
+        throw_invalid(fn, param_entry("beta", i, h, one) + " = " + std::to_string(b) +
+                              ": beta must be in [0, 2]" + shapes());
+    }
+  if (log_a.size() == 0) return;
+  for (Index h = 0; h < heads; ++h)
+    for (Index i = 0; i < N; ++i) {
+      const S g = token_param(log_a.derived(), i, h);
+      if (!(g <= S(0)) || !(g - g == S(0)))
+        throw_invalid(fn, param_entry("log_a", i, h, one) + " = " + std::to_string(g) +
+                              ": log-decays must be finite and <= 0" + shapes());
+    }
+}
+
+// Head h's rows [r0, r0 + n) of beta (and of log_a when it has entries) as contiguous arrays
+// in the thread's workspace; the g pointer is null without decay.
+template <class DB, class DA, class Scalar>
+std::pair<const Scalar*, const Scalar*> delta_head_params(const DB& beta, const DA& log_a,
+                                                          Index r0, Index n, Index h,
+                                                          Workspace<Scalar>& ws) {
+  auto b = ws.vector(kSlotBackwardA, n);
+  for (Index i = 0; i < n; ++i) b(i) = token_param(beta, r0 + i, h);
+  if (log_a.size() == 0) return {b.data(), nullptr};
+  auto g = ws.vector(kSlotBackwardB, n);
+  for (Index i = 0; i < n; ++i) g(i) = token_param(log_a, r0 + i, h);
+  return {b.data(), g.data()};
+}
+
+// A carried state for the delta rule: sized or checked, its low parts added into S (the delta
+// rule keeps none: the overwrite and the decay bound the state's memory). z is not used.
+template <class Scalar>
+void delta_absorb_low(LinearAttentionState<Scalar>& st) {
+  st.S += st.S_lo;
+  st.S_lo.setZero();
+}
+
+template <class Phi, class Scalar>
+constexpr void static_check_delta() {
+  static_check_feature_map<Phi, Scalar>();
+  static_assert(!normalizes_keys_per_feature_v<Phi>,
+                "linattn: the delta rule needs a product feature map (sim = φ(q)·φ(k)); a map "
+                "with a per-feature key softmax (SoftmaxSplit) has no delta-rule form");
+}
+
+// " (Q is …, K is …, V is …)", built when a message needs it.
+template <class DQ, class DK, class DV>
+auto qkv_shapes(const DQ& Q, const DK& K, const DV& V) {
+  return [&Q, &K, &V] {
+    return " (Q is " + shape_of(Q) + ", K is " + shape_of(K) + ", V is " + shape_of(V) + ")";
+  };
+}
+
+template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
+void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                  const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+                  const Eigen::MatrixBase<DA>& log_a, const Phi& phi,
+                  LinearAttentionState<typename DQ::Scalar>& st,
+                  const Eigen::MatrixBase<DOut>& out, Workspace<typename DQ::Scalar>& ws,
+                  const DeltaOptions& opts) {
+  using Scalar = typename DQ::Scalar;
+  static_check_delta<Phi, Scalar>();
+  static_assert(std::is_same_v<Scalar, typename DB::Scalar> &&
+                    std::is_same_v<Scalar, typename DA::Scalar>,
+                "linattn: beta and log_a must have the scalar type of Q, K and V");
+  check_qkv(fn, Q, K, V, /*causal=*/true);
+  check_feature_map(fn, phi, Q.cols());
+  const Index N = Q.rows(), D = Q.cols(), M = V.cols();
+  check_delta_params(fn, beta, log_a, N, 1, qkv_shapes(Q, K, V));
+  check_output(fn, out, N, M);
+  check_no_overlap(fn, out, "Q", Q, "K", K, "V", V, "beta", beta, "log_a", log_a);
+  check_delta_chunk_size(fn, opts);
+  prepare_state(fn, st, phi, D, M);
+  delta_absorb_low(st);
+  auto& dst = writable(out);
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
+  const auto params = delta_head_params(beta.derived(), log_a.derived(), 0, N, 0, ws);
+  auto os = row_segment(dst, 0, N);
+  delta_run(phi, row_segment(q, 0, N), row_segment(k, 0, N), row_segment(v, 0, N),
+            params.first, params.second, st, os, ws, opts);
+}
+
+// The multi-head and batched forms: (sequence, head) pairs in parallel, each the single-head
+// kernel on its blocks.
+template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
+void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+                   const Eigen::MatrixBase<DA>& log_a, const OffsetsRef& offsets, Index heads,
+                   const Phi& phi, std::vector<LinearAttentionState<typename DQ::Scalar>>* states,
+                   const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                   const DeltaOptions& opts, const ParallelOptions& par) {
+  using Scalar = typename DQ::Scalar;
+  static_check_delta<Phi, Scalar>();
+  static_assert(std::is_same_v<Scalar, typename DB::Scalar> &&
+                    std::is_same_v<Scalar, typename DA::Scalar>,
+                "linattn: beta and log_a must have the scalar type of Q, K and V");
+  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
+  const Index D = dims.first, M = dims.second;
+  check_feature_map(fn, phi, D);
+  const Index F = phi.feature_dim(D);
+  check_delta_params(fn, beta, log_a, Q.rows(), heads, qkv_shapes(Q, K, V));
+  check_output(fn, out, Q.rows(), V.cols());
+  check_no_overlap(fn, out, "Q", Q, "K", K, "V", V, "beta", beta, "log_a", log_a);
+  check_offsets(fn, "offsets", offsets, Q.rows());
+  check_delta_chunk_size(fn, opts);
+  const Index B = static_cast<Index>(offsets.size()) - 1;
+  if (states) {
+    check_states(fn, *states, B, heads, phi, D, M);
+    for (auto& st : *states) delta_absorb_low(st);
+  }
+  auto& dst = writable(out);
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
+  parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, int thread) {
+    const Index b = t / heads, h = t % heads;
+    const Index r0 = offsets[static_cast<std::size_t>(b)];
+    const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
+    LinearAttentionState<Scalar>* st = nullptr;
+    if (states) {
+      st = &(*states)[static_cast<std::size_t>(t)];
+    } else {
+      st = &ws.state_for_thread(thread);
+      zero_gated_state(*st, F, M, 0);
+    }
+    Workspace<Scalar>& tws = ws.for_thread(thread);
+    const auto params = delta_head_params(beta.derived(), log_a.derived(), r0, n, h, tws);
+    auto os = dst.block(r0, h * M, n, M);
+    delta_run(phi, q.block(r0, h * D, n, D), k.block(r0, h * D, n, D), v.block(r0, h * M, n, M),
+              params.first, params.second, *st, os, tws, opts);
+  });
+}
+
+}  // namespace detail
+
+/// \brief The delta rule continuing from `state`, written into a caller's output;
+/// allocation-free once `ws` and `state` have the shape.
+///
+/// \f[ S_t = a_t (I - \beta_t \hat k_t \hat k_t^\top) S_{t-1} + \beta_t \hat k_t v_t^\top,
+///     \qquad \mathrm{out}_t = s\,\varphi(q_t)^\top S_t \f]
+/// (\f$\hat k_t = \varphi(k_t)\f$, \f$a_t = e^{g_t}\f$, s = DeltaOptions::scale).
+///
+/// \param beta N entries in [0, 2] (a column or row vector): the writing strength. β = 0
+///        leaves the state only decayed; β = 1 with a unit key replaces the value stored under
+///        it; β = 2 reflects.
+/// \param log_a N log-decays \f$g_t \le 0\f$, finite (Gated DeltaNet), or a vector of size 0
+///        (DeltaNet: no decay). Both checked in O(N): std::invalid_argument names the first bad
+///        entry.
+/// \param state the state to continue from (empty: zero); on return the state after the last
+///        row. Only S is used: its low part is added into it (the delta rule keeps no
+///        compensated sum: the overwrite and the decay bound its memory); z, m and log_decay are
+///        left as they were. combine() does not apply to delta-rule states (a segment maps S to
+///        P S + H with an F x F matrix P, which the state does not carry).
+/// \param out N x M; must not overlap Q, K, V, beta or log_a.
+///
+/// Algorithms (DeltaOptions::algorithm): Chunked forms, per chunk of C rows (64 by default),
+/// the pseudo-values U = (I + strict_tril(diag(β)(K̂K̂ᵀ ∘ E)))⁻¹ diag(β)(V − diag(e) K̂ S) by one
+/// blocked triangular solve and the outputs and next state by GEMMs (docs/SPEC.md §9.3; every
+/// decay factor is the exponential of a sum of log decays <= 0). Recurrent runs one token at a
+/// time, each token one pass over the state (the decode step's kernel). Auto picks by the
+/// state's size. Both agree to rounding. With unit keys (L2Normalize) every factor has norm
+/// <= 1; with raw keys the kernels do the same arithmetic and promise no bound (a state can
+/// grow without limit when β‖k̂‖² > 2), but form no NaN themselves from finite inputs.
+///
+/// \throws std::invalid_argument on mismatched shapes (naming the function and every shape), a
+/// beta outside [0, 2] or NaN, a log_a > 0, NaN or ±inf, a state of the wrong shape, an output
+/// that overlaps an input, or a negative chunk size; before anything is written.
+/// \code
+/// // Gated DeltaNet, one head (Qwen3-Next's map and scale).
+/// linattn::LinearAttentionState<float> state;
+/// linattn::Workspace<float> ws;
+/// linattn::DeltaOptions opts;
+/// opts.scale = 1.0 / std::sqrt(double(D));
+/// Eigen::MatrixXf out(N, M);
+/// linattn::delta_rule_attention(Q, K, V, beta, log_a, linattn::L2Normalize<linattn::Silu>{},
+///                               state, out, ws, opts);
+/// \endcode
+template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
+void delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                          const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+                          const Eigen::MatrixBase<DA>& log_a, const Phi& phi,
+                          LinearAttentionState<typename DQ::Scalar>& state,
+                          const Eigen::MatrixBase<DOut>& out, Workspace<typename DQ::Scalar>& ws,
+                          const DeltaOptions& options = {}) {
+  detail::delta_single("delta_rule_attention", Q, K, V, beta, log_a, phi, state, out, ws,
+                       options);
+}
+
+/// \brief The delta rule continuing from `state` (updated in place), returning the N x M
+/// output (see the out-parameter form).
+template <class DQ, class DK, class DV, class DB, class DA, class Phi>
+Matrix<typename DQ::Scalar> delta_rule_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+    const Eigen::MatrixBase<DA>& log_a, const Phi& phi,
+    LinearAttentionState<typename DQ::Scalar>& state, const DeltaOptions& options = {}) {
+  detail::check_qkv("delta_rule_attention", Q, K, V, /*causal=*/true);
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  Workspace<typename DQ::Scalar> ws;
+  delta_rule_attention(Q, K, V, beta, log_a, phi, state, out, ws, options);
+  return out;
+}
+
+/// \brief The delta rule from a zero state, returning the N x M output.
+/// \code
+/// // DeltaNet (no decay) on unit keys.
+/// Eigen::VectorXf beta = Eigen::VectorXf::Constant(N, 0.5f), no_decay;
+/// Eigen::MatrixXf out = linattn::delta_rule_attention(Q, K, V, beta, no_decay,
+///                                                     linattn::L2Normalize<linattn::Identity>{});
+/// \endcode
+template <class DQ, class DK, class DV, class DB, class DA, class Phi = Identity>
+Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
+                                                 const Eigen::MatrixBase<DK>& K,
+                                                 const Eigen::MatrixBase<DV>& V,
+                                                 const Eigen::MatrixBase<DB>& beta,
+                                                 const Eigen::MatrixBase<DA>& log_a,
+                                                 const Phi& phi = Phi{},
+                                                 const DeltaOptions& options = {}) {
+  LinearAttentionState<typename DQ::Scalar> state;
+  return delta_rule_attention(Q, K, V, beta, log_a, phi, state, options);
+}
+
+/// \brief The multi-head delta rule, heads packed side by side (Q, K: N x H·D; V, out: N x H·M;
+/// beta: N x H; log_a: N x H, or empty for no decay), each head from a zero state, in parallel
+/// over heads.
+/// \code
+/// linattn::MultiHeadWorkspace<float> ws;
+/// Eigen::MatrixXf out(N, 8 * 128);
+/// linattn::multihead_delta_rule_attention(Q, K, V, beta, log_a, 8,
+///                                         linattn::L2Normalize<linattn::Silu>{}, out, ws, opts);
+/// \endcode
+template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
+void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
+                                    const Eigen::MatrixBase<DK>& K,
+                                    const Eigen::MatrixBase<DV>& V,
+                                    const Eigen::MatrixBase<DB>& beta,
+                                    const Eigen::MatrixBase<DA>& log_a, Index heads,
+                                    const Phi& phi, const Eigen::MatrixBase<DOut>& out,
+                                    MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                    const DeltaOptions& options = {},
+                                    const ParallelOptions& par = {}) {
+  const Index offsets[2] = {0, Q.rows()};
+  detail::batched_delta("multihead_delta_rule_attention", Q, K, V, beta, log_a,
+                        detail::OffsetsRef(offsets, 2), heads, phi, nullptr, out, ws, options,
+                        par);
+}
+
+/// \brief The multi-head delta rule carrying the H heads' states in and out (an empty vector
+/// is resized to H zero states; head h continues from states[h]).
+template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
+void multihead_delta_rule_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+    const Eigen::MatrixBase<DA>& log_a, Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
+    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
+  const Index offsets[2] = {0, Q.rows()};
+  detail::batched_delta("multihead_delta_rule_attention", Q, K, V, beta, log_a,
+                        detail::OffsetsRef(offsets, 2), heads, phi, &states, out, ws, options,
+                        par);
+}
+
+/// \brief The multi-head delta rule, returning N x (H·M).
+/// \code
+/// Eigen::MatrixXf out = linattn::multihead_delta_rule_attention(Q, K, V, beta, log_a, 8);
+/// \endcode
+template <class DQ, class DK, class DV, class DB, class DA, class Phi = Identity>
+Matrix<typename DQ::Scalar> multihead_delta_rule_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+    const Eigen::MatrixBase<DA>& log_a, Index heads, const Phi& phi = Phi{},
+    const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  multihead_delta_rule_attention(Q, K, V, beta, log_a, heads, phi, out, ws, options, par);
+  return out;
+}
+
+/// \brief The delta rule over B packed sequences (rows [offsets[b], offsets[b+1]), offsets of
+/// any integer type, as cu_seqlens) and H heads, each sequence from a zero state;
+/// (sequence, head) pairs in parallel.
+/// \code
+/// Eigen::VectorXi cu_seqlens(3);
+/// cu_seqlens << 0, 100, 128;
+/// linattn::batched_delta_rule_attention(Q, K, V, beta, log_a, cu_seqlens, 8,
+///                                       linattn::L2Normalize<linattn::Silu>{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DB, class DA, class Off, class Phi, class DOut>
+void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
+                                  const Eigen::MatrixBase<DK>& K,
+                                  const Eigen::MatrixBase<DV>& V,
+                                  const Eigen::MatrixBase<DB>& beta,
+                                  const Eigen::MatrixBase<DA>& log_a, const Off& offsets,
+                                  Index heads, const Phi& phi,
+                                  const Eigen::MatrixBase<DOut>& out,
+                                  MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                  const DeltaOptions& options = {},
+                                  const ParallelOptions& par = {}) {
+  const char* fn = "batched_delta_rule_attention";
+  detail::batched_delta(fn, Q, K, V, beta, log_a, detail::offsets_of(fn, "offsets", offsets),
+                        heads, phi, nullptr, out, ws, options, par);
+}
+
+/// \brief batched_delta_rule_attention() carrying the B·H states in and out (sequence-major,
+/// head h of sequence b at b·H + h; an empty vector is resized to B·H zero states): a server's
+/// prefill, whose states then continue in RecurrentDeltaRule decoders.
+template <class DQ, class DK, class DV, class DB, class DA, class Off, class Phi, class DOut>
+void batched_delta_rule_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+    const Eigen::MatrixBase<DA>& log_a, const Off& offsets, Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
+    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
+  const char* fn = "batched_delta_rule_attention";
+  detail::batched_delta(fn, Q, K, V, beta, log_a, detail::offsets_of(fn, "offsets", offsets),
+                        heads, phi, &states, out, ws, options, par);
+}
+
+}  // namespace linattn

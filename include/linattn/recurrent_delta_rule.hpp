@@ -1,0 +1,161 @@
+/// \file recurrent_delta_rule.hpp
+/// \brief The decode step of the delta rule (DeltaNet, Gated DeltaNet): one token at a time,
+/// one pass over the F x M state, no allocation.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <string>
+#include <utility>
+
+#include "checks.hpp"
+#include "common.hpp"
+#include "delta_options.hpp"
+#include "detail/delta_forward.hpp"
+#include "feature_map.hpp"
+#include "identity.hpp"
+#include "recurrent_linear_attention.hpp"
+#include "state.hpp"
+
+namespace linattn {
+
+/// \brief The recurrent form of delta_rule_attention() (docs/SPEC.md §9.3): per step,
+/// \f[ S_t = a_t (I - \beta_t \hat k_t \hat k_t^\top) S_{t-1} + \beta_t \hat k_t v_t^\top,
+///     \qquad \mathrm{out}_t = s\,\varphi(q_t)^\top S_t, \f]
+/// with \f$\hat k_t = \varphi(k_t)\f$, \f$a_t = e^{g_t}\f$ and s = DeltaOptions::scale.
+///
+/// Each step() reads \f$\hat k^\top S\f$, updates and reads the state block by block of columns
+/// so that every entry comes from the state's home (L1 or L2) once, and performs no
+/// allocation. The state is a LinearAttentionState (S only), interchangeable with the parallel
+/// kernels': prefill with delta_rule_attention() and hand the state over with set_state(), or
+/// take state() and continue in parallel. step() checks sizes, not values: a β outside
+/// [0, 2] or a log-decay > 0 is the caller's responsibility here (the parallel kernels check
+/// them).
+///
+/// \tparam Phi a feature map without per-feature key softmax (Identity by default; models use
+///         L2Normalize<Silu>)
+/// \tparam Scalar float or double
+/// \code
+/// linattn::RecurrentDeltaRule<linattn::L2Normalize<linattn::Silu>, float> rnn(128, 128);
+/// Eigen::VectorXf out(128);
+/// for (Eigen::Index t = 0; t < T; ++t)
+///   rnn.step(Q.row(t), K.row(t), V.row(t), beta(t), log_a(t), out);  // log_a = 0: no decay
+/// \endcode
+template <class Phi = Identity, class Scalar = float>
+class RecurrentDeltaRule {
+  static_assert((detail::static_check_recurrent<Phi, Scalar>(), true));
+  static_assert(!normalizes_keys_per_feature_v<Phi>,
+                "linattn: the delta rule needs a product feature map (sim = φ(q)·φ(k)); a map "
+                "with a per-feature key softmax (SoftmaxSplit) has no delta-rule form");
+
+ public:
+  using State = LinearAttentionState<Scalar>;
+
+  /// A zero state for keys and queries of dimension D and values of dimension M.
+  /// \throws std::invalid_argument if D <= 0 or M < 0.
+  RecurrentDeltaRule(Index key_dim, Index value_dim, const DeltaOptions& options = {})
+      : RecurrentDeltaRule(key_dim, value_dim, Phi{}, options) {}
+
+  /// As above, with a map that has parameters.
+  RecurrentDeltaRule(Index key_dim, Index value_dim, const Phi& phi,
+                     const DeltaOptions& options = {})
+      : phi_(phi), options_(options), key_dim_(key_dim), value_dim_(value_dim) {
+    detail::check_dims("RecurrentDeltaRule", key_dim, value_dim);
+    detail::check_feature_map("RecurrentDeltaRule", phi_, key_dim);
+    const Index F = phi_.feature_dim(key_dim);
+    state_ = State(F, value_dim);
+    q_.resize(1, key_dim);
+    k_.resize(1, key_dim);
+    pq_.resize(1, F);
+    pk_.resize(1, F);
+    qv_.resize(key_dim);
+    kv_.resize(key_dim);
+    pqv_.resize(F);
+    pkv_.resize(F);
+    v_.resize(value_dim);
+    o_.resize(value_dim);
+  }
+
+  /// Consumes one token and writes its output (M entries) into `out`. q, k: D entries; v: M
+  /// entries (row or column vectors, any expression); beta: the writing strength; log_a: the
+  /// log-decay (0: no decay). `out` may share memory with the inputs (all are copied first).
+  /// No allocation. \throws std::invalid_argument on a wrong size.
+  template <class DQ, class DK, class DV, class DOut>
+  void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+            const Eigen::MatrixBase<DV>& v, Scalar beta, Scalar log_a,
+            const Eigen::MatrixBase<DOut>& out) {
+    detail::static_check_scalars<DQ, DK, DV>();
+    static_assert(std::is_same_v<typename DQ::Scalar, Scalar>,
+                  "linattn: the token's scalar type must be the RecurrentDeltaRule's");
+    const char* fn = "RecurrentDeltaRule::step";
+    const Index F = state_.S.rows();
+    detail::check_token(fn, "q", q, key_dim_);
+    detail::check_token(fn, "k", k, key_dim_);
+    detail::check_token(fn, "v", v, value_dim_);
+    detail::check_token(fn, "out", out, value_dim_);
+    if constexpr (detail::declares_elementwise<Phi>::value) {
+      // An elementwise map takes the token as a contiguous column: no 1-row matrix, whose
+      // run-time strides Eigen copies one scalar at a time.
+      qv_ = q.reshaped();
+      kv_ = k.reshaped();
+      using ColMap = Eigen::Map<Matrix<Scalar>>;
+      phi_.map(ColMap(qv_.data(), key_dim_, 1), ColMap(pqv_.data(), F, 1));
+      phi_.map(ColMap(kv_.data(), key_dim_, 1), ColMap(pkv_.data(), F, 1));
+    } else {
+      q_.row(0) = q.reshaped().transpose();
+      k_.row(0) = k.reshaped().transpose();
+      phi_.map(q_, pq_);
+      phi_.map(k_, pk_);
+      pqv_ = pq_.reshaped();
+      pkv_ = pk_.reshaped();
+    }
+    pqv_ *= static_cast<Scalar>(options_.scale);
+    v_ = v.reshaped();
+    const Scalar a = detail::exp_nonpositive_op<Scalar>()(log_a);
+    detail::delta_update_read(state_.S.data(), state_.S.outerStride(), F, value_dim_, a, beta,
+                              pkv_.data(), pqv_.data(), v_.data(), o_.data());
+    detail::writable(out).reshaped() = o_;
+    ++position_;
+  }
+
+  /// Back to the empty sequence.
+  void reset() {
+    state_.reset();
+    position_ = 0;
+  }
+
+  /// The current state (S; its low part zero, z unused).
+  const State& state() const noexcept { return state_; }
+
+  /// Continues from `state` (for example the one a delta_rule_attention() prefill left): its
+  /// low part is added into S. \throws std::invalid_argument if it does not fit.
+  void set_state(const State& state, Index position = 0) {
+    State copy = state;
+    detail::prepare_state("RecurrentDeltaRule::set_state", copy, phi_, key_dim_, value_dim_);
+    copy.S += copy.S_lo;
+    copy.S_lo.setZero();
+    state_ = std::move(copy);
+    position_ = position;
+  }
+
+  /// Tokens consumed since construction, reset() or set_state().
+  Index position() const noexcept { return position_; }
+  Index key_dim() const noexcept { return key_dim_; }
+  Index value_dim() const noexcept { return value_dim_; }
+  Index feature_dim() const noexcept { return state_.S.rows(); }
+  const Phi& feature_map() const noexcept { return phi_; }
+  const DeltaOptions& options() const noexcept { return options_; }
+
+ private:
+  friend struct detail::RecurrentStateAccess;
+
+  Phi phi_;
+  DeltaOptions options_;
+  Index key_dim_, value_dim_;
+  Index position_ = 0;
+  State state_;
+  Matrix<Scalar> q_, k_, pq_, pk_;
+  Vector<Scalar> qv_, kv_, pqv_, pkv_, v_, o_;
+};
+
+}  // namespace linattn
