@@ -35,3 +35,4 @@
 #include "gated_attention.hpp"
 #include "gated_attention_backward.hpp"
 #include "delta_rule.hpp"
+#include "delta_rule_backward.hpp"

@@ -1,0 +1,279 @@
+/// \file delta_rule_backward.hpp
+/// \brief Gradients of the delta rule (delta_rule_attention() and its multi-head form),
+/// including ∂L/∂β and ∂L/∂log a, from states checkpointed at chunk starts.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "checks.hpp"
+#include "common.hpp"
+#include "delta_options.hpp"
+#include "delta_rule.hpp"
+#include "detail/delta_backward.hpp"
+#include "feature_map.hpp"
+#include "gradients.hpp"
+#include "identity.hpp"
+#include "linear_attention_backward.hpp"
+#include "multihead.hpp"
+#include "parallel.hpp"
+#include "state.hpp"
+#include "workspace.hpp"
+
+namespace linattn {
+namespace detail {
+
+template <class D>
+typename D::Scalar& token_param_ref(D& x, Index i, Index h) {
+  return x.cols() == 1 || x.rows() != 1 ? x.coeffRef(i, h) : x.coeffRef(h, i);
+}
+
+// The checks of a delta-rule backward call: the forward's shapes and values, dOut, the
+// gradients' shapes and overlaps.
+template <class DQ, class DK, class DV, class DB, class DA, class DO, class DdQ, class DdK,
+          class DdV, class DdB, class DdA, class Phi>
+void check_delta_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
+                          const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                          const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a,
+                          const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
+                          const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+                          const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdB>& dbeta,
+                          const Eigen::MatrixBase<DdA>& dlog_a, Index heads,
+                          const DeltaOptions& opts) {
+  using Scalar = typename DQ::Scalar;
+  static_check_backward<Phi, Scalar>();
+  static_check_delta<Phi, Scalar>();
+  static_assert(std::is_same_v<Scalar, typename DB::Scalar> &&
+                    std::is_same_v<Scalar, typename DA::Scalar> &&
+                    std::is_same_v<Scalar, typename DdB::Scalar> &&
+                    std::is_same_v<Scalar, typename DdA::Scalar>,
+                "linattn: beta, log_a and their gradients must have the scalar type of Q, K "
+                "and V");
+  check_backward(fn, Q, K, V, dOut, dQ, dK, dV, /*causal=*/true);
+  check_feature_map(fn, phi, Q.cols() / heads);
+  check_delta_params(fn, beta, log_a, Q.rows(), heads, qkv_shapes(Q, K, V));
+  if (dbeta.rows() != beta.rows() || dbeta.cols() != beta.cols())
+    throw_invalid(fn, "dbeta is " + shape_of(dbeta) + " but must be " + shape_of(beta) +
+                          " (the shape of beta)");
+  if (dlog_a.rows() != log_a.rows() || dlog_a.cols() != log_a.cols())
+    throw_invalid(fn, "dlog_a is " + shape_of(dlog_a) + " but must be " + shape_of(log_a) +
+                          " (the shape of log_a)");
+  check_no_overlap(fn, dQ, "beta", beta, "log_a", log_a);
+  check_no_overlap(fn, dK, "beta", beta, "log_a", log_a);
+  check_no_overlap(fn, dV, "beta", beta, "log_a", log_a);
+  check_no_overlap(fn, dbeta, "Q", Q, "K", K, "V", V, "dOut", dOut, "beta", beta, "log_a", log_a);
+  check_no_overlap(fn, dlog_a, "Q", Q, "K", K, "V", V, "dOut", dOut, "beta", beta, "log_a",
+                   log_a);
+  if (memory_overlaps(dbeta, dQ) || memory_overlaps(dbeta, dK) || memory_overlaps(dbeta, dV) ||
+      memory_overlaps(dlog_a, dQ) || memory_overlaps(dlog_a, dK) || memory_overlaps(dlog_a, dV) ||
+      memory_overlaps(dbeta, dlog_a))
+    throw_invalid(fn, "dbeta and dlog_a must not share memory with each other or with dQ, dK "
+                      "or dV");
+  check_delta_chunk_size(fn, opts);
+}
+
+template <class Scalar>
+void check_delta_states(const char* fn, const LinearAttentionState<Scalar>& initial,
+                        const StateGradient<Scalar>& d_final, Index F, Index M) {
+  if (!initial.empty() &&
+      !(initial.S.rows() == F && initial.S.cols() == M &&
+        (initial.S_lo.size() == 0 || (initial.S_lo.rows() == F && initial.S_lo.cols() == M))))
+    throw_invalid(fn, "the initial state (S is " + shape_of(initial.S) + ", S_lo is " +
+                          shape_of(initial.S_lo) + ") does not fit F = " + std::to_string(F) +
+                          ", M = " + std::to_string(M));
+  if (d_final.dS.size() != 0 && !(d_final.dS.rows() == F && d_final.dS.cols() == M))
+    throw_invalid(fn, "the final state's gradient (dS is " + shape_of(d_final.dS) +
+                          ") does not fit F = " + std::to_string(F) + ", M = " +
+                          std::to_string(M));
+}
+
+// Head h of rows [0, N): its parameters to the thread's workspace, the kernel, ∂L/∂β and
+// ∂L/∂log a back into the caller's matrices.
+template <class Phi, class DQ, class DK, class DV, class DO, class DB, class DA, class OQ,
+          class OK, class OV, class OB, class OA, class Scalar>
+void delta_backward_head(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DO& dOut,
+                         const DB& beta, const DA& log_a, Index h,
+                         const LinearAttentionState<Scalar>* initial,
+                         const StateGradient<Scalar>* d_final, OQ& dQ, OK& dK, OV& dV,
+                         OB& dbeta, OA& dlog_a, StateGradient<Scalar>* d_initial,
+                         Workspace<Scalar>& ws, const DeltaOptions& opts) {
+  const Index N = Q.rows(), M = V.cols(), F = phi.feature_dim(Q.cols());
+  const auto params = delta_head_params(beta, log_a, 0, N, h, ws);
+  Workspace<Scalar>& xs = ws.template extension<DeltaBackwardScratch<Scalar>>().more;
+  Scalar* db = xs.vector(kDeltaDBeta, N).data();
+  Scalar* dg = params.second ? xs.vector(kDeltaDG, N).data() : nullptr;
+  delta_backward_run(phi, Q, K, V, dOut, params.first, params.second, initial, d_final, dQ, dK,
+                     dV, db, dg, d_initial, ws, opts, F, M);
+  for (Index i = 0; i < N; ++i) token_param_ref(dbeta, i, h) = db[i];
+  if (dg)
+    for (Index i = 0; i < N; ++i) token_param_ref(dlog_a, i, h) = dg[i];
+}
+
+template <class Scalar, class DQ, class DK, class DV, class DB, class DA>
+DeltaGradients<Scalar> delta_gradients_like(const DQ& Q, const DK& K, const DV& V, const DB& B,
+                                            const DA& A) {
+  AttentionGradients<Scalar> a = gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
+  return {std::move(a.dQ), std::move(a.dK), std::move(a.dV), Matrix<Scalar>(B.rows(), B.cols()),
+          Matrix<Scalar>(A.rows(), A.cols())};
+}
+
+}  // namespace detail
+
+/// \brief Gradients of delta_rule_attention() continuing from `initial`, written into caller
+/// buffers; allocation-free once `ws` has the shape.
+///
+/// The chunked form differentiated (docs/SPEC.md §9.3, "Gradients"), whatever
+/// DeltaOptions::algorithm says (chunk_size applies): a forward sweep keeps the state entering
+/// every chunk (⌈N/C⌉ states of F x M in `ws`: the working memory), then the chunks are
+/// recomputed from their checkpoints in reverse order, each carrying \f$\partial L/\partial S\f$
+/// back to its start. No state is recovered by running a step backwards:
+/// \f$I - \beta \hat k \hat k^\top\f$ is singular at β = 1.
+///
+/// \param dOut ∂L/∂out, N x M.
+/// \param initial the state the forward started from (empty: zero; its low part counts).
+/// \param d_final ∂L/∂S of the state the forward left (empty: zero; dz is ignored).
+/// \param dbeta, dlog_a ∂L/∂β and ∂L/∂log a, the shapes of beta and log_a (dlog_a empty when
+///        log_a is: no decay).
+/// \param d_initial receives ∂L/∂S of `initial` (dz zero).
+/// \throws std::invalid_argument as delta_rule_attention(), and on gradients of the wrong shape
+/// or overlapping an input or each other.
+/// \code
+/// linattn::StateGradient<double> none, d_start;
+/// linattn::Workspace<double> ws;
+/// linattn::delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, phi, initial, none,
+///                                        dQ, dK, dV, dbeta, dlog_a, d_start, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi, class DdQ,
+          class DdK, class DdV, class DdB, class DdA>
+void delta_rule_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+    const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
+    const LinearAttentionState<typename DQ::Scalar>& initial,
+    const StateGradient<typename DQ::Scalar>& d_final, const Eigen::MatrixBase<DdQ>& dQ,
+    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
+    const Eigen::MatrixBase<DdB>& dbeta, const Eigen::MatrixBase<DdA>& dlog_a,
+    StateGradient<typename DQ::Scalar>& d_initial, Workspace<typename DQ::Scalar>& ws,
+    const DeltaOptions& options = {}) {
+  const char* fn = "delta_rule_attention_backward";
+  detail::check_delta_backward(fn, Q, K, V, beta, log_a, dOut, phi, dQ, dK, dV, dbeta, dlog_a,
+                               1, options);
+  const Index N = Q.rows();
+  detail::check_delta_states(fn, initial, d_final, phi.feature_dim(Q.cols()), V.cols());
+  auto& gq = detail::writable(dQ);
+  auto& gk = detail::writable(dK);
+  auto& gv = detail::writable(dV);
+  auto& gb = detail::writable(dbeta);
+  auto& ga = detail::writable(dlog_a);
+  const detail::Nested<DQ> q(Q.derived());
+  const detail::Nested<DK> k(K.derived());
+  const detail::Nested<DV> v(V.derived());
+  const detail::Nested<DO> go(dOut.derived());
+  auto dqs = detail::row_segment(gq, 0, N);
+  auto dks = detail::row_segment(gk, 0, N);
+  auto dvs = detail::row_segment(gv, 0, N);
+  detail::delta_backward_head(phi, detail::row_segment(q, 0, N), detail::row_segment(k, 0, N),
+                              detail::row_segment(v, 0, N), detail::row_segment(go, 0, N),
+                              beta.derived(), log_a.derived(), 0, &initial, &d_final, dqs, dks,
+                              dvs, gb, ga, &d_initial, ws, options);
+}
+
+/// \brief Gradients of delta_rule_attention() continuing from `initial`, returned (see the
+/// out-parameter form).
+template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi>
+DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+    const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
+    const LinearAttentionState<typename DQ::Scalar>& initial, const DeltaOptions& options = {}) {
+  using Scalar = typename DQ::Scalar;
+  detail::check_qkv("delta_rule_attention_backward", Q, K, V, /*causal=*/true);
+  auto g = detail::delta_gradients_like<Scalar>(Q, K, V, beta, log_a);
+  StateGradient<Scalar> none, d_initial;
+  Workspace<Scalar> ws;
+  delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, phi, initial, none, g.dQ, g.dK, g.dV,
+                                g.dbeta, g.dlog_a, d_initial, ws, options);
+  return g;
+}
+
+/// \brief Gradients of delta_rule_attention() from a zero state, returned.
+/// \code
+/// auto g = linattn::delta_rule_attention_backward(Q, K, V, beta, log_a, dOut,
+///                                                 linattn::L2Normalize<linattn::Silu>{});
+/// // g.dQ, g.dK, g.dV, g.dbeta (as beta), g.dlog_a (as log_a; empty without decay)
+/// \endcode
+template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi = Identity>
+DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+    const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut,
+    const Phi& phi = Phi{}, const DeltaOptions& options = {}) {
+  const LinearAttentionState<typename DQ::Scalar> zero;
+  return delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, phi, zero, options);
+}
+
+/// \brief Gradients of multihead_delta_rule_attention() (each head from a zero state), written
+/// into caller buffers; heads in parallel, each as delta_rule_attention_backward() on its
+/// columns (beta, log_a and their gradients N x H; log_a and dlog_a may be empty).
+template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi, class DdQ,
+          class DdK, class DdV, class DdB, class DdA>
+void multihead_delta_rule_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+    const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut, Index heads,
+    const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+    const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdB>& dbeta,
+    const Eigen::MatrixBase<DdA>& dlog_a, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
+  using Scalar = typename DQ::Scalar;
+  const char* fn = "multihead_delta_rule_attention_backward";
+  const std::pair<Index, Index> dims = detail::check_heads(fn, Q, K, V, heads, true);
+  const Index D = dims.first, M = dims.second;
+  detail::check_delta_backward(fn, Q, K, V, beta, log_a, dOut, phi, dQ, dK, dV, dbeta, dlog_a,
+                               heads, options);
+  const Index N = Q.rows();
+  auto& gq = detail::writable(dQ);
+  auto& gk = detail::writable(dK);
+  auto& gv = detail::writable(dV);
+  auto& gb = detail::writable(dbeta);
+  auto& ga = detail::writable(dlog_a);
+  const detail::Nested<DQ> q(Q.derived());
+  const detail::Nested<DK> k(K.derived());
+  const detail::Nested<DV> v(V.derived());
+  const detail::Nested<DO> go(dOut.derived());
+  detail::parallel_tasks<Scalar>(heads, par, ws, [&](Index h, int thread) {
+    auto dqs = gq.block(0, h * D, N, D);
+    auto dks = gk.block(0, h * D, N, D);
+    auto dvs = gv.block(0, h * M, N, M);
+    detail::delta_backward_head(phi, q.block(0, h * D, N, D), k.block(0, h * D, N, D),
+                                v.block(0, h * M, N, M), go.block(0, h * M, N, M),
+                                beta.derived(), log_a.derived(), h,
+                                static_cast<const LinearAttentionState<Scalar>*>(nullptr),
+                                static_cast<const StateGradient<Scalar>*>(nullptr), dqs, dks, dvs,
+                                gb, ga, static_cast<StateGradient<Scalar>*>(nullptr),
+                                ws.for_thread(thread), options);
+  });
+}
+
+/// \brief Gradients of multihead_delta_rule_attention(), returned.
+/// \code
+/// auto g = linattn::multihead_delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, 8);
+/// \endcode
+template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi = Identity>
+DeltaGradients<typename DQ::Scalar> multihead_delta_rule_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+    const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut, Index heads,
+    const Phi& phi = Phi{}, const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
+  using Scalar = typename DQ::Scalar;
+  auto g = detail::delta_gradients_like<Scalar>(Q, K, V, beta, log_a);
+  MultiHeadWorkspace<Scalar> ws;
+  multihead_delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, heads, phi, g.dQ, g.dK,
+                                          g.dV, g.dbeta, g.dlog_a, ws, options, par);
+  return g;
+}
+
+}  // namespace linattn

@@ -1,0 +1,286 @@
+/// \file detail/delta_backward.hpp
+/// \brief The gradients of the delta rule (internal): the chunked form differentiated chunk by
+/// chunk, each chunk recomputed from the state checkpointed at its start (docs/SPEC.md §9.3,
+/// "Gradients").
+///
+/// No chunk is run backwards: (I − β k̂ k̂ᵀ) is singular at β = 1, so earlier states are never
+/// recovered from later ones. A forward sweep keeps the state at every chunk start (one F x M
+/// state per chunk); the backward sweep recomputes each chunk's pseudo-values from its
+/// checkpoint and carries ∂L/∂S back to the chunk's start.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cstddef>
+
+#include "../common.hpp"
+#include "../delta_options.hpp"
+#include "../feature_map.hpp"
+#include "../gradients.hpp"
+#include "../state.hpp"
+#include "../workspace.hpp"
+#include "blocking.hpp"
+#include "delta_forward.hpp"
+#include "fast_exp.hpp"
+#include "gated_forward.hpp"
+#include "map_backward.hpp"
+
+namespace linattn::detail {
+
+// The backward's buffers beyond the workspace's slots: a second set of slots, kept in the
+// workspace (allocation-free when reused).
+template <class Scalar>
+struct DeltaBackwardScratch final : WorkspaceExtension<Scalar> {
+  Workspace<Scalar> more;
+  std::size_t bytes() const noexcept override { return more.bytes(); }
+};
+
+enum DeltaSlot : int {
+  kDeltaME = 0,      // strict_tril(K̂K̂ᵀ ∘ E): L before the rows are scaled by β
+  kDeltaE = 1,       // E_ij = exp(Σ_{j<l<=i} g_l), i >= j
+  kDeltaDU = 2,      // ∂L/∂U, then ∂L/∂R after the transposed solve
+  kDeltaDA = 3,      // ∂L/∂A (lower), then ∘ E
+  kDeltaDL = 4,      // ∂L/∂L (strictly lower)
+  kDeltaDPQ = 5,     // ∂L/∂φ(Q) of the chunk
+  kDeltaDPK = 6,     // ∂L/∂φ(K) of the chunk
+  kDeltaT = 7,       // b x F products with a state
+  kDeltaDBeta = 8,   // ∂L/∂β of the head (N)
+  kDeltaDG = 9,      // ∂L/∂g of the head (N)
+  kDeltaDGam = 10,   // ∂L/∂γ_i, γ_i = Σ_{l<=i} g_l within the chunk
+  kDeltaDEq = 11,    // ∂L/∂eq_i
+  kDeltaKdS = 12,    // K̂ ∂L/∂S_out (b x M)
+};
+
+template <class Scalar>
+using RowMap = Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+
+// Recomputes chunk [r0, r0 + b) from the state S0 that entered it (spec §9.3):
+//   pk = φ(K), E, eq, ek (ones without decay), ME = strict_tril(K̂K̂ᵀ ∘ E), L = diag(β) ME,
+//   X = V − diag(eq) K̂ S0, U = L⁻¹ diag(β) X; with queries also pq = φ(Q) and
+//   A = tril(Q̂K̂ᵀ ∘ E). Returns exp(Σ g), the state's decay over the chunk.
+template <class Phi, class DQ, class DK, class DV, class Scalar, class S0T>
+Scalar delta_recompute(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                       const Scalar* beta, const Scalar* g, Index r0, Index b, const S0T& S0,
+                       bool queries, Workspace<Scalar>& ws, Workspace<Scalar>& xs) {
+  const Index F = S0.rows(), M = S0.cols();
+  auto pk = ws.matrix(kSlotPhiK, b, F);
+  phi.map(K.middleRows(r0, b), pk);
+  auto ME = xs.matrix(kDeltaME, b, b);
+  auto L = ws.matrix(kSlotExtra, b, b);
+  auto eq = ws.vector(kSlotNormalizer, b);
+  auto ek = ws.vector(kSlotNormalizerLow, b);
+  ME.template triangularView<Eigen::Lower>() = pk * pk.transpose();
+  auto A = ws.matrix(kSlotScores, b, b);
+  if (queries) {
+    auto pq = ws.matrix(kSlotPhiQ, b, F);
+    phi.map(Q.middleRows(r0, b), pq);
+    A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
+  }
+  Scalar total = 1;
+  if (g) {
+    auto E = xs.matrix(kDeltaE, b, b);
+    auto t = ws.vector(kSlotStateLow, b);
+    const Eigen::Map<const Vector<Scalar>> gc(g + r0, b);
+    forward_sums(gc, 0, b, eq);
+    backward_sums(gc, 0, b - 1, ek);
+    total = exp_nonpositive_op<Scalar>()(eq(b - 1));
+    exp_nonpositive_inplace(eq.array());
+    exp_nonpositive_inplace(ek.array());
+    for (Index j = 0; j < b; ++j) {
+      scalar_decay_column(gc, j, b, t);
+      E.col(j).tail(b - j) = t.head(b - j);
+      ME.col(j).tail(b - j).array() *= t.head(b - j).array();
+      if (queries) A.col(j).tail(b - j).array() *= t.head(b - j).array();
+    }
+  } else {
+    eq.setOnes();
+    ek.setOnes();
+  }
+  const Eigen::Map<const Vector<Scalar>> bc(beta + r0, b);
+  for (Index j = 0; j + 1 < b; ++j)
+    L.col(j).tail(b - 1 - j) = ME.col(j).tail(b - 1 - j).cwiseProduct(bc.tail(b - 1 - j));
+  auto X = ws.matrix(kSlotKeys, b, M);
+  auto U = ws.matrix(kSlotPrefix, b, M);
+  U.noalias() = pk * S0;
+  X = V.middleRows(r0, b) - eq.asDiagonal() * U;
+  U = bc.asDiagonal() * X;
+  L.template triangularView<Eigen::UnitLower>().solveInPlace(U);
+  return total;
+}
+
+// The state after the chunk just recomputed: S1 = total S0 + (diag(ek) K̂)ᵀ U (pk is scaled in
+// place).
+template <class Scalar, class S0T, class S1T>
+void delta_advance(Scalar total, const S0T& S0, S1T& S1, Workspace<Scalar>& ws, Index b) {
+  const Index F = S0.rows(), M = S0.cols();
+  auto pk = ws.matrix(kSlotPhiK, b, F);
+  auto ek = ws.vector(kSlotNormalizerLow, b);
+  auto U = ws.matrix(kSlotPrefix, b, M);
+  pk = ek.asDiagonal() * pk;
+  S1 = total * S0;
+  S1.noalias() += pk.transpose() * U;
+}
+
+// One head's gradients. beta, g (nullptr: no decay): the head's N entries; initial (nullptr or
+// empty: zero; its low part counts, as in the forward) and d_final (nullptr or empty: zero) of
+// F x M. dbeta, dg: N-entry outputs (dg unused without decay); d_initial, if given, receives
+// ∂L/∂S of the initial state (dz zero: the delta rule does not use z). The chunked form whatever the algorithm
+// option (the recurrent form has no cheaper exact gradient: it would store every state).
+template <class Phi, class DQ, class DK, class DV, class DO, class Scalar, class OQ, class OK,
+          class OV>
+void delta_backward_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DO& dOut,
+                        const Scalar* beta, const Scalar* g,
+                        const LinearAttentionState<Scalar>* initial,
+                        const StateGradient<Scalar>* d_final, OQ& dQ, OK& dK, OV& dV,
+                        Scalar* dbeta, Scalar* dg, StateGradient<Scalar>* d_initial,
+                        Workspace<Scalar>& ws,
+                        const DeltaOptions& opts, Index F, Index M) {
+  Workspace<Scalar>& xs = ws.template extension<DeltaBackwardScratch<Scalar>>().more;
+  const Index N = Q.rows();
+  const Index C = opts.chunk_size > 0 ? opts.chunk_size : kDeltaDefaultChunk;
+  const Index chunks = (N + C - 1) / C;
+  const Scalar s = static_cast<Scalar>(opts.scale);
+  // Checkpoints: the state entering chunk c at [c·F·M, (c+1)·F·M), row-major.
+  Scalar* ck = ws.vector(kSlotState, std::max<Index>(1, chunks) * F * M).data();
+  {
+    RowMap<Scalar> S0(ck, F, M);
+    if (initial && initial->S.size() != 0) {
+      S0 = initial->S;
+      if (initial->S_lo.size() != 0) S0 += initial->S_lo;
+    } else {
+      S0.setZero();
+    }
+  }
+  for (Index c = 0; c + 1 < chunks; ++c) {
+    const Index r0 = c * C, b = std::min(C, N - r0);
+    const RowMap<Scalar> S0(ck + c * F * M, F, M);
+    RowMap<Scalar> S1(ck + (c + 1) * F * M, F, M);
+    const Scalar total = delta_recompute(phi, Q, K, V, beta, g, r0, b, S0, false, ws, xs);
+    delta_advance(total, S0, S1, ws, b);
+  }
+  RowMap<Scalar> dS(ws.vector(kSlotBackwardC, F * M).data(), F, M);
+  if (d_final && d_final->dS.size() != 0)
+    dS = d_final->dS;
+  else
+    dS.setZero();
+  for (Index c = chunks - 1; c >= 0; --c) {
+    const Index r0 = c * C, b = std::min(C, N - r0);
+    const RowMap<Scalar> S0(ck + c * F * M, F, M);
+    const Scalar total = delta_recompute(phi, Q, K, V, beta, g, r0, b, S0, true, ws, xs);
+    auto pq = ws.matrix(kSlotPhiQ, b, F);
+    auto pk = ws.matrix(kSlotPhiK, b, F);
+    auto A = ws.matrix(kSlotScores, b, b);
+    auto L = ws.matrix(kSlotExtra, b, b);
+    auto X = ws.matrix(kSlotKeys, b, M);
+    auto U = ws.matrix(kSlotPrefix, b, M);
+    auto eq = ws.vector(kSlotNormalizer, b);
+    auto ek = ws.vector(kSlotNormalizerLow, b);
+    auto ME = xs.matrix(kDeltaME, b, b);
+    auto E = xs.matrix(kDeltaE, b, b);
+    auto dU = xs.matrix(kDeltaDU, b, M);
+    auto dA = xs.matrix(kDeltaDA, b, b);
+    auto dL = xs.matrix(kDeltaDL, b, b);
+    auto dPQ = xs.matrix(kDeltaDPQ, b, F);
+    auto dPK = xs.matrix(kDeltaDPK, b, F);
+    auto T = xs.matrix(kDeltaT, b, F);
+    auto KdS = xs.matrix(kDeltaKdS, b, M);
+    auto dgam = xs.vector(kDeltaDGam, b);
+    auto deq = xs.vector(kDeltaDEq, b);
+    const Eigen::Map<const Vector<Scalar>> bc(beta + r0, b);
+    Eigen::Map<Vector<Scalar>> db(dbeta + r0, b);
+    const auto dO = dOut.middleRows(r0, b);
+    dgam.setZero();
+    Scalar dgam_total = 0;
+
+    // out = s[diag(eq) Q̂ S0 + A U],  S1 = total S0 + (diag(ek) K̂)ᵀ U.
+    KdS.noalias() = pk * dS;
+    if (g) {
+      for (Index j = 0; j < b; ++j) {
+        const Scalar dek = KdS.row(j).dot(U.row(j)) * ek(j);  // ∂L/∂ek_j · ek_j
+        dgam(j) -= dek;
+        dgam_total += dek;
+      }
+      dgam_total += total * dS.cwiseProduct(S0).sum();
+    }
+    // With A scaled by s: ∂L/∂U = Aᵀ dO + ..., ∂L/∂A = s dO Uᵀ (dA holds dO Uᵀ until the
+    // decay's share, p_ij = ∂L/∂A_ij · A_ij / s · s, is taken), then ∂L/∂(Q̂K̂ᵀ) = ∂L/∂A ∘ E.
+    for (Index j = 0; j < b; ++j) A.col(j).tail(b - j) *= s;
+    dU = ek.asDiagonal() * KdS;
+    dU.noalias() += A.template triangularView<Eigen::Lower>().transpose() * dO;
+    dA.template triangularView<Eigen::Lower>() = dO * U.transpose();
+    T.noalias() = dO * S0.transpose();
+    for (Index i = 0; i < b; ++i) deq(i) = s * T.row(i).dot(pq.row(i));
+    dPQ = (s * eq).asDiagonal() * T;
+    if (g) {
+      for (Index j = 0; j < b; ++j)
+        for (Index i = j + 1; i < b; ++i) {
+          const Scalar p = dA(i, j) * A(i, j);
+          dgam(i) += p;
+          dgam(j) -= p;
+        }
+      for (Index j = 0; j < b; ++j)
+        dA.col(j).tail(b - j).array() *= s * E.col(j).tail(b - j).array();
+    } else {
+      for (Index j = 0; j < b; ++j) dA.col(j).tail(b - j) *= s;
+    }
+    dPQ.noalias() += dA.template triangularView<Eigen::Lower>() * pk;
+    dPK.noalias() = U * dS.transpose();
+    dPK = ek.asDiagonal() * dPK;
+    dPK.noalias() += dA.template triangularView<Eigen::Lower>().transpose() * pq;
+    // ∂L/∂S0 from the output and the decayed carry (dS is done with as ∂L/∂S1).
+    dS *= total;
+    pq = (s * eq).asDiagonal() * pq;
+    dS.noalias() += pq.transpose() * dO;
+
+    // U = L⁻¹ R, R = diag(β) X: ∂L/∂R = L⁻ᵀ ∂L/∂U and ∂L/∂L = −∂L/∂R Uᵀ (strictly lower);
+    // dL holds its negative, ∂L/∂R Uᵀ.
+    L.template triangularView<Eigen::UnitLower>().transpose().solveInPlace(dU);
+    dL.template triangularView<Eigen::Lower>() = dU * U.transpose();
+    for (Index i = 0; i < b; ++i) db(i) = dU.row(i).dot(X.row(i));
+    for (Index j = 0; j + 1 < b; ++j)
+      for (Index i = j + 1; i < b; ++i) {
+        db(i) -= dL(i, j) * ME(i, j);
+        if (g) {
+          const Scalar p = dL(i, j) * L(i, j);
+          dgam(i) -= p;
+          dgam(j) += p;
+        }
+      }
+    // L = diag(β)(K̂K̂ᵀ ∘ E): ∂L/∂(K̂K̂ᵀ) = diag(β) ∂L/∂L ∘ E (dL becomes its negative), used
+    // on both sides of the symmetric product.
+    for (Index j = 0; j + 1 < b; ++j) {
+      auto col = dL.col(j).tail(b - 1 - j).array();
+      col *= bc.tail(b - 1 - j).array();
+      if (g) col *= E.col(j).tail(b - 1 - j).array();
+    }
+    dPK.noalias() -= dL.template triangularView<Eigen::StrictlyLower>() * pk;
+    dPK.noalias() -= dL.template triangularView<Eigen::StrictlyLower>().transpose() * pk;
+    // X = V − diag(eq) K̂ S0 with ∂L/∂X = diag(β) ∂L/∂R.
+    dU = bc.asDiagonal() * dU;  // now ∂L/∂X = ∂L/∂V
+    T.noalias() = dU * S0.transpose();
+    for (Index i = 0; i < b; ++i) deq(i) -= T.row(i).dot(pk.row(i));
+    dPK -= eq.asDiagonal() * T;
+    pk = eq.asDiagonal() * pk;
+    dS.noalias() -= pk.transpose() * dU;
+    dV.middleRows(r0, b) = dU;
+    if (g) {
+      dgam += deq.cwiseProduct(eq);
+      dgam(b - 1) += dgam_total;
+      Scalar run = 0;  // ∂L/∂g_l = Σ_{i>=l} ∂L/∂γ_i
+      for (Index l = b - 1; l >= 0; --l) dg[r0 + l] = run += dgam(l);
+    }
+    // Through the map (the slots kSlotKeys and kSlotBackwardX are its scratch: nothing above
+    // is read after this point).
+    auto dqo = dQ.middleRows(r0, b);
+    auto dko = dK.middleRows(r0, b);
+    map_backward_into(phi, Q.middleRows(r0, b), dPQ, dqo, ws);
+    map_backward_into(phi, K.middleRows(r0, b), dPK, dko, ws);
+  }
+  if (d_initial) {
+    d_initial->dS = dS;
+    d_initial->dz.setZero(F);
+  }
+}
+
+}  // namespace linattn::detail
