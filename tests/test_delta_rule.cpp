@@ -215,6 +215,28 @@ void check_chunked_recurrent(double& worst) {
   }
 }
 
+// Widths that reach every packet path of the fused step (blocks of 4 packets, single packets,
+// the scalar tail) for SSE (4 floats), AVX2 (8) and AVX-512 (16): M = 70 and 64, D = 33.
+TEST(delta_forward, WidePacketTilesMatchRecurrence) {
+  double wf = 0;
+  for (const Shape sh : {Shape{50, 33, 70}, Shape{40, 64, 64}})
+    for (const bool decay : {false, true}) {
+      const Case c = make_case(sh.N, sh.D, sh.M, 131 + static_cast<std::uint32_t>(sh.M), decay);
+      const MatD ref = dref::recurrence(SiluL2{}, c.Q, c.K, c.V, c.beta, c.log_a, 1.0);
+      for (const Algo& a : algos()) {
+        const double e =
+            relative(test::max_abs_diff(run<float>(SiluL2{}, c, options(a)).cast<double>(), ref),
+                     ref);
+        EXPECT_LE(e, ref_bound<float>(false)) << a.name << ", M=" << sh.M;
+        wf = std::max(wf, e);
+      }
+      const double ed = relative(
+          test::max_abs_diff(run<double>(SiluL2{}, c, options(algos()[4])), ref), ref);
+      EXPECT_LE(ed, ref_bound<double>(false)) << "Recurrent, M=" << sh.M;
+    }
+  test::report_error("wide tiles vs recurrence, float", wf);
+}
+
 TEST(delta_forward, ChunkedEqualsRecurrent) {
   double wf = 0, wd = 0;
   check_chunked_recurrent<float>(wf);
