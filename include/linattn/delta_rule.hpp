@@ -22,6 +22,7 @@
 #include "detail/delta_forward.hpp"
 #include "detail/gated_forward.hpp"
 #include "detail/result.hpp"
+#include "detail/views.hpp"
 #include "feature_map.hpp"
 #include "identity.hpp"
 #include "multihead.hpp"
@@ -154,10 +155,15 @@ void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   const Nested<DQ> q(Q.derived());
   const Nested<DK> k(K.derived());
   const Nested<DV> v(V.derived());
+  PlainOf<Scalar, view_row_major_v<DQ>> cq;
+  PlainOf<Scalar, view_row_major_v<DK>> ck;
+  PlainOf<Scalar, view_row_major_v<DV>> cv;
+  PlainOf<Scalar, view_row_major_v<DOut>> co;
+  auto os = mutable_view(dst, co);
   const auto params = delta_head_params(beta.derived(), log_a.derived(), 0, N, 0, ws);
-  auto os = row_segment(dst, 0, N);
-  delta_run(phi, row_segment(q, 0, N), row_segment(k, 0, N), row_segment(v, 0, N),
-            params.first, params.second, st, os, ws, opts);
+  delta_run(phi, const_view(q, cq), const_view(k, ck), const_view(v, cv), params.first,
+            params.second, st, os, ws, opts);
+  write_back(dst, co);
 }
 
 // The multi-head and batched forms: (sequence, head) pairs in parallel, each the single-head
@@ -189,9 +195,17 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
     for (auto& st : *states) delta_absorb_low(st);
   }
   auto& dst = writable(out);
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
+  const Nested<DQ> qn(Q.derived());
+  const Nested<DK> kn(K.derived());
+  const Nested<DV> vn(V.derived());
+  PlainOf<Scalar, view_row_major_v<DQ>> cq;
+  PlainOf<Scalar, view_row_major_v<DK>> ck;
+  PlainOf<Scalar, view_row_major_v<DV>> cv;
+  PlainOf<Scalar, view_row_major_v<DOut>> co;
+  const auto q = const_view(qn, cq);
+  const auto k = const_view(kn, ck);
+  const auto v = const_view(vn, cv);
+  auto o = mutable_view(dst, co);
   parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, int thread) {
     const Index b = t / heads, h = t % heads;
     const Index r0 = offsets[static_cast<std::size_t>(b)];
@@ -205,10 +219,11 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
     }
     Workspace<Scalar>& tws = ws.for_thread(thread);
     const auto params = delta_head_params(beta.derived(), log_a.derived(), r0, n, h, tws);
-    auto os = dst.block(r0, h * M, n, M);
-    delta_run(phi, q.block(r0, h * D, n, D), k.block(r0, h * D, n, D), v.block(r0, h * M, n, M),
-              params.first, params.second, *st, os, tws, opts);
+    auto os = sub_view(o, r0, h * M, n, M);
+    delta_run(phi, sub_view(q, r0, h * D, n, D), sub_view(k, r0, h * D, n, D),
+              sub_view(v, r0, h * M, n, M), params.first, params.second, *st, os, tws, opts);
   });
+  write_back(dst, co);
 }
 
 }  // namespace detail
