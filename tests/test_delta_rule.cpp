@@ -377,6 +377,14 @@ TEST(delta_forward, ReturningOverloadsAndOutParameter) {
   EXPECT_EQ(al.news, 0);
 }
 
+// The final state of a whole-sequence call.
+template <class S, class Phi>
+Mat<S> pre_final(const Phi& phi, const Case& c, const DeltaOptions& o) {
+  State<S> st;
+  run<S>(phi, c, o, st);
+  return st.S;
+}
+
 template <class S, class Phi>
 void check_decoder(const Phi& phi, bool decay, double& worst) {
   const Index N = 150, D = 10, M = 12;
@@ -409,6 +417,24 @@ void check_decoder(const Phi& phi, bool decay, double& worst) {
   e = test::max_abs_diff(steps.bottomRows(N - P), par.bottomRows(N - P));
   EXPECT_LE(e, agree_bound<S>()) << "decode after set_state()";
   worst = std::max(worst, e);
+  // The last step's update is applied lazily: state() between steps, a copy and a move of the
+  // decoder mid-sequence all continue as the uninterrupted decode.
+  EXPECT_LE(test::max_abs_diff(Mat<S>(rnn.state().S), pre_final<S>(phi, c, o)),
+            agree_bound<S>())
+      << "state() after the last step";
+  rnn.set_state(pre);
+  for (Index t = P; t < P + 10; ++t) rnn.step(Q.row(t), K.row(t), V.row(t), S(c.beta(t)),
+                                              decay ? S(c.log_a(t)) : S(0), out);
+  linattn::RecurrentDeltaRule<Phi, S> copy = rnn;
+  (void)rnn.state();
+  linattn::RecurrentDeltaRule<Phi, S> moved = std::move(copy);
+  Vec<S> out2(M);
+  for (Index t = P + 10; t < N; ++t) {
+    rnn.step(Q.row(t), K.row(t), V.row(t), S(c.beta(t)), decay ? S(c.log_a(t)) : S(0), out);
+    moved.step(Q.row(t), K.row(t), V.row(t), S(c.beta(t)), decay ? S(c.log_a(t)) : S(0), out2);
+    EXPECT_LE(test::max_abs_diff(out, par.row(t).transpose().eval()), agree_bound<S>()) << t;
+    EXPECT_LE(test::max_abs_diff(out2, par.row(t).transpose().eval()), agree_bound<S>()) << t;
+  }
 
   // No allocation per step.
   rnn.reset();

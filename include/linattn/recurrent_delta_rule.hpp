@@ -24,9 +24,13 @@ namespace linattn {
 ///     \qquad \mathrm{out}_t = s\,\varphi(q_t)^\top S_t, \f]
 /// with \f$\hat k_t = \varphi(k_t)\f$, \f$a_t = e^{g_t}\f$ and s = DeltaOptions::scale.
 ///
-/// Each step() reads \f$\hat k^\top S\f$, updates and reads the state block by block of columns
-/// so that every entry comes from the state's home (L1 or L2) once, and performs no
-/// allocation. The state is a LinearAttentionState (S only), interchangeable with the parallel
+/// Each step() is one pass over the F x M state and performs no allocation: it reads
+/// \f$S_{t-1}^\top \varphi(q_t)\f$ and \f$S_{t-1}^\top \hat k_t\f$, from which the output follows
+/// (\f$\mathrm{out}_t = s(a_t S_{t-1}^\top \varphi(q_t) + (\varphi(q_t)\cdot\hat k_t)\,\delta_t)\f$,
+/// \f$\delta_t = \beta_t(v_t - a_t S_{t-1}^\top \hat k_t)\f$), and applies the previous token's
+/// update in the same pass; the last token's update is applied by state() (or the next step).
+/// state() therefore writes the state (it is const to the caller, but two threads must not call
+/// it on the same object at once; distinct objects are independent). The state is a LinearAttentionState (S only), interchangeable with the parallel
 /// kernels': prefill with delta_rule_attention() and hand the state over with set_state(), or
 /// take state() and continue in parallel. step() checks sizes, not values: a β outside
 /// [0, 2] or a log-decay > 0 is the caller's responsibility here (the parallel kernels check
@@ -74,6 +78,10 @@ class RecurrentDeltaRule {
     pkv_.resize(F);
     v_.resize(value_dim);
     o_.resize(value_dim);
+    yq_.resize(value_dim);
+    yk_.resize(value_dim);
+    kp_.resize(F);
+    dp_.resize(value_dim);
   }
 
   /// Consumes one token and writes its output (M entries) into `out`. q, k: D entries; v: M
@@ -112,8 +120,9 @@ class RecurrentDeltaRule {
     pqv_ *= static_cast<Scalar>(options_.scale);
     v_ = v.reshaped();
     const Scalar a = detail::exp_nonpositive_op<Scalar>()(log_a);
-    detail::delta_update_read(state_.S.data(), state_.S.outerStride(), F, value_dim_, a, beta,
-                              pkv_.data(), pqv_.data(), v_.data(), o_.data());
+    bind_pending();
+    detail::delta_token(state_.S.data(), state_.S.outerStride(), F, value_dim_, pending_, a, beta,
+                        pqv_.data(), pkv_.data(), v_.data(), o_.data(), yq_.data(), yk_.data());
     detail::writable(out).reshaped() = o_;
     ++position_;
   }
@@ -121,11 +130,17 @@ class RecurrentDeltaRule {
   /// Back to the empty sequence.
   void reset() {
     state_.reset();
+    pending_.pending = false;
     position_ = 0;
   }
 
-  /// The current state (S; its low part zero, z unused).
-  const State& state() const noexcept { return state_; }
+  /// The current state (S; its low part zero, z unused), the last step's update applied.
+  const State& state() const noexcept {
+    bind_pending();
+    detail::delta_settle(state_.S.data(), state_.S.outerStride(), state_.S.rows(),
+                         state_.S.cols(), pending_);
+    return state_;
+  }
 
   /// Continues from `state` (for example the one a delta_rule_attention() prefill left): its
   /// low part is added into S. \throws std::invalid_argument if it does not fit.
@@ -135,6 +150,7 @@ class RecurrentDeltaRule {
     copy.S += copy.S_lo;
     copy.S_lo.setZero();
     state_ = std::move(copy);
+    pending_.pending = false;
     position_ = position;
   }
 
@@ -147,15 +163,23 @@ class RecurrentDeltaRule {
   const DeltaOptions& options() const noexcept { return options_; }
 
  private:
-  friend struct detail::RecurrentStateAccess;
+  // The pending update lives in this object's kp_ and dp_ (bound before each use, so that the
+  // implicit copies and moves stay correct).
+  void bind_pending() const noexcept {
+    pending_.k = kp_.data();
+    pending_.d = dp_.data();
+  }
 
   Phi phi_;
   DeltaOptions options_;
-  Index key_dim_, value_dim_;
+  Index key_dim_ = 0, value_dim_ = 0;
   Index position_ = 0;
-  State state_;
+  // Mutable: state() applies the pending update of the last step.
+  mutable State state_;
   Matrix<Scalar> q_, k_, pq_, pk_;
-  Vector<Scalar> qv_, kv_, pqv_, pkv_, v_, o_;
+  Vector<Scalar> qv_, kv_, pqv_, pkv_, v_, o_, yq_, yk_;
+  mutable Vector<Scalar> kp_, dp_;
+  mutable detail::DeltaPending<Scalar> pending_;
 };
 
 }  // namespace linattn
