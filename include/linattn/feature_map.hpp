@@ -280,5 +280,34 @@ void map_elementwise(const Eigen::MatrixBase<Derived>& x, MatrixRef<typename Der
   }
 }
 
+// One token's features for the decode steps: φ(x) of a vector x (D entries, row or column,
+// any expression) into a vector of F entries, without allocation once sized. An elementwise map
+// takes the token as a contiguous column (no 1-row matrix, whose run-time strides Eigen copies
+// one scalar at a time); any other map gets it as a 1 x D row.
+template <class Scalar>
+struct TokenFeatures {
+  Matrix<Scalar> row, features;  // 1 x D, 1 x F
+  Vector<Scalar> column;         // D
+
+  void resize(Index D, Index F) {
+    row.resize(1, D);
+    features.resize(1, F);
+    column.resize(D);
+  }
+
+  template <class Phi, class X>
+  void map(const Phi& phi, const Eigen::MatrixBase<X>& x, Vector<Scalar>& out) {
+    if constexpr (declares_elementwise<Phi>::value) {
+      column = x.reshaped();
+      using ColMap = Eigen::Map<Matrix<Scalar>>;
+      phi.map(ColMap(column.data(), column.size(), 1), ColMap(out.data(), out.size(), 1));
+    } else {
+      row.row(0) = x.reshaped().transpose();
+      phi.map(row, features);
+      out = features.reshaped();
+    }
+  }
+};
+
 }  // namespace detail
 }  // namespace linattn

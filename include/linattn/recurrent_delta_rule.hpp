@@ -68,12 +68,7 @@ class RecurrentDeltaRule {
     detail::check_feature_map("RecurrentDeltaRule", phi_, key_dim);
     const Index F = phi_.feature_dim(key_dim);
     state_ = State(F, value_dim);
-    q_.resize(1, key_dim);
-    k_.resize(1, key_dim);
-    pq_.resize(1, F);
-    pk_.resize(1, F);
-    qv_.resize(key_dim);
-    kv_.resize(key_dim);
+    token_.resize(key_dim, F);
     pqv_.resize(F);
     pkv_.resize(F);
     v_.resize(value_dim);
@@ -101,22 +96,8 @@ class RecurrentDeltaRule {
     detail::check_token(fn, "k", k, key_dim_);
     detail::check_token(fn, "v", v, value_dim_);
     detail::check_token(fn, "out", out, value_dim_);
-    if constexpr (detail::declares_elementwise<Phi>::value) {
-      // An elementwise map takes the token as a contiguous column: no 1-row matrix, whose
-      // run-time strides Eigen copies one scalar at a time.
-      qv_ = q.reshaped();
-      kv_ = k.reshaped();
-      using ColMap = Eigen::Map<Matrix<Scalar>>;
-      phi_.map(ColMap(qv_.data(), key_dim_, 1), ColMap(pqv_.data(), F, 1));
-      phi_.map(ColMap(kv_.data(), key_dim_, 1), ColMap(pkv_.data(), F, 1));
-    } else {
-      q_.row(0) = q.reshaped().transpose();
-      k_.row(0) = k.reshaped().transpose();
-      phi_.map(q_, pq_);
-      phi_.map(k_, pk_);
-      pqv_ = pq_.reshaped();
-      pkv_ = pk_.reshaped();
-    }
+    token_.map(phi_, q, pqv_);
+    token_.map(phi_, k, pkv_);
     pqv_ *= static_cast<Scalar>(options_.scale);
     v_ = v.reshaped();
     const Scalar a = detail::exp_nonpositive_op<Scalar>()(log_a);
@@ -176,8 +157,8 @@ class RecurrentDeltaRule {
   Index position_ = 0;
   // Mutable: state() applies the pending update of the last step.
   mutable State state_;
-  Matrix<Scalar> q_, k_, pq_, pk_;
-  Vector<Scalar> qv_, kv_, pqv_, pkv_, v_, o_, yq_, yk_;
+  detail::TokenFeatures<Scalar> token_;
+  Vector<Scalar> pqv_, pkv_, v_, o_, yq_, yk_;
   mutable Vector<Scalar> kp_, dp_;
   mutable detail::DeltaPending<Scalar> pending_;
 };

@@ -65,12 +65,7 @@ class RecurrentGatedAttention {
     const Index F = phi_.feature_dim(key_dim);
     state_ = State(F, value_dim);
     state_.log_decay.setZero(F);
-    q_.resize(1, key_dim);
-    k_.resize(1, key_dim);
-    pq_.resize(1, F);
-    pk_.resize(1, F);
-    qv_.resize(key_dim);
-    kv_.resize(key_dim);
+    token_.resize(key_dim, F);
     pqv_.resize(F);
     pkv_.resize(F);
     w_.resize(F);
@@ -103,22 +98,8 @@ class RecurrentGatedAttention {
                                     " entries");
     detail::check_token(fn, "out", out, value_dim_);
     const bool per_feature = log_gate.size() > 1;
-    if constexpr (detail::declares_elementwise<Phi>::value) {
-      // An elementwise map takes the token as a contiguous column: no 1-row matrix, whose
-      // run-time strides Eigen copies one scalar at a time.
-      qv_ = q.reshaped();
-      kv_ = k.reshaped();
-      using ColMap = Eigen::Map<Matrix<Scalar>>;
-      phi_.map(ColMap(qv_.data(), key_dim_, 1), ColMap(pqv_.data(), F, 1));
-      phi_.map(ColMap(kv_.data(), key_dim_, 1), ColMap(pkv_.data(), F, 1));
-    } else {
-      q_.row(0) = q.reshaped().transpose();
-      k_.row(0) = k.reshaped().transpose();
-      phi_.map(q_, pq_);
-      phi_.map(k_, pk_);
-      pqv_ = pq_.reshaped();
-      pkv_ = pk_.reshaped();
-    }
+    token_.map(phi_, q, pqv_);
+    token_.map(phi_, k, pkv_);
     v_ = v.reshaped();
     const Index gw = log_gate.size();
     alpha_.head(gw) = log_gate.reshaped();
@@ -201,8 +182,8 @@ class RecurrentGatedAttention {
   Index key_dim_, value_dim_;
   Index position_ = 0;
   State state_;
-  Matrix<Scalar> q_, k_, pq_, pk_;
-  Vector<Scalar> qv_, kv_, pqv_, pkv_, w_, alpha_, v_, o_;
+  detail::TokenFeatures<Scalar> token_;
+  Vector<Scalar> pqv_, pkv_, w_, alpha_, v_, o_;
 };
 
 }  // namespace linattn
