@@ -16,7 +16,10 @@
 //     first, so that the drift of a shared machine falls on all three; counters plain_ms,
 //     chunked_ms, recurrent_ms (medians) and chunked_vs_plain (target ≤ 3), recurrent_vs_chunked
 //     (target ≥ 5): medians of the per-iteration ratios of wall times, and the same of the
-//     thread's CPU times (*_cpu), which a busy machine disturbs less;
+//     thread's CPU times (*_cpu), which a busy machine disturbs less; linattn's Recurrent is
+//     itself one fused pass over the state per token, so that ratio compares two fast forms;
+//   - the token-by-token recurrence as a user writes it with Eigen (dl_naive_pair, one head):
+//     against Chunked and Auto on the same head, naive_vs_chunked and naive_vs_auto;
 //   - the decode step (dl_decode_pair, one head, D = M ∈ {64, 128}): blocks of kDecodeSteps steps
 //     of RecurrentLinearAttention<EluPlusOne, float> and RecurrentDeltaRule<L2Normalize<Silu>,
 //     float> (with log_a), timed block by block in rotating order; counters plain_ns, delta_ns per
@@ -76,6 +79,7 @@ struct DeltaSizes {
   bool pairs_on_col = false;       // pairs on column-major inputs too (else row only)
   int pair_iterations = 0;
   int decode_iterations = 0;       // blocks of kDecodeSteps steps per kind
+  Index naive_n = 0;               // N of the naive-recurrence pair (one head)
 };
 
 DeltaSizes delta_sizes(const lb::Profile& p) {
@@ -91,6 +95,7 @@ DeltaSizes delta_sizes(const lb::Profile& p) {
     s.pairs_on_col = true;
     s.pair_iterations = 8;
     s.decode_iterations = 400;
+    s.naive_n = 4096;
   } else if (p.name == "smoke") {
     s.ns = {256};
     s.chunks = {16, 64};
@@ -98,12 +103,14 @@ DeltaSizes delta_sizes(const lb::Profile& p) {
     s.pair_ns = {256};
     s.pair_iterations = 2;
     s.decode_iterations = 2;
+    s.naive_n = 64;
   } else {  // quick
     s.ns = lb::powers_of_two(256, 16384);
     s.chunk_n = 4096;
     s.pair_ns = {16384};
     s.pair_iterations = 6;
     s.decode_iterations = 200;
+    s.naive_n = 2048;
   }
   return s;
 }
@@ -352,6 +359,76 @@ void BM_decode_pair(benchmark::State& st, Index D) {
   st.counters["delta_state_bytes"] = double(D * M * Index(sizeof(T)));
 }
 
+// The token-by-token recurrence as a careful user writes it with Eigen (one head: the maps over
+// the whole sequence, tokens transposed into contiguous columns, then per token S ← a S,
+// u = Sᵀ k̂, δ = β (v − u), S += k̂ δᵀ, out = s Sᵀ q̂: four passes over the state), against linattn's Chunked and Auto (the fused
+// one-pass recurrence) on the same head, back to back in rotating order; counters naive_ms,
+// chunked_ms, auto_ms and the medians naive_vs_chunked (the issue's "≥ 5× faster than the
+// token-by-token recurrence") and naive_vs_auto.
+void BM_naive_pair(benchmark::State& st, Index D) {
+  using T = float;
+  const Index N = st.range(0), M = D;
+  lb::set_threads(1);
+  const Mat<T> Q = lb::random_matrix<T>(N, D, 71), K = lb::random_matrix<T>(N, D, 72),
+               V = lb::random_matrix<T>(N, M, 73);
+  const Eigen::Matrix<T, Eigen::Dynamic, 1> B = betas<T>(N, 1, 74), G = log_decays<T>(N, 1, 75);
+  const DeltaMap phi{};
+  const linattn::DeltaOptions chunked = delta_options(D, linattn::CausalAlgorithm::Chunked, 0),
+                              autoo = delta_options(D, linattn::CausalAlgorithm::Auto, 0);
+  const T s = T(1) / std::sqrt(T(D));
+  Mat<T> PQ(N, D), PK(N, D), PQt(D, N), PKt(D, N), Vt(M, N), S(D, M), out(N, M), outt(M, N);
+  Eigen::Matrix<T, Eigen::Dynamic, 1> u(M), d(M);
+  linattn::LinearAttentionState<T> state;
+  linattn::Workspace<T> ws;
+  const auto call = [&](int k) {
+    if (k == 0) {
+      phi.map(Q, PQ);
+      phi.map(K, PK);
+      PQt = PQ.transpose();  // tokens as contiguous columns
+      PKt = PK.transpose();
+      Vt = V.transpose();
+      S.setZero();
+      for (Index t = 0; t < N; ++t) {
+        S *= std::exp(G(t));
+        u.noalias() = S.transpose() * PKt.col(t);
+        d = B(t) * (Vt.col(t) - u);
+        S.noalias() += PKt.col(t) * d.transpose();
+        outt.col(t).noalias() = s * (S.transpose() * PQt.col(t));
+      }
+      out = outt.transpose();
+    } else {
+      state = linattn::LinearAttentionState<T>();
+      linattn::delta_rule_attention(Q, K, V, B, G, phi, state, out, ws, k == 1 ? chunked : autoo);
+    }
+  };
+  for (int k = 0; k < 3; ++k) call(k);
+  std::vector<double> tk[3], r_chunked, r_auto;
+  int first = 0;
+  for (auto _ : st) {
+    double t[3] = {0, 0, 0};
+    for (int j = 0; j < 3; ++j) {
+      const int k = (first + j) % 3;
+      const auto t0 = std::chrono::steady_clock::now();
+      call(k);
+      benchmark::ClobberMemory();
+      t[k] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    st.SetIterationTime(t[0] + t[1] + t[2]);
+    for (int k = 0; k < 3; ++k) tk[k].push_back(t[k]);
+    r_chunked.push_back(t[0] / t[1]);
+    r_auto.push_back(t[0] / t[2]);
+    first = (first + 1) % 3;
+  }
+  if (!lb::all_finite(out)) st.SkipWithError("non-finite output");
+  st.counters["naive_ms"] = 1e3 * lb::median(tk[0]);
+  st.counters["chunked_ms"] = 1e3 * lb::median(tk[1]);
+  st.counters["auto_ms"] = 1e3 * lb::median(tk[2]);
+  st.counters["naive_vs_chunked"] = lb::median(r_chunked);
+  st.counters["naive_vs_auto"] = lb::median(r_auto);
+  st.counters["N"] = double(N);
+  st.counters["D"] = double(D);
+}
+
 #endif  // LINATTN_BENCH_DELTA
 
 void register_all(const lb::Profile& p) {
@@ -390,6 +467,13 @@ void register_all(const lb::Profile& p) {
       for (Index n : s.pair_ns) b->Arg(int64_t(n));
     }
     {
+      const std::string name = "dl_naive_pair/phi:l2silu/decay:on/layout:col" + lb::key("dtype", "f32") +
+                               lb::key("H", 1) + lb::key("D", D) + lb::key("thr", 1);
+      auto* b = benchmark::RegisterBenchmark(name.c_str(), [D](benchmark::State& st) { BM_naive_pair(st, D); });
+      b->ArgName("N")->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(s.pair_iterations);
+      b->Arg(int64_t(s.naive_n));
+    }
+    {
       const std::string name = "dl_decode_pair/phi:l2silu/decay:on" + lb::key("dtype", "f32") + lb::key("H", 1) +
                                lb::key("D", D) + lb::key("thr", 1);
       benchmark::RegisterBenchmark(name.c_str(), [D](benchmark::State& st) { BM_decode_pair(st, D); })
@@ -413,7 +497,8 @@ std::string notes(const lb::Profile& p) {
        lb::join(s.chunks) + " at N = " + std::to_string(s.chunk_n) +
        "; call-by-call target pairs (plain, Chunked, Recurrent) at N = " + lb::join(s.pair_ns) + " (" +
        std::to_string(s.pair_iterations) + " iterations, " + (s.pairs_on_col ? "both layouts" : "row-major") +
-       "); decode step pairs, one head, " + std::to_string(s.decode_iterations) + " blocks of " +
+       "); the naive Eigen token loop against Chunked and Auto, one head, N = " + std::to_string(s.naive_n) +
+       "; decode step pairs, one head, " + std::to_string(s.decode_iterations) + " blocks of " +
        std::to_string(kDecodeSteps) + " steps per kind.";
 #else
   (void)s;

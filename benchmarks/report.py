@@ -1192,6 +1192,25 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
     else:
         L.append("(no dl_pair runs in these results)")
 
+    # The token-by-token recurrence as written with Eigen.
+    rows = []
+    for d in dims:
+        q = dict(dtype="f32", H="1", thr="1", D=d, layout="col", phi="l2silu", decay="on")
+        for n in res.sizes("dl_naive_pair", **q):
+            r = res.find("dl_naive_pair", n, **q)
+            x, y = r.get("naive_vs_chunked"), r.get("naive_vs_auto")
+            rows.append([d, fmt_n(n), fmt_time(r.get("naive_ms", 0) * 1e-3), fmt_time(r.get("chunked_ms", 0) * 1e-3),
+                         fmt_time(r.get("auto_ms", 0) * 1e-3), f"{x:.1f}" if x else "–",
+                         "✓" if x and x >= TARGET_DELTA_RECURRENT_VS_CHUNKED else "✗", f"{y:.1f}" if y else "–",
+                         str(r.iterations)])
+    if rows:
+        L += ["", "The token-by-token recurrence as a user writes it with Eigen (`dl_naive_pair`, one head: the maps over "
+              "the sequence, then per token S ← a·S, u = Sᵀk̂, δ = β(v − u), S += k̂δᵀ, out = s·Sᵀq̂), against "
+              "`delta_rule_attention` Chunked and Auto (linattn's fused recurrence) on the same head, back to back; "
+              "medians:", ""]
+        L += table(["D = M", "N", "naive loop", "Chunked", "Auto", "naive ÷ Chunked",
+                    f"≥ {TARGET_DELTA_RECURRENT_VS_CHUNKED:.1f}", "naive ÷ Auto", "iterations"], rows, "rrrrrrlrr")
+
     # Decode step.
     L += ["", "Decode step, one head (`dl_decode_pair`: blocks of steps of `RecurrentLinearAttention<EluPlusOne, "
           "float>::step` and `RecurrentDeltaRule<L2Normalize<Silu>, float>::step` with a log-decay, timed block by "
@@ -1750,6 +1769,7 @@ KIND_TITLES = {
     "dl_delta": "Multi-head delta rule (L2Normalize<Silu>, scale 1/√D)",
     "dl_pair": "Delta rule (chunked, recurrent) vs plain causal call by call (time of all three calls)",
     "dl_decode_pair": "Delta-rule vs plain decode step (time of the two blocks of steps)",
+    "dl_naive_pair": "The token-by-token recurrence in Eigen vs the delta rule Chunked and Auto (one head)",
     "decode_recurrent": "Decode step, recurrent (RNN) form",
     "decode_softmax": "Decode step, softmax over a KV cache",
 }
