@@ -248,7 +248,7 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 ///        P S + H with an F x F matrix P, which the state does not carry).
 /// \param out N x M; must not overlap Q, K, V, beta or log_a.
 ///
-/// Algorithms (DeltaOptions::algorithm): Chunked forms, per chunk of C rows (64 by default),
+/// Algorithms (DeltaOptions::algorithm): Chunked forms, per chunk of C rows (32 by default),
 /// the pseudo-values U = (I + strict_tril(diag(β)(K̂K̂ᵀ ∘ E)))⁻¹ diag(β)(V − diag(e) K̂ S) by one
 /// blocked triangular solve and the outputs and next state by GEMMs (docs/SPEC.md §9.3; every
 /// decay factor is the exponential of a sum of log decays <= 0). Recurrent runs one token at a
