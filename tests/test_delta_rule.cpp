@@ -549,9 +549,10 @@ TEST(delta_batched, EqualsPerSequenceSingleCalls) {
       EXPECT_LE(test::max_abs_diff(Eigen::MatrixXf(out.block(r0, h * M, n, M)), one),
                 same_bound<float>())
           << "sequence " << b << ", head " << h;
-      if (n > 0)
+      if (n > 0) {
         EXPECT_LE(test::max_abs_diff(Eigen::MatrixXf(states[b * H + h].S), Eigen::MatrixXf(st.S)),
                   same_bound<float>());
+      }
     }
 }
 

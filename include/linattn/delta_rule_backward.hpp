@@ -103,7 +103,7 @@ void delta_backward_head(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
                          Workspace<Scalar>& ws, const DeltaOptions& opts) {
   const Index N = Q.rows(), M = V.cols(), F = phi.feature_dim(Q.cols());
   const auto params = delta_head_params(beta, log_a, 0, N, h, ws);
-  Workspace<Scalar>& xs = ws.template extension<DeltaBackwardScratch<Scalar>>().more;
+  Workspace<Scalar>& xs = ws.template extension<DeltaScratch<Scalar>>().more;
   Scalar* db = xs.vector(kDeltaDBeta, N).data();
   Scalar* dg = params.second ? xs.vector(kDeltaDG, N).data() : nullptr;
   delta_backward_run(phi, Q, K, V, dOut, params.first, params.second, initial, d_final, dQ, dK,

@@ -28,100 +28,6 @@
 
 namespace linattn::detail {
 
-// The backward's buffers beyond the workspace's slots: a second set of slots, kept in the
-// workspace (allocation-free when reused).
-template <class Scalar>
-struct DeltaBackwardScratch final : WorkspaceExtension<Scalar> {
-  Workspace<Scalar> more;
-  std::size_t bytes() const noexcept override { return more.bytes(); }
-};
-
-enum DeltaSlot : int {
-  kDeltaME = 0,      // strict_tril(K̂K̂ᵀ ∘ E): L before the rows are scaled by β
-  kDeltaE = 1,       // E_ij = exp(Σ_{j<l<=i} g_l), i >= j
-  kDeltaDU = 2,      // ∂L/∂U, then ∂L/∂R after the transposed solve
-  kDeltaDA = 3,      // ∂L/∂A (lower), then ∘ E
-  kDeltaDL = 4,      // ∂L/∂L (strictly lower)
-  kDeltaDPQ = 5,     // ∂L/∂φ(Q) of the chunk
-  kDeltaDPK = 6,     // ∂L/∂φ(K) of the chunk
-  kDeltaT = 7,       // b x F products with a state
-  kDeltaDBeta = 8,   // ∂L/∂β of the head (N)
-  kDeltaDG = 9,      // ∂L/∂g of the head (N)
-  kDeltaDGam = 10,   // ∂L/∂γ_i, γ_i = Σ_{l<=i} g_l within the chunk
-  kDeltaDEq = 11,    // ∂L/∂eq_i
-  kDeltaKdS = 12,    // K̂ ∂L/∂S_out (b x M)
-};
-
-template <class Scalar>
-using RowMap = Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
-
-// Recomputes chunk [r0, r0 + b) from the state S0 that entered it (spec §9.3):
-//   pk = φ(K), E, eq, ek (ones without decay), ME = strict_tril(K̂K̂ᵀ ∘ E), L = diag(β) ME,
-//   X = V − diag(eq) K̂ S0, U = L⁻¹ diag(β) X; with queries also pq = φ(Q) and
-//   A = tril(Q̂K̂ᵀ ∘ E). Returns exp(Σ g), the state's decay over the chunk.
-template <class Phi, class DQ, class DK, class DV, class Scalar, class S0T>
-Scalar delta_recompute(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
-                       const Scalar* beta, const Scalar* g, Index r0, Index b, const S0T& S0,
-                       bool queries, Workspace<Scalar>& ws, Workspace<Scalar>& xs) {
-  const Index F = S0.rows(), M = S0.cols();
-  auto pk = ws.matrix(kSlotPhiK, b, F);
-  phi.map(K.middleRows(r0, b), pk);
-  auto ME = xs.matrix(kDeltaME, b, b);
-  auto L = ws.matrix(kSlotExtra, b, b);
-  auto eq = ws.vector(kSlotNormalizer, b);
-  auto ek = ws.vector(kSlotNormalizerLow, b);
-  ME.template triangularView<Eigen::Lower>() = pk * pk.transpose();
-  auto A = ws.matrix(kSlotScores, b, b);
-  if (queries) {
-    auto pq = ws.matrix(kSlotPhiQ, b, F);
-    phi.map(Q.middleRows(r0, b), pq);
-    A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
-  }
-  Scalar total = 1;
-  if (g) {
-    auto E = xs.matrix(kDeltaE, b, b);
-    auto t = ws.vector(kSlotStateLow, b);
-    const Eigen::Map<const Vector<Scalar>> gc(g + r0, b);
-    forward_sums(gc, 0, b, eq);
-    backward_sums(gc, 0, b - 1, ek);
-    total = exp_nonpositive_op<Scalar>()(eq(b - 1));
-    exp_nonpositive_inplace(eq.array());
-    exp_nonpositive_inplace(ek.array());
-    for (Index j = 0; j < b; ++j) {
-      scalar_decay_column(gc, j, b, t);
-      E.col(j).tail(b - j) = t.head(b - j);
-      ME.col(j).tail(b - j).array() *= t.head(b - j).array();
-      if (queries) A.col(j).tail(b - j).array() *= t.head(b - j).array();
-    }
-  } else {
-    eq.setOnes();
-    ek.setOnes();
-  }
-  const Eigen::Map<const Vector<Scalar>> bc(beta + r0, b);
-  for (Index j = 0; j + 1 < b; ++j)
-    L.col(j).tail(b - 1 - j) = ME.col(j).tail(b - 1 - j).cwiseProduct(bc.tail(b - 1 - j));
-  auto X = ws.matrix(kSlotKeys, b, M);
-  auto U = ws.matrix(kSlotPrefix, b, M);
-  U.noalias() = pk * S0;
-  X = V.middleRows(r0, b) - eq.asDiagonal() * U;
-  U = bc.asDiagonal() * X;
-  L.template triangularView<Eigen::UnitLower>().solveInPlace(U);
-  return total;
-}
-
-// The state after the chunk just recomputed: S1 = total S0 + (diag(ek) K̂)ᵀ U (pk is scaled in
-// place).
-template <class Scalar, class S0T, class S1T>
-void delta_advance(Scalar total, const S0T& S0, S1T& S1, Workspace<Scalar>& ws, Index b) {
-  const Index F = S0.rows(), M = S0.cols();
-  auto pk = ws.matrix(kSlotPhiK, b, F);
-  auto ek = ws.vector(kSlotNormalizerLow, b);
-  auto U = ws.matrix(kSlotPrefix, b, M);
-  pk = ek.asDiagonal() * pk;
-  S1 = total * S0;
-  S1.noalias() += pk.transpose() * U;
-}
-
 // One head's gradients. beta, g (nullptr: no decay): the head's N entries; initial (nullptr or
 // empty: zero; its low part counts, as in the forward) and d_final (nullptr or empty: zero) of
 // F x M. dbeta, dg: N-entry outputs (dg unused without decay); d_initial, if given, receives
@@ -136,7 +42,7 @@ void delta_backward_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
                         Scalar* dbeta, Scalar* dg, StateGradient<Scalar>* d_initial,
                         Workspace<Scalar>& ws,
                         const DeltaOptions& opts, Index F, Index M) {
-  Workspace<Scalar>& xs = ws.template extension<DeltaBackwardScratch<Scalar>>().more;
+  Workspace<Scalar>& xs = ws.template extension<DeltaScratch<Scalar>>().more;
   const Index N = Q.rows();
   const Index C = opts.chunk_size > 0 ? opts.chunk_size : kDeltaDefaultChunk;
   const Index chunks = (N + C - 1) / C;

@@ -14,6 +14,7 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <cstddef>
 
 #include "../common.hpp"
 #include "../delta_options.hpp"
@@ -202,76 +203,122 @@ void delta_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   copy_from_row_major(ob, b, M, dst.middleRows(r0, b));
 }
 
-// The decay factors of a chunk of b rows with log decays gc (spec §9.3, as §9.1):
-// eq_i = exp(Σ_{l<=i} g_l) (the carried state's decay at row i), ek_j = exp(Σ_{l>j} g_l) (key
-// j's decay to the chunk's end); A ∘= E and B ∘= E with E_ij = exp(Σ_{j<l<=i} g_l) on and below
-// the diagonal. Returns exp(Σ g), the state's decay over the chunk.
-template <class GV, class EQ, class EK, class T, class AM, class BM>
-typename std::decay_t<GV>::Scalar delta_chunk_decays(const GV& gc, Index b, EQ& eq, EK& ek,
-                                                     T& t, AM& A, BM& B) {
-  using S = typename std::decay_t<GV>::Scalar;
-  forward_sums(gc, 0, b, eq);
-  backward_sums(gc, 0, b - 1, ek);
-  const S total = eq(b - 1);
-  exp_nonpositive_inplace(eq.array());
-  exp_nonpositive_inplace(ek.array());
-  for (Index j = 0; j < b; ++j) {
-    scalar_decay_column(gc, j, b, t);
-    A.col(j).tail(b - j).array() *= t.head(b - j).array();
-    B.col(j).tail(b - j).array() *= t.head(b - j).array();
+// The chunked form's buffers beyond the workspace's slots: a second set of slots, kept in the
+// workspace (allocation-free when reused).
+template <class Scalar>
+struct DeltaScratch final : WorkspaceExtension<Scalar> {
+  Workspace<Scalar> more;
+  std::size_t bytes() const noexcept override { return more.bytes(); }
+};
+
+enum DeltaSlot : int {
+  kDeltaME = 0,      // strict_tril(K̂K̂ᵀ ∘ E): L before the rows are scaled by β
+  kDeltaE = 1,       // E_ij = exp(Σ_{j<l<=i} g_l), i >= j
+  kDeltaDU = 2,      // ∂L/∂U, then ∂L/∂R after the transposed solve; the forward's output rows
+  kDeltaDA = 3,      // ∂L/∂A (lower), then ∘ E
+  kDeltaDL = 4,      // ∂L/∂L (strictly lower)
+  kDeltaDPQ = 5,     // ∂L/∂φ(Q) of the chunk
+  kDeltaDPK = 6,     // ∂L/∂φ(K) of the chunk
+  kDeltaT = 7,       // b x F products with a state
+  kDeltaDBeta = 8,   // ∂L/∂β of the head (N)
+  kDeltaDG = 9,      // ∂L/∂g of the head (N)
+  kDeltaDGam = 10,   // ∂L/∂γ_i, γ_i = Σ_{l<=i} g_l within the chunk
+  kDeltaDEq = 11,    // ∂L/∂eq_i
+  kDeltaKdS = 12,    // K̂ ∂L/∂S_out (b x M)
+};
+
+template <class Scalar>
+using RowMap = Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+
+// Recomputes chunk [r0, r0 + b) from the state S0 that entered it (spec §9.3):
+//   pk = φ(K), E, eq, ek (ones without decay), ME = strict_tril(K̂K̂ᵀ ∘ E), L = diag(β) ME,
+//   X = V − diag(eq) K̂ S0, U = L⁻¹ diag(β) X; with queries also pq = φ(Q) and
+//   A = tril(Q̂K̂ᵀ ∘ E). Returns exp(Σ g), the state's decay over the chunk.
+template <class Phi, class DQ, class DK, class DV, class Scalar, class S0T>
+Scalar delta_recompute(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                       const Scalar* beta, const Scalar* g, Index r0, Index b, const S0T& S0,
+                       bool queries, Workspace<Scalar>& ws, Workspace<Scalar>& xs) {
+  const Index F = S0.rows(), M = S0.cols();
+  auto pk = ws.matrix(kSlotPhiK, b, F);
+  phi.map(K.middleRows(r0, b), pk);
+  auto ME = xs.matrix(kDeltaME, b, b);
+  auto L = ws.matrix(kSlotExtra, b, b);
+  auto eq = ws.vector(kSlotNormalizer, b);
+  auto ek = ws.vector(kSlotNormalizerLow, b);
+  ME.template triangularView<Eigen::Lower>() = pk * pk.transpose();
+  auto A = ws.matrix(kSlotScores, b, b);
+  if (queries) {
+    auto pq = ws.matrix(kSlotPhiQ, b, F);
+    phi.map(Q.middleRows(r0, b), pq);
+    A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
   }
-  return exp_nonpositive_op<S>()(total);
+  Scalar total = 1;
+  if (g) {
+    auto E = xs.matrix(kDeltaE, b, b);
+    auto t = ws.vector(kSlotStateLow, b);
+    const Eigen::Map<const Vector<Scalar>> gc(g + r0, b);
+    forward_sums(gc, 0, b, eq);
+    backward_sums(gc, 0, b - 1, ek);
+    total = exp_nonpositive_op<Scalar>()(eq(b - 1));
+    exp_nonpositive_inplace(eq.array());
+    exp_nonpositive_inplace(ek.array());
+    for (Index j = 0; j < b; ++j) {
+      scalar_decay_column(gc, j, b, t);
+      E.col(j).tail(b - j) = t.head(b - j);
+      ME.col(j).tail(b - j).array() *= t.head(b - j).array();
+      if (queries) A.col(j).tail(b - j).array() *= t.head(b - j).array();
+    }
+  } else {
+    eq.setOnes();
+    ek.setOnes();
+  }
+  const Eigen::Map<const Vector<Scalar>> bc(beta + r0, b);
+  for (Index j = 0; j + 1 < b; ++j)
+    L.col(j).tail(b - 1 - j) = ME.col(j).tail(b - 1 - j).cwiseProduct(bc.tail(b - 1 - j));
+  auto X = ws.matrix(kSlotKeys, b, M);
+  auto U = ws.matrix(kSlotPrefix, b, M);
+  U.noalias() = pk * S0;
+  X = V.middleRows(r0, b) - eq.asDiagonal() * U;
+  U = bc.asDiagonal() * X;
+  L.template triangularView<Eigen::UnitLower>().solveInPlace(U);
+  return total;
 }
 
-// One chunk [r0, r0 + b) (spec §9.3): with K̂, Q̂ the chunk's features, β and the decay factors
-// of delta_chunk_decays,
-//   L  = I + strict_tril(diag(β) (K̂K̂ᵀ ∘ E))                      (unit lower triangular)
-//   U  = L⁻¹ diag(β) (V − diag(eq) K̂ S_prev)                      (the pseudo-values)
-//   out = s [diag(eq) Q̂ S_prev + tril(Q̂K̂ᵀ ∘ E) U]
-//   S  ← exp(Σ g) S_prev + (diag(ek) K̂)ᵀ U.
-// U is the WY form's T V − W S_prev (T = L⁻¹ diag(β), W = T diag(eq) K̂) with T and W not formed:
-// one blocked triangular solve with b x M right-hand sides instead of two products by T.
+// The state after the chunk just recomputed: S1 = total S0 + (diag(ek) K̂)ᵀ U (pk is scaled in
+// place).
+template <class Scalar, class S0T, class S1T>
+void delta_advance(Scalar total, const S0T& S0, S1T& S1, Workspace<Scalar>& ws, Index b) {
+  const Index F = S0.rows(), M = S0.cols();
+  auto pk = ws.matrix(kSlotPhiK, b, F);
+  auto ek = ws.vector(kSlotNormalizerLow, b);
+  auto U = ws.matrix(kSlotPrefix, b, M);
+  pk = ek.asDiagonal() * pk;
+  S1 = total * S0;
+  S1.noalias() += pk.transpose() * U;
+}
+
+// One chunk [r0, r0 + b) of the forward (spec §9.3): delta_recompute from the carried state,
+//   out = s [diag(eq) Q̂ S_prev + tril(Q̂K̂ᵀ ∘ E) U],
+// then delta_advance. U is the WY form's T V − W S_prev (T = L⁻¹ diag(β), W = T diag(eq) K̂)
+// with T and W not formed: one blocked triangular solve with b x M right-hand sides instead of
+// two products by T.
 template <class Phi, class DQ, class DK, class DV, class Scalar, class Out>
 void delta_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scalar* beta,
                  const Scalar* g, Index r0, Index b, LinearAttentionState<Scalar>& st, Out& dst,
                  Workspace<Scalar>& ws, Scalar scale) {
+  Workspace<Scalar>& xs = ws.template extension<DeltaScratch<Scalar>>().more;
   const Index F = st.S.rows(), M = st.S.cols();
+  const Scalar total = delta_recompute(phi, Q, K, V, beta, g, r0, b, st.S, true, ws, xs);
   auto pq = ws.matrix(kSlotPhiQ, b, F);
-  auto pk = ws.matrix(kSlotPhiK, b, F);
-  phi.map(Q.middleRows(r0, b), pq);
-  phi.map(K.middleRows(r0, b), pk);
-  auto A = ws.matrix(kSlotScores, b, b);  // tril(Q̂K̂ᵀ ∘ E)
-  auto L = ws.matrix(kSlotExtra, b, b);   // strict_tril(diag(β)(K̂K̂ᵀ ∘ E)); the unit diagonal implicit
+  auto A = ws.matrix(kSlotScores, b, b);
   auto U = ws.matrix(kSlotPrefix, b, M);
-  auto O = ws.matrix(kSlotKeys, b, M);
-  A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
-  L.template triangularView<Eigen::Lower>() = pk * pk.transpose();
-  const Eigen::Map<const Vector<Scalar>> bc(beta + r0, b);
-  Scalar total = 1;
   auto eq = ws.vector(kSlotNormalizer, b);
-  auto ek = ws.vector(kSlotNormalizerLow, b);
-  if (g) {
-    auto t = ws.vector(kSlotStateLow, b);
-    const Eigen::Map<const Vector<Scalar>> gc(g + r0, b);
-    total = delta_chunk_decays(gc, b, eq, ek, t, A, L);
-  }
-  for (Index j = 0; j + 1 < b; ++j)
-    L.col(j).tail(b - 1 - j).array() *= bc.tail(b - 1 - j).array();
-  U.noalias() = pk * st.S;
+  auto O = xs.matrix(kDeltaDU, b, M);
   O.noalias() = pq * st.S;
-  if (g) {
-    U.array().colwise() *= eq.array();
-    O.array().colwise() *= eq.array();
-  }
-  U = (V.middleRows(r0, b) - U).array().colwise() * bc.array();
-  L.template triangularView<Eigen::UnitLower>().solveInPlace(U);
+  if (g) O = eq.asDiagonal() * O;
   O.noalias() += A.template triangularView<Eigen::Lower>() * U;
   dst.middleRows(r0, b) = scale * O;
-  if (g) {
-    st.S *= total;
-    pk.array().colwise() *= ek.array();
-  }
-  st.S.noalias() += pk.transpose() * U;
+  delta_advance(total, st.S, st.S, ws, b);
 }
 
 // The largest state (F·M) for which Auto runs the recurrent form. Measured on an AVX2 Zen 3
