@@ -47,18 +47,6 @@ inline void check_chunk_size(const char* function, const GatedOptions& opts) {
                                 std::to_string(opts.chunk_size));
 }
 
-// A zero state of F x M for a call that carries none (the thread's own, reused).
-template <class Scalar>
-void zero_gated_state(LinearAttentionState<Scalar>& st, Index F, Index M, Index gw) {
-  if (st.S.rows() == F && st.S.cols() == M && st.m.size() == 0 && st.S_lo.size() == F * M &&
-      st.z_lo.size() == F) {
-    st.reset();
-  } else {
-    st = LinearAttentionState<Scalar>(F, M);
-  }
-  st.log_decay.setZero(gw);
-}
-
 template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void gated_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,

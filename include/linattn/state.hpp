@@ -417,6 +417,19 @@ void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, SMat& S_lo, 
   }
 }
 
+// A zero state of F x M (a log-decay record of gw zeros) for a kernel call that carries none: the
+// thread's own, reused by the gated and delta-rule kernels.
+template <class Scalar>
+void zero_gated_state(LinearAttentionState<Scalar>& st, Index F, Index M, Index gw) {
+  if (st.S.rows() == F && st.S.cols() == M && st.m.size() == 0 && st.S_lo.size() == F * M &&
+      st.z_lo.size() == F) {
+    st.reset();
+  } else {
+    st = LinearAttentionState<Scalar>(F, M);
+  }
+  st.log_decay.setZero(gw);
+}
+
 }  // namespace detail
 
 template <class Scalar>
