@@ -210,13 +210,7 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
     const Index b = t / heads, h = t % heads;
     const Index r0 = offsets[static_cast<std::size_t>(b)];
     const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
-    LinearAttentionState<Scalar>* st = nullptr;
-    if (states) {
-      st = &(*states)[static_cast<std::size_t>(t)];
-    } else {
-      st = &ws.state_for_thread(thread);
-      zero_gated_state(*st, F, M, 0);
-    }
+    LinearAttentionState<Scalar>* st = &task_state(states, t, ws, thread, F, M, 0);
     Workspace<Scalar>& tws = ws.for_thread(thread);
     const auto params = delta_head_params(beta.derived(), log_a.derived(), r0, n, h, tws);
     auto os = sub_view(o, r0, h * M, n, M);

@@ -126,13 +126,7 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
     const Index b = t / heads, h = t % heads;
     const Index r0 = offsets[static_cast<std::size_t>(b)];
     const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
-    LinearAttentionState<Scalar>* st = nullptr;
-    if (states) {
-      st = &(*states)[static_cast<std::size_t>(t)];
-    } else {
-      st = &ws.state_for_thread(thread);
-      zero_gated_state(*st, F, M, gw);
-    }
+    LinearAttentionState<Scalar>* st = &task_state(states, t, ws, thread, F, M, gw);
     auto os = dst.block(r0, h * M, n, M);
     gated_run(phi, q.block(r0, h * D, n, D), k.block(r0, h * D, n, D), v.block(r0, h * M, n, M),
               g.block(r0, h * gw, n, gw), *st, os, ws.for_thread(thread), opts);

@@ -7,8 +7,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "checks.hpp"
 #include "common.hpp"
@@ -428,6 +430,18 @@ void zero_gated_state(LinearAttentionState<Scalar>& st, Index F, Index M, Index 
     st = LinearAttentionState<Scalar>(F, M);
   }
   st.log_decay.setZero(gw);
+}
+
+// Task t's state in a batched gated or delta-rule call: the caller's states[t], or the thread's
+// own state of the multi-head workspace ws, zeroed (log-decay record of gw entries).
+template <class Scalar, class MultiHeadWS>
+LinearAttentionState<Scalar>& task_state(std::vector<LinearAttentionState<Scalar>>* states,
+                                         Index t, MultiHeadWS& ws, int thread, Index F, Index M,
+                                         Index gw) {
+  if (states) return (*states)[static_cast<std::size_t>(t)];
+  LinearAttentionState<Scalar>& st = ws.state_for_thread(thread);
+  zero_gated_state(st, F, M, gw);
+  return st;
 }
 
 }  // namespace detail
