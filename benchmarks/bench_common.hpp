@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <ctime>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -166,6 +167,14 @@ Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> random_matrix(Index rows, Index
 
 // The median of per-iteration figures (the pair benchmarks' ratios: robust to the iterations a
 // neighbour on the machine disturbs).
+// CPU time of the calling thread: on a shared machine, where other processes take the core from
+// the benchmark, the ratios of CPU times stay close to an idle machine's when wall times do not.
+inline double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
 inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const std::size_t n = v.size();

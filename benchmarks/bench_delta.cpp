@@ -115,14 +115,6 @@ DeltaSizes delta_sizes(const lb::Profile& p) {
   return s;
 }
 
-// CPU time of the calling thread: on a shared machine, where other processes take the core from
-// the benchmark, the ratios of CPU times stay close to an idle machine's when wall times do not.
-[[maybe_unused]] double thread_cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
-
 void gemm_reference(benchmark::State& st, Index D) {
   lb::run_linear_gemm<float>(st, kHeads, D, 1);
 }
@@ -270,12 +262,12 @@ void BM_pair(benchmark::State& st, Index D, Layout layout) {
     double t[3] = {0, 0, 0}, c[3] = {0, 0, 0};
     for (int j = 0; j < 3; ++j) {
       const int k = (first + j) % 3;
-      const double c0 = thread_cpu_seconds();
+      const double c0 = lb::thread_cpu_seconds();
       const auto t0 = std::chrono::steady_clock::now();
       call(k);
       benchmark::ClobberMemory();
       t[k] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      c[k] = thread_cpu_seconds() - c0;
+      c[k] = lb::thread_cpu_seconds() - c0;
       finite = finite && lb::all_finite(p.out.topRows(1));
     }
     st.SetIterationTime(t[0] + t[1] + t[2]);
@@ -334,11 +326,11 @@ void BM_decode_pair(benchmark::State& st, Index D) {
     double tm[2] = {0, 0}, c[2] = {0, 0};
     for (int j = 0; j < 2; ++j) {
       const int kind = (first + j) % 2;
-      const double c0 = thread_cpu_seconds();
+      const double c0 = lb::thread_cpu_seconds();
       const auto t0 = std::chrono::steady_clock::now();
       block(kind);
       tm[kind] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      c[kind] = thread_cpu_seconds() - c0;
+      c[kind] = lb::thread_cpu_seconds() - c0;
     }
     st.SetIterationTime(tm[0] + tm[1]);
     for (int kind = 0; kind < 2; ++kind) tk[kind].push_back(tm[kind] / double(kDecodeSteps));
