@@ -18,6 +18,7 @@
 #include "detail/products.hpp"
 #include "detail/recurrent_block.hpp"
 #include "detail/sequence_split.hpp"
+#include "detail/views.hpp"
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
 #include "parallel.hpp"
@@ -384,39 +385,27 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
 // and the summaries before its segment in a fixed order and computes its segment from that
 // state. Work: the one-thread call's plus a summary (2·F·M flops a row, GEMMs) of the first
 // T - 1 segments. The state carried out is the last segment's.
-template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
-void causal_linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q,
-                                   const Eigen::MatrixBase<DK>& K,
-                                   const Eigen::MatrixBase<DV>& V, const Phi& phi,
-                                   const Keep& keep, LinearAttentionState<typename DQ::Scalar>& st,
-                                   const Eigen::MatrixBase<DOut>& out,
-                                   Workspace<typename DQ::Scalar>& ws, const CausalOptions& opts,
-                                   const ParallelOptions& par) {
-  using Scalar = typename DQ::Scalar;
-  static_check_feature_map<Phi, Scalar>();
-  check_qkv(function, Q, K, V, /*causal=*/true);
-  check_feature_map(function, phi, Q.cols());
-  const Index F = phi.feature_dim(Q.cols()), M = V.cols(), N = Q.rows();
-  const int threads = sequence_split_threads(par, N, F * M);
-  check_output(function, out, N, M);
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
+template <class VQ, class VK, class VV, class Phi, class Keep, class VOut>
+void causal_linear_attention_views(const char* function, const VQ& q, const VK& k, const VV& v,
+                                   const Phi& phi, const Keep& keep,
+                                   LinearAttentionState<typename VQ::Scalar>& st, VOut& dst,
+                                   Workspace<typename VQ::Scalar>& ws, const CausalOptions& opts,
+                                   int threads) {
+  using Scalar = typename VQ::Scalar;
+  const Index F = phi.feature_dim(q.cols()), M = v.cols(), N = q.rows();
   if (threads <= 1) {
     // The kernel on the whole as one row segment: the same instantiation as the segments below
     // and the multi-head kernels' heads (row_segment()).
     causal_linear_attention_impl(function, row_segment(q, 0, N), row_segment(k, 0, N),
                                  row_segment(v, 0, N), phi, shifted_keep(keep, 0), st,
-                                 row_segment(writable(out), 0, N), ws, opts);
+                                 row_segment(dst, 0, N), ws, opts);
     return;
   }
-  check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
   if (opts.chunk_size < 0)
     throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
                                 std::to_string(opts.chunk_size));
-  prepare_state(function, st, phi, Q.cols(), M);
+  prepare_state(function, st, phi, q.cols(), M);
   fold_state(st.S, st.S_lo, st.z, st.z_lo);
-  auto& dst = writable(out);
   const Index C = causal_block_rows(opts, F * M);
   auto& x = ws.template extension<SplitScratch<Scalar>>();
   x.prepare(threads, Index(threads - 1) * threads, F, M, normalizes_keys_per_feature_v<Phi>);
@@ -441,6 +430,33 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
             row_segment(dst, seg.begin, seg.size), x.ws[static_cast<std::size_t>(t)], opts);
       });
   std::swap(st, x.carried[static_cast<std::size_t>(team - 1)]);
+}
+
+// Checks the arguments, then runs causal_linear_attention_views() on the operands as views
+// (detail/views.hpp): one instantiation of the kernels per map, mask, scalar type and storage
+// orders, whatever Eigen types the caller passes.
+template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
+void causal_linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                                   const Eigen::MatrixBase<DK>& K,
+                                   const Eigen::MatrixBase<DV>& V, const Phi& phi,
+                                   const Keep& keep, LinearAttentionState<typename DQ::Scalar>& st,
+                                   const Eigen::MatrixBase<DOut>& out,
+                                   Workspace<typename DQ::Scalar>& ws, const CausalOptions& opts,
+                                   const ParallelOptions& par) {
+  static_check_feature_map<Phi, typename DQ::Scalar>();
+  check_qkv(function, Q, K, V, /*causal=*/true);
+  check_feature_map(function, phi, Q.cols());
+  const Index F = phi.feature_dim(Q.cols()), M = V.cols(), N = Q.rows();
+  const int threads = sequence_split_threads(par, N, F * M);
+  check_output(function, out, N, M);
+  check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
+  const Viewed<DQ> q(Q.derived());
+  const Viewed<DK> k(K.derived());
+  const Viewed<DV> v(V.derived());
+  with_output_view(writable(out), [&](auto& dst) {
+    causal_linear_attention_views(function, q.view, k.view, v.view, phi, keep, st, dst, ws, opts,
+                                  threads);
+  });
 }
 
 }  // namespace detail

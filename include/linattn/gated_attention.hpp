@@ -20,6 +20,7 @@
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/gated_forward.hpp"
+#include "detail/views.hpp"
 #include "detail/result.hpp"
 #include "feature_map.hpp"
 #include "gated_options.hpp"
@@ -68,14 +69,17 @@ void gated_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V, "log_gates", log_gates);
   check_chunk_size(fn, opts);
   gated_prepare_state(fn, st, phi, D, M, log_gates.cols());
-  auto& dst = writable(out);
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
-  const Nested<DG> g(log_gates.derived());
-  auto os = row_segment(dst, 0, N);
-  gated_run(phi, row_segment(q, 0, N), row_segment(k, 0, N), row_segment(v, 0, N),
-            row_segment(g, 0, N), st, os, ws, opts);
+  // As views (detail/views.hpp), one row segment each: the types of the multi-head form's
+  // blocks, so that one instantiation of the kernels serves every caller.
+  const Viewed<DQ> q(Q.derived());
+  const Viewed<DK> k(K.derived());
+  const Viewed<DV> v(V.derived());
+  const Viewed<DG> g(log_gates.derived());
+  with_output_view(writable(out), [&](auto& dst) {
+    auto os = row_segment(dst, 0, N);
+    gated_run(phi, row_segment(q.view, 0, N), row_segment(k.view, 0, N),
+              row_segment(v.view, 0, N), row_segment(g.view, 0, N), st, os, ws, opts);
+  });
 }
 
 // The multi-head and batched forms: (sequence, head) pairs in parallel, each the single-head
@@ -117,19 +121,21 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
     }
     for (auto& st : *states) gated_prepare_state(fn, st, phi, D, M, gw);
   }
-  auto& dst = writable(out);
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
-  const Nested<DG> g(log_gates.derived());
-  parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, int thread) {
-    const Index b = t / heads, h = t % heads;
-    const Index r0 = offsets[static_cast<std::size_t>(b)];
-    const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
-    LinearAttentionState<Scalar>* st = &task_state(states, t, ws, thread, F, M, gw);
-    auto os = dst.block(r0, h * M, n, M);
-    gated_run(phi, q.block(r0, h * D, n, D), k.block(r0, h * D, n, D), v.block(r0, h * M, n, M),
-              g.block(r0, h * gw, n, gw), *st, os, ws.for_thread(thread), opts);
+  const Viewed<DQ> q(Q.derived());
+  const Viewed<DK> k(K.derived());
+  const Viewed<DV> v(V.derived());
+  const Viewed<DG> g(log_gates.derived());
+  with_output_view(writable(out), [&](auto& dst) {
+    parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, int thread) {
+      const Index b = t / heads, h = t % heads;
+      const Index r0 = offsets[static_cast<std::size_t>(b)];
+      const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
+      LinearAttentionState<Scalar>* st = &task_state(states, t, ws, thread, F, M, gw);
+      auto os = dst.block(r0, h * M, n, M);
+      gated_run(phi, q.view.block(r0, h * D, n, D), k.view.block(r0, h * D, n, D),
+                v.view.block(r0, h * M, n, M), g.view.block(r0, h * gw, n, gw), *st, os,
+                ws.for_thread(thread), opts);
+    });
   });
 }
 

@@ -12,6 +12,7 @@
 #include "common.hpp"
 #include "detail/gated_backward.hpp"
 #include "detail/gated_forward.hpp"
+#include "detail/views.hpp"
 #include "gated_attention.hpp"
 #include "gated_options.hpp"
 #include "identity.hpp"
@@ -165,23 +166,27 @@ void gated_linear_attention_backward(
                                options);
   const Index N = Q.rows(), M = V.cols();
   detail::check_gated_states(fn, initial, d_final, phi.feature_dim(Q.cols()), M);
-  auto& gq = detail::writable(dQ);
-  auto& gk = detail::writable(dK);
-  auto& gv = detail::writable(dV);
-  auto& gg = detail::writable(dlog_gates);
-  const detail::Nested<DQ> q(Q.derived());
-  const detail::Nested<DK> k(K.derived());
-  const detail::Nested<DV> v(V.derived());
-  const detail::Nested<DG> g(log_gates.derived());
-  const detail::Nested<DO> go(dOut.derived());
-  auto dqs = detail::row_segment(gq, 0, N);
-  auto dks = detail::row_segment(gk, 0, N);
-  auto dvs = detail::row_segment(gv, 0, N);
-  auto dgs = detail::row_segment(gg, 0, N);
-  detail::gated_backward_run(phi, detail::row_segment(q, 0, N), detail::row_segment(k, 0, N),
-                             detail::row_segment(v, 0, N), detail::row_segment(g, 0, N),
-                             detail::row_segment(go, 0, N), initial, d_final, dqs, dks, dvs, dgs,
-                             &d_initial, ws, options);
+  // As views (detail/views.hpp), one row segment each: the multi-head form's types.
+  const detail::Viewed<DQ> q(Q.derived());
+  const detail::Viewed<DK> k(K.derived());
+  const detail::Viewed<DV> v(V.derived());
+  const detail::Viewed<DG> g(log_gates.derived());
+  const detail::Viewed<DO> go(dOut.derived());
+  detail::with_output_view(detail::writable(dlog_gates), [&](auto& gg) {
+    detail::with_output_views(
+        detail::writable(dQ), detail::writable(dK), detail::writable(dV),
+        [&](auto& gq, auto& gk, auto& gv) {
+          auto dqs = detail::row_segment(gq, 0, N);
+          auto dks = detail::row_segment(gk, 0, N);
+          auto dvs = detail::row_segment(gv, 0, N);
+          auto dgs = detail::row_segment(gg, 0, N);
+          detail::gated_backward_run(
+              phi, detail::row_segment(q.view, 0, N), detail::row_segment(k.view, 0, N),
+              detail::row_segment(v.view, 0, N), detail::row_segment(g.view, 0, N),
+              detail::row_segment(go.view, 0, N), initial, d_final, dqs, dks, dvs, dgs,
+              &d_initial, ws, options);
+        });
+  });
 }
 
 /// \brief Gradients of gated_linear_attention() from a zero state, returned (see the
@@ -226,27 +231,29 @@ void multihead_gated_linear_attention_backward(
   detail::check_gated_backward(fn, Q, K, V, log_gates, dOut, phi, dQ, dK, dV, dlog_gates, heads,
                                options);
   const Index N = Q.rows(), gw = log_gates.cols() / heads;
-  auto& gq = detail::writable(dQ);
-  auto& gk = detail::writable(dK);
-  auto& gv = detail::writable(dV);
-  auto& gg = detail::writable(dlog_gates);
-  const detail::Nested<DQ> q(Q.derived());
-  const detail::Nested<DK> k(K.derived());
-  const detail::Nested<DV> v(V.derived());
-  const detail::Nested<DG> g(log_gates.derived());
-  const detail::Nested<DO> go(dOut.derived());
+  const detail::Viewed<DQ> q(Q.derived());
+  const detail::Viewed<DK> k(K.derived());
+  const detail::Viewed<DV> v(V.derived());
+  const detail::Viewed<DG> g(log_gates.derived());
+  const detail::Viewed<DO> go(dOut.derived());
   const LinearAttentionState<Scalar> zero;
   const StateGradient<Scalar> none;
-  detail::parallel_tasks<Scalar>(heads, par, ws, [&](Index h, int thread) {
-    auto dqs = gq.block(0, h * D, N, D);
-    auto dks = gk.block(0, h * D, N, D);
-    auto dvs = gv.block(0, h * M, N, M);
-    auto dgs = gg.block(0, h * gw, N, gw);
-    detail::gated_backward_run(phi, q.block(0, h * D, N, D), k.block(0, h * D, N, D),
-                               v.block(0, h * M, N, M), g.block(0, h * gw, N, gw),
-                               go.block(0, h * M, N, M), zero, none, dqs, dks, dvs, dgs,
-                               static_cast<StateGradient<Scalar>*>(nullptr), ws.for_thread(thread),
-                               options);
+  detail::with_output_view(detail::writable(dlog_gates), [&](auto& gg) {
+    detail::with_output_views(
+        detail::writable(dQ), detail::writable(dK), detail::writable(dV),
+        [&](auto& gq, auto& gk, auto& gv) {
+          detail::parallel_tasks<Scalar>(heads, par, ws, [&](Index h, int thread) {
+            auto dqs = gq.block(0, h * D, N, D);
+            auto dks = gk.block(0, h * D, N, D);
+            auto dvs = gv.block(0, h * M, N, M);
+            auto dgs = gg.block(0, h * gw, N, gw);
+            detail::gated_backward_run(
+                phi, q.view.block(0, h * D, N, D), k.view.block(0, h * D, N, D),
+                v.view.block(0, h * M, N, M), g.view.block(0, h * gw, N, gw),
+                go.view.block(0, h * M, N, M), zero, none, dqs, dks, dvs, dgs,
+                static_cast<StateGradient<Scalar>*>(nullptr), ws.for_thread(thread), options);
+          });
+        });
   });
 }
 

@@ -13,6 +13,7 @@
 #include "detail/blocking.hpp"
 #include "detail/result.hpp"
 #include "detail/sequence_split.hpp"
+#include "detail/views.hpp"
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
 #include "parallel.hpp"
@@ -71,32 +72,20 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
 // linear_attention_impl() on T threads when the sequences are long enough (spec §8): thread t
 // absorbs the t-th of the keys into a state of its own; after a barrier, each thread merges
 // the T states in a fixed order and reads the t-th of the queries. Same work as one thread,
-// plus T merges of F·M per thread.
-template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
-void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q,
-                            const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
-                            const Phi& phi, const Keep& keep, const Eigen::MatrixBase<DOut>& out,
-                            Workspace<typename DQ::Scalar>& ws, const ParallelOptions& par) {
-  using Scalar = typename DQ::Scalar;
-  static_check_feature_map<Phi, Scalar>();
-  check_qkv(function, Q, K, V, /*causal=*/false);
-  check_feature_map(function, phi, Q.cols());
-  const Index F = phi.feature_dim(Q.cols()), M = V.cols(), N = Q.rows(), L = K.rows();
-  // A non-causal row (a key absorbed or a query read) costs half a causal row.
-  const int threads = sequence_split_threads(par, (N + L) / 2, F * M);
-  check_output(function, out, N, M);
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
+// plus T merges of F·M per thread. The operands are checked views (linear_attention_split()).
+template <class VQ, class VK, class VV, class Phi, class Keep, class VOut>
+void linear_attention_views(const char* function, const VQ& q, const VK& k, const VV& v,
+                            const Phi& phi, const Keep& keep, VOut& dst,
+                            Workspace<typename VQ::Scalar>& ws, int threads) {
+  using Scalar = typename VQ::Scalar;
+  const Index F = phi.feature_dim(q.cols()), M = v.cols(), N = q.rows(), L = k.rows();
   if (threads <= 1) {
     // As one row segment: the instantiation of the segments below (row_segment()).
     linear_attention_impl(function, row_segment(q, 0, N), row_segment(k, 0, L),
                           row_segment(v, 0, L), phi, shifted_keep(keep, 0),
-                          row_segment(writable(out), 0, N), ws);
+                          row_segment(dst, 0, N), ws);
     return;
   }
-  check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
-  auto& dst = writable(out);
   auto& x = ws.template extension<SplitScratch<Scalar>>();
   x.prepare(threads, threads, F, M, normalizes_keys_per_feature_v<Phi>);
   run_two_phases(
@@ -113,6 +102,30 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
         read_queries(phi, row_segment(q, r.begin, r.size), all.S, all.z,
                      row_segment(dst, r.begin, r.size), x.ws[static_cast<std::size_t>(t)]);
       });
+}
+
+// Checks the arguments, then runs linear_attention_views() on the operands as views
+// (detail/views.hpp): one instantiation of the kernels per map, mask, scalar type and storage
+// orders, whatever Eigen types the caller passes.
+template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
+void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                            const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                            const Phi& phi, const Keep& keep, const Eigen::MatrixBase<DOut>& out,
+                            Workspace<typename DQ::Scalar>& ws, const ParallelOptions& par) {
+  static_check_feature_map<Phi, typename DQ::Scalar>();
+  check_qkv(function, Q, K, V, /*causal=*/false);
+  check_feature_map(function, phi, Q.cols());
+  const Index F = phi.feature_dim(Q.cols()), M = V.cols(), N = Q.rows(), L = K.rows();
+  // A non-causal row (a key absorbed or a query read) costs half a causal row.
+  const int threads = sequence_split_threads(par, (N + L) / 2, F * M);
+  check_output(function, out, N, M);
+  check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
+  const Viewed<DQ> q(Q.derived());
+  const Viewed<DK> k(K.derived());
+  const Viewed<DV> v(V.derived());
+  with_output_view(writable(out), [&](auto& dst) {
+    linear_attention_views(function, q.view, k.view, v.view, phi, keep, dst, ws, threads);
+  });
 }
 
 }  // namespace detail

@@ -14,6 +14,7 @@
 #include "detail/blocking.hpp"
 #include "detail/causal_backward.hpp"
 #include "detail/linear_backward.hpp"
+#include "detail/views.hpp"
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
 #include "gradients.hpp"
@@ -105,33 +106,32 @@ void causal_linear_attention_backward_impl(
                                 ", dz has " + std::to_string(d_final->dz.size()) +
                                 " entries) does not fit F = " + std::to_string(F) + ", M = " +
                                 std::to_string(M));
-  auto& gq = writable(dQ);
-  auto& gk = writable(dK);
-  auto& gv = writable(dV);
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
-  const Nested<DG> g(dOut.derived());
+  // The operands as views (detail/views.hpp), each as one row segment: the types of the
+  // multi-head kernels' heads, so that one instantiation serves every caller (row_segment()).
+  const Viewed<DQ> q(Q.derived());
+  const Viewed<DK> k(K.derived());
+  const Viewed<DV> v(V.derived());
+  const Viewed<DG> g(dOut.derived());
   const Index C = opts.chunk_size > 0 ? opts.chunk_size : kDefaultChunk;
-  // Every operand as one row segment: the types of the multi-head kernels' heads, so that one
-  // instantiation serves both (row_segment()).
-  const Index N = q.rows();
-  const auto qs = row_segment(q, 0, N);
-  const auto ks = row_segment(k, 0, N);
-  const auto vs = row_segment(v, 0, N);
-  const auto gs = row_segment(g, 0, N);
-  auto dqs = row_segment(gq, 0, N);
-  auto dks = row_segment(gk, 0, N);
-  auto dvs = row_segment(gv, 0, N);
-  if constexpr (normalizes_keys_per_feature_v<Phi>)
-    causal_backward_per_feature(phi, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
+  const Index N = Q.rows();
+  with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
+    const auto qs = row_segment(q.view, 0, N);
+    const auto ks = row_segment(k.view, 0, N);
+    const auto vs = row_segment(v.view, 0, N);
+    const auto gs = row_segment(g.view, 0, N);
+    auto dqs = row_segment(gq, 0, N);
+    auto dks = row_segment(gk, 0, N);
+    auto dvs = row_segment(gv, 0, N);
+    if constexpr (normalizes_keys_per_feature_v<Phi>)
+      causal_backward_per_feature(phi, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
+                                  d_initial, ws);
+    else if (backward_is_recurrent(opts, F, M))
+      causal_backward_recurrent(phi, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
                                 d_initial, ws);
-  else if (backward_is_recurrent(opts, F, M))
-    causal_backward_recurrent(phi, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
-                              d_initial, ws);
-  else
-    causal_backward_product(phi, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
-                            d_initial, C, ws);
+    else
+      causal_backward_product(phi, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
+                              d_initial, C, ws);
+  });
 }
 
 template <class DQ, class DK, class DV, class DG, class Phi, class Keep, class DdQ, class DdK,
@@ -147,26 +147,25 @@ void linear_attention_backward_impl(const char* function, const Eigen::MatrixBas
   static_check_backward<Phi, Scalar>();
   check_backward(function, Q, K, V, dOut, dQ, dK, dV, /*causal=*/false);
   check_feature_map(function, phi, Q.cols());
-  auto& gq = writable(dQ);
-  auto& gk = writable(dK);
-  auto& gv = writable(dV);
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
-  const Nested<DG> g(dOut.derived());
-  // As one row segment each: the multi-head kernels' types (see the causal form above).
-  const Index N = q.rows(), L = k.rows();
-  const auto qs = row_segment(q, 0, N);
-  const auto ks = row_segment(k, 0, L);
-  const auto vs = row_segment(v, 0, L);
-  const auto gs = row_segment(g, 0, N);
-  auto dqs = row_segment(gq, 0, N);
-  auto dks = row_segment(gk, 0, L);
-  auto dvs = row_segment(gv, 0, L);
-  if constexpr (normalizes_keys_per_feature_v<Phi>)
-    linear_backward_per_feature(phi, qs, ks, vs, gs, keep, dqs, dks, dvs, ws);
-  else
-    linear_backward_product(phi, qs, ks, vs, gs, keep, dqs, dks, dvs, ws);
+  // As views, one row segment each: the multi-head kernels' types (see the causal form above).
+  const Viewed<DQ> q(Q.derived());
+  const Viewed<DK> k(K.derived());
+  const Viewed<DV> v(V.derived());
+  const Viewed<DG> g(dOut.derived());
+  const Index N = Q.rows(), L = K.rows();
+  with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
+    const auto qs = row_segment(q.view, 0, N);
+    const auto ks = row_segment(k.view, 0, L);
+    const auto vs = row_segment(v.view, 0, L);
+    const auto gs = row_segment(g.view, 0, N);
+    auto dqs = row_segment(gq, 0, N);
+    auto dks = row_segment(gk, 0, L);
+    auto dvs = row_segment(gv, 0, L);
+    if constexpr (normalizes_keys_per_feature_v<Phi>)
+      linear_backward_per_feature(phi, qs, ks, vs, gs, keep, dqs, dks, dvs, ws);
+    else
+      linear_backward_product(phi, qs, ks, vs, gs, keep, dqs, dks, dvs, ws);
+  });
 }
 
 }  // namespace detail

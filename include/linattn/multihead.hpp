@@ -23,6 +23,7 @@
 #include "common.hpp"
 #include "detail/result.hpp"
 #include "detail/sequence_split.hpp"
+#include "detail/views.hpp"
 #include "elu_plus_one.hpp"
 #include "linear_attention.hpp"
 #include "parallel.hpp"
@@ -289,6 +290,21 @@ bool split_pairs(const QOff& q_offsets, const KOff& k_offsets, Index B, Index he
   return sequence_split_threads(par, rows, state_size) > 1;
 }
 
+// The kernels of batched_linear() and batched_causal_linear() on checked operands as views.
+template <class VQ, class VK, class VV, class QOff, class KOff, class Phi, class Keep, class VOut>
+void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
+                          const QOff& q_offsets, const KOff& k_offsets, Index heads,
+                          const Phi& phi, const Keep& keep, VOut& dst,
+                          MultiHeadWorkspace<typename VQ::Scalar>& ws, const ParallelOptions& par,
+                          Index D, Index M);
+template <class VQ, class VK, class VV, class Off, class Phi, class Keep, class VOut>
+void batched_causal_views(const char* fn, const VQ& q, const VK& k, const VV& v,
+                          const Off& offsets, Index heads, const Phi& phi, const Keep& keep,
+                          std::vector<LinearAttentionState<typename VQ::Scalar>>* states,
+                          VOut& dst, MultiHeadWorkspace<typename VQ::Scalar>& ws,
+                          const CausalOptions& options, const ParallelOptions& par, Index D,
+                          Index M);
+
 template <class DQ, class DK, class DV, class QOff, class KOff, class Phi, class Keep, class DOut>
 void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                     const Eigen::MatrixBase<DV>& V, const QOff& q_offsets, const KOff& k_offsets,
@@ -307,13 +323,25 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
     throw_invalid(fn, "q_offsets and k_offsets must describe the same number of sequences (" +
                           std::to_string(q_offsets.size()) + " and " +
                           std::to_string(k_offsets.size()) + " entries)");
-  auto& dst = writable(out);
   // Once, here: every task takes a block of each input, and a block of a lazy expression
-  // (X * Wq) evaluates the whole expression again for each (sequence, head).
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
-  using Scalar = typename DQ::Scalar;
+  // (X * Wq) would evaluate the whole expression again for each (sequence, head). As views
+  // (detail/views.hpp), the kernels below are compiled once per storage order.
+  const Viewed<DQ> qv(Q.derived());
+  const Viewed<DK> kv(K.derived());
+  const Viewed<DV> vv(V.derived());
+  with_output_view(writable(out), [&](auto& dst) {
+    batched_linear_views(fn, qv.view, kv.view, vv.view, q_offsets, k_offsets, heads, phi, keep,
+                         dst, ws, par, D, M);
+  });
+}
+
+template <class VQ, class VK, class VV, class QOff, class KOff, class Phi, class Keep, class VOut>
+void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
+                          const QOff& q_offsets, const KOff& k_offsets, Index heads,
+                          const Phi& phi, const Keep& keep, VOut& dst,
+                          MultiHeadWorkspace<typename VQ::Scalar>& ws, const ParallelOptions& par,
+                          Index D, Index M) {
+  using Scalar = typename VQ::Scalar;
   const Index B = static_cast<Index>(q_offsets.size()) - 1;
   const Index F = phi.feature_dim(D);
   if (split_pairs(q_offsets, k_offsets, B, heads, F * M, par, /*causal=*/false)) {
@@ -445,10 +473,24 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                           std::to_string(options.chunk_size));
   const Index B = static_cast<Index>(offsets.size()) - 1;
   if (states) check_states(fn, *states, B, heads, phi, D, M);
-  auto& dst = writable(out);
-  const Nested<DQ> q(Q.derived());  // once, not per (sequence, head): see batched_linear
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
+  const Viewed<DQ> qv(Q.derived());  // once, not per (sequence, head): see batched_linear
+  const Viewed<DK> kv(K.derived());
+  const Viewed<DV> vv(V.derived());
+  with_output_view(writable(out), [&](auto& dst) {
+    batched_causal_views(fn, qv.view, kv.view, vv.view, offsets, heads, phi, keep, states, dst,
+                         ws, options, par, D, M);
+  });
+}
+
+template <class VQ, class VK, class VV, class Off, class Phi, class Keep, class VOut>
+void batched_causal_views(const char* fn, const VQ& q, const VK& k, const VV& v,
+                          const Off& offsets, Index heads, const Phi& phi, const Keep& keep,
+                          std::vector<LinearAttentionState<typename VQ::Scalar>>* states,
+                          VOut& dst, MultiHeadWorkspace<typename VQ::Scalar>& ws,
+                          const CausalOptions& options, const ParallelOptions& par, Index D,
+                          Index M) {
+  using Scalar = typename VQ::Scalar;
+  const Index B = static_cast<Index>(offsets.size()) - 1;
   const Index F = phi.feature_dim(D);
   // Each head's rows go to the kernel in pieces that are whole multiples of its unit (128
   // tokens or one chunk): the pieces then continue one another bit for bit.
@@ -959,13 +1001,17 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Index D = dims.first, M = dims.second;
   check_output(fn, out, Q.rows(), V.cols());
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
-  auto& dst = writable(out);
-  const Nested<DQ> q(Q.derived());  // once, not per head: see batched_linear
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
-  parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, int thread) {
-    softmax_dispatch(fn, q.middleCols(h * D, D), k.middleCols(h * D, D), v.middleCols(h * M, M),
-                     dst.middleCols(h * M, M), algorithm, causal, ws.for_thread(thread));
+  const Viewed<DQ> q(Q.derived());  // once, not per head: see batched_linear
+  const Viewed<DK> k(K.derived());
+  const Viewed<DV> v(V.derived());
+  const Index N = Q.rows(), L = K.rows();
+  with_output_view(writable(out), [&](auto& dst) {
+    parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, int thread) {
+      auto dh = sub_view(dst, 0, h * M, N, M);
+      softmax_views(sub_view(q.view, 0, h * D, N, D), sub_view(k.view, 0, h * D, L, D),
+                    sub_view(v.view, 0, h * M, L, M), dh, algorithm, causal,
+                    ws.for_thread(thread));
+    });
   });
 }
 

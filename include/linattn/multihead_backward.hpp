@@ -37,41 +37,39 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   if (options.chunk_size < 0)
     throw_invalid(fn, "chunk_size must be >= 0 (0 = default), got " +
                           std::to_string(options.chunk_size));
-  auto& gq = writable(dQ);
-  auto& gk = writable(dK);
-  auto& gv = writable(dV);
-  // Once, not per head: see batched_linear.
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
-  const Nested<DG> g(dOut.derived());
+  // Once, not per head: see batched_linear. As views, the heads' blocks have the types of a
+  // single-head call's row segments (row_segment()): both run one instantiation of the kernels.
+  const Viewed<DQ> q(Q.derived());
+  const Viewed<DK> k(K.derived());
+  const Viewed<DV> v(V.derived());
+  const Viewed<DG> g(dOut.derived());
   const Index C = options.chunk_size > 0 ? options.chunk_size : kDefaultChunk;
-  parallel_tasks<Scalar>(heads, par, ws, [&](Index h, int thread) {
-    // block(), not middleCols(): the type row_segment() gives a single-head call, so that
-    // both run one instantiation of the kernels.
-    const auto qh = q.block(0, h * D, q.rows(), D);
-    const auto kh = k.block(0, h * D, k.rows(), D);
-    const auto vh = v.block(0, h * M, v.rows(), M);
-    const auto gh = g.block(0, h * M, g.rows(), M);
-    auto dqh = gq.block(0, h * D, gq.rows(), D);
-    auto dkh = gk.block(0, h * D, gk.rows(), D);
-    auto dvh = gv.block(0, h * M, gv.rows(), M);
-    Workspace<Scalar>& w = ws.for_thread(thread);
-    if constexpr (Causal && normalizes_keys_per_feature_v<Phi>)
-      causal_backward_per_feature(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh, dvh,
-                                  nullptr, w);
-    else if constexpr (Causal) {
-      if (backward_is_recurrent(options, F, M))
-        causal_backward_recurrent(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh,
-                                  dvh, nullptr, w);
+  with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
+    parallel_tasks<Scalar>(heads, par, ws, [&](Index h, int thread) {
+      const auto qh = q.view.block(0, h * D, q.view.rows(), D);
+      const auto kh = k.view.block(0, h * D, k.view.rows(), D);
+      const auto vh = v.view.block(0, h * M, v.view.rows(), M);
+      const auto gh = g.view.block(0, h * M, g.view.rows(), M);
+      auto dqh = gq.block(0, h * D, gq.rows(), D);
+      auto dkh = gk.block(0, h * D, gk.rows(), D);
+      auto dvh = gv.block(0, h * M, gv.rows(), M);
+      Workspace<Scalar>& w = ws.for_thread(thread);
+      if constexpr (Causal && normalizes_keys_per_feature_v<Phi>)
+        causal_backward_per_feature(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh,
+                                    dvh, nullptr, w);
+      else if constexpr (Causal) {
+        if (backward_is_recurrent(options, F, M))
+          causal_backward_recurrent(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh,
+                                    dvh, nullptr, w);
+        else
+          causal_backward_product(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh,
+                                  dvh, nullptr, C, w);
+      }
+      else if constexpr (normalizes_keys_per_feature_v<Phi>)
+        linear_backward_per_feature(phi, qh, kh, vh, gh, NoMask{}, dqh, dkh, dvh, w);
       else
-        causal_backward_product(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh, dvh,
-                                nullptr, C, w);
-    }
-    else if constexpr (normalizes_keys_per_feature_v<Phi>)
-      linear_backward_per_feature(phi, qh, kh, vh, gh, NoMask{}, dqh, dkh, dvh, w);
-    else
-      linear_backward_product(phi, qh, kh, vh, gh, NoMask{}, dqh, dkh, dvh, w);
+        linear_backward_product(phi, qh, kh, vh, gh, NoMask{}, dqh, dkh, dvh, w);
+    });
   });
 }
 

@@ -16,6 +16,9 @@
 #include "detail/blocking.hpp"
 #include "detail/result.hpp"
 #include "detail/fast_exp.hpp"
+#include "detail/microkernel.hpp"
+#include "detail/products.hpp"
+#include "detail/views.hpp"
 #include "workspace.hpp"
 
 namespace linattn {
@@ -60,40 +63,31 @@ void mask_above_diagonal(Scores& scores, Index row0, Index col0) {
   }
 }
 
-template <class DQ, class DK, class DV, class Out>
-void softmax_attention_naive(const DQ& Q, const DK& K, const DV& V, Out& out, bool causal,
-                             Workspace<typename DQ::Scalar>& ws) {
-  using Scalar = typename DQ::Scalar;
-  const Index N = Q.rows(), L = K.rows();
-  const Scalar scale = Scalar(1) / std::sqrt(Scalar(Q.cols()));
-  auto scores = ws.matrix(kSlotScores, N, L);
-  scores.noalias() = (Q * K.transpose()) * scale;
-  if (causal) mask_above_diagonal(scores, 0, 0);
-  auto rowmax = ws.vector(kSlotRowA, N);
-  rowmax = scores.rowwise().maxCoeff();
-  exp_shifted_rows(scores, rowmax);
-  auto inv = ws.vector(kSlotRowB, N);
-  inv = scores.rowwise().sum().cwiseInverse();
-  out.noalias() = scores * V;  // then scaled in place: a product inside a product allocates
-  out = inv.asDiagonal() * out;
-}
-
 // The online softmax of query rows i0 .. i0 + bq (Q(i0 : i0 + bq, :)) over their keys (all L, or
 // j <= i when causal), unnormalised: acc (bq x M) = Σ_j e^{s_ij − m_i} v_j, m_i the row's
-// maximum score, l_i = Σ_j e^{s_ij − m_i}, with s = q kᵀ / √D. Scratch: the slots kSlotPhiQ,
-// kSlotScores, kSlotKeys and kSlotNormalizer of ws.
+// maximum score, l_i = Σ_j e^{s_ij − m_i}, with s = q kᵀ / √D; keys in tiles of `key_tile` (0:
+// softmax_key_tile()). Q, K, V and acc are memory (views, detail/views.hpp). Scratch: the slots
+// kSlotPhiQ, kSlotScores, kSlotKeys, kSlotNormalizer and kSlotProductB of ws.
+//
+// The two products of a tile run on the micro-kernel (detail/microkernel.hpp) rather than
+// Eigen's GEMM: as fast or faster at these shapes (k = D or the key tile), and one
+// instantiation per scalar type whatever the operands' layouts, where each Eigen product
+// instantiated a GEMM of its own in every program that calls softmax attention.
 template <class DQ, class DK, class DV, class Acc, class Max, class Sum>
 void softmax_rows_tiled(const DQ& Q, const DK& K, const DV& V, Index i0, Index bq, bool causal,
-                        Acc& acc_all, Max& m_all, Sum& l_all, Workspace<typename DQ::Scalar>& ws) {
+                        Acc& acc_all, Max& m_all, Sum& l_all, Workspace<typename DQ::Scalar>& ws,
+                        Index key_tile = 0) {
   using Scalar = typename DQ::Scalar;
-  const Index L = K.rows(), D = Q.cols();
+  const Index L = K.rows(), D = Q.cols(), M = V.cols();
   const Scalar scale = Scalar(1) / std::sqrt(Scalar(D));
   auto qs = ws.matrix(kSlotPhiQ, bq, D);
   qs.noalias() = Q.middleRows(i0, bq) * scale;
   acc_all.setZero();
   m_all.setConstant(-std::numeric_limits<Scalar>::infinity());
   l_all.setZero();
-  const Index key_end = causal ? i0 + bq : L, key_tile = softmax_key_tile<Scalar>(bq);
+  const Strided<Scalar> kk = strided_of(K), vv = strided_of(V);
+  const Index key_end = causal ? i0 + bq : L;
+  if (key_tile <= 0) key_tile = softmax_key_tile<Scalar>(bq);
   for (Index j0 = 0; j0 < key_end; j0 += key_tile) {
     const Index bk = std::min(key_tile, key_end - j0);
     // Causal: query rows above j0 see no key of this tile; only the rows from r0 take part.
@@ -102,16 +96,16 @@ void softmax_rows_tiled(const DQ& Q, const DK& K, const DV& V, Index i0, Index b
     auto m = m_all.tail(br);
     auto l = l_all.tail(br);
     auto s = ws.matrix(kSlotScores, br, bk);
+    const Scalar* qp = qs.data() + r0;  // rows r0 … of the column-major bq x D copy
     if (br >= kSoftmaxCopyKeysMinRows) {
-      // Packing K(j0 : j0 + bk, :)ᵀ for the product reads 4 keys from each of the D columns
-      // of K at a time; with a power-of-two sequence length all those columns fall into one
-      // L1 set and every line is fetched again for the next 4 keys. One transposed copy
-      // reads each line once, and the product then packs from a small contiguous buffer.
+      // The score product reads K(j0 : j0 + bk, :)ᵀ a key at a time; a key of column-major K is
+      // a run of D values N apart, and with a power-of-two sequence length all of them fall
+      // into one L1 set. One transposed copy reads each line once.
       auto kt = ws.matrix(kSlotKeys, D, bk);
       copy_to_row_major(K.middleRows(j0, bk), kt.data());
-      s.noalias() = qs.bottomRows(br) * kt;
+      gemm_acc<Scalar>(br, bk, D, qp, bq, kt.data(), 1, D, s.data(), br, false);
     } else {
-      s.noalias() = qs.bottomRows(br) * K.middleRows(j0, bk).transpose();
+      gemm_acc<Scalar>(br, bk, D, qp, bq, kk.data + j0 * kk.rs, kk.cs, kk.rs, s.data(), br, false);
     }
     if (causal && j0 + bk > i0 + r0 + 1) mask_above_diagonal(s, i0 + r0, j0);
     // Every row has a finite score in the first tile it sees (key 0, or key i0 + r0 for the
@@ -126,8 +120,36 @@ void softmax_rows_tiled(const DQ& Q, const DK& K, const DV& V, Index i0, Index b
     l = l.cwiseProduct(corr);
     acc = corr.asDiagonal() * acc;
     exp_shifted_rows(s, m, &l);
-    acc.noalias() += s * V.middleRows(j0, bk);
+    // acc += s V(j0 : j0 + bk, :): into column-major acc directly; into row-major acc as
+    // accᵀ += V_tileᵀ sᵀ, which needs V's rows contiguous (else a transposed copy of the tile).
+    const Strided<Scalar> ac = strided_of(acc);
+    const Scalar* vt = vv.data + j0 * vv.rs;
+    if (ac.rs == 1) {
+      gemm_acc<Scalar>(br, M, bk, s.data(), br, vt, vv.rs, vv.cs, acc.data(), ac.cs, true);
+    } else {
+      Index ldv = vv.rs;
+      if (vv.cs != 1) {
+        auto copy = ws.matrix(kSlotProductB, M, bk);
+        copy_to_row_major(V.middleRows(j0, bk), copy.data());
+        vt = copy.data();
+        ldv = M;
+      }
+      gemm_acc<Scalar>(M, br, bk, vt, ldv, s.data(), br, 1, acc.data(), ac.rs, true);
+    }
   }
+}
+
+// The textbook form: the N x L scores at once (one key tile of the online softmax, whose
+// maximum and sum are then those of the whole row).
+template <class DQ, class DK, class DV, class Out>
+void softmax_attention_naive(const DQ& Q, const DK& K, const DV& V, Out& out, bool causal,
+                             Workspace<typename DQ::Scalar>& ws) {
+  const Index N = Q.rows();
+  auto m = ws.vector(kSlotRowA, N);
+  auto l = ws.vector(kSlotRowB, N);
+  softmax_rows_tiled(Q, K, V, 0, N, causal, out, m, l, ws, std::max<Index>(1, K.rows()));
+  l = l.cwiseInverse();
+  out = l.asDiagonal() * out;
 }
 
 // The tiled forward; with lse (an N-vector), also the log-sum-exp of each row's scaled scores,
@@ -148,6 +170,21 @@ void softmax_attention_tiled(const DQ& Q, const DK& K, const DV& V, Out& out, bo
   }
 }
 
+// The kernels on checked operands as views (detail/views.hpp): instantiated once per scalar
+// type and storage orders, for the single-head and the multi-head entry points alike.
+template <class VQ, class VK, class VV, class VOut>
+void softmax_views(const VQ& q, const VK& k, const VV& v, VOut& dst, SoftmaxAlgorithm algorithm,
+                   bool causal, Workspace<typename VQ::Scalar>& ws) {
+  if (k.rows() == 0) {  // no keys: defined as a zero output, like linear attention
+    dst.setZero();
+    return;
+  }
+  if (algorithm == SoftmaxAlgorithm::Naive)
+    softmax_attention_naive(q, k, v, dst, causal, ws);
+  else
+    softmax_attention_tiled(q, k, v, dst, causal, ws);
+}
+
 template <class DQ, class DK, class DV, class DOut>
 void softmax_dispatch(const char* function, const Eigen::MatrixBase<DQ>& Q,
                       const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -156,18 +193,12 @@ void softmax_dispatch(const char* function, const Eigen::MatrixBase<DQ>& Q,
   check_qkv(function, Q, K, V, causal);
   check_output(function, out, Q.rows(), V.cols());
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
-  auto& dst = writable(out);
-  if (K.rows() == 0) {  // no keys: defined as a zero output, like linear attention
-    dst.setZero();
-    return;
-  }
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
-  if (algorithm == SoftmaxAlgorithm::Naive)
-    softmax_attention_naive(q, k, v, dst, causal, ws);
-  else
-    softmax_attention_tiled(q, k, v, dst, causal, ws);
+  const Viewed<DQ> q(Q.derived());
+  const Viewed<DK> k(K.derived());
+  const Viewed<DV> v(V.derived());
+  with_output_view(writable(out), [&](auto& dst) {
+    softmax_views(q.view, k.view, v.view, dst, algorithm, causal, ws);
+  });
 }
 
 // The tiled forward that also writes each row's log-sum-exp (softmax_attention(..., lse, ws)).
@@ -195,10 +226,10 @@ void softmax_dispatch_lse(const char* function, const Eigen::MatrixBase<DQ>& Q,
     l.setConstant(-std::numeric_limits<typename DQ::Scalar>::infinity());
     return;
   }
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
-  softmax_attention_tiled(q, k, v, dst, causal, ws, &l);
+  const Viewed<DQ> q(Q.derived());
+  const Viewed<DK> k(K.derived());
+  const Viewed<DV> v(V.derived());
+  with_output_view(dst, [&](auto& o) { softmax_attention_tiled(q.view, k.view, v.view, o, causal, ws, &l); });
 }
 
 }  // namespace detail

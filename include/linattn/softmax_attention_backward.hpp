@@ -16,6 +16,8 @@
 #include "common.hpp"
 #include "detail/blocking.hpp"
 #include "detail/fast_exp.hpp"
+#include "detail/products.hpp"
+#include "detail/views.hpp"
 #include "linear_attention_backward.hpp"
 #include "multihead.hpp"
 #include "softmax_attention.hpp"
@@ -66,6 +68,9 @@ void softmax_backward_tiled(const DQ& Q, const DK& K, const DV& V, const DG& G, 
   const Scalar scale = Scalar(1) / std::sqrt(Scalar(D));
   constexpr Index kq = kSoftmaxBackwardQueryTile<Scalar>;
   dQ.setZero();
+  // The products on the micro-kernel (products.hpp), operands read where they are: Q, G and the
+  // gradients are memory (views); the copies product() needs go to kSlotProductA.
+  const Strided<Scalar> gg = strided_of(G);
   for (Index j0 = 0; j0 < L; j0 += kSoftmaxKeyTile) {
     const Index bk = std::min(kSoftmaxKeyTile, L - j0);
     auto kj = ws.matrix(kSlotKeys, bk, D);
@@ -82,25 +87,47 @@ void softmax_backward_tiled(const DQ& Q, const DK& K, const DV& V, const DG& G, 
       const Index r0 = causal ? std::max<Index>(0, j0 - i0) : 0, br = bq - r0;
       if (br <= 0) continue;
       const Index q0 = i0 + r0;
-      const auto gi = G.middleRows(q0, br);
+      const Strided<Scalar> gi{gg.data + q0 * gg.rs, gg.rs, gg.cs};
       auto qs = ws.matrix(kSlotPhiQ, br, D);
       auto p = ws.matrix(kSlotScores, br, bk);
       auto ds = ws.matrix(kSlotExtra, br, bk);
       qs.noalias() = Q.middleRows(q0, br) * scale;
-      p.noalias() = qs * kj.transpose();
+      // p = qs kjᵀ, then the probabilities.
+      product<Scalar>(br, bk, D, {qs.data(), 1, br}, {kj.data(), bk, 1}, p.data(), 1, br, false,
+                      ws, kSlotProductA);
       if (causal && j0 + bk > q0 + 1) mask_above_diagonal(p, q0, j0);
       // s − ℓ ≤ 0 up to rounding (ℓ is the log of a sum that includes e^s); the exp clamps at 0.
       exp_shifted_rows(p, lse.segment(q0, br));
-      dvj.noalias() += p.transpose() * gi;
-      ds.noalias() = gi * vj.transpose();
+      // dvj += pᵀ gi; ds = p ∘ (gi vjᵀ − D 1ᵀ)
+      product<Scalar>(bk, M, br, {p.data(), br, 1}, gi, dvj.data(), 1, bk, true, ws,
+                      kSlotProductA);
+      product<Scalar>(br, bk, M, gi, {vj.data(), bk, 1}, ds.data(), 1, br, false, ws,
+                      kSlotProductA);
       for (Index j = 0; j < bk; ++j)
         ds.col(j) = p.col(j).cwiseProduct(ds.col(j) - dot.segment(q0, br));
-      dQ.middleRows(q0, br).noalias() += scale * (ds * kj);
-      dkj.noalias() += ds.transpose() * qs;
+      // dkj += dsᵀ qs (qs carries the 1/√D), then dQ += (ds / √D) kj.
+      product<Scalar>(bk, D, br, {ds.data(), br, 1}, {qs.data(), 1, br}, dkj.data(), 1, bk, true,
+                      ws, kSlotProductA);
+      ds *= scale;
+      auto dq = dQ.middleRows(q0, br);
+      const Strided<Scalar> o = strided_of(dq);
+      product<Scalar>(br, D, bk, {ds.data(), 1, br}, {kj.data(), 1, bk}, dq.data(), o.rs, o.cs,
+                      true, ws, kSlotProductA);
     }
     dK.middleRows(j0, bk) = dkj;
     dV.middleRows(j0, bk) = dvj;
   }
+}
+
+// The backward on one head's operands as views: recomputes each row's ℓ and D (the only
+// per-row state, O(N), in kSlotStateLow and kSlotNormalizerLow), then the tiled gradients.
+template <class VQ, class VK, class VV, class VG, class VdQ, class VdK, class VdV>
+void softmax_backward_views(const VQ& q, const VK& k, const VV& v, const VG& g, bool causal,
+                            VdQ& gq, VdK& gk, VdV& gv, Workspace<typename VQ::Scalar>& ws) {
+  auto lse = ws.vector(kSlotStateLow, q.rows());
+  auto dot = ws.vector(kSlotNormalizerLow, q.rows());
+  softmax_forward_stats(q, k, v, g, causal, lse, dot, ws);
+  softmax_backward_tiled(q, k, v, g, lse, dot, causal, gq, gk, gv, ws);
 }
 
 template <class DQ, class DK, class DV, class DG, class DdQ, class DdK, class DdV>
@@ -110,22 +137,19 @@ void softmax_backward_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
                            const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
                            bool causal, Workspace<typename DQ::Scalar>& ws) {
   check_backward(function, Q, K, V, dOut, dQ, dK, dV, causal);
-  auto& gq = writable(dQ);
-  auto& gk = writable(dK);
-  auto& gv = writable(dV);
   if (K.rows() == 0) {  // no keys: the output is the constant 0
-    gq.setZero();
+    writable(dQ).setZero();
     return;
   }
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
-  const Nested<DG> g(dOut.derived());
-  // ℓ and D: the only per-row state, O(N) (kSlotStateLow, kSlotNormalizerLow are free here).
-  auto lse = ws.vector(kSlotStateLow, Q.rows());
-  auto dot = ws.vector(kSlotNormalizerLow, Q.rows());
-  softmax_forward_stats(q, k, v, g, causal, lse, dot, ws);
-  softmax_backward_tiled(q, k, v, g, lse, dot, causal, gq, gk, gv, ws);
+  // As views (detail/views.hpp): the kernels are compiled once per storage orders, for the
+  // single-head and the multi-head entry points alike.
+  const Viewed<DQ> q(Q.derived());
+  const Viewed<DK> k(K.derived());
+  const Viewed<DV> v(V.derived());
+  const Viewed<DG> g(dOut.derived());
+  with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
+    softmax_backward_views(q.view, k.view, v.view, g.view, causal, gq, gk, gv, ws);
+  });
 }
 
 template <class DQ, class DK, class DV, class DO, class DL, class DG, class DdQ, class DdK,
@@ -152,22 +176,21 @@ void softmax_backward_saved_impl(const char* function, const Eigen::MatrixBase<D
   check_no_overlap(function, dQ, "out", out, "lse", lse);
   check_no_overlap(function, dK, "out", out, "lse", lse);
   check_no_overlap(function, dV, "out", out, "lse", lse);
-  auto& gq = writable(dQ);
-  auto& gk = writable(dK);
-  auto& gv = writable(dV);
   if (K.rows() == 0) {
-    gq.setZero();
+    writable(dQ).setZero();
     return;
   }
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
-  const Nested<DG> g(dOut.derived());
+  const Viewed<DQ> q(Q.derived());
+  const Viewed<DK> k(K.derived());
+  const Viewed<DV> v(V.derived());
+  const Viewed<DG> g(dOut.derived());
   const Nested<DL> l(lse.derived());
   auto dot = ws.vector(kSlotNormalizerLow, Q.rows());
   const Nested<DO> o(out.derived());
-  dot = g.cwiseProduct(o).rowwise().sum();
-  softmax_backward_tiled(q, k, v, g, l, dot, causal, gq, gk, gv, ws);
+  dot = dOut.cwiseProduct(o).rowwise().sum();
+  with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
+    softmax_backward_tiled(q.view, k.view, v.view, g.view, l, dot, causal, gq, gk, gv, ws);
+  });
 }
 
 template <class DQ, class DK, class DV, class DG, class DdQ, class DdK, class DdV>
@@ -183,30 +206,24 @@ void multihead_softmax_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, causal);
   const Index D = dims.first, M = dims.second;
   check_backward(fn, Q, K, V, dOut, dQ, dK, dV, causal);
-  auto& gq = writable(dQ);
-  auto& gk = writable(dK);
-  auto& gv = writable(dV);
-  const Nested<DQ> q(Q.derived());  // once, not per head: see batched_linear
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
-  const Nested<DG> g(dOut.derived());
-  parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, int thread) {
-    auto dqh = gq.middleCols(h * D, D);
-    if (k.rows() == 0) {
-      dqh.setZero();
-      return;
-    }
-    const auto qh = q.middleCols(h * D, D);
-    const auto kh = k.middleCols(h * D, D);
-    const auto vh = v.middleCols(h * M, M);
-    const auto gh = g.middleCols(h * M, M);
-    auto dkh = gk.middleCols(h * D, D);
-    auto dvh = gv.middleCols(h * M, M);
-    Workspace<typename DQ::Scalar>& w = ws.for_thread(thread);
-    auto lse = w.vector(kSlotStateLow, qh.rows());
-    auto dot = w.vector(kSlotNormalizerLow, qh.rows());
-    softmax_forward_stats(qh, kh, vh, gh, causal, lse, dot, w);
-    softmax_backward_tiled(qh, kh, vh, gh, lse, dot, causal, dqh, dkh, dvh, w);
+  const Viewed<DQ> q(Q.derived());  // once, not per head: see batched_linear
+  const Viewed<DK> k(K.derived());
+  const Viewed<DV> v(V.derived());
+  const Viewed<DG> g(dOut.derived());
+  const Index N = Q.rows(), L = K.rows();
+  with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
+    parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, int thread) {
+      auto dqh = sub_view(gq, 0, h * D, N, D);
+      if (L == 0) {
+        dqh.setZero();
+        return;
+      }
+      auto dkh = sub_view(gk, 0, h * D, L, D);
+      auto dvh = sub_view(gv, 0, h * M, L, M);
+      softmax_backward_views(sub_view(q.view, 0, h * D, N, D), sub_view(k.view, 0, h * D, L, D),
+                             sub_view(v.view, 0, h * M, L, M), sub_view(g.view, 0, h * M, N, M),
+                             causal, dqh, dkh, dvh, ws.for_thread(thread));
+    });
   });
 }
 

@@ -71,6 +71,45 @@ void write_back(X& x, const Copy& copy) {
   if (copy.size() != 0 && !unit_stride_memory(x)) x = copy;
 }
 
+// The view type of an operand of type X, and the plain matrix its copy is made in.
+template <class X>
+using ViewOf = ConstView<typename std::decay_t<X>::Scalar, view_row_major_v<X>>;
+template <class X>
+using MutableViewOf = MutableView<typename std::decay_t<X>::Scalar, view_row_major_v<X>>;
+template <class X>
+using CopyOf = PlainOf<typename std::decay_t<X>::Scalar, view_row_major_v<X>>;
+
+// An input operand as a view: in place, or a copy made once (an expression, a Map with an inner
+// stride). The entry points convert their operands with it after the argument checks, so that
+// the kernels below them are compiled once per map, scalar type and storage orders rather than
+// once per operand type; the view may point into `copy`, hence no copy or move.
+template <class X>
+struct Viewed {
+  CopyOf<X> copy;
+  ViewOf<X> view;
+  explicit Viewed(const X& x) : copy(), view(const_view(x, copy)) {}
+  Viewed(const Viewed&) = delete;
+  Viewed& operator=(const Viewed&) = delete;
+};
+
+// Calls fn(view) with a writable destination as a MutableView: in place when it is unit-stride
+// memory, else a buffer copied into it after fn returns.
+template <class X, class Fn>
+void with_output_view(X& dst, Fn&& fn) {
+  CopyOf<X> copy;
+  MutableViewOf<X> view = mutable_view(dst, copy);
+  fn(view);
+  write_back(dst, copy);
+}
+
+// with_output_view() for the three gradients of a backward kernel: fn(dq, dk, dv).
+template <class X1, class X2, class X3, class Fn>
+void with_output_views(X1& a, X2& b, X3& c, Fn&& fn) {
+  with_output_view(a, [&](auto& va) {
+    with_output_view(b, [&](auto& vb) { with_output_view(c, [&](auto& vc) { fn(va, vb, vc); }); });
+  });
+}
+
 // The block (r0, c0, rows, cols) of a view, as a view of the same type.
 template <class View>
 View sub_view(View v, Index r0, Index c0, Index rows, Index cols) {
