@@ -1,123 +1,39 @@
 /// \file multihead.hpp
 /// \brief Multi-head and variable-length batched entry points over the packed layout that
-/// inference engines use, parallel over heads and sequences with OpenMP when it is enabled.
+/// inference engines use, parallel over heads and sequences with OpenMP when it is enabled:
+/// their argument checks here, the kernels in detail/multihead_kernels.hpp. Also includes
+/// MultiHeadWorkspace (multihead_workspace.hpp) and MultiHeadRecurrentLinearAttention
+/// (multihead_recurrent.hpp).
 #pragma once
 
 #include <Eigen/Core>
 
 #include <algorithm>
-#include <cassert>
 #include <cstddef>
-#include <exception>
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "causal_linear_attention.hpp"
 #include "checks.hpp"
 #include "common.hpp"
+#include "detail/multihead_kernels.hpp"
 #include "detail/result.hpp"
-#include "detail/sequence_split.hpp"
 #include "detail/views.hpp"
 #include "elu_plus_one.hpp"
 #include "linear_attention.hpp"
+#include "multihead_recurrent.hpp"
+#include "multihead_workspace.hpp"
 #include "parallel.hpp"
-#include "recurrent_linear_attention.hpp"
 #include "softmax_attention.hpp"
 #include "state.hpp"
 #include "workspace.hpp"
 
 namespace linattn {
 
-/// \brief One Workspace (and one causal state) per thread for the multi-head kernels; reuse it
-/// across calls to make them allocation-free. With more than one thread, OpenMP's dynamic
-/// schedule decides which thread runs which head, so a thread that ran no task in earlier
-/// calls sizes its buffers on its first one: the guarantee holds from the call on which every
-/// thread has run a task of the largest shape (always, with one thread).
-template <class Scalar>
-class MultiHeadWorkspace {
- public:
-  /// The workspace of thread `t`, creating workspaces up to it.
-  Workspace<Scalar>& for_thread(int t) {
-    if (static_cast<int>(per_thread_.size()) <= t) per_thread_.resize(static_cast<std::size_t>(t) + 1);
-    return per_thread_[static_cast<std::size_t>(t)];
-  }
-  /// The `count` causal states that thread `t` carries through the heads it runs together
-  /// (one per head), creating them as needed; the causal kernels size and reset them.
-  LinearAttentionState<Scalar>* states_for_thread(int t, Index count) {
-    if (static_cast<int>(states_.size()) <= t) states_.resize(static_cast<std::size_t>(t) + 1);
-    auto& mine = states_[static_cast<std::size_t>(t)];
-    if (static_cast<Index>(mine.size()) < count) mine.resize(static_cast<std::size_t>(count));
-    return mine.data();
-  }
-  /// The first causal state of thread `t` (see states_for_thread()).
-  LinearAttentionState<Scalar>& state_for_thread(int t) { return *states_for_thread(t, 1); }
-  /// Makes sure `threads` workspaces and lists of states exist (allocating only the vectors of
-  /// them), so that threads never grow the outer vectors concurrently.
-  void reserve_threads(int threads) {
-    if (threads <= 0) return;
-    for_thread(threads - 1);
-    if (static_cast<int>(states_.size()) < threads) states_.resize(static_cast<std::size_t>(threads));
-  }
-  /// Bytes held by all threads' buffers and states.
-  std::size_t bytes() const noexcept {
-    std::size_t total = 0;
-    for (const auto& w : per_thread_) total += w.bytes();
-    for (const auto& mine : states_)
-      for (const auto& st : mine)
-        total += static_cast<std::size_t>(st.S.size() + st.z.size() + st.m.size() +
-                                          st.S_lo.size() + st.z_lo.size()) *
-                 sizeof(Scalar);
-    return total;
-  }
-
- private:
-  std::vector<Workspace<Scalar>> per_thread_;
-  std::vector<std::vector<LinearAttentionState<Scalar>>> states_;
-};
-
 namespace detail {
-
-// Runs fn(task, thread) for task in [0, tasks), in parallel when OpenMP is on; thread indexes
-// the workspace and state of ws that the task may use. Every argument check happens before
-// this point, but a task can still run out of memory (a workspace grows on a thread's first
-// task): an exception escaping an OpenMP region calls std::terminate, so the first one is
-// kept, the remaining tasks are skipped and it is rethrown after the region.
-template <class Scalar, class Fn>
-void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<Scalar>& ws,
-                    const Fn& fn) {
-  const int threads = static_cast<int>(std::min<Index>(resolve_threads(par), std::max<Index>(tasks, 1)));
-  ws.reserve_threads(threads);
-  if (threads <= 1) {
-    for (Index t = 0; t < tasks; ++t) fn(t, 0);
-    return;
-  }
-#ifdef _OPENMP
-  std::exception_ptr error;
-  bool failed = false;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (Index t = 0; t < tasks; ++t) {
-    bool skip;
-#pragma omp atomic read
-    skip = failed;
-    if (skip) continue;
-    try {
-      fn(t, thread_id());
-    } catch (...) {
-#pragma omp critical(linattn_parallel_tasks_error)
-      if (!error) error = std::current_exception();
-#pragma omp atomic write
-      failed = true;
-    }
-  }
-  if (error) std::rethrow_exception(error);
-#endif
-}
 
 // Q is N x (H·D), K is L x (H·D), V is L x (H·M); returns D and M. Callers copy them into plain
 // variables: their lambdas capture them, and C++17 does not allow capturing a structured
@@ -206,39 +122,6 @@ void check_offsets(const char* function, const char* name, const Off& offsets, I
                                   std::to_string(offsets[b - 1]) + ")");
 }
 
-// Rows of a sequence that every head of a group takes before the group moves on: measured
-// best of 128 ... 2048 on row-major memory, and neutral on column-major.
-inline constexpr Index kHeadInterleaveRows = 1024;
-
-// The multi-head kernels walk a sequence once per group of heads, every head of the group on
-// rows [r, r + 1024) before any moves on, rather than one head over the whole sequence after
-// another. On the packed row-major N x (H·D) layout (PyTorch's contiguous [N, H, D]) one head's
-// columns are a short run in every row, 256 bytes of each 2 KiB for 8 heads of 64 floats: a
-// head alone reads memory with a stride that the hardware prefetchers do not follow, while the
-// heads of a group read the same rows one after another. Measured (8 heads, D = M = 64,
-// N = 16384, one thread, median): causal 77 -> 48 ms, non-causal 73 -> 51 ms, within about
-// 10 % of column-major memory, which the grouping leaves as fast as it was. Each head's own
-// computation is unchanged (the same blocks of rows, the same products), so the outputs do
-// not depend on the grouping or on the thread count.
-// Groups per sequence: one thread runs all heads as one group; one sequence on several threads
-// is split into one group per thread (every head costs the same); several sequences on several
-// threads keep one task per (sequence, head), whose dynamic schedule balances sequences of
-// different lengths (two sequences of 1000 and 100 rows on two threads would otherwise run
-// 1000 rows on one thread and 100 on the other).
-inline Index head_groups(Index sequences, Index heads, int threads) {
-  if (threads <= 1) return 1;
-  return sequences <= 1 ? std::min<Index>(heads, threads) : heads;
-}
-
-// Heads [first, first + count) of group g of `groups`.
-struct HeadRange {
-  Index first, count;
-};
-inline HeadRange head_range(Index g, Index groups, Index heads) {
-  const Index first = g * heads / groups;
-  return {first, (g + 1) * heads / groups - first};
-}
-
 // The caller's states of a causal call: B·H (sequence-major), or none (then B·H empty ones are
 // made: the one allocation of such a call). Every state must be empty (zero) or fit the map and
 // shapes; empty ones are sized here, before any thread starts, so that no task throws.
@@ -274,37 +157,6 @@ void check_states(const char* fn, std::vector<LinearAttentionState<Scalar>>& sta
 // The batched kernels behind batched_*() and multihead_*(): `fn` names the public function in
 // error messages; q_offsets and k_offsets (OffsetsRef) hold one more entry than
 // the number of sequences, which must agree. keep(j) says whether packed key row j takes part.
-// Whether the batched kernels run their (sequence, head) pairs one after the other, each split
-// over all the threads (detail/sequence_split.hpp): when the pairs are fewer than the threads
-// and the longest sequence is long enough to split (sequence_split_threads()).
-template <class QOff, class KOff>
-bool split_pairs(const QOff& q_offsets, const KOff& k_offsets, Index B, Index heads,
-                 Index state_size, const ParallelOptions& par, bool causal) {
-  if (B * heads >= resolve_threads(par)) return false;
-  Index rows = 0;
-  for (Index b = 0; b < B; ++b) {
-    const std::size_t bs = static_cast<std::size_t>(b);
-    const Index n = q_offsets[bs + 1] - q_offsets[bs], l = k_offsets[bs + 1] - k_offsets[bs];
-    rows = std::max(rows, causal ? n : (n + l) / 2);
-  }
-  return sequence_split_threads(par, rows, state_size) > 1;
-}
-
-// The kernels of batched_linear() and batched_causal_linear() on checked operands as views.
-template <class VQ, class VK, class VV, class QOff, class KOff, class Phi, class Keep, class VOut>
-void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
-                          const QOff& q_offsets, const KOff& k_offsets, Index heads,
-                          const Phi& phi, const Keep& keep, VOut& dst,
-                          MultiHeadWorkspace<typename VQ::Scalar>& ws, const ParallelOptions& par,
-                          Index D, Index M);
-template <class VQ, class VK, class VV, class Off, class Phi, class Keep, class VOut>
-void batched_causal_views(const char* fn, const VQ& q, const VK& k, const VV& v,
-                          const Off& offsets, Index heads, const Phi& phi, const Keep& keep,
-                          std::vector<LinearAttentionState<typename VQ::Scalar>>* states,
-                          VOut& dst, MultiHeadWorkspace<typename VQ::Scalar>& ws,
-                          const CausalOptions& options, const ParallelOptions& par, Index D,
-                          Index M);
-
 template <class DQ, class DK, class DV, class QOff, class KOff, class Phi, class Keep, class DOut>
 void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                     const Eigen::MatrixBase<DV>& V, const QOff& q_offsets, const KOff& k_offsets,
@@ -332,121 +184,6 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   with_output_view(writable(out), [&](auto& dst) {
     batched_linear_views(fn, qv.view, kv.view, vv.view, q_offsets, k_offsets, heads, phi, keep,
                          dst, ws, par, D, M);
-  });
-}
-
-template <class VQ, class VK, class VV, class QOff, class KOff, class Phi, class Keep, class VOut>
-void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
-                          const QOff& q_offsets, const KOff& k_offsets, Index heads,
-                          const Phi& phi, const Keep& keep, VOut& dst,
-                          MultiHeadWorkspace<typename VQ::Scalar>& ws, const ParallelOptions& par,
-                          Index D, Index M) {
-  using Scalar = typename VQ::Scalar;
-  const Index B = static_cast<Index>(q_offsets.size()) - 1;
-  const Index F = phi.feature_dim(D);
-  if (split_pairs(q_offsets, k_offsets, B, heads, F * M, par, /*causal=*/false)) {
-    // Fewer (sequence, head) pairs than threads: each pair in turn on all of them, its rows
-    // split (spec §8), rather than threads left idle.
-    ws.reserve_threads(1);
-    Workspace<Scalar>& w = ws.for_thread(0);
-    for (Index b = 0; b < B; ++b) {
-      const std::size_t bs = static_cast<std::size_t>(b);
-      const Index q0 = q_offsets[bs], n = q_offsets[bs + 1] - q0;
-      const Index k0 = k_offsets[bs], l = k_offsets[bs + 1] - k0;
-      for (Index h = 0; h < heads; ++h)
-        linear_attention_split(fn, q.block(q0, h * D, n, D), k.block(k0, h * D, l, D),
-                               v.block(k0, h * M, l, M), phi, shifted_keep(keep, k0),
-                               dst.block(q0, h * M, n, M), w, par);
-    }
-    return;
-  }
-  const Index G = head_groups(B, heads, resolve_threads(par));
-  parallel_tasks<Scalar>(B * G, par, ws, [&](Index t, int thread) {
-    const Index b = t / G;
-    const HeadRange hr = head_range(t % G, G, heads);
-    const std::size_t bs = static_cast<std::size_t>(b);
-    const Index q0 = q_offsets[bs], n = q_offsets[bs + 1] - q0;
-    const Index k0 = k_offsets[bs], l = k_offsets[bs + 1] - k0;
-    Workspace<Scalar>& w = ws.for_thread(thread);
-    // The group's sums side by side in the slots a single-head call uses, head i's F x M S
-    // column-major as linear_attention() lays out its own, and each head's arrays starting on
-    // Eigen's alignment like that call's buffers (products may round by alignment): every head
-    // runs the same products as a single-head call, bit for bit.
-    constexpr Index A = std::max<Index>(1, EIGEN_MAX_ALIGN_BYTES / Index(sizeof(Scalar)));
-    const auto padded = [](Index size) { return (size + A - 1) / A * A; };
-    const Index per_feature = normalizes_keys_per_feature_v<Phi> ? F : 0;
-    const Index sS = padded(F * M), sz = padded(F), sm = padded(per_feature);
-    auto S_all = w.vector(kSlotState, hr.count * sS);
-    auto S_lo_all = w.vector(kSlotStateLow, hr.count * sS);
-    auto z_all = w.vector(kSlotNormalizer, hr.count * sz);
-    auto z_lo_all = w.vector(kSlotNormalizerLow, hr.count * sz);
-    auto m_all = w.vector(kSlotExtra, hr.count * sm);
-    S_all.setZero();
-    S_lo_all.setZero();
-    z_all.setZero();
-    z_lo_all.setZero();
-    m_all.setConstant(-std::numeric_limits<Scalar>::infinity());
-    using MatMap = Eigen::Map<Matrix<Scalar>>;
-    using VecMap = Eigen::Map<Vector<Scalar>>;
-    const auto S = [&](Index i) { return MatMap(S_all.data() + i * sS, F, M); };
-    const auto z = [&](Index i) { return VecMap(z_all.data() + i * sz, F); };
-    // An elementwise map of row-major memory maps a block of rows for every head of the group
-    // in one pass: the group's columns of a row are contiguous, one head's alone are a run of
-    // D entries every H·D, which the hardware prefetchers follow poorly (one head at a time,
-    // 1024 rows per head, was 16% slower than column-major input at N = 16384, H = 8, D = 64).
-    // Each head then runs the products of absorb_keys() and read_queries() on its rows of the
-    // buffer: the same products on the same values, bit for bit.
-    using KRows = decltype(k.block(0, 0, 1, 1));
-    using QRows = decltype(q.block(0, 0, 1, 1));
-    if constexpr (maps_token_major_v<Phi, KRows> && maps_token_major_v<Phi, QRows>) {
-      assert(F == D);  // an elementwise map
-      for (Index j0 = 0; j0 < l; j0 += kLinearRowBlock) {
-        const Index r = std::min(kLinearRowBlock, l - j0);
-        auto pt = w.matrix(kSlotPhiK, hr.count * D, r);  // column j: token j's features, by head
-        phi.map(k.block(k0 + j0, hr.first * D, r, hr.count * D).transpose(), pt);
-        if constexpr (!std::is_same_v<Keep, NoMask>)  // as absorb_keys() zeroes a masked row
-          for (Index j = 0; j < r; ++j)
-            if (!keep(k0 + j0 + j)) pt.col(j).setZero();
-        for (Index i = 0; i < hr.count; ++i) {
-          const Index h = hr.first + i;
-          MatMap Si = S(i), S_lo(S_lo_all.data() + i * sS, F, M);
-          VecMap zi = z(i), z_lo(z_lo_all.data() + i * sz, F);
-          absorb_token_major(pt.data() + i * D, pt.outerStride(), D, r,
-                             strided_rows(v.block(k0 + j0, h * M, r, M), w, kSlotProductB), S_lo,
-                             z_lo, w);
-          fold_state(Si, S_lo, zi, z_lo);
-        }
-      }
-      for (Index i0 = 0; i0 < n; i0 += kLinearRowBlock) {
-        const Index r = std::min(kLinearRowBlock, n - i0);
-        auto pt = w.matrix(kSlotPhiQ, hr.count * D, r);
-        phi.map(q.block(q0 + i0, hr.first * D, r, hr.count * D).transpose(), pt);
-        auto den = w.vector(kSlotRowA, r);
-        for (Index i = 0; i < hr.count; ++i) {
-          auto pq = pt.middleRows(i * D, D).transpose();
-          read_state<Phi>(S(i), z(i), pq, den, dst.block(q0 + i0, (hr.first + i) * M, r, M), w);
-        }
-      }
-      return;
-    }
-    for (Index j0 = 0; j0 < l; j0 += kHeadInterleaveRows) {
-      const Index r = std::min(kHeadInterleaveRows, l - j0);
-      for (Index i = 0; i < hr.count; ++i) {
-        const Index h = hr.first + i;
-        MatMap Si = S(i), S_lo(S_lo_all.data() + i * sS, F, M);
-        VecMap zi = z(i), z_lo(z_lo_all.data() + i * sz, F), m(m_all.data() + i * sm, per_feature);
-        absorb_keys(phi, k.block(k0 + j0, h * D, r, D), v.block(k0 + j0, h * M, r, M), Si, S_lo,
-                    zi, z_lo, m, shifted_keep(keep, k0 + j0), w);
-      }
-    }
-    for (Index i0 = 0; i0 < n; i0 += kHeadInterleaveRows) {
-      const Index r = std::min(kHeadInterleaveRows, n - i0);
-      for (Index i = 0; i < hr.count; ++i) {
-        const Index h = hr.first + i;
-        read_queries(phi, q.block(q0 + i0, h * D, r, D), S(i), z(i),
-                     dst.block(q0 + i0, h * M, r, M), w);
-      }
-    }
   });
 }
 
@@ -479,82 +216,6 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   with_output_view(writable(out), [&](auto& dst) {
     batched_causal_views(fn, qv.view, kv.view, vv.view, offsets, heads, phi, keep, states, dst,
                          ws, options, par, D, M);
-  });
-}
-
-template <class VQ, class VK, class VV, class Off, class Phi, class Keep, class VOut>
-void batched_causal_views(const char* fn, const VQ& q, const VK& k, const VV& v,
-                          const Off& offsets, Index heads, const Phi& phi, const Keep& keep,
-                          std::vector<LinearAttentionState<typename VQ::Scalar>>* states,
-                          VOut& dst, MultiHeadWorkspace<typename VQ::Scalar>& ws,
-                          const CausalOptions& options, const ParallelOptions& par, Index D,
-                          Index M) {
-  using Scalar = typename VQ::Scalar;
-  const Index B = static_cast<Index>(offsets.size()) - 1;
-  const Index F = phi.feature_dim(D);
-  // Each head's rows go to the kernel in pieces that are whole multiples of its unit (128
-  // tokens or one chunk): the pieces then continue one another bit for bit.
-  const Index unit = causal_block_rows(options, F * M);
-  const Index rows = unit * std::max<Index>(1, kHeadInterleaveRows / unit);
-  if (split_pairs(offsets, offsets, B, heads, F * M, par, /*causal=*/true)) {
-    // Fewer (sequence, head) pairs than threads: each pair in turn on all of them, its rows
-    // split (spec §8), rather than threads left idle.
-    ws.reserve_threads(1);
-    Workspace<Scalar>& w = ws.for_thread(0);
-    LinearAttentionState<Scalar>* own = states ? nullptr : ws.states_for_thread(0, 1);
-    for (Index b = 0; b < B; ++b) {
-      const Index r0 = offsets[static_cast<std::size_t>(b)];
-      const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
-      for (Index h = 0; h < heads; ++h) {
-        LinearAttentionState<Scalar>& st = states ? (*states)[static_cast<std::size_t>(b * heads + h)] : *own;
-        if (!states) {
-          if (st.S.rows() == F && st.S.cols() == M &&
-              st.m.size() == (normalizes_keys_per_feature_v<Phi> ? F : 0))
-            st.reset();
-          else
-            st = make_state<Scalar>(phi, D, M);
-        }
-        causal_linear_attention_split(fn, q.block(r0, h * D, n, D), k.block(r0, h * D, n, D),
-                                      v.block(r0, h * M, n, M), phi, shifted_keep(keep, r0), st,
-                                      dst.block(r0, h * M, n, M), w, options, par);
-      }
-    }
-    return;
-  }
-  const Index G = head_groups(B, heads, resolve_threads(par));
-  parallel_tasks<Scalar>(B * G, par, ws, [&](Index t, int thread) {
-    const Index b = t / G;
-    const HeadRange hr = head_range(t % G, G, heads);
-    const Index r0 = offsets[static_cast<std::size_t>(b)];
-    const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
-    Workspace<Scalar>& w = ws.for_thread(thread);
-    // The caller's states, or an empty state per (sequence, head): the thread's own, sized on
-    // its first task and reset after that, so that a reused workspace makes the call
-    // allocation-free.
-    LinearAttentionState<Scalar>* st = nullptr;
-    if (states) {
-      st = states->data() + b * heads + hr.first;
-    } else {
-      st = ws.states_for_thread(thread, hr.count);
-      for (Index i = 0; i < hr.count; ++i) {
-        LinearAttentionState<Scalar>& state = st[i];
-        if (state.S.rows() == F && state.S.cols() == M &&
-            state.m.size() == (normalizes_keys_per_feature_v<Phi> ? F : 0))
-          state.reset();
-        else
-          state = make_state<Scalar>(phi, D, M);
-      }
-    }
-    for (Index i0 = 0; i0 < n; i0 += rows) {
-      const Index r = std::min(rows, n - i0);
-      for (Index i = 0; i < hr.count; ++i) {
-        const Index h = hr.first + i;
-        causal_linear_attention_impl(fn, q.block(r0 + i0, h * D, r, D),
-                                     k.block(r0 + i0, h * D, r, D), v.block(r0 + i0, h * M, r, M),
-                                     phi, shifted_keep(keep, r0 + i0), st[i],
-                                     dst.block(r0 + i0, h * M, r, M), w, options);
-      }
-    }
   });
 }
 
@@ -1071,94 +732,5 @@ Matrix<typename DQ::Scalar> multihead_causal_softmax_attention(
   multihead_causal_softmax_attention(Q, K, V, heads, out, ws, algorithm, par);
   return out;
 }
-
-/// \brief H independent recurrent heads over the packed layout: a token is q, k of H·D
-/// entries and v of H·M entries; step() writes H·M outputs and allocates nothing.
-/// \code
-/// linattn::MultiHeadRecurrentLinearAttention<linattn::EluPlusOne, float> rnn(8, 64, 64);
-/// Eigen::VectorXf out(8 * 64);
-/// rnn.step(q, k, v, out);
-/// \endcode
-template <class FeatureMap = EluPlusOne, class Scalar = float>
-class MultiHeadRecurrentLinearAttention {
- public:
-  using Head = RecurrentLinearAttention<FeatureMap, Scalar>;
-
-  MultiHeadRecurrentLinearAttention(Index heads, Index key_dim, Index value_dim,
-                                    const FeatureMap& phi = FeatureMap{}) {
-    if (heads <= 0)
-      detail::throw_invalid("MultiHeadRecurrentLinearAttention",
-                            "heads must be positive, got " + std::to_string(heads));
-    heads_.reserve(static_cast<std::size_t>(heads));
-    for (Index h = 0; h < heads; ++h) heads_.emplace_back(key_dim, value_dim, phi);
-    aliased_out_.resize(heads * value_dim);
-  }
-
-  /// Consumes one token of every head; no allocation (for inputs that need no temporary: a
-  /// costly expression such as W * x is evaluated once, before any head moves).
-  /// \param out H·M entries; it may share memory with q, k or v (the inputs are read as they
-  ///        were on entry), but an input that is an expression reading `out`'s memory
-  ///        (`2 * out`) must be evaluated first.
-  /// \throws std::invalid_argument on wrong sizes, with no head moved. Only a feature map
-  /// that throws can stop the step part-way (the heads before it have then moved).
-  template <class DQ, class DK, class DV, class DOut>
-  void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-            const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOut>& out) {
-    const char* fn = "MultiHeadRecurrentLinearAttention::step";
-    const Index H = heads(), D = key_dim(), M = value_dim();
-    detail::check_token(fn, "q", q, H * D);
-    detail::check_token(fn, "k", k, H * D);
-    detail::check_token(fn, "v", v, H * M);
-    detail::check_token(fn, "out", out, H * M);
-    // Evaluated once before any head moves: a segment of a lazy expression (W * x) would
-    // evaluate all of it again for every head, and an allocation failing there would leave
-    // the first heads one token ahead of the others.
-    const detail::Nested<DQ> qe(q.derived());
-    const detail::Nested<DK> ke(k.derived());
-    const detail::Nested<DV> ve(v.derived());
-    // Head h's output may cover inputs of later heads (when M > D): then go through a buffer.
-    if (detail::memory_overlaps(out, q) || detail::memory_overlaps(out, k) ||
-        detail::memory_overlaps(out, v)) {
-      step_heads(qe, ke, ve, aliased_out_);
-      detail::writable(out).reshaped() = aliased_out_;
-    } else {
-      step_heads(qe, ke, ve, detail::writable(out).reshaped());
-    }
-  }
-
-  /// Consumes one token of every head and returns the H·M outputs.
-  template <class DQ, class DK, class DV>
-  Vector<Scalar> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                      const Eigen::MatrixBase<DV>& v) {
-    Vector<Scalar> out(heads() * value_dim());
-    step(q, k, v, out);
-    return out;
-  }
-
-  void reset() {
-    for (auto& h : heads_) h.reset();
-  }
-  Index heads() const noexcept { return static_cast<Index>(heads_.size()); }
-  Index key_dim() const noexcept { return heads_.front().key_dim(); }
-  Index value_dim() const noexcept { return heads_.front().value_dim(); }
-  /// Head h (its state, set_state() to continue from a parallel prefill).
-  Head& head(Index h) { return heads_.at(static_cast<std::size_t>(h)); }
-  const Head& head(Index h) const { return heads_.at(static_cast<std::size_t>(h)); }
-
- private:
-  template <class DQ, class DK, class DV, class O>
-  void step_heads(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                  const Eigen::MatrixBase<DV>& v, O&& o) {
-    const Index D = key_dim(), M = value_dim();
-    for (Index h = 0; h < heads(); ++h)
-      heads_[static_cast<std::size_t>(h)].step(q.reshaped().segment(h * D, D),
-                                               k.reshaped().segment(h * D, D),
-                                               v.reshaped().segment(h * M, M),
-                                               o.segment(h * M, M));
-  }
-
-  std::vector<Head> heads_;
-  Vector<Scalar> aliased_out_;  // H·M: the outputs when `out` shares memory with an input
-};
 
 }  // namespace linattn

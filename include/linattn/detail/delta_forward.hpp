@@ -24,6 +24,7 @@
 #include "blocking.hpp"
 #include "fast_exp.hpp"
 #include "gated_forward.hpp"
+#include "products.hpp"
 
 namespace linattn::detail {
 
@@ -277,7 +278,8 @@ Scalar delta_recompute(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
     L.col(j).tail(b - 1 - j) = ME.col(j).tail(b - 1 - j).cwiseProduct(bc.tail(b - 1 - j));
   auto X = ws.matrix(kSlotKeys, b, M);
   auto U = ws.matrix(kSlotPrefix, b, M);
-  U.noalias() = pk * S0;
+  const Strided<Scalar> s0 = strided_of(S0);
+  product<Scalar>(b, M, F, {pk.data(), 1, b}, s0, U.data(), 1, b, false, ws, kSlotProductA);
   X = V.middleRows(r0, b) - eq.asDiagonal() * U;
   U = bc.asDiagonal() * X;
   L.template triangularView<Eigen::UnitLower>().solveInPlace(U);
@@ -294,7 +296,9 @@ void delta_advance(Scalar total, const S0T& S0, S1T& S1, Workspace<Scalar>& ws, 
   auto U = ws.matrix(kSlotPrefix, b, M);
   pk = ek.asDiagonal() * pk;
   S1 = total * S0;
-  S1.noalias() += pk.transpose() * U;
+  const Strided<Scalar> s1 = strided_of(S1);
+  product<Scalar>(F, M, b, {pk.data(), b, 1}, {U.data(), 1, b}, S1.data(), s1.rs, s1.cs, true, ws,
+                  kSlotProductA);
 }
 
 // One chunk [r0, r0 + b) of the forward (spec §9.3): delta_recompute from the carried state,
@@ -314,7 +318,8 @@ void delta_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Sc
   auto U = ws.matrix(kSlotPrefix, b, M);
   auto eq = ws.vector(kSlotNormalizer, b);
   auto O = xs.matrix(kDeltaDU, b, M);
-  O.noalias() = pq * st.S;
+  product<Scalar>(b, M, F, {pq.data(), 1, b}, strided_of(st.S), O.data(), 1, b, false, ws,
+                  kSlotProductA);
   if (g) O = eq.asDiagonal() * O;
   O.noalias() += A.template triangularView<Eigen::Lower>() * U;
   dst.middleRows(r0, b) = scale * O;

@@ -45,7 +45,7 @@ ConstView<Scalar, RM> const_view(const X& x, PlainOf<Scalar, RM>& copy) {
   if (unit_stride_memory(x)) {
     if constexpr ((int(std::decay_t<X>::Flags) & Eigen::DirectAccessBit) != 0)
       return ConstView<Scalar, RM>(x.data(), x.rows(), x.cols(),
-                                   Eigen::OuterStride<>(x.size() == 0 ? 1 : x.outerStride()));
+                                   Eigen::OuterStride<>(x.outerStride()));
   }
   copy = x;
   return ConstView<Scalar, RM>(copy.data(), copy.rows(), copy.cols(),
@@ -59,7 +59,7 @@ MutableView<Scalar, RM> mutable_view(X& x, PlainOf<Scalar, RM>& copy) {
   if (unit_stride_memory(x)) {
     if constexpr ((int(std::decay_t<X>::Flags) & Eigen::DirectAccessBit) != 0)
       return MutableView<Scalar, RM>(x.data(), x.rows(), x.cols(),
-                                     Eigen::OuterStride<>(x.size() == 0 ? 1 : x.outerStride()));
+                                     Eigen::OuterStride<>(x.outerStride()));
   }
   copy.resize(x.rows(), x.cols());
   return MutableView<Scalar, RM>(copy.data(), copy.rows(), copy.cols(),
@@ -111,12 +111,14 @@ void with_output_views(X1& a, X2& b, X3& c, Fn&& fn) {
 }
 
 // The block (r0, c0, rows, cols) of a view, as a view of the same type.
+// An empty block keeps the view's pointer: the memory of an empty operand may be null, where
+// no offset may be applied.
 template <class View>
 View sub_view(View v, Index r0, Index c0, Index rows, Index cols) {
-  using Ptr = decltype(v.data());
   const Index ld = v.outerStride();
-  const Ptr p = v.data() + (View::IsRowMajor ? r0 * ld + c0 : c0 * ld + r0);
-  return View(rows * cols == 0 ? v.data() : p, rows, cols, Eigen::OuterStride<>(ld));
+  if (rows == 0 || cols == 0) return View(v.data(), rows, cols, Eigen::OuterStride<>(ld));
+  return View(v.data() + (View::IsRowMajor ? r0 * ld + c0 : c0 * ld + r0), rows, cols,
+              Eigen::OuterStride<>(ld));
 }
 
 }  // namespace linattn::detail
