@@ -450,13 +450,11 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
   const int threads = sequence_split_threads(par, N, F * M);
   check_output(function, out, N, M);
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
-  const Viewed<DQ> q(Q.derived());
-  const Viewed<DK> k(K.derived());
-  const Viewed<DV> v(V.derived());
-  with_output_view(writable(out), [&](auto& dst) {
-    causal_linear_attention_views(function, q.view, k.view, v.view, phi, keep, st, dst, ws, opts,
-                                  threads);
-  });
+  with_views(Q.derived(), K.derived(), V.derived(), writable(out),
+             [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+               causal_linear_attention_views(function, q, k, v, phi, keep, st, dst, ws, opts,
+                                             threads);
+             });
 }
 
 }  // namespace detail

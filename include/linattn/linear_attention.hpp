@@ -120,12 +120,10 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
   const int threads = sequence_split_threads(par, (N + L) / 2, F * M);
   check_output(function, out, N, M);
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
-  const Viewed<DQ> q(Q.derived());
-  const Viewed<DK> k(K.derived());
-  const Viewed<DV> v(V.derived());
-  with_output_view(writable(out), [&](auto& dst) {
-    linear_attention_views(function, q.view, k.view, v.view, phi, keep, dst, ws, threads);
-  });
+  with_views(Q.derived(), K.derived(), V.derived(), writable(out),
+             [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+               linear_attention_views(function, q, k, v, phi, keep, dst, ws, threads);
+             });
 }
 
 }  // namespace detail

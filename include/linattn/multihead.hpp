@@ -178,13 +178,11 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   // Once, here: every task takes a block of each input, and a block of a lazy expression
   // (X * Wq) would evaluate the whole expression again for each (sequence, head). As views
   // (detail/views.hpp), the kernels below are compiled once per storage order.
-  const Viewed<DQ> qv(Q.derived());
-  const Viewed<DK> kv(K.derived());
-  const Viewed<DV> vv(V.derived());
-  with_output_view(writable(out), [&](auto& dst) {
-    batched_linear_views(fn, qv.view, kv.view, vv.view, q_offsets, k_offsets, heads, phi, keep,
-                         dst, ws, par, D, M);
-  });
+  with_views(Q.derived(), K.derived(), V.derived(), writable(out),
+             [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+               batched_linear_views(fn, q, k, v, q_offsets, k_offsets, heads, phi, keep, dst, ws,
+                                    par, D, M);
+             });
 }
 
 // `states` (nullptr: every sequence starts from an empty state of the workspace's) holds the
@@ -210,13 +208,12 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                           std::to_string(options.chunk_size));
   const Index B = static_cast<Index>(offsets.size()) - 1;
   if (states) check_states(fn, *states, B, heads, phi, D, M);
-  const Viewed<DQ> qv(Q.derived());  // once, not per (sequence, head): see batched_linear
-  const Viewed<DK> kv(K.derived());
-  const Viewed<DV> vv(V.derived());
-  with_output_view(writable(out), [&](auto& dst) {
-    batched_causal_views(fn, qv.view, kv.view, vv.view, offsets, heads, phi, keep, states, dst,
-                         ws, options, par, D, M);
-  });
+  // Viewed once, not per (sequence, head): see batched_linear.
+  with_views(Q.derived(), K.derived(), V.derived(), writable(out),
+             [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+               batched_causal_views(fn, q, k, v, offsets, heads, phi, keep, states, dst, ws,
+                                    options, par, D, M);
+             });
 }
 
 }  // namespace detail
@@ -662,18 +659,17 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Index D = dims.first, M = dims.second;
   check_output(fn, out, Q.rows(), V.cols());
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
-  const Viewed<DQ> q(Q.derived());  // once, not per head: see batched_linear
-  const Viewed<DK> k(K.derived());
-  const Viewed<DV> v(V.derived());
   const Index N = Q.rows(), L = K.rows();
-  with_output_view(writable(out), [&](auto& dst) {
-    parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, int thread) {
-      auto dh = sub_view(dst, 0, h * M, N, M);
-      softmax_views(sub_view(q.view, 0, h * D, N, D), sub_view(k.view, 0, h * D, L, D),
-                    sub_view(v.view, 0, h * M, L, M), dh, algorithm, causal,
-                    ws.for_thread(thread));
-    });
-  });
+  // Viewed once, not per head: see batched_linear.
+  with_views(Q.derived(), K.derived(), V.derived(), writable(out),
+             [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+               parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, int thread) {
+                 auto dh = sub_view(dst, 0, h * M, N, M);
+                 softmax_views(sub_view(q, 0, h * D, N, D), sub_view(k, 0, h * D, L, D),
+                               sub_view(v, 0, h * M, L, M), dh, algorithm, causal,
+                               ws.for_thread(thread));
+               });
+             });
 }
 
 }  // namespace detail

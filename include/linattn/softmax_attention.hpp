@@ -193,12 +193,10 @@ void softmax_dispatch(const char* function, const Eigen::MatrixBase<DQ>& Q,
   check_qkv(function, Q, K, V, causal);
   check_output(function, out, Q.rows(), V.cols());
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
-  const Viewed<DQ> q(Q.derived());
-  const Viewed<DK> k(K.derived());
-  const Viewed<DV> v(V.derived());
-  with_output_view(writable(out), [&](auto& dst) {
-    softmax_views(q.view, k.view, v.view, dst, algorithm, causal, ws);
-  });
+  with_views(Q.derived(), K.derived(), V.derived(), writable(out),
+             [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+               softmax_views(q, k, v, dst, algorithm, causal, ws);
+             });
 }
 
 // The tiled forward that also writes each row's log-sum-exp (softmax_attention(..., lse, ws)).

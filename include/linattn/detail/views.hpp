@@ -102,6 +102,16 @@ void with_output_view(X& dst, Fn&& fn) {
   write_back(dst, copy);
 }
 
+// The usual entry point's operands: Q, K and V as Viewed inputs and `out` through
+// with_output_view(), then fn(q, k, v, out) on the views.
+template <class DQ, class DK, class DV, class DOut, class Fn>
+void with_views(const DQ& Q, const DK& K, const DV& V, DOut& out, Fn&& fn) {
+  const Viewed<DQ> q(Q);
+  const Viewed<DK> k(K);
+  const Viewed<DV> v(V);
+  with_output_view(out, [&](auto& dst) { fn(q.view, k.view, v.view, dst); });
+}
+
 // with_output_view() for the three gradients of a backward kernel: fn(dq, dk, dv).
 template <class X1, class X2, class X3, class Fn>
 void with_output_views(X1& a, X2& b, X3& c, Fn&& fn) {
