@@ -148,9 +148,11 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
 ///             expression rather than memory cannot be checked: a matrix product (`X * W`) is
 ///             evaluated into a temporary before `out` is written, so it may read `out`'s
 ///             memory; any other expression (`2 * V`, `A + B`, `V.reverse()`,
-///             `d.asDiagonal() * V`) is read while `out` is being written and must not read
-///             `out`'s memory (`.eval()` it first). Likewise an `out` that is an expression
-///             (`buf.reverse()`) is not checked.
+///             `d.asDiagonal() * V`) must not read `out`'s memory (`.eval()` it first): a
+///             kernel may read it while `out` is being written (today's kernels evaluate such
+///             an operand into a temporary of their own first, one allocation per call, but
+///             that is not promised). Likewise an `out` that is an expression
+///             (`buf.reverse()`) is not checked; it is written through a temporary.
 /// \param ws   scratch memory reused across calls.
 /// \throws std::invalid_argument if the shapes disagree, D == 0, `out` is not N x M, or `out`
 /// overlaps Q, K or V.
