@@ -187,7 +187,7 @@ void softmax_backward_saved_impl(const char* function, const Eigen::MatrixBase<D
   const Nested<DL> l(lse.derived());
   auto dot = ws.vector(kSlotNormalizerLow, Q.rows());
   const Nested<DO> o(out.derived());
-  dot = dOut.cwiseProduct(o).rowwise().sum();
+  dot = g.view.cwiseProduct(o).rowwise().sum();
   with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
     softmax_backward_tiled(q.view, k.view, v.view, g.view, l, dot, causal, gq, gk, gv, ws);
   });
