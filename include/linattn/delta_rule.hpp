@@ -151,19 +151,11 @@ void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   check_delta_chunk_size(fn, opts);
   prepare_state(fn, st, phi, D, M);
   delta_absorb_low(st);
-  auto& dst = writable(out);
-  const Nested<DQ> q(Q.derived());
-  const Nested<DK> k(K.derived());
-  const Nested<DV> v(V.derived());
-  PlainOf<Scalar, view_row_major_v<DQ>> cq;
-  PlainOf<Scalar, view_row_major_v<DK>> ck;
-  PlainOf<Scalar, view_row_major_v<DV>> cv;
-  PlainOf<Scalar, view_row_major_v<DOut>> co;
-  auto os = mutable_view(dst, co);
   const auto params = delta_head_params(beta.derived(), log_a.derived(), 0, N, 0, ws);
-  delta_run(phi, const_view(q, cq), const_view(k, ck), const_view(v, cv), params.first,
-            params.second, st, os, ws, opts);
-  write_back(dst, co);
+  with_views(Q.derived(), K.derived(), V.derived(), writable(out),
+             [&](const auto& q, const auto& k, const auto& v, auto& o) {
+               delta_run(phi, q, k, v, params.first, params.second, st, o, ws, opts);
+             });
 }
 
 // The multi-head and batched forms: (sequence, head) pairs in parallel, each the single-head
@@ -194,30 +186,20 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
     check_states(fn, *states, B, heads, phi, D, M);
     for (auto& st : *states) delta_absorb_low(st);
   }
-  auto& dst = writable(out);
-  const Nested<DQ> qn(Q.derived());
-  const Nested<DK> kn(K.derived());
-  const Nested<DV> vn(V.derived());
-  PlainOf<Scalar, view_row_major_v<DQ>> cq;
-  PlainOf<Scalar, view_row_major_v<DK>> ck;
-  PlainOf<Scalar, view_row_major_v<DV>> cv;
-  PlainOf<Scalar, view_row_major_v<DOut>> co;
-  const auto q = const_view(qn, cq);
-  const auto k = const_view(kn, ck);
-  const auto v = const_view(vn, cv);
-  auto o = mutable_view(dst, co);
-  parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, int thread) {
-    const Index b = t / heads, h = t % heads;
-    const Index r0 = offsets[static_cast<std::size_t>(b)];
-    const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
-    LinearAttentionState<Scalar>* st = &task_state(states, t, ws, thread, F, M, 0);
-    Workspace<Scalar>& tws = ws.for_thread(thread);
-    const auto params = delta_head_params(beta.derived(), log_a.derived(), r0, n, h, tws);
-    auto os = sub_view(o, r0, h * M, n, M);
-    delta_run(phi, sub_view(q, r0, h * D, n, D), sub_view(k, r0, h * D, n, D),
-              sub_view(v, r0, h * M, n, M), params.first, params.second, *st, os, tws, opts);
-  });
-  write_back(dst, co);
+  const auto run = [&](const auto& q, const auto& k, const auto& v, auto& o) {
+    parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, int thread) {
+      const Index b = t / heads, h = t % heads;
+      const Index r0 = offsets[static_cast<std::size_t>(b)];
+      const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
+      LinearAttentionState<Scalar>* st = &task_state(states, t, ws, thread, F, M, 0);
+      Workspace<Scalar>& tws = ws.for_thread(thread);
+      const auto params = delta_head_params(beta.derived(), log_a.derived(), r0, n, h, tws);
+      auto os = sub_view(o, r0, h * M, n, M);
+      delta_run(phi, sub_view(q, r0, h * D, n, D), sub_view(k, r0, h * D, n, D),
+                sub_view(v, r0, h * M, n, M), params.first, params.second, *st, os, tws, opts);
+    });
+  };
+  with_views(Q.derived(), K.derived(), V.derived(), writable(out), run);
 }
 
 }  // namespace detail

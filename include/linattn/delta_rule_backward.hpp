@@ -113,49 +113,6 @@ void delta_backward_head(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
     for (Index i = 0; i < N; ++i) token_param_ref(dlog_a, i, h) = dg[i];
 }
 
-// The operands of a backward call as views (detail/views.hpp): one kernel instantiation per
-// map, scalar and storage orders.
-template <class Scalar, class DQ, class DK, class DV, class DO, class DdQ, class DdK, class DdV>
-struct DeltaBackwardViews {
-  Nested<DQ> qn;
-  Nested<DK> kn;
-  Nested<DV> vn;
-  Nested<DO> gon;
-  PlainOf<Scalar, view_row_major_v<DQ>> cq;
-  PlainOf<Scalar, view_row_major_v<DK>> ck;
-  PlainOf<Scalar, view_row_major_v<DV>> cv;
-  PlainOf<Scalar, view_row_major_v<DO>> cgo;
-  PlainOf<Scalar, view_row_major_v<DdQ>> cdq;
-  PlainOf<Scalar, view_row_major_v<DdK>> cdk;
-  PlainOf<Scalar, view_row_major_v<DdV>> cdv;
-  DdQ& gq;
-  DdK& gk;
-  DdV& gv;
-  ConstView<Scalar, view_row_major_v<DQ>> q;
-  ConstView<Scalar, view_row_major_v<DK>> k;
-  ConstView<Scalar, view_row_major_v<DV>> v;
-  ConstView<Scalar, view_row_major_v<DO>> go;
-  MutableView<Scalar, view_row_major_v<DdQ>> dq;
-  MutableView<Scalar, view_row_major_v<DdK>> dk;
-  MutableView<Scalar, view_row_major_v<DdV>> dv;
-
-  DeltaBackwardViews(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-                     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& dOut,
-                     const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
-                     const Eigen::MatrixBase<DdV>& dV)
-      : qn(Q.derived()), kn(K.derived()), vn(V.derived()), gon(dOut.derived()),
-        gq(writable(dQ)), gk(writable(dK)), gv(writable(dV)),
-        q(const_view(qn, cq)), k(const_view(kn, ck)), v(const_view(vn, cv)),
-        go(const_view(gon, cgo)), dq(mutable_view(gq, cdq)), dk(mutable_view(gk, cdk)),
-        dv(mutable_view(gv, cdv)) {}
-
-  void write_back() {
-    detail::write_back(gq, cdq);
-    detail::write_back(gk, cdk);
-    detail::write_back(gv, cdv);
-  }
-};
-
 template <class Scalar, class DQ, class DK, class DV, class DB, class DA>
 DeltaGradients<Scalar> delta_gradients_like(const DQ& Q, const DK& K, const DV& V, const DB& B,
                                             const DA& A) {
@@ -202,21 +159,21 @@ void delta_rule_attention_backward(
     const Eigen::MatrixBase<DdB>& dbeta, const Eigen::MatrixBase<DdA>& dlog_a,
     StateGradient<typename DQ::Scalar>& d_initial, Workspace<typename DQ::Scalar>& ws,
     const DeltaOptions& options = {}) {
-  using Scalar = typename DQ::Scalar;
   const char* fn = "delta_rule_attention_backward";
   detail::check_delta_backward(fn, Q, K, V, beta, log_a, dOut, phi, dQ, dK, dV, dbeta, dlog_a,
                                1, options);
-  const Index N = Q.rows();
   detail::check_delta_states(fn, initial, d_final, phi.feature_dim(Q.cols()), V.cols());
-  detail::DeltaBackwardViews<Scalar, DQ, DK, DV, DO, DdQ, DdK, DdV> views(Q, K, V, dOut, dQ, dK,
-                                                                         dV);
   auto& gb = detail::writable(dbeta);
   auto& ga = detail::writable(dlog_a);
-  detail::delta_backward_head(phi, views.q, views.k, views.v, views.go, beta.derived(),
-                              log_a.derived(), 0, &initial, &d_final, views.dq, views.dk,
-                              views.dv, gb, ga, &d_initial, ws, options);
-  views.write_back();
-  (void)N;
+  detail::with_backward_views(
+      Q.derived(), K.derived(), V.derived(), dOut.derived(), detail::writable(dQ),
+      detail::writable(dK), detail::writable(dV),
+      [&](const auto& q, const auto& k, const auto& v, const auto& go, auto& dq, auto& dk,
+          auto& dv) {
+        detail::delta_backward_head(phi, q, k, v, go, beta.derived(), log_a.derived(), 0,
+                                    &initial, &d_final, dq, dk, dv, gb, ga, &d_initial, ws,
+                                    options);
+      });
 }
 
 /// \brief Gradients of delta_rule_attention() continuing from `initial`, returned (see the
@@ -273,25 +230,26 @@ void multihead_delta_rule_attention_backward(
   detail::check_delta_backward(fn, Q, K, V, beta, log_a, dOut, phi, dQ, dK, dV, dbeta, dlog_a,
                                heads, options);
   const Index N = Q.rows();
-  detail::DeltaBackwardViews<Scalar, DQ, DK, DV, DO, DdQ, DdK, DdV> views(Q, K, V, dOut, dQ, dK,
-                                                                         dV);
   auto& gb = detail::writable(dbeta);
   auto& ga = detail::writable(dlog_a);
-  detail::parallel_tasks<Scalar>(heads, par, ws, [&](Index h, int thread) {
-    auto dqs = detail::sub_view(views.dq, 0, h * D, N, D);
-    auto dks = detail::sub_view(views.dk, 0, h * D, N, D);
-    auto dvs = detail::sub_view(views.dv, 0, h * M, N, M);
-    detail::delta_backward_head(phi, detail::sub_view(views.q, 0, h * D, N, D),
-                                detail::sub_view(views.k, 0, h * D, N, D),
-                                detail::sub_view(views.v, 0, h * M, N, M),
-                                detail::sub_view(views.go, 0, h * M, N, M),
-                                beta.derived(), log_a.derived(), h,
-                                static_cast<const LinearAttentionState<Scalar>*>(nullptr),
-                                static_cast<const StateGradient<Scalar>*>(nullptr), dqs, dks, dvs,
-                                gb, ga, static_cast<StateGradient<Scalar>*>(nullptr),
-                                ws.for_thread(thread), options);
-  });
-  views.write_back();
+  const auto run = [&](const auto& q, const auto& k, const auto& v, const auto& go, auto& dq,
+                       auto& dk, auto& dv) {
+    detail::parallel_tasks<Scalar>(heads, par, ws, [&](Index h, int thread) {
+      auto dqs = detail::sub_view(dq, 0, h * D, N, D);
+      auto dks = detail::sub_view(dk, 0, h * D, N, D);
+      auto dvs = detail::sub_view(dv, 0, h * M, N, M);
+      detail::delta_backward_head(
+          phi, detail::sub_view(q, 0, h * D, N, D), detail::sub_view(k, 0, h * D, N, D),
+          detail::sub_view(v, 0, h * M, N, M), detail::sub_view(go, 0, h * M, N, M),
+          beta.derived(), log_a.derived(), h,
+          static_cast<const LinearAttentionState<Scalar>*>(nullptr),
+          static_cast<const StateGradient<Scalar>*>(nullptr), dqs, dks, dvs, gb, ga,
+          static_cast<StateGradient<Scalar>*>(nullptr), ws.for_thread(thread), options);
+    });
+  };
+  detail::with_backward_views(Q.derived(), K.derived(), V.derived(), dOut.derived(),
+                              detail::writable(dQ), detail::writable(dK), detail::writable(dV),
+                              run);
 }
 
 /// \brief Gradients of multihead_delta_rule_attention(), returned.

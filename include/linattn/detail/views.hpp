@@ -120,6 +120,20 @@ void with_output_views(X1& a, X2& b, X3& c, Fn&& fn) {
   });
 }
 
+// A backward call's operands: Q, K, V and dOut as Viewed inputs, the three gradients through
+// with_output_views(), then fn(q, k, v, dout, dq, dk, dv) on the views.
+template <class DQ, class DK, class DV, class DO, class X1, class X2, class X3, class Fn>
+void with_backward_views(const DQ& Q, const DK& K, const DV& V, const DO& dOut, X1& dQ, X2& dK,
+                         X3& dV, Fn&& fn) {
+  const Viewed<DQ> q(Q);
+  const Viewed<DK> k(K);
+  const Viewed<DV> v(V);
+  const Viewed<DO> go(dOut);
+  with_output_views(dQ, dK, dV, [&](auto& dq, auto& dk, auto& dv) {
+    fn(q.view, k.view, v.view, go.view, dq, dk, dv);
+  });
+}
+
 // The block (r0, c0, rows, cols) of a view, as a view of the same type.
 // An empty block keeps the view's pointer: the memory of an empty operand may be null, where
 // no offset may be applied.
