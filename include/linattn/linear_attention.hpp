@@ -4,6 +4,8 @@
 
 #include <Eigen/Core>
 
+#include <cassert>
+
 #include <algorithm>
 #include <limits>
 #include <string>
@@ -44,11 +46,11 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
                            const Phi& phi, const Keep& keep, const Eigen::MatrixBase<DOut>& out,
                            Workspace<typename DQ::Scalar>& ws) {
   using Scalar = typename DQ::Scalar;
-  static_check_feature_map<Phi, Scalar>();
-  check_qkv(function, Q, K, V, /*causal=*/false);
-  check_feature_map(function, phi, Q.cols());
-  check_output(function, out, Q.rows(), V.cols());
-  check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
+  // The caller checked the operands (linear_attention_split()) on its own types: checking
+  // them again here would only instantiate the checks once more for the views.
+  (void)function;
+  assert(K.rows() == V.rows() && Q.cols() == K.cols() && out.rows() == Q.rows() &&
+         out.cols() == V.cols());
   auto& dst = writable(out);
   const Nested<DQ> q(Q.derived());
   const Nested<DK> k(K.derived());
