@@ -1,0 +1,144 @@
+"""linattn from Python: linear attention ("Transformers are RNNs") on numpy arrays.
+
+Every function takes q, k, v in one of three layouts, all of one dtype (float32 or float64):
+
+* ``[N, D]``: one sequence, one head;
+* ``[N, H, D]``: H heads, the rows of one sequence, or of several packed one after the other
+  when ``cu_seqlens`` (B + 1 offsets, as flash-linear-attention's) says where each starts;
+* ``[B, T, H, D]``: B sequences of T tokens (flash-linear-attention's layout); with
+  ``cu_seqlens``, B must be 1 and the T rows are the packed sequences.
+
+k and v have the same number of rows (S; S = T when causal); v's last dimension M may differ
+from D. Results have q's leading dimensions and last dimension M. C-contiguous arrays are read
+in place (the C++ kernels see them as the packed row-major N x (H·D) matrix); any other array
+is first copied by ``numpy.ascontiguousarray``: one copy of that input per call. The kernels
+release the GIL and run their heads (and sequences) on ``get_num_threads()`` threads.
+
+Shape errors raise ``ValueError`` with the C++ library's message (the function and every shape),
+dtype errors ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _linattn as _ext
+
+__all__ = [
+    "FEATURE_MAPS",
+    "linear_attention",
+    "linear_attention_backward",
+    "softmax_attention",
+    "softmax_attention_backward",
+    "set_num_threads",
+    "get_num_threads",
+    "__version__",
+]
+
+__version__: str = _ext.__version__
+
+#: The feature maps by name: elu (elu(x) + 1, the paper's), softmax_split (softmax over a
+#: query's features, over the keys per feature), cosine (1 + cos(q, k): [1, x/|x|]), silu
+#: (x·σ(x)) and identity (φ(x) = x). See docs/SPEC.md of the C++ library.
+FEATURE_MAPS = ("elu", "softmax_split", "cosine", "silu", "identity")
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def set_num_threads(n: int) -> None:
+    """Threads of the kernels (OpenMP); 1 runs everything on the calling thread."""
+    _ext.set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    """Threads the kernels use (1 when the module was built without OpenMP)."""
+    return _ext.get_num_threads()
+
+
+def _arrays(fn: str, **named) -> list[np.ndarray]:
+    arrays = [np.asarray(x) for x in named.values()]
+    dtypes = [a.dtype for a in arrays]
+    if any(d not in _FLOATS for d in dtypes) or len(set(dtypes)) != 1:
+        listed = ", ".join(f"{n} {d}" for n, d in zip(named, dtypes))
+        raise TypeError(f"{fn}: {', '.join(named)} must all be float32 or all float64, got {listed}")
+    return arrays
+
+
+class _Packed:
+    """The arguments of one call as the C++ kernels take them: 2-D row-major arrays of H·D
+    columns and the offsets of the sequences."""
+
+    def __init__(self, fn: str, q, k, v, cu_seqlens, causal: bool, dout=None):
+        names = dict(q=q, k=k, v=v) if dout is None else dict(q=q, k=k, v=v, dout=dout)
+        arrays = _arrays(fn, **names)
+        q, k, v = arrays[:3]
+        nd = q.ndim
+        shapes = ", ".join(f"{n} {a.shape}" for n, a in zip(names, arrays))
+        if nd not in (2, 3, 4) or any(a.ndim != nd for a in arrays):
+            raise ValueError(f"{fn}: q, k and v must all be [N, D], [N, H, D] or [B, T, H, D], got {shapes}")
+        heads = 1 if nd == 2 else q.shape[-2]
+        if nd > 2 and (k.shape[-2] != heads or v.shape[-2] != heads):
+            raise ValueError(f"{fn}: q, k and v must have the same number of heads, got {shapes}")
+        if nd == 4 and (k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]):
+            raise ValueError(f"{fn}: q, k and v must have the same batch size, got {shapes}")
+        if k.shape[:-1] != v.shape[:-1]:
+            raise ValueError(f"{fn}: k and v must have the same rows (and heads), got {shapes}")
+        self.heads = heads
+        self.q_shape, self.k_shape, self.v_shape = q.shape, k.shape, v.shape
+        self.out_shape = q.shape[:-1] + (v.shape[-1],)
+        if dout is not None and arrays[3].shape != self.out_shape:
+            raise ValueError(f"{fn}: dout must have the output's shape {self.out_shape}, got {shapes}")
+        self.arrays = [self._rows(a) for a in arrays]
+        self.q_offsets = self.k_offsets = None
+        if cu_seqlens is not None:
+            cu = np.ascontiguousarray(cu_seqlens, dtype=np.int64)
+            if nd == 4 and q.shape[0] != 1:
+                raise ValueError(f"{fn}: with cu_seqlens, [B, T, H, D] inputs must have B = 1, got {shapes}")
+            self.q_offsets = self.k_offsets = cu
+        elif nd == 4:
+            B = q.shape[0]
+            self.q_offsets = np.arange(B + 1, dtype=np.int64) * q.shape[1]
+            self.k_offsets = np.arange(B + 1, dtype=np.int64) * k.shape[1]
+
+    @staticmethod
+    def _rows(a: np.ndarray) -> np.ndarray:
+        rows = int(np.prod(a.shape[:-2])) if a.ndim > 2 else a.shape[0]
+        cols = a.shape[-1] * (a.shape[-2] if a.ndim > 2 else 1)
+        return np.ascontiguousarray(a).reshape(rows, cols)
+
+
+def linear_attention(q, k, v, feature_map: str = "elu", causal: bool = False, cu_seqlens=None):
+    """Linear attention: out_i = φ(q_i)ᵀ S / φ(q_i)ᵀ z with S = Σ_j φ(k_j) v_jᵀ, z = Σ_j φ(k_j)
+    over every key j (causal=False) or the keys j ≤ i (causal=True); O(N) time and memory.
+
+    >>> out = linattn.linear_attention(q, k, v, "elu", causal=True)   # q, k, v [B, T, H, D]
+    """
+    fn = "causal_linear_attention" if causal else "linear_attention"
+    p = _Packed(fn, q, k, v, cu_seqlens, causal)
+    out = _ext.linear_forward(*p.arrays, p.heads, str(feature_map), bool(causal), p.q_offsets, p.k_offsets)
+    return out.reshape(p.out_shape)
+
+
+def linear_attention_backward(q, k, v, dout, feature_map: str = "elu", causal: bool = False, cu_seqlens=None):
+    """Gradients (dq, dk, dv) of linear_attention() for ∂L/∂out = dout (the output's shape)."""
+    fn = "causal_linear_attention_backward" if causal else "linear_attention_backward"
+    p = _Packed(fn, q, k, v, cu_seqlens, causal, dout)
+    dq, dk, dv = _ext.linear_backward(*p.arrays, p.heads, str(feature_map), bool(causal), p.q_offsets, p.k_offsets)
+    return dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape)
+
+
+def softmax_attention(q, k, v, causal: bool = False, cu_seqlens=None):
+    """Softmax attention, softmax(q kᵀ / √D) v per head (causal: keys j ≤ i), the O(N²)
+    baseline linear attention replaces; tiled, never forming the N x N matrix."""
+    fn = "causal_softmax_attention" if causal else "softmax_attention"
+    p = _Packed(fn, q, k, v, cu_seqlens, causal)
+    out = _ext.softmax_forward(*p.arrays, p.heads, bool(causal), p.q_offsets, p.k_offsets)
+    return out.reshape(p.out_shape)
+
+
+def softmax_attention_backward(q, k, v, dout, causal: bool = False, cu_seqlens=None):
+    """Gradients (dq, dk, dv) of softmax_attention() for ∂L/∂out = dout."""
+    fn = "causal_softmax_attention_backward" if causal else "softmax_attention_backward"
+    p = _Packed(fn, q, k, v, cu_seqlens, causal, dout)
+    dq, dk, dv = _ext.softmax_backward(*p.arrays, p.heads, bool(causal), p.q_offsets, p.k_offsets)
+    return dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape)

@@ -1,0 +1,54 @@
+// linattn._linattn: the kernels on C-contiguous numpy arrays in the packed row-major layout
+// (N x H·D). The Python package (linattn/__init__.py) is the interface: it checks dtypes,
+// reshapes [B, T, H, D] and [N, D] arrays into that layout and names the arguments.
+#include <pybind11/stl.h>
+
+#include <linattn/version.hpp>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "bindings.hpp"
+
+namespace linattn_python {
+namespace {
+
+void set_num_threads(int n) {
+  if (n < 1)
+    throw std::invalid_argument("set_num_threads: the thread count must be >= 1, got " +
+                                std::to_string(n));
+#ifdef _OPENMP
+  omp_set_num_threads(n);
+#endif
+}
+
+int get_num_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+}  // namespace
+}  // namespace linattn_python
+
+PYBIND11_MODULE(_linattn, m) {
+  namespace lp = linattn_python;
+  m.doc() = "linattn's kernels on packed row-major numpy arrays (use the linattn package)";
+  // Overloads by dtype: pybind11 tries float32 first, then float64 (no conversion between them:
+  // the arrays are taken as they are, see bindings.hpp).
+  lp::register_linear_f32(m);
+  lp::register_linear_f64(m);
+  lp::register_softmax(m);
+  m.def("set_num_threads", &lp::set_num_threads, pybind11::arg("n"));
+  m.def("get_num_threads", &lp::get_num_threads);
+  m.attr("__version__") = LINATTN_VERSION_STRING;
+  m.attr("openmp") =
+#ifdef _OPENMP
+      true;
+#else
+      false;
+#endif
+}
