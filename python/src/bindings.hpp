@@ -9,6 +9,7 @@
 #include <Eigen/Core>
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -72,6 +73,69 @@ inline std::vector<Index> offsets_of(const char* fn, const Offsets& cu, Index ro
                                   std::to_string(out[i]) + " at entry " + std::to_string(i));
   return out;
 }
+
+// The operands of one call: q, k, v (and dout) as maps, the sequences' offsets (none: one
+// sequence of all rows) and, for a backward, the gradients' arrays.
+template <class Scalar>
+struct Operands {
+  const char* fn;
+  ConstRows<Scalar> Q, K, V;
+  std::vector<Index> q_offsets, k_offsets;
+
+  Operands(const char* function, const Array<Scalar>& q, const Array<Scalar>& k,
+           const Array<Scalar>& v, const std::optional<Offsets>& qo,
+           const std::optional<Offsets>& ko)
+      : fn(function),
+        Q(rows_of(function, "q", q)),
+        K(rows_of(function, "k", k)),
+        V(rows_of(function, "v", v)),
+        q_offsets(qo ? offsets_of(function, *qo, Q.rows()) : std::vector<Index>{0, Q.rows()}),
+        k_offsets(ko ? offsets_of(function, *ko, K.rows()) : std::vector<Index>{0, K.rows()}) {
+    // Before any sequence's rows are sliced: the kernels check each slice, not the whole.
+    if (V.rows() != K.rows())
+      throw std::invalid_argument(std::string(fn) + ": k has " + std::to_string(K.rows()) +
+                                  " rows but v has " + std::to_string(V.rows()));
+    if (q_offsets.size() != k_offsets.size())
+      throw std::invalid_argument(std::string(fn) + ": q has " +
+                                  std::to_string(q_offsets.size() - 1) + " sequences but k has " +
+                                  std::to_string(k_offsets.size() - 1));
+  }
+
+  // f(q0, n, k0, l) for each sequence: its rows [q0, q0 + n) of q and [k0, k0 + l) of k and v.
+  template <class F>
+  void each_sequence(F&& f) const {
+    for (std::size_t b = 0; b + 1 < q_offsets.size(); ++b)
+      f(q_offsets[b], q_offsets[b + 1] - q_offsets[b], k_offsets[b],
+        k_offsets[b + 1] - k_offsets[b]);
+  }
+
+  ConstRows<Scalar> dout(const Array<Scalar>& g) const {
+    auto G = rows_of(fn, "dout", g);
+    if (G.rows() != Q.rows() || G.cols() != V.cols())
+      throw std::invalid_argument(std::string(fn) + ": dout is " + std::to_string(G.rows()) +
+                                  "x" + std::to_string(G.cols()) + " but must be " +
+                                  std::to_string(Q.rows()) + "x" + std::to_string(V.cols()) +
+                                  " (the output's shape)");
+    return G;
+  }
+};
+
+// dq, dk, dv: new arrays of the shapes of q, k and v.
+template <class Scalar>
+struct Gradients {
+  Array<Scalar> dq, dk, dv;
+  Rows<Scalar> dQ, dK, dV;
+
+  explicit Gradients(const Operands<Scalar>& x)
+      : dq(new_rows<Scalar>(x.Q.rows(), x.Q.cols())),
+        dk(new_rows<Scalar>(x.K.rows(), x.K.cols())),
+        dv(new_rows<Scalar>(x.V.rows(), x.V.cols())),
+        dQ(rows_of(dq)),
+        dK(rows_of(dk)),
+        dV(rows_of(dv)) {}
+
+  py::tuple tuple() const { return py::make_tuple(dq, dk, dv); }
+};
 
 void register_linear_f32(py::module_& m);
 void register_linear_f64(py::module_& m);

@@ -34,27 +34,22 @@ Array<Scalar> linear_forward(const Array<Scalar>& q, const Array<Scalar>& k,
                              const Array<Scalar>& v, Index heads, const std::string& map,
                              bool causal, const std::optional<Offsets>& q_offsets,
                              const std::optional<Offsets>& k_offsets) {
-  const char* fn = causal ? "causal_linear_attention" : "linear_attention";
-  const auto Q = rows_of(fn, "q", q);
-  const auto K = rows_of(fn, "k", k);
-  const auto V = rows_of(fn, "v", v);
-  const std::vector<Index> qo = q_offsets ? offsets_of(fn, *q_offsets, Q.rows())
-                                          : std::vector<Index>{0, Q.rows()};
-  const std::vector<Index> ko = k_offsets ? offsets_of(fn, *k_offsets, K.rows())
-                                          : std::vector<Index>{0, K.rows()};
-  Array<Scalar> out = new_rows<Scalar>(Q.rows(), V.cols());
+  const Operands<Scalar> x(causal ? "causal_linear_attention" : "linear_attention", q, k, v,
+                           q_offsets, k_offsets);
+  Array<Scalar> out = new_rows<Scalar>(x.Q.rows(), x.V.cols());
   auto O = rows_of(out);
   {
     py::gil_scoped_release unlocked;
-    with_feature_map(fn, map, [&](const auto& phi) {
+    with_feature_map(x.fn, map, [&](const auto& phi) {
       linattn::MultiHeadWorkspace<Scalar> ws;
-      if (causal) {
-        if (qo != ko)
-          throw std::invalid_argument(std::string(fn) +
-                                      ": causal attention needs the same sequences for q and k");
-        linattn::batched_causal_linear_attention(Q, K, V, qo, heads, phi, O, ws);
+      if (!causal) {
+        linattn::batched_linear_attention(x.Q, x.K, x.V, x.q_offsets, x.k_offsets, heads, phi, O,
+                                          ws);
+      } else if (x.q_offsets == x.k_offsets) {
+        linattn::batched_causal_linear_attention(x.Q, x.K, x.V, x.q_offsets, heads, phi, O, ws);
       } else {
-        linattn::batched_linear_attention(Q, K, V, qo, ko, heads, phi, O, ws);
+        throw std::invalid_argument(std::string(x.fn) +
+                                    ": causal attention needs the same sequences for q and k");
       }
     });
   }
@@ -67,51 +62,31 @@ py::tuple linear_backward(const Array<Scalar>& q, const Array<Scalar>& k, const 
                           const Array<Scalar>& dout, Index heads, const std::string& map,
                           bool causal, const std::optional<Offsets>& q_offsets,
                           const std::optional<Offsets>& k_offsets) {
-  const char* fn =
-      causal ? "causal_linear_attention_backward" : "linear_attention_backward";
-  const auto Q = rows_of(fn, "q", q);
-  const auto K = rows_of(fn, "k", k);
-  const auto V = rows_of(fn, "v", v);
-  const auto G = rows_of(fn, "dout", dout);
-  const std::vector<Index> qo = q_offsets ? offsets_of(fn, *q_offsets, Q.rows())
-                                          : std::vector<Index>{0, Q.rows()};
-  const std::vector<Index> ko = k_offsets ? offsets_of(fn, *k_offsets, K.rows())
-                                          : std::vector<Index>{0, K.rows()};
-  if (qo.size() != ko.size())
-    throw std::invalid_argument(std::string(fn) + ": q has " + std::to_string(qo.size() - 1) +
-                                " sequences but k has " + std::to_string(ko.size() - 1));
-  if (G.rows() != Q.rows() || G.cols() != V.cols())
-    throw std::invalid_argument(std::string(fn) + ": dout is " + std::to_string(G.rows()) +
-                                " x " + std::to_string(G.cols()) + " but must be " +
-                                std::to_string(Q.rows()) + " x " + std::to_string(V.cols()) +
-                                " (the output's shape)");
-  Array<Scalar> dq = new_rows<Scalar>(Q.rows(), Q.cols());
-  Array<Scalar> dk = new_rows<Scalar>(K.rows(), K.cols());
-  Array<Scalar> dv = new_rows<Scalar>(V.rows(), V.cols());
-  auto dQ = rows_of(dq);
-  auto dK = rows_of(dk);
-  auto dV = rows_of(dv);
+  const Operands<Scalar> x(
+      causal ? "causal_linear_attention_backward" : "linear_attention_backward", q, k, v,
+      q_offsets, k_offsets);
+  const auto G = x.dout(dout);
+  Gradients<Scalar> g(x);
   {
     py::gil_scoped_release unlocked;
-    with_feature_map(fn, map, [&](const auto& phi) {
+    with_feature_map(x.fn, map, [&](const auto& phi) {
       linattn::MultiHeadWorkspace<Scalar> ws;
-      for (std::size_t b = 0; b + 1 < qo.size(); ++b) {
-        const Index q0 = qo[b], n = qo[b + 1] - q0, k0 = ko[b], l = ko[b + 1] - k0;
-        auto dqb = dQ.middleRows(q0, n);
-        auto dkb = dK.middleRows(k0, l);
-        auto dvb = dV.middleRows(k0, l);
+      x.each_sequence([&](Index q0, Index n, Index k0, Index l) {
+        auto dq = g.dQ.middleRows(q0, n);
+        auto dk = g.dK.middleRows(k0, l);
+        auto dv = g.dV.middleRows(k0, l);
         if (causal)
           linattn::multihead_causal_linear_attention_backward(
-              Q.middleRows(q0, n), K.middleRows(k0, l), V.middleRows(k0, l),
-              G.middleRows(q0, n), heads, phi, dqb, dkb, dvb, ws);
+              x.Q.middleRows(q0, n), x.K.middleRows(k0, l), x.V.middleRows(k0, l),
+              G.middleRows(q0, n), heads, phi, dq, dk, dv, ws);
         else
           linattn::multihead_linear_attention_backward(
-              Q.middleRows(q0, n), K.middleRows(k0, l), V.middleRows(k0, l),
-              G.middleRows(q0, n), heads, phi, dqb, dkb, dvb, ws);
-      }
+              x.Q.middleRows(q0, n), x.K.middleRows(k0, l), x.V.middleRows(k0, l),
+              G.middleRows(q0, n), heads, phi, dq, dk, dv, ws);
+      });
     });
   }
-  return py::make_tuple(dq, dk, dv);
+  return g.tuple();
 }
 
 template <class Scalar>

@@ -201,6 +201,14 @@ def test_shape_errors_carry_the_library_message():
         linattn.linear_attention_backward(q, k, v, np.zeros((8, 4)))
     with pytest.raises(ValueError, match=r"\[N, D\], \[N, H, D\] or \[B, T, H, D\]"):
         linattn.linear_attention(np.zeros(4), np.zeros(4), np.zeros(4))
+    # The extension's own checks, for a caller of linattn._linattn that skips the package's.
+    from linattn import _linattn
+    with pytest.raises(ValueError, match="k has 8 rows but v has 6"):
+        _linattn.softmax_forward(q, k, v[:6], 1, False, None, None)
+    with pytest.raises(ValueError, match="q has 2 sequences but k has 1"):
+        _linattn.linear_backward(q, k, v, np.zeros((8, 3)), 1, "elu", False, np.array([0, 4, 8]), None)
+    with pytest.raises(ValueError, match="must be 2-D"):
+        _linattn.linear_forward(q[None], k, v, 1, "elu", False, None, None)
     with pytest.raises(ValueError, match="thread count must be >= 1"):
         linattn.set_num_threads(0)
 
