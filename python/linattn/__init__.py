@@ -30,6 +30,10 @@ __all__ = [
     "linear_attention_backward",
     "softmax_attention",
     "softmax_attention_backward",
+    "gated_linear_attention",
+    "gated_linear_attention_backward",
+    "delta_rule_attention",
+    "delta_rule_attention_backward",
     "set_num_threads",
     "get_num_threads",
     "__version__",
@@ -41,6 +45,11 @@ __version__: str = _ext.__version__
 #: query's features, over the keys per feature), cosine (1 + cos(q, k): [1, x/|x|]), silu
 #: (x·σ(x)) and identity (φ(x) = x). See docs/SPEC.md of the C++ library.
 FEATURE_MAPS = ("elu", "softmax_split", "cosine", "silu", "identity")
+#: The maps of the gated kernels (identity: RetNet, Mamba-2, GLA; elu) and of the delta rule
+#: (identity for keys the caller normalised, l2norm = x/|x|, l2norm_silu = silu(x)/|silu(x)|:
+#: Gated DeltaNet's, Qwen3-Next).
+GATED_FEATURE_MAPS = ("identity", "elu")
+DELTA_FEATURE_MAPS = ("identity", "l2norm", "l2norm_silu")
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -142,3 +151,73 @@ def softmax_attention_backward(q, k, v, dout, causal: bool = False, cu_seqlens=N
     p = _Packed(fn, q, k, v, cu_seqlens, causal, dout)
     dq, dk, dv = _ext.softmax_backward(*p.arrays, p.heads, bool(causal), p.q_offsets, p.k_offsets)
     return dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape)
+
+
+def _params(fn: str, p: _Packed, name: str, x, dtype, per_feature_ok: bool, feature_dim: int | None = None):
+    """A per-token parameter as the 2-D packed array the kernels take: of q's leading shape (one
+    per token and head) or, for per-feature gates, of q's leading shape + (F,)."""
+    a = np.asarray(x)
+    if a.dtype != dtype:
+        raise TypeError(f"{fn}: {name} must have q's dtype {dtype}, got {a.dtype}")
+    lead = tuple(p.q_shape[:-1])
+    rows = int(np.prod(lead[:-1])) if len(lead) > 1 else lead[0]
+    heads = lead[-1] if len(lead) > 1 else 1
+    if a.shape == lead:
+        return np.ascontiguousarray(a).reshape(rows, heads)
+    if per_feature_ok and a.shape == lead + (feature_dim,):
+        return np.ascontiguousarray(a).reshape(rows, heads * feature_dim)
+    want = f"{lead}" + (f" or {lead + (feature_dim,)}" if per_feature_ok else "")
+    raise ValueError(f"{fn}: {name} must have shape {want}, got {a.shape}")
+
+
+def _scale(scale, q) -> float:
+    return 1.0 / np.sqrt(np.asarray(q).shape[-1]) if scale is None else float(scale)
+
+
+def gated_linear_attention(q, k, v, g, feature_map: str = "identity", scale=None, normalize: bool = False, cu_seqlens=None):
+    """Causal attention with decay (RetNet, Mamba-2) or per-feature gates (GLA):
+    S_i = diag(exp(g_i)) S_{i-1} + φ(k_i) v_iᵀ, out_i = scale·φ(q_i)ᵀ S_i (normalize=True:
+    divided by φ(q_i)ᵀ z_i, z decayed likewise). g: log gates ≤ 0 of q's leading shape (one per
+    token and head) or q's shape (one per token, head and feature, F = D). scale: 1/√D when
+    None (the models' convention)."""
+    fn = "gated_linear_attention"
+    p = _Packed(fn, q, k, v, cu_seqlens, True)
+    G = _params(fn, p, "g", g, p.arrays[0].dtype, True, np.asarray(q).shape[-1])
+    out = _ext.gated_forward(*p.arrays, G, p.heads, str(feature_map), _scale(scale, q), bool(normalize), p.q_offsets)
+    return out.reshape(p.out_shape)
+
+
+def gated_linear_attention_backward(q, k, v, g, dout, feature_map: str = "identity", scale=None, normalize: bool = False, cu_seqlens=None):
+    """Gradients (dq, dk, dv, dg) of gated_linear_attention() for ∂L/∂out = dout."""
+    fn = "gated_linear_attention_backward"
+    p = _Packed(fn, q, k, v, cu_seqlens, True, dout)
+    G = _params(fn, p, "g", g, p.arrays[0].dtype, True, np.asarray(q).shape[-1])
+    dq, dk, dv, dg = _ext.gated_backward(*p.arrays[:3], G, p.arrays[3], p.heads, str(feature_map), _scale(scale, q), bool(normalize), p.q_offsets)
+    return dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape), dg.reshape(np.shape(g))
+
+
+def delta_rule_attention(q, k, v, beta, g=None, feature_map: str = "l2norm_silu", scale=None, cu_seqlens=None):
+    """The delta rule (DeltaNet; Gated DeltaNet with g): with k̂ = φ(k),
+    S_t = exp(g_t)(I − β_t k̂_t k̂_tᵀ) S_{t−1} + β_t k̂_t v_tᵀ, out_t = scale·φ(q_t)ᵀ S_t.
+    beta in [0, 2] and g (log decays ≤ 0, or None: no decay) have q's leading shape (one per
+    token and head). scale: 1/√D when None. Chunked or recurrent, whichever is faster."""
+    fn = "delta_rule_attention"
+    p = _Packed(fn, q, k, v, cu_seqlens, True)
+    dtype = p.arrays[0].dtype
+    B = _params(fn, p, "beta", beta, dtype, False)
+    A = None if g is None else _params(fn, p, "g", g, dtype, False)
+    out = _ext.delta_forward(*p.arrays, B, A, p.heads, str(feature_map), _scale(scale, q), p.q_offsets)
+    return out.reshape(p.out_shape)
+
+
+def delta_rule_attention_backward(q, k, v, beta, g, dout, feature_map: str = "l2norm_silu", scale=None, cu_seqlens=None):
+    """Gradients (dq, dk, dv, dbeta, dg) of delta_rule_attention() for ∂L/∂out = dout; dg is
+    None when g is."""
+    fn = "delta_rule_attention_backward"
+    p = _Packed(fn, q, k, v, cu_seqlens, True, dout)
+    dtype = p.arrays[0].dtype
+    B = _params(fn, p, "beta", beta, dtype, False)
+    A = None if g is None else _params(fn, p, "g", g, dtype, False)
+    dq, dk, dv, db, dg = _ext.delta_backward(*p.arrays[:3], B, A, p.arrays[3], p.heads, str(feature_map), _scale(scale, q), p.q_offsets)
+    return (dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape),
+            db.reshape(np.shape(beta)), None if dg is None else dg.reshape(np.shape(g)))

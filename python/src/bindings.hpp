@@ -140,5 +140,7 @@ struct Gradients {
 void register_linear_f32(py::module_& m);
 void register_linear_f64(py::module_& m);
 void register_softmax(py::module_& m);
+void register_gated_delta_f32(py::module_& m);
+void register_gated_delta_f64(py::module_& m);
 
 }  // namespace linattn_python
