@@ -54,85 +54,34 @@ def _tensors(*arrays):
     return tuple(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
 
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, feature_map, causal, cu_seqlens):
-        fn = "linattn.torch.linear_attention"
-        x = [_array(fn, n, t) for n, t in zip("qkv", (q, k, v))]
-        ctx.save_for_backward(q, k, v)
-        ctx.args = (feature_map, causal, cu_seqlens)
-        return torch.from_numpy(_la.linear_attention(*x, feature_map, causal, cu_seqlens))
+class _Kernel(torch.autograd.Function):
+    """One of linattn's numpy functions `fwd` and its gradient `bwd` (which takes the same
+    arrays, then dout, and returns one gradient per array) as an autograd function of the
+    tensors (None: an absent optional input, such as the delta rule's g)."""
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        fn = "linattn.torch.linear_attention"
-        x = [_array(fn, n, t) for n, t in zip("qkv", ctx.saved_tensors)]
-        g = _la.linear_attention_backward(*x, _array(fn, "dout", dout), *ctx.args)
-        return (*_tensors(*g), None, None, None)
-
-
-class _Softmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, cu_seqlens):
-        fn = "linattn.torch.softmax_attention"
-        x = [_array(fn, n, t) for n, t in zip("qkv", (q, k, v))]
-        ctx.save_for_backward(q, k, v)
-        ctx.args = (causal, cu_seqlens)
-        return torch.from_numpy(_la.softmax_attention(*x, *ctx.args))
+    def forward(ctx, fwd, bwd, names, options, *tensors):
+        ctx.fn = f"linattn.torch.{fwd.__name__}"
+        ctx.bwd, ctx.names, ctx.options = bwd, names, options
+        ctx.absent = [t is None for t in tensors]
+        ctx.save_for_backward(*(t for t in tensors if t is not None))
+        arrays = [None if t is None else _array(ctx.fn, n, t) for n, t in zip(names, tensors)]
+        return torch.from_numpy(fwd(*arrays, **options))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        fn = "linattn.torch.softmax_attention"
-        x = [_array(fn, n, t) for n, t in zip("qkv", ctx.saved_tensors)]
-        g = _la.softmax_attention_backward(*x, _array(fn, "dout", dout), *ctx.args)
-        return (*_tensors(*g), None, None)
-
-
-class _Gated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, feature_map, scale, normalize, cu_seqlens):
-        fn = "linattn.torch.gated_linear_attention"
-        x = [_array(fn, n, t) for n, t in zip("qkvg", (q, k, v, g))]
-        ctx.save_for_backward(q, k, v, g)
-        ctx.args = (feature_map, scale, normalize, cu_seqlens)
-        return torch.from_numpy(_la.gated_linear_attention(*x, *ctx.args))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        fn = "linattn.torch.gated_linear_attention"
-        x = [_array(fn, n, t) for n, t in zip("qkvg", ctx.saved_tensors)]
-        grads = _la.gated_linear_attention_backward(*x, _array(fn, "dout", dout), *ctx.args)
-        return (*_tensors(*grads), None, None, None, None)
-
-
-class _Delta(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, beta, g, feature_map, scale, cu_seqlens):
-        fn = "linattn.torch.delta_rule_attention"
-        x = [_array(fn, n, t) for n, t in zip(("q", "k", "v", "beta"), (q, k, v, beta))]
-        ga = None if g is None else _array(fn, "g", g)
-        ctx.has_g = g is not None
-        ctx.save_for_backward(q, k, v, beta, *(() if g is None else (g,)))
-        ctx.args = (feature_map, scale, cu_seqlens)
-        return torch.from_numpy(_la.delta_rule_attention(*x, ga, *ctx.args))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        fn = "linattn.torch.delta_rule_attention"
-        saved = ctx.saved_tensors
-        x = [_array(fn, n, t) for n, t in zip(("q", "k", "v", "beta"), saved[:4])]
-        ga = _array(fn, "g", saved[4]) if ctx.has_g else None
-        grads = _la.delta_rule_attention_backward(*x, ga, _array(fn, "dout", dout), *ctx.args)
-        return (*_tensors(*grads), None, None, None)
+        saved = iter(ctx.saved_tensors)
+        tensors = [None if absent else next(saved) for absent in ctx.absent]
+        arrays = [None if t is None else _array(ctx.fn, n, t) for n, t in zip(ctx.names, tensors)]
+        grads = ctx.bwd(*arrays, _array(ctx.fn, "dout", dout), **ctx.options)
+        return (None, None, None, None, *_tensors(*grads))
 
 
 def linear_attention(q, k, v, feature_map: str = "elu", causal: bool = False, cu_seqlens=None):
     """linattn.linear_attention() on tensors, differentiable in q, k and v."""
-    return _Linear.apply(q, k, v, str(feature_map), bool(causal), _offsets(cu_seqlens))
+    options = dict(feature_map=str(feature_map), causal=bool(causal), cu_seqlens=_offsets(cu_seqlens))
+    return _Kernel.apply(_la.linear_attention, _la.linear_attention_backward, "qkv", options, q, k, v)
 
 
 def causal_linear_attention(q, k, v, feature_map: str = "elu", cu_seqlens=None):
@@ -142,17 +91,22 @@ def causal_linear_attention(q, k, v, feature_map: str = "elu", cu_seqlens=None):
 
 def softmax_attention(q, k, v, causal: bool = False, cu_seqlens=None):
     """linattn.softmax_attention() on tensors, differentiable in q, k and v."""
-    return _Softmax.apply(q, k, v, bool(causal), _offsets(cu_seqlens))
+    options = dict(causal=bool(causal), cu_seqlens=_offsets(cu_seqlens))
+    return _Kernel.apply(_la.softmax_attention, _la.softmax_attention_backward, "qkv", options, q, k, v)
 
 
 def gated_linear_attention(q, k, v, g, feature_map: str = "identity", scale=None, normalize: bool = False,
                            cu_seqlens=None):
     """linattn.gated_linear_attention() on tensors, differentiable in q, k, v and g."""
-    s = None if scale is None else float(scale)
-    return _Gated.apply(q, k, v, g, str(feature_map), s, bool(normalize), _offsets(cu_seqlens))
+    options = dict(feature_map=str(feature_map), scale=None if scale is None else float(scale),
+                   normalize=bool(normalize), cu_seqlens=_offsets(cu_seqlens))
+    return _Kernel.apply(_la.gated_linear_attention, _la.gated_linear_attention_backward, "qkvg", options,
+                         q, k, v, g)
 
 
 def delta_rule_attention(q, k, v, beta, g=None, feature_map: str = "l2norm_silu", scale=None, cu_seqlens=None):
     """linattn.delta_rule_attention() on tensors, differentiable in q, k, v, beta and g."""
-    s = None if scale is None else float(scale)
-    return _Delta.apply(q, k, v, beta, g, str(feature_map), s, _offsets(cu_seqlens))
+    options = dict(feature_map=str(feature_map), scale=None if scale is None else float(scale),
+                   cu_seqlens=_offsets(cu_seqlens))
+    return _Kernel.apply(_la.delta_rule_attention, _la.delta_rule_attention_backward,
+                         ("q", "k", "v", "beta", "g"), options, q, k, v, beta, g)
