@@ -73,6 +73,16 @@ def _arrays(fn: str, **named) -> list[np.ndarray]:
     return arrays
 
 
+class _Shapes:
+    """ "q (2, 5, 8), k ...": the arguments' shapes as an error message names them."""
+
+    def __init__(self, names, arrays):
+        self.names, self.arrays = names, arrays
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n} {a.shape}" for n, a in zip(self.names, self.arrays))
+
+
 class _Packed:
     """The arguments of one call as the C++ kernels take them: 2-D row-major arrays of H·D
     columns and the offsets of the sequences."""
@@ -82,7 +92,7 @@ class _Packed:
         arrays = _arrays(fn, **names)
         q, k, v = arrays[:3]
         nd = q.ndim
-        shapes = ", ".join(f"{n} {a.shape}" for n, a in zip(names, arrays))
+        shapes = _Shapes(names, arrays)  # formatted only for an error message
         if nd not in (2, 3, 4) or any(a.ndim != nd for a in arrays):
             raise ValueError(f"{fn}: q, k and v must all be [N, D], [N, H, D] or [B, T, H, D], got {shapes}")
         heads = 1 if nd == 2 else q.shape[-2]

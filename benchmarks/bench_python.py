@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""linattn from Python against the same formulas written in PyTorch, and the Python overhead.
+
+One thread for both libraries (linattn.set_num_threads(1), torch.set_num_threads(1)); B = 1,
+H = 8, D = M = 64, float32, EluPlusOne (elu + 1) for linear attention; best of `--repeats`
+wall times per case. Printed as a markdown table:
+
+* linattn (numpy arrays) and linattn.torch, forward and forward + backward, causal and not;
+* the PyTorch formula as fast-transformers' Python fallback writes it: non-causal with einsum,
+  causal with a cumulative sum of the per-token outer products (memory B·N·H·D·M: up to
+  --max-torch-n), autograd for the backward;
+* PyTorch softmax attention, softmax(q kᵀ/√D) v with a causal mask (memory B·H·N²: up to
+  --max-torch-n);
+* the Python overhead: one call at N = 16.
+
+Usage: PYTHONPATH=build/python python3 benchmarks/bench_python.py [--quick] (after building the
+_linattn target; torch optional: without it only the numpy rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import linattn
+
+try:
+    import torch
+
+    import linattn.torch as lt
+except ImportError:  # numpy rows only
+    torch = None
+
+
+def best(fn, repeats: int) -> float:
+    fn()  # warm-up: workspaces, first-touch of the outputs
+    t = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        t = min(t, time.perf_counter() - t0)
+    return t
+
+
+def phi(x):
+    return torch.nn.functional.elu(x) + 1
+
+
+def torch_linear(q, k, v, causal):
+    """[B, N, H, D] -> [B, N, H, M], the fast-transformers formula in PyTorch."""
+    pq, pk = phi(q), phi(k)
+    if not causal:
+        kv = torch.einsum("bnhd,bnhm->bhdm", pk, v)
+        z = pk.sum(1)
+        return torch.einsum("bnhd,bhdm->bnhm", pq, kv) / torch.einsum("bnhd,bhd->bnh", pq, z)[..., None]
+    kv = torch.cumsum(torch.einsum("bnhd,bnhm->bnhdm", pk, v), dim=1)
+    z = torch.cumsum(pk, dim=1)
+    return torch.einsum("bnhd,bnhdm->bnhm", pq, kv) / torch.einsum("bnhd,bnhd->bnh", pq, z)[..., None]
+
+
+def torch_softmax(q, k, v, causal):
+    s = torch.einsum("bnhd,blhd->bhnl", q, k) / np.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhnl,blhm->bnhm", s.softmax(-1), v)
+
+
+def fwd_bwd(f, q, k, v):
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        f(q, k, v).sum().backward()
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="N up to 4096, 3 repeats")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-torch-n", type=int, default=4096)
+    args = ap.parse_args()
+    ns = [256, 1024, 4096] if args.quick else [256, 1024, 4096, 16384]
+    repeats = 3 if args.quick else args.repeats
+    linattn.set_num_threads(1)
+    if torch is not None:
+        torch.set_num_threads(1)
+    H, D = 8, 64
+    rng = np.random.default_rng(0)
+    print(f"linattn {linattn.__version__}, torch {torch.__version__ if torch else '-'}; B = 1, H = {H}, "
+          f"D = M = {D}, float32, 1 thread; best of {repeats}; times in ms\n")
+    head = ["N", "causal", "linattn numpy fwd", "linattn.torch fwd", "linattn.torch fwd+bwd",
+            "torch formula fwd", "torch formula fwd+bwd", "formula ÷ linattn, fwd+bwd",
+            "torch softmax fwd+bwd"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---:|" * len(head))
+    for n in ns:
+        q, k, v = (rng.uniform(-1, 1, (1, n, H, D)).astype(np.float32) for _ in range(3))
+        for causal in (False, True):
+            row = [str(n), "yes" if causal else "no",
+                   f"{1e3 * best(lambda: linattn.linear_attention(q, k, v, 'elu', causal), repeats):.2f}"]
+            if torch is not None:
+                tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+                f = lambda a, b, c: lt.linear_attention(a, b, c, "elu", causal)
+                t_fb = best(fwd_bwd(f, tq, tk, tv), repeats)
+                row += [f"{1e3 * best(lambda: f(tq, tk, tv), repeats):.2f}", f"{1e3 * t_fb:.2f}"]
+                if n <= args.max_torch_n or not causal:
+                    g = lambda a, b, c: torch_linear(a, b, c, causal)
+                    with torch.no_grad():
+                        t_f = best(lambda: g(tq, tk, tv), repeats)
+                    t_gb = best(fwd_bwd(g, tq, tk, tv), repeats)
+                    row += [f"{1e3 * t_f:.2f}", f"{1e3 * t_gb:.2f}", f"{t_gb / t_fb:.1f}×"]
+                else:
+                    row += ["–", "–", "–"]
+                if n <= args.max_torch_n:
+                    s = lambda a, b, c: torch_softmax(a, b, c, causal)
+                    row.append(f"{1e3 * best(fwd_bwd(s, tq, tk, tv), repeats):.2f}")
+                else:
+                    row.append("–")
+            print("| " + " | ".join(row) + " |")
+    q, k, v = (rng.uniform(-1, 1, (1, 16, H, D)).astype(np.float32) for _ in range(3))
+    calls = 2000
+    t = best(lambda: [linattn.linear_attention(q, k, v, "elu", True) for _ in range(calls)], 3) / calls
+    line = f"\nPython overhead, N = 16 causal: {1e6 * t:.1f} µs per linattn.linear_attention call (numpy)"
+    if torch is not None:
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        t2 = best(lambda: [lt.causal_linear_attention(tq, tk, tv) for _ in range(calls)], 3) / calls
+        line += f", {1e6 * t2:.1f} µs per linattn.torch call"
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
