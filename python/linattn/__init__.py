@@ -87,7 +87,7 @@ class _Packed:
     """The arguments of one call as the C++ kernels take them: 2-D row-major arrays of H·D
     columns and the offsets of the sequences."""
 
-    def __init__(self, fn: str, q, k, v, cu_seqlens, causal: bool, dout=None):
+    def __init__(self, fn: str, q, k, v, cu_seqlens, dout=None):
         names = dict(q=q, k=k, v=v) if dout is None else dict(q=q, k=k, v=v, dout=dout)
         arrays = _arrays(fn, **names)
         q, k, v = arrays[:3]
@@ -133,7 +133,7 @@ def linear_attention(q, k, v, feature_map: str = "elu", causal: bool = False, cu
     >>> out = linattn.linear_attention(q, k, v, "elu", causal=True)   # q, k, v [B, T, H, D]
     """
     fn = "causal_linear_attention" if causal else "linear_attention"
-    p = _Packed(fn, q, k, v, cu_seqlens, causal)
+    p = _Packed(fn, q, k, v, cu_seqlens)
     out = _ext.linear_forward(*p.arrays, p.heads, str(feature_map), bool(causal), p.q_offsets, p.k_offsets)
     return out.reshape(p.out_shape)
 
@@ -141,7 +141,7 @@ def linear_attention(q, k, v, feature_map: str = "elu", causal: bool = False, cu
 def linear_attention_backward(q, k, v, dout, feature_map: str = "elu", causal: bool = False, cu_seqlens=None):
     """Gradients (dq, dk, dv) of linear_attention() for ∂L/∂out = dout (the output's shape)."""
     fn = "causal_linear_attention_backward" if causal else "linear_attention_backward"
-    p = _Packed(fn, q, k, v, cu_seqlens, causal, dout)
+    p = _Packed(fn, q, k, v, cu_seqlens, dout)
     dq, dk, dv = _ext.linear_backward(*p.arrays, p.heads, str(feature_map), bool(causal), p.q_offsets, p.k_offsets)
     return dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape)
 
@@ -150,7 +150,7 @@ def softmax_attention(q, k, v, causal: bool = False, cu_seqlens=None):
     """Softmax attention, softmax(q kᵀ / √D) v per head (causal: keys j ≤ i), the O(N²)
     baseline linear attention replaces; tiled, never forming the N x N matrix."""
     fn = "causal_softmax_attention" if causal else "softmax_attention"
-    p = _Packed(fn, q, k, v, cu_seqlens, causal)
+    p = _Packed(fn, q, k, v, cu_seqlens)
     out = _ext.softmax_forward(*p.arrays, p.heads, bool(causal), p.q_offsets, p.k_offsets)
     return out.reshape(p.out_shape)
 
@@ -158,7 +158,7 @@ def softmax_attention(q, k, v, causal: bool = False, cu_seqlens=None):
 def softmax_attention_backward(q, k, v, dout, causal: bool = False, cu_seqlens=None):
     """Gradients (dq, dk, dv) of softmax_attention() for ∂L/∂out = dout."""
     fn = "causal_softmax_attention_backward" if causal else "softmax_attention_backward"
-    p = _Packed(fn, q, k, v, cu_seqlens, causal, dout)
+    p = _Packed(fn, q, k, v, cu_seqlens, dout)
     dq, dk, dv = _ext.softmax_backward(*p.arrays, p.heads, bool(causal), p.q_offsets, p.k_offsets)
     return dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape)
 
@@ -191,7 +191,7 @@ def gated_linear_attention(q, k, v, g, feature_map: str = "identity", scale=None
     token and head) or q's shape (one per token, head and feature, F = D). scale: 1/√D when
     None (the models' convention)."""
     fn = "gated_linear_attention"
-    p = _Packed(fn, q, k, v, cu_seqlens, True)
+    p = _Packed(fn, q, k, v, cu_seqlens)
     G = _params(fn, p, "g", g, p.arrays[0].dtype, True, np.asarray(q).shape[-1])
     out = _ext.gated_forward(*p.arrays, G, p.heads, str(feature_map), _scale(scale, q), bool(normalize), p.q_offsets)
     return out.reshape(p.out_shape)
@@ -200,7 +200,7 @@ def gated_linear_attention(q, k, v, g, feature_map: str = "identity", scale=None
 def gated_linear_attention_backward(q, k, v, g, dout, feature_map: str = "identity", scale=None, normalize: bool = False, cu_seqlens=None):
     """Gradients (dq, dk, dv, dg) of gated_linear_attention() for ∂L/∂out = dout."""
     fn = "gated_linear_attention_backward"
-    p = _Packed(fn, q, k, v, cu_seqlens, True, dout)
+    p = _Packed(fn, q, k, v, cu_seqlens, dout)
     G = _params(fn, p, "g", g, p.arrays[0].dtype, True, np.asarray(q).shape[-1])
     dq, dk, dv, dg = _ext.gated_backward(*p.arrays[:3], G, p.arrays[3], p.heads, str(feature_map), _scale(scale, q), bool(normalize), p.q_offsets)
     return dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape), dg.reshape(np.shape(g))
@@ -212,7 +212,7 @@ def delta_rule_attention(q, k, v, beta, g=None, feature_map: str = "l2norm_silu"
     beta in [0, 2] and g (log decays ≤ 0, or None: no decay) have q's leading shape (one per
     token and head). scale: 1/√D when None. Chunked or recurrent, whichever is faster."""
     fn = "delta_rule_attention"
-    p = _Packed(fn, q, k, v, cu_seqlens, True)
+    p = _Packed(fn, q, k, v, cu_seqlens)
     dtype = p.arrays[0].dtype
     B = _params(fn, p, "beta", beta, dtype, False)
     A = None if g is None else _params(fn, p, "g", g, dtype, False)
@@ -224,7 +224,7 @@ def delta_rule_attention_backward(q, k, v, beta, g, dout, feature_map: str = "l2
     """Gradients (dq, dk, dv, dbeta, dg) of delta_rule_attention() for ∂L/∂out = dout; dg is
     None when g is."""
     fn = "delta_rule_attention_backward"
-    p = _Packed(fn, q, k, v, cu_seqlens, True, dout)
+    p = _Packed(fn, q, k, v, cu_seqlens, dout)
     dtype = p.arrays[0].dtype
     B = _params(fn, p, "beta", beta, dtype, False)
     A = None if g is None else _params(fn, p, "g", g, dtype, False)
