@@ -3,7 +3,8 @@
 // the uninterrupted outputs bit for bit; every malformed file (truncated, bit-flipped, wrong
 // type, kind or shape, absurd shapes, failing streams) is a std::runtime_error that names the
 // problem and leaves the target object as it was. The gated decoder (RecurrentGatedAttention,
-// kind 4) resumes bit for bit with scalar and per-feature gates.
+// kind 4) resumes bit for bit with scalar and per-feature gates, and the batched decoder
+// (BatchedRecurrentLinearAttention, kind 5) with its sequences at different positions.
 #include <linattn/linattn.hpp>
 
 #include <gtest/gtest.h>
@@ -801,7 +802,7 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
   for (const std::uint32_t v : {1u, 2u}) {  // the same checks in both versions
     SCOPED_TRACE("version " + std::to_string(v));
     EXPECT_EQ(load(header(v, 3, 1, 0, 1, 0, 2, 2)), p + "unknown scalar type code 3");
-    EXPECT_EQ(load(header(v, 1, 5, 0, 1, 0, 2, 2)), p + "unknown kind code 5");
+    EXPECT_EQ(load(header(v, 1, 6, 0, 1, 0, 2, 2)), p + "unknown kind code 6");
     EXPECT_EQ(load(header(v, 1, 1, 6, 1, 0, 2, 2)), p + "unknown flags 6");
     EXPECT_EQ(load(header(v, 1, 1, 0, 2, 0, 2, 2)), p + "invalid head count 2");
     EXPECT_EQ(load(header(v, 1, 1, 0, 1, 5, 2, 2)), p + "invalid key dimension 5");
@@ -810,8 +811,13 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
     EXPECT_EQ(runtime_error_of([&] { linattn::load_state(zero, heads); }),
               p + "invalid head count 0");
   }
-  // Kind 4 (RecurrentGatedAttention) came with version 2.
+  // Kinds 4 (RecurrentGatedAttention) and 5 (BatchedRecurrentLinearAttention) came with
+  // version 2.
   EXPECT_EQ(load(header(1, 1, 4, 0, 1, 2, 2, 2)), p + "unknown kind code 4");
+  EXPECT_EQ(load(header(1, 1, 5, 0, 1, 2, 2, 2)), p + "unknown kind code 5");
+  EXPECT_EQ(load(header(2, 1, 5, 0, 1, 2, 2, 2)),
+            p + "wrong kind: the file holds the states of a BatchedRecurrentLinearAttention, "
+                "not a LinearAttentionState");
   RecurrentGatedAttention<Identity, float> gated(2, 2);
   std::istringstream v1(header(1, 1, 4, 0, 1, 2, 2, 2), std::ios::binary);
   EXPECT_EQ(runtime_error_of([&] { linattn::load_state(v1, gated); }),
@@ -1125,6 +1131,519 @@ TEST(StateIoFailure, BadLogDecayIsRefusedBySave) {
   EXPECT_EQ(message(mx),
             "linattn::save_state: a state with running maxima (SoftmaxSplit) has no log-decay, "
             "this one has 1 entries");
+}
+
+
+// ------------------------------------------------------------------------------------------
+// Batched decoders (BatchedRecurrentLinearAttention, kind 5)
+// ------------------------------------------------------------------------------------------
+
+using linattn::BatchedRecurrentLinearAttention;
+
+constexpr Index kBatchRows = 8;  // input rows per step: sequence b's token of step t at t·8 + b
+
+// Runs steps [from, to) of a batched decode of dec.sequences() (at most kBatchRows)
+// sequences: at step t sequence b consumes row t·kBatchRows + b of Q, K, V unless
+// t % (b + 3) == b (it skips the step), so that the sequences sit at different positions and
+// fold at different steps. Steps where every sequence is active go through step(q, k, v, out),
+// the others through step(slots, ...). Returns the outputs in the same rows (zero if skipped).
+template <class R, class S>
+Mat<S> run_batched(R& dec, const Mat<S>& Q, const Mat<S>& K, const Mat<S>& V, Index from,
+                   Index to) {
+  const Index B = dec.sequences(), HM = V.cols();
+  Mat<S> out = Mat<S>::Zero((to - from) * kBatchRows, HM);
+  for (Index t = from; t < to; ++t) {
+    std::vector<Index> active;
+    for (Index b = 0; b < B; ++b)
+      if (t % (b + 3) != b) active.push_back(b);
+    const Index n = static_cast<Index>(active.size()), r0 = t * kBatchRows;
+    const Index o0 = (t - from) * kBatchRows;
+    if (n == B) {
+      Mat<S> o(B, HM);
+      dec.step(Q.middleRows(r0, B), K.middleRows(r0, B), V.middleRows(r0, B), o);
+      out.middleRows(o0, B) = o;
+      continue;
+    }
+    Eigen::VectorXi slots(n);
+    Mat<S> q(n, Q.cols()), k(n, K.cols()), v(n, HM), o(n, HM);
+    for (Index i = 0; i < n; ++i) {
+      const Index b = active[static_cast<std::size_t>(i)];
+      slots(i) = static_cast<int>(b);
+      q.row(i) = Q.row(r0 + b);
+      k.row(i) = K.row(r0 + b);
+      v.row(i) = V.row(r0 + b);
+    }
+    dec.step(slots, q, k, v, o);
+    for (Index i = 0; i < n; ++i) out.row(o0 + active[static_cast<std::size_t>(i)]) = o.row(i);
+  }
+  return out;
+}
+
+// The inputs of `steps` steps of H heads of D, M (rows as run_batched() reads them).
+template <class S>
+struct BatchedInputs {
+  Mat<S> Q, K, V;
+  BatchedInputs(Index steps, Index H, Index D, Index M, std::uint32_t seed)
+      : Q(test::random_matrix<S>(steps * kBatchRows, H * D, seed, -2, 2)),
+        K(test::random_matrix<S>(steps * kBatchRows, H * D, seed + 1, -2, 2)),
+        V(test::random_matrix<S>(steps * kBatchRows, H * M, seed + 2)) {}
+};
+
+// Bytes of a kind-5 file: 72 + 8 + B·H·(16 + s·(2FM + 2F [+ F] + L)).
+std::size_t batched_file_bytes(Index B, Index H, Index F, Index M, bool maxima, Index L,
+                               std::size_t s) {
+  return std::size_t(72 + 8) +
+         std::size_t(B * H) * (16 + s * std::size_t(2 * F * M + (maxima ? 3 : 2) * F + L));
+}
+
+template <class S>
+class StateIoBatched : public ::testing::Test {};
+TYPED_TEST_SUITE(StateIoBatched, StateIoScalars, );
+
+// B = 3 sequences of H = 2 heads (D = 5, M = 3) decoded for 200 steps in which the sequences
+// skip different steps: more than 128 tokens each, none a multiple of 128, different
+// positions and unfolded counts. Saved, loaded into fresh decoders of B = 0 and of B = 5 (one
+// with a history of its own), and continued for 200 more steps (more than 128 tokens of every
+// sequence): the uninterrupted decode's outputs and states, bit for bit.
+template <class S, class Phi>
+void check_batched_resume(std::uint32_t seed) {
+  constexpr Index B = 3, H = 2, D = 5, M = 3, N = 400, k = 200;
+  constexpr Index fold = BatchedRecurrentLinearAttention<Phi, S>::kFoldTokens;
+  using Access = linattn::detail::RecurrentStateAccess;
+  const BatchedInputs<S> in(N, H, D, M, seed);
+  BatchedRecurrentLinearAttention<Phi, S> whole(B, H, D, M);
+  const Mat<S> expected = run_batched(whole, in.Q, in.K, in.V, 0, N);
+  BatchedRecurrentLinearAttention<Phi, S> first(B, H, D, M);
+  run_batched(first, in.Q, in.K, in.V, 0, k);
+  for (Index b = 0; b < B; ++b) {
+    EXPECT_GT(first.position(b), fold);
+    EXPECT_NE(first.position(b) % fold, 0);
+    EXPECT_GT(whole.position(b) - first.position(b), fold);
+    for (Index c = 0; c < b; ++c) {
+      EXPECT_NE(first.position(b), first.position(c));
+      EXPECT_NE(Access::unfolded(first, b, 0), Access::unfolded(first, c, 0));
+    }
+  }
+  std::stringstream file(std::ios::in | std::ios::out | std::ios::binary);
+  linattn::save_state(file, first);
+  const std::string bytes = file.str();
+  constexpr bool maxima = linattn::normalizes_keys_per_feature_v<Phi>;
+  EXPECT_EQ(bytes.size(), batched_file_bytes(B, H, D, M, maxima, 0, sizeof(S)));
+  for (const Index fresh : {Index(0), Index(5)}) {
+    SCOPED_TRACE("loaded into a decoder of B = " + std::to_string(fresh));
+    BatchedRecurrentLinearAttention<Phi, S> resumed(fresh, H, D, M);
+    const BatchedInputs<S> other(20, H, D, M, seed + 7);
+    run_batched(resumed, other.Q, other.K, other.V, 0, 20);
+    std::istringstream is(bytes, std::ios::binary);
+    linattn::load_state(is, resumed);
+    EXPECT_EQ(is.peek(), std::char_traits<char>::eof());  // exactly one record consumed
+    ASSERT_EQ(resumed.sequences(), B);
+    for (Index b = 0; b < B; ++b) EXPECT_EQ(resumed.position(b), first.position(b));
+    EXPECT_EQ(saved(resumed), bytes);
+    const Mat<S> rest = run_batched(resumed, in.Q, in.K, in.V, k, N);
+    EXPECT_TRUE(same_bits(rest, expected.bottomRows((N - k) * kBatchRows)));
+    for (Index b = 0; b < B; ++b) {
+      EXPECT_EQ(resumed.position(b), whole.position(b));
+      for (Index h = 0; h < H; ++h) {
+        EXPECT_TRUE(same_state(Access::state(resumed, b, h), Access::state(whole, b, h)));
+        EXPECT_EQ(Access::unfolded(resumed, b, h), Access::unfolded(whole, b, h));
+      }
+    }
+  }
+  // The same file through a stream that cannot seek.
+  OneWayBuf buf(bytes);
+  std::istream pipe(&buf);
+  BatchedRecurrentLinearAttention<Phi, S> piped(1, H, D, M);
+  linattn::load_state(pipe, piped);
+  EXPECT_EQ(saved(piped), bytes);
+}
+
+TYPED_TEST(StateIoBatched, ResumeIsBitIdentical) {
+  using S = TypeParam;
+  check_batched_resume<S, EluPlusOne>(111);
+  check_batched_resume<S, SoftmaxSplit>(112);
+}
+
+// remove_sequence() keeps the removed sequence's states as spares past B·H: only the live
+// sequences are written, in their new numbering, and the loaded decoder continues as the
+// saved one does (also after add_sequence(), which reuses a spare in one and allocates in the
+// other).
+TYPED_TEST(StateIoBatched, RemoveSequenceSavesOnlyTheLiveSequences) {
+  using S = TypeParam;
+  constexpr Index H = 2, D = 5, M = 3, N = 330, k = 140;
+  const BatchedInputs<S> in(N, H, D, M, 121);
+  BatchedRecurrentLinearAttention<EluPlusOne, S> dec(4, H, D, M);
+  run_batched(dec, in.Q, in.K, in.V, 0, k);
+  const Index pos2 = dec.position(2), pos3 = dec.position(3);
+  dec.remove_sequence(1);  // sequence 3 becomes sequence 1
+  ASSERT_EQ(dec.sequences(), 3);
+  const std::string f = saved(dec);
+  EXPECT_EQ(f.size(), batched_file_bytes(3, H, D, M, false, 0, sizeof(S)));
+  EXPECT_EQ(linattn::detail::io::get_le<std::uint64_t>(
+                reinterpret_cast<const unsigned char*>(f.data()) + 68),
+            3u);
+  BatchedRecurrentLinearAttention<EluPlusOne, S> back(0, H, D, M);
+  std::istringstream is(f, std::ios::binary);
+  linattn::load_state(is, back);
+  ASSERT_EQ(back.sequences(), 3);
+  EXPECT_EQ(back.position(1), pos3);
+  EXPECT_EQ(back.position(2), pos2);
+  EXPECT_EQ(saved(back), f);
+  EXPECT_TRUE(same_bits(run_batched(back, in.Q, in.K, in.V, k, 300),
+                        run_batched(dec, in.Q, in.K, in.V, k, 300)));
+  EXPECT_EQ(back.add_sequence(), 3);
+  EXPECT_EQ(dec.add_sequence(), 3);
+  EXPECT_EQ(back.position(3), 0);
+  EXPECT_TRUE(same_bits(run_batched(back, in.Q, in.K, in.V, 300, N),
+                        run_batched(dec, in.Q, in.K, in.V, 300, N)));
+  EXPECT_EQ(saved(back), saved(dec));
+}
+
+// B = 0: an 80-byte file (a decoder whose sequences were all removed writes the same), which
+// loads as an empty decoder that then grows like a new one.
+TYPED_TEST(StateIoBatched, EmptyDecoderRoundTrips) {
+  using S = TypeParam;
+  constexpr Index H = 2, D = 4, M = 3;
+  const BatchedInputs<S> in(140, H, D, M, 131);
+  BatchedRecurrentLinearAttention<SoftmaxSplit, S> empty(0, H, D, M);
+  const std::string f = saved(empty);
+  ASSERT_EQ(f.size(), 80u);
+  EXPECT_EQ(f.size(), batched_file_bytes(0, H, D, M, true, 0, sizeof(S)));
+  EXPECT_EQ(linattn::detail::io::get_le<std::uint64_t>(
+                reinterpret_cast<const unsigned char*>(f.data()) + 68),
+            0u);
+  BatchedRecurrentLinearAttention<SoftmaxSplit, S> emptied(2, H, D, M);
+  run_batched(emptied, in.Q, in.K, in.V, 0, 10);
+  emptied.remove_sequence(1);
+  emptied.remove_sequence(0);
+  EXPECT_EQ(saved(emptied), f);
+
+  BatchedRecurrentLinearAttention<SoftmaxSplit, S> target(3, H, D, M);
+  run_batched(target, in.Q, in.K, in.V, 0, 5);
+  std::istringstream is(f, std::ios::binary);
+  linattn::load_state(is, target);
+  EXPECT_EQ(is.peek(), std::char_traits<char>::eof());
+  EXPECT_EQ(target.sequences(), 0);
+  EXPECT_EQ(saved(target), f);
+  target.add_sequence();
+  target.add_sequence();
+  BatchedRecurrentLinearAttention<SoftmaxSplit, S> fresh(2, H, D, M);
+  EXPECT_TRUE(same_bits(run_batched(target, in.Q, in.K, in.V, 0, 140),
+                        run_batched(fresh, in.Q, in.K, in.V, 0, 140)));
+  EXPECT_EQ(saved(target), saved(fresh));
+}
+
+// The documented layout: kind 5, H in the heads field, B first in the payload, then the
+// records sequence-major, each with its sequence's position and its own unfolded count.
+TEST(StateIoBatched, LayoutIsAsDocumented) {
+  using Access = linattn::detail::RecurrentStateAccess;
+  using linattn::detail::io::get_le;
+  constexpr Index B = 2, H = 2, D = 3, M = 2;
+  const BatchedInputs<float> in(7, H, D, M, 141);
+  BatchedRecurrentLinearAttention<EluPlusOne, float> dec(B, H, D, M);
+  run_batched(dec, in.Q, in.K, in.V, 0, 7);
+  ASSERT_NE(dec.position(0), dec.position(1));
+  const std::string f = saved(dec);
+  const std::size_t record = 16 + 4 * (2 * 6 + 2 * 3);
+  ASSERT_EQ(f.size(), 72 + 8 + 4 * record);
+  const auto* b = reinterpret_cast<const unsigned char*>(f.data());
+  EXPECT_EQ(get_le<std::uint32_t>(b + 8), 2u);   // version
+  EXPECT_EQ(get_le<std::uint32_t>(b + 12), 1u);  // float
+  EXPECT_EQ(get_le<std::uint32_t>(b + 16), 5u);  // kind: BatchedRecurrentLinearAttention
+  EXPECT_EQ(get_le<std::uint32_t>(b + 20), 0u);  // no maxima
+  EXPECT_EQ(get_le<std::uint64_t>(b + 24), 2u);  // H, heads per sequence
+  EXPECT_EQ(get_le<std::uint64_t>(b + 32), 3u);  // D
+  EXPECT_EQ(get_le<std::uint64_t>(b + 40), 3u);  // F
+  EXPECT_EQ(get_le<std::uint64_t>(b + 48), 2u);  // M
+  EXPECT_EQ(get_le<std::uint64_t>(b + 56), 0u);  // L
+  EXPECT_EQ(get_le<std::uint32_t>(b + 64), linattn::detail::io::crc32(b, 64));
+  EXPECT_EQ(get_le<std::uint64_t>(b + 68), 2u);  // B
+  for (Index s = 0; s < B; ++s)
+    for (Index h = 0; h < H; ++h) {
+      SCOPED_TRACE("sequence " + std::to_string(s) + ", head " + std::to_string(h));
+      const unsigned char* r = b + 76 + std::size_t(s * H + h) * record;
+      EXPECT_EQ(get_le<std::uint64_t>(r), std::uint64_t(dec.position(s)));
+      EXPECT_EQ(get_le<std::uint64_t>(r + 8), std::uint64_t(Access::unfolded(dec, s, h)));
+      Eigen::Matrix<float, 3, 2, Eigen::RowMajor> S;
+      for (Index i = 0; i < 6; ++i) {
+        const std::uint32_t bits = get_le<std::uint32_t>(r + 16 + 4 * i);
+        std::memcpy(S.data() + i, &bits, sizeof bits);
+      }
+      EXPECT_TRUE(same_bits(S, Access::state(dec, s, h).S));
+    }
+  EXPECT_EQ(get_le<std::uint32_t>(b + f.size() - 4), linattn::detail::io::crc32(b, f.size() - 4));
+}
+
+// States set with a log-decay (set_state() copies it) are saved with it when all B·H agree in
+// size, and refused by save_state otherwise.
+TEST(StateIoBatched, LogDecaysAreSavedAndMustAgree) {
+  constexpr Index H = 2, D = 4, M = 3;
+  BatchedRecurrentLinearAttention<EluPlusOne, double> dec(2, H, D, M);
+  dec.set_state(1, 1, decayed_state<double>(D, M, 1, 151), 9);
+  std::ostringstream os(std::ios::binary);
+  try {
+    linattn::save_state(os, dec);
+    ADD_FAILURE() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "linattn::save_state: the states' log-decays differ in size: sequence 0, head 0 "
+              "has 0 entries, sequence 1, head 1 has 1");
+  }
+  EXPECT_TRUE(os.str().empty());
+  for (Index b = 0; b < 2; ++b)
+    for (Index h = 0; h < H; ++h)
+      dec.set_state(b, h, decayed_state<double>(D, M, 1, 152 + std::uint32_t(b * H + h)), 9 + b);
+  const std::string f = saved(dec);
+  EXPECT_EQ(f.size(), batched_file_bytes(2, H, D, M, false, 1, 8));
+  BatchedRecurrentLinearAttention<EluPlusOne, double> back(0, H, D, M);
+  std::istringstream is(f, std::ios::binary);
+  linattn::load_state(is, back);
+  for (Index b = 0; b < 2; ++b) {
+    EXPECT_EQ(back.position(b), 9 + b);
+    for (Index h = 0; h < H; ++h)
+      EXPECT_TRUE(same_bits(back.state(b, h).log_decay, dec.state(b, h).log_decay));
+  }
+  EXPECT_EQ(saved(back), f);
+}
+
+// A batched decode in progress (SoftmaxSplit, double, B = 3, H = 2, D = F = 5, M = 3) and its
+// file.
+struct SavedBatched {
+  static constexpr Index H = 2, D = 5, M = 3;
+  using Decoder = BatchedRecurrentLinearAttention<SoftmaxSplit, double>;
+  BatchedInputs<double> in{300, H, D, M, 161};
+  Decoder dec{3, H, D, M};
+  std::string file;
+  std::size_t record = 16 + 8 * (2 * D * M + 3 * D);  // bytes of one head record
+  SavedBatched() {
+    run_batched(dec, in.Q, in.K, in.V, 0, 140);
+    file = saved(dec);
+  }
+  std::size_t record_at(Index b, Index h) const { return 76 + std::size_t(b * H + h) * record; }
+};
+
+// Another decoder of the same shapes in another position, and its twin: a failed load must
+// leave it so that it continues exactly as the twin that never tried.
+SavedBatched::Decoder batched_bystander() {
+  SavedBatched::Decoder dec(2, SavedBatched::H, SavedBatched::D, SavedBatched::M);
+  const BatchedInputs<double> in(20, SavedBatched::H, SavedBatched::D, SavedBatched::M, 171);
+  run_batched(dec, in.Q, in.K, in.V, 0, 20);
+  return dec;
+}
+
+// The target is unchanged: the same file, and the same outputs from here on as its twin's.
+void expect_unchanged(SavedBatched::Decoder& target, SavedBatched::Decoder twin) {
+  EXPECT_EQ(target.sequences(), twin.sequences());
+  EXPECT_EQ(saved(target), saved(twin));
+  const BatchedInputs<double> in(150, SavedBatched::H, SavedBatched::D, SavedBatched::M, 181);
+  EXPECT_TRUE(same_bits(run_batched(target, in.Q, in.K, in.V, 0, 150),
+                        run_batched(twin, in.Q, in.K, in.V, 0, 150)));
+}
+
+TEST(StateIoBatchedFailure, WrongKindIsRejected) {
+  const SavedBatched s;
+  const std::string p = "linattn::load_state: wrong kind: the file holds ";
+  MultiHeadRecurrentLinearAttention<SoftmaxSplit, double> heads(2, 5, 3);
+  const std::string heads_before = saved(heads);
+  std::istringstream a(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(a, heads); }),
+            p + "the states of a BatchedRecurrentLinearAttention, not the states of a "
+                "MultiHeadRecurrentLinearAttention");
+  EXPECT_EQ(saved(heads), heads_before);
+  std::istringstream b(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state<double>(b); }),
+            p + "the states of a BatchedRecurrentLinearAttention, not a LinearAttentionState");
+
+  auto target = batched_bystander();
+  const auto twin = batched_bystander();
+  std::istringstream c(heads_before, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(c, target); }),
+            p + "the states of a MultiHeadRecurrentLinearAttention, not the states of a "
+                "BatchedRecurrentLinearAttention");
+  std::istringstream d(saved(RecurrentLinearAttention<SoftmaxSplit, double>(5, 3)),
+                       std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(d, target); }),
+            p + "the state of a RecurrentLinearAttention, not the states of a "
+                "BatchedRecurrentLinearAttention");
+  expect_unchanged(target, twin);
+}
+
+TEST(StateIoBatchedFailure, WrongShapeIsRejected) {
+  const SavedBatched s;  // H = 2, D = F = 5, M = 3, with maxima
+  const std::string p = "linattn::load_state: shape mismatch: the file holds 2 head(s) of D = "
+                        "5, F = 5, M = 3 with running maxima, this "
+                        "BatchedRecurrentLinearAttention has ";
+  BatchedRecurrentLinearAttention<SoftmaxSplit, double> three_heads(3, 3, 5, 3);
+  BatchedRecurrentLinearAttention<SoftmaxSplit, double> wider(3, 2, 5, 4);
+  BatchedRecurrentLinearAttention<EluPlusOne, double> other_map(3, 2, 5, 3);
+  const std::string three_before = saved(three_heads), wider_before = saved(wider);
+  std::istringstream a(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(a, three_heads); }),
+            p + "3 head(s) of D = 5, F = 5, M = 3 with running maxima");
+  std::istringstream b(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(b, wider); }),
+            p + "2 head(s) of D = 5, F = 5, M = 4 with running maxima");
+  std::istringstream c(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(c, other_map); }),
+            p + "2 head(s) of D = 5, F = 5, M = 3 without running maxima");
+  EXPECT_EQ(saved(three_heads), three_before);
+  EXPECT_EQ(saved(wider), wider_before);
+  EXPECT_EQ(three_heads.sequences(), 3);
+}
+
+// The H records of a sequence carry its one position: a file whose checksums are right but
+// whose heads disagree is refused, naming the record.
+TEST(StateIoBatchedFailure, HeadsThatDisagreeOnThePositionAreRejected) {
+  const SavedBatched s;
+  auto target = batched_bystander();
+  const auto twin = batched_bystander();
+  const std::int64_t pos1 = s.dec.position(1);
+  std::string f = s.file;
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&f[s.record_at(1, 1)]),
+                              std::uint64_t(pos1 + 1));
+  reseal(f);
+  std::istringstream a(f, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(a, target); }),
+            "linattn::load_state: invalid record: sequence 1, head 1: position " +
+                std::to_string(pos1 + 1) + ", but head 0 of the sequence has " +
+                std::to_string(pos1) + " (the heads of a sequence share one position)");
+  // Head 0 changed instead: head 1 disagrees with it.
+  std::string g = s.file;
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&g[s.record_at(2, 0)]),
+                              std::uint64_t(0));
+  reseal(g);
+  std::istringstream b(g, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(b, target); }),
+            "linattn::load_state: invalid record: sequence 2, head 1: position " +
+                std::to_string(s.dec.position(2)) +
+                ", but head 0 of the sequence has 0 (the heads of a sequence share one position)");
+  // An unfolded count of 128 or more, named by its record.
+  std::string u = s.file;
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&u[s.record_at(0, 1) + 8]),
+                              std::uint64_t(128));
+  reseal(u);
+  std::istringstream c(u, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(c, target); }),
+            "linattn::load_state: invalid record: sequence 0, head 1: 128 unfolded tokens (at "
+            "most 127)");
+  expect_unchanged(target, twin);
+  // Positions equal in all heads of a sequence load as written.
+  std::string ok = s.file;
+  for (Index h = 0; h < SavedBatched::H; ++h)
+    linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&ok[s.record_at(1, h)]),
+                                std::uint64_t(123456789));
+  reseal(ok);
+  std::istringstream d(ok, std::ios::binary);
+  linattn::load_state(d, target);
+  EXPECT_EQ(target.position(1), 123456789);
+  EXPECT_EQ(saved(target), ok);
+}
+
+TEST(StateIoBatchedFailure, EveryTruncationThrowsAndNamesTheField) {
+  const SavedBatched s;
+  auto target = batched_bystander();
+  const auto twin = batched_bystander();
+  for (std::size_t len = 0; len < s.file.size(); ++len) {
+    SCOPED_TRACE("first " + std::to_string(len) + " bytes");
+    const std::string cut = s.file.substr(0, len);
+    std::istringstream seekable(cut, std::ios::binary);
+    const std::string m1 = runtime_error_of([&] { linattn::load_state(seekable, target); });
+    ASSERT_TRUE(starts_with(m1, "linattn::load_state: truncated file: expected ")) << m1;
+    OneWayBuf buf(cut);
+    std::istream pipe(&buf);
+    ASSERT_EQ(runtime_error_of([&] { linattn::load_state(pipe, target); }), m1);
+  }
+  const auto message = [&](std::size_t len) {
+    std::istringstream is(s.file.substr(0, len), std::ios::binary);
+    return runtime_error_of([&] { linattn::load_state(is, target); });
+  };
+  const std::string p = "linattn::load_state: truncated file: expected ";
+  EXPECT_EQ(message(68), p + "8 bytes of sequence count B, got 0");
+  EXPECT_EQ(message(71), p + "8 bytes of sequence count B, got 3");
+  EXPECT_EQ(message(76), p + "8 bytes of position (sequence 0, head 0), got 0");
+  EXPECT_EQ(message(s.record_at(1, 1) + 5), p + "8 bytes of position (sequence 1, head 1), got 5");
+  EXPECT_EQ(message(s.record_at(2, 0) + 16 + 10), p + "120 bytes of S (sequence 2, head 0), got 10");
+  EXPECT_EQ(message(s.record_at(2, 1) + 16 + 8 * 30 + 8 * 10 + 3),
+            p + "40 bytes of m (sequence 2, head 1), got 3");
+  EXPECT_EQ(message(s.file.size() - 1), p + "4 bytes of checksum, got 3");
+  expect_unchanged(target, twin);
+}
+
+// A flipped byte of a record (or of the trailing CRC) is a checksum mismatch; one of B makes
+// the file's length or checksum wrong, refused as well.
+TEST(StateIoBatchedFailure, FlippedBytesThrow) {
+  const SavedBatched s;
+  auto target = batched_bystander();
+  const auto twin = batched_bystander();
+  for (std::size_t at = 68; at < s.file.size(); at += 5) {
+    for (const int bit : {0, 5}) {
+      std::string f = s.file;
+      f[at] = char(f[at] ^ (1 << bit));
+      std::istringstream is(f, std::ios::binary);
+      const std::string m = runtime_error_of([&] { linattn::load_state(is, target); });
+      if (at >= 76)
+        ASSERT_TRUE(starts_with(m, "linattn::load_state: corrupted data: checksum mismatch"))
+            << "byte " << at << ", bit " << bit << ": " << m;
+      else
+        ASSERT_TRUE(starts_with(m, "linattn::load_state: ")) << "byte " << at << ": " << m;
+    }
+  }
+  expect_unchanged(target, twin);
+}
+
+// B is checked against the sanity bounds before the records are read or anything allocated;
+// a file of B = 0 sequences has no log-decay.
+TEST(StateIoBatchedFailure, AbsurdSequenceCountsDoNotAllocate) {
+  const std::string p = "linattn::load_state: ";
+  const auto with_b = [](std::string f, std::uint64_t B) {
+    unsigned char b[8];
+    linattn::detail::io::put_le(b, B);
+    return f.append(reinterpret_cast<const char*>(b), 8);
+  };
+  auto target = batched_bystander();
+  const auto twin = batched_bystander();
+  const auto load = [&](const std::string& bytes) {
+    std::istringstream is(bytes, std::ios::binary);
+    return runtime_error_of([&] { linattn::load_state(is, target); });
+  };
+  const std::string h = header(2, 2, 5, 1, 2, 5, 5, 3);  // double, maxima, H = 2, D = F = 5, M = 3
+  EXPECT_EQ(load(with_b(h, std::uint64_t(1) << 40)),
+            p + "absurd shape: B = 1099511627776 sequences of 2 head(s) (more than the "
+                "16777216 (sequence, head) states this loader accepts)");
+  EXPECT_EQ(load(with_b(h, ~std::uint64_t(0))),
+            p + "absurd shape: B = 18446744073709551615 sequences of 2 head(s) (more than the "
+                "16777216 (sequence, head) states this loader accepts)");
+  // Within the bounds (2^24 records of 376 bytes) with 100 bytes of them in the stream:
+  // refused before the records are allocated, whether or not the stream can tell its length.
+  const std::string many = with_b(h, std::uint64_t(1) << 23) + std::string(100, '\0');
+  const std::string short_of_many =
+      p + "truncated file: expected 120 bytes of S (sequence 0, head 0), got 84";
+  EXPECT_EQ(load(many), short_of_many);
+  OneWayBuf buf(many);
+  std::istream pipe(&buf);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(pipe, target); }), short_of_many);
+  // Within both header bounds, more than 64 GiB of records (checked below the object: no
+  // decoder of F = M = 2^16 is built). 2^16 x 2^16 floats of S and of S_lo: 32 GiB a record.
+  {
+    std::istringstream is(with_b(header(2, 1, 5, 0, 1, 1, 1u << 16, 1u << 16), 3),
+                          std::ios::binary);
+    std::uint32_t crc = 0;
+    const auto hd = linattn::detail::io::read_header<float>(is, "load_state", 5, crc);
+    EXPECT_EQ(runtime_error_of(
+                  [&] { linattn::detail::io::read_payload<float>(is, "load_state", hd, crc); }),
+              p + "absurd shape: F = 65536, M = 65536, B = 3 sequences of 1 head(s) (more than "
+                  "the 64 GiB this loader accepts)");
+  }
+  // B = 0 with a log-decay size: nothing to decay, and it would not save back.
+  std::string empty_decayed = with_b(header(2, 2, 5, 0, 2, 5, 5, 3, 1), 0) + std::string(4, '\0');
+  reseal(empty_decayed);
+  BatchedRecurrentLinearAttention<EluPlusOne, double> plain(1, 2, 5, 3);
+  std::istringstream e(empty_decayed, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(e, plain); }),
+            p + "invalid log-decay size 1: a file of B = 0 sequences has no state to decay (L "
+                "must be 0)");
+  EXPECT_EQ(plain.sequences(), 1);
+  expect_unchanged(target, twin);
 }
 
 }  // namespace

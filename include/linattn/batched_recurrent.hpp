@@ -305,6 +305,10 @@ class BatchedRecurrentLinearAttention {
   const FeatureMap& feature_map() const noexcept { return phi_; }
 
  private:
+  // save_state() / load_state() (state_io.hpp) keep every head's unfolded low parts and fold
+  // schedule, so that a resumed decode is bit-identical; state() and set_state() fold them.
+  friend struct detail::RecurrentStateAccess;
+
   // RecurrentLinearAttention's scratch, one set per thread.
   struct Scratch {
     Matrix<Scalar> q, k, pq, pk;

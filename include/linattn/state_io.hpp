@@ -1,8 +1,9 @@
 /// \file state_io.hpp
 /// \brief Saving a state to a stream and loading it back, exactly: a LinearAttentionState, or
 /// the whole decoding position of a RecurrentLinearAttention, a
-/// MultiHeadRecurrentLinearAttention or a RecurrentGatedAttention, in a little-endian binary
-/// format with a checksum (docs/SPEC.md §8, "What linattn implements: saving a state").
+/// MultiHeadRecurrentLinearAttention, a RecurrentGatedAttention or a
+/// BatchedRecurrentLinearAttention, in a little-endian binary format with a checksum
+/// (docs/SPEC.md §8, "What linattn implements: saving a state").
 ///
 /// ### The format (version 2)
 ///
@@ -15,15 +16,15 @@
 /// | 0  | 8 | magic number `89 4C 41 53 0D 0A 1A 0A` (`\x89LAS\r\n\x1a\n`) |
 /// | 8  | 4 | format version, u32 = 2 |
 /// | 12 | 4 | scalar type, u32: 1 = float (binary32), 2 = double (binary64) |
-/// | 16 | 4 | kind, u32: 1 = LinearAttentionState, 2 = RecurrentLinearAttention, 3 = MultiHeadRecurrentLinearAttention, 4 = RecurrentGatedAttention (version 2 only) |
+/// | 16 | 4 | kind, u32: 1 = LinearAttentionState, 2 = RecurrentLinearAttention, 3 = MultiHeadRecurrentLinearAttention, 4 = RecurrentGatedAttention, 5 = BatchedRecurrentLinearAttention (4 and 5: version 2 only) |
 /// | 20 | 4 | flags, u32: bit 0 = running maxima `m` present (SoftmaxSplit); other bits 0 |
-/// | 24 | 8 | heads H, u64 (1 unless kind 3) |
+/// | 24 | 8 | heads H, u64 (1 for kinds 1, 2 and 4; for kind 5 the heads per sequence) |
 /// | 32 | 8 | key dimension D, u64 (0 for kind 1: a state does not know it) |
 /// | 40 | 8 | feature dimension F, u64 |
 /// | 48 | 8 | value dimension M, u64 |
 /// | 56 | 8 | log-decay entries per head L, u64: 0 (undecayed), 1 (scalar decay) or F (per-feature gates); 0 with running maxima; F for kind 4 |
 /// | 64 | 4 | CRC-32 of bytes 0–63 |
-/// | 68 | … | H head records, one after the other (below) |
+/// | 68 | … | H head records, one after the other (below); for kind 5 instead B and B·H records (below) |
 /// | end − 4 | 4 | CRC-32 of every byte before it |
 ///
 /// A head record (s = 4 or 8 bytes per scalar; matrices row-major):
@@ -39,7 +40,16 @@
 /// | F·s   | `m`, only when flag bit 0 is set |
 /// | L·s   | `log_decay` (LinearAttentionState::log_decay), only when L > 0 |
 ///
-/// The file is 72 + H·(16 + s·(2·F·M + 2·F [+ F] + L)) bytes. The CRC-32 is the common one
+/// The file is 72 + H·(16 + s·(2·F·M + 2·F [+ F] + L)) bytes.
+///
+/// **Kind 5** (a BatchedRecurrentLinearAttention of B sequences of H heads): the payload at 68
+/// starts with the number of sequences B, u64 (B = 0 is an empty decoder, and then L = 0),
+/// followed by B·H head records as above, sequence-major: head h of sequence b is record
+/// b·H + h. Each record holds that (sequence, head)'s state and unfolded token count, and the
+/// position of its sequence, the same in all H records of a sequence. The trailing CRC covers
+/// B too. The file is 72 + 8 + B·H·(16 + s·(2·F·M + 2·F [+ F] + L)) bytes.
+///
+/// The CRC-32 is the common one
 /// (reflected polynomial 0xEDB88320, initial value and final XOR 0xFFFFFFFF; "123456789" gives
 /// 0xCBF43926): it detects every error of one bit and every burst of up to 32.
 ///
@@ -57,7 +67,9 @@
 #include <ostream>
 #include <string>
 #include <utility>
+#include <vector>
 
+#include "batched_recurrent.hpp"
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/state_io_format.hpp"
@@ -267,6 +279,97 @@ void load_state(std::istream& is, MultiHeadRecurrentLinearAttention<FeatureMap, 
     auto& r = heads[static_cast<std::size_t>(h)];
     detail::RecurrentStateAccess::install(rnn.head(h), std::move(r.state), r.position, r.unfolded);
   }
+}
+
+/// \brief Writes the exact decoding position of every sequence of a batched decoder (kind 5):
+/// the number of sequences B, then for each sequence b and head h the state as the decoder
+/// holds it (low parts not folded), the tokens in its low parts since their last fold, and
+/// position(b), so that load_state(is, dec) resumes every sequence bit-identically.
+///
+/// Only the B·H live states are written (not the spares that remove_sequence() keeps for
+/// add_sequence()); B = 0 is valid. The file (format version 2) is
+/// \f$72 + 8 + B\,H\,(16 + s\,(2FM + 2F\,[+F] + L))\f$ bytes for s-byte scalars. It records
+/// H, D, F, M and the presence of maxima, not the feature map: load it only for the map that
+/// made it.
+/// \throws std::runtime_error if the stream was not writable or a write failed;
+/// std::invalid_argument if a state's log_decay (normally empty here: set_state() copies
+/// it) has neither 0, 1 nor F entries, or the B·H states' differ in size.
+/// \code
+/// linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> decoder(32, 8, 64, 64);
+/// // ... decoder.step(Q, K, V, out), decoder.step(slots, ...), add/remove_sequence ...
+/// std::ofstream file("server.state", std::ios::binary);
+/// linattn::save_state(file, decoder);
+/// \endcode
+template <class FeatureMap, class Scalar>
+void save_state(std::ostream& os, const BatchedRecurrentLinearAttention<FeatureMap, Scalar>& dec) {
+  constexpr const char* fn = "save_state";
+  using Access = detail::RecurrentStateAccess;
+  const Index B = dec.sequences(), H = dec.heads();
+  const Index decay = B == 0 ? 0 : detail::io::decay_entries(fn, Access::state(dec, 0, 0));
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < H; ++h) {
+      const auto& st = Access::state(dec, b, h);
+      if (detail::io::decay_entries(fn, st) != decay)
+        detail::throw_invalid(fn, "the states' log-decays differ in size: sequence 0, head 0 "
+                                  "has " + std::to_string(decay) + " entries, sequence " +
+                                      std::to_string(b) + ", head " + std::to_string(h) +
+                                      " has " + std::to_string(st.log_decay.size()));
+    }
+  detail::io::Writer w(os, fn);
+  detail::io::write_header<Scalar>(w, detail::io::kKindBatched,
+                                   normalizes_keys_per_feature_v<FeatureMap>, H, dec.key_dim(),
+                                   dec.feature_dim(), dec.value_dim(), decay);
+  w.integer(std::uint64_t(B));
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < H; ++h)
+      detail::io::write_head(w, Access::state(dec, b, h), dec.position(b),
+                             Access::unfolded(dec, b, h));
+  w.finish();
+}
+
+/// \brief Restores into `dec` the sequences that save_state(os, dec) wrote: `dec` then holds
+/// the file's B sequences, whatever its own count was, and steps exactly as the saved decoder
+/// would have (same state bits, fold schedule of every (sequence, head) and position(b)).
+///
+/// The file must come from a decoder of the same heads per sequence H, key dimension D,
+/// feature dimension F, value dimension M and map (running maxima or not); B comes from the
+/// file (0 gives an empty decoder). The spare states that remove_sequence() keeps are dropped.
+/// Strong guarantee: on any failure `dec` is unchanged (everything is read and checked before
+/// it is touched). Reads exactly one record.
+/// \throws std::runtime_error `"linattn::load_state: ..."` for every failure of
+/// load_state(std::istream&) (truncated, corrupted, wrong magic, version, scalar type or
+/// kind, absurd shapes, including a B of more than 2²⁴ (sequence, head) states), "shape
+/// mismatch" naming the file's and the decoder's H, D, F, M and maxima, and "invalid record"
+/// for a sequence whose H records disagree on its position.
+/// \code
+/// linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> decoder(0, 8, 64, 64);
+/// std::ifstream file("server.state", std::ios::binary);
+/// linattn::load_state(file, decoder);  // decoder.sequences() is the saved B
+/// decoder.step(Q, K, V, out);          // continues every saved decode
+/// \endcode
+template <class FeatureMap, class Scalar>
+void load_state(std::istream& is, BatchedRecurrentLinearAttention<FeatureMap, Scalar>& dec) {
+  constexpr const char* fn = "load_state";
+  std::uint32_t crc = 0;
+  const auto hd = detail::io::read_header<Scalar>(is, fn, detail::io::kKindBatched, crc);
+  detail::io::check_object_shape(fn, hd, "BatchedRecurrentLinearAttention",
+                                 std::uint64_t(dec.heads()), std::uint64_t(dec.key_dim()),
+                                 std::uint64_t(dec.feature_dim()), std::uint64_t(dec.value_dim()),
+                                 normalizes_keys_per_feature_v<FeatureMap>);
+  auto records = detail::io::read_payload<Scalar>(is, fn, hd, crc);
+  const Index H = dec.heads(), B = static_cast<Index>(records.size()) / H;
+  std::vector<LinearAttentionState<Scalar>> states;
+  std::vector<Index> unfolded, positions;
+  states.reserve(records.size());
+  unfolded.reserve(records.size());
+  positions.reserve(static_cast<std::size_t>(B));
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    states.push_back(std::move(records[i].state));
+    unfolded.push_back(records[i].unfolded);
+    if (i % static_cast<std::size_t>(H) == 0) positions.push_back(records[i].position);
+  }
+  detail::RecurrentStateAccess::install(dec, B, std::move(states), std::move(unfolded),
+                                        std::move(positions));
 }
 
 /// \brief Writes the exact decoding position of a gated decoder (kind 4): its state S, z and

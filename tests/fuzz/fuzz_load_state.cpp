@@ -1,6 +1,6 @@
 // libFuzzer target of the state loader (state_io.hpp): arbitrary bytes go to load_state for
-// float and double states and into recurrent, multi-head recurrent and gated recurrent
-// objects (every kind), through a seekable and a non-seekable stream. Any exception but
+// float and double states and into recurrent, multi-head recurrent, gated recurrent and
+// batched recurrent objects (every kind), through a seekable and a non-seekable stream. Any exception but
 // std::runtime_error is a bug, and so is a load that succeeds and does not save back to exactly
 // the bytes it consumed (for a record of the old format version 1: to its version-2 form), or
 // one that fails and changes the object. ASan and UBSan catch the rest.
@@ -123,5 +123,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string gd_before = saved(gd);
   check(bytes, [&](std::istream& is) { linattn::load_state(is, gd); }, [&] { return saved(gd); },
         [&] { return saved(gd) == gd_before && gd.position() == 0; });
+  // Kind 5: batched decoders (B from the file) in float and in double (2 sequences of H = 2,
+  // D = F = 3, M = 2 without maxima; 1 sequence of H = 1, D = F = 2, M = 3 with maxima).
+  linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> bf(2, 2, 3, 2);
+  const std::string bf_before = saved(bf);
+  check(bytes, [&](std::istream& is) { linattn::load_state(is, bf); }, [&] { return saved(bf); },
+        [&] { return saved(bf) == bf_before && bf.sequences() == 2; });
+  linattn::BatchedRecurrentLinearAttention<linattn::SoftmaxSplit, double> bd(1, 1, 2, 3);
+  const std::string bd_before = saved(bd);
+  check(bytes, [&](std::istream& is) { linattn::load_state(is, bd); }, [&] { return saved(bd); },
+        [&] { return saved(bd) == bd_before && bd.sequences() == 1; });
   return 0;
 }

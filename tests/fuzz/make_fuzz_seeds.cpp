@@ -1,7 +1,8 @@
 // Writes the seed corpus of fuzz_load_state into the directory given: one valid file of each
 // kind and scalar type, in the shapes the fuzz target's objects have, decayed states (a scalar
 // and a per-feature log-decay), gated decoders (kind 4: per-feature gates in float, scalar
-// gates in double) and files of the old format version 1, so that the fuzzer
+// gates in double), batched decoders (kind 5, sequences at different positions, and an empty
+// one) and files of the old format version 1, so that the fuzzer
 // starts from inputs that pass the checksums and mutates from there.
 #include <linattn/linattn.hpp>
 
@@ -105,6 +106,28 @@ int main(int argc, char** argv) {
   }
   ok &= write(dir, "gated_float", gf);
   ok &= write(dir, "gated_double", gd);
+  // Batched decoders (kind 5) in the shapes of the fuzz target's: 2 sequences of 2 heads at
+  // different positions in float (one stepped alone), 1 sequence with maxima in double, and an
+  // empty decoder (B = 0).
+  linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> bf(2, 2, 3, 2);
+  linattn::BatchedRecurrentLinearAttention<linattn::SoftmaxSplit, double> bd(1, 1, 2, 3);
+  for (int t = 0; t < 5; ++t) {
+    const Eigen::MatrixXf q = Eigen::MatrixXf::Constant(2, 6, 0.25f * float(t) - 0.5f);
+    const Eigen::MatrixXf v = Eigen::MatrixXf::Constant(2, 4, 1.0f - 0.125f * float(t));
+    Eigen::MatrixXf out(2, 4);
+    bf.step(q, q.reverse(), v, out);
+    Eigen::VectorXi first(1);
+    first << 0;
+    Eigen::MatrixXf out1(1, 4);
+    bf.step(first, q.topRows(1), q.bottomRows(1), v.topRows(1), out1);
+    const Eigen::MatrixXd qd = Eigen::MatrixXd::Constant(1, 2, -0.5 + 0.3 * t);
+    Eigen::MatrixXd outd(1, 3);
+    bd.step(qd, qd.reverse(), Eigen::MatrixXd::Constant(1, 3, 0.5 * t), outd);
+  }
+  ok &= write(dir, "batched_float", bf);
+  ok &= write(dir, "batched_double", bd);
+  ok &= write(dir, "batched_empty",
+              linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float>(0, 2, 3, 2));
   if (!ok) std::fprintf(stderr, "make_fuzz_seeds: could not write into %s\n", dir.c_str());
   return ok ? 0 : 1;
 }

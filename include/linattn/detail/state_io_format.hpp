@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "../batched_recurrent.hpp"
 #include "../checks.hpp"
 #include "../common.hpp"
 #include "../recurrent_gated_attention.hpp"
@@ -60,6 +61,32 @@ struct RecurrentStateAccess {
     r.state_ = std::move(st);
     r.position_ = position;
   }
+  // The batched decoder: head h of sequence b, its unfolded count, and the install of B
+  // sequences (sequence-major states and counts, one position per sequence). Only the first
+  // B·H entries of the decoder's vectors are live (remove_sequence() keeps spares past them).
+  template <class Phi, class Scalar>
+  static const LinearAttentionState<Scalar>& state(
+      const BatchedRecurrentLinearAttention<Phi, Scalar>& r, Index b, Index h) {
+    return r.states_[r.index(b, h)];
+  }
+  template <class Phi, class Scalar>
+  static Index unfolded(const BatchedRecurrentLinearAttention<Phi, Scalar>& r, Index b,
+                        Index h) noexcept {
+    return r.unfolded_[r.index(b, h)];
+  }
+  // Strong guarantee: the one allocation (the repeat marks of step(slots, ...)) comes first,
+  // then only moves. Replaces the spare states too: the decoder holds exactly B·H afterwards.
+  template <class Phi, class Scalar>
+  static void install(BatchedRecurrentLinearAttention<Phi, Scalar>& r, Index sequences,
+                      std::vector<LinearAttentionState<Scalar>>&& states,
+                      std::vector<Index>&& unfolded, std::vector<Index>&& positions) {
+    std::vector<unsigned char> marks(static_cast<std::size_t>(sequences), 0);
+    r.states_ = std::move(states);
+    r.unfolded_ = std::move(unfolded);
+    r.positions_ = std::move(positions);
+    r.marks_ = std::move(marks);
+    r.sequences_ = sequences;
+  }
 };
 
 namespace io {
@@ -69,15 +96,18 @@ constexpr std::uint32_t kVersion = 2;   // written; version 1 (no log-decay) is 
 constexpr std::uint32_t kVersion1 = 1;
 constexpr std::uint32_t kFloat = 1, kDouble = 2;
 constexpr std::uint32_t kKindState = 1, kKindRecurrent = 2, kKindMultiHead = 3;
-constexpr std::uint32_t kKindGated = 4;  // version 2 only
+constexpr std::uint32_t kKindGated = 4;    // version 2 only
+constexpr std::uint32_t kKindBatched = 5;  // version 2 only; the payload starts with B
 constexpr std::uint32_t kFlagMaxima = 1;
 constexpr std::size_t kHeaderBytes = 68;    // with its CRC (version 2)
 constexpr std::size_t kHeaderBytesV1 = 60;  // version 1: no log-decay field
 constexpr std::size_t kHeadPrefixBytes = 16;  // position, unfolded tokens
+constexpr std::size_t kSequencesBytes = 8;    // kind 5: the sequence count B before the records
 // Sanity bounds on a file's declared shapes, checked before anything is allocated: far above
 // any real state (a 4096 x 4096 double state is 256 MiB), far below what would overflow the
 // size arithmetic.
 constexpr std::uint64_t kMaxHeads = std::uint64_t(1) << 16;
+constexpr std::uint64_t kMaxStates = std::uint64_t(1) << 24;  // kind 5: B·H
 constexpr std::uint64_t kMaxDim = std::uint64_t(1) << 24;
 constexpr std::uint64_t kMaxPayloadBytes = std::uint64_t(1) << 36;  // 64 GiB
 // Bytes read from the stream at a time: a file that declares more than it holds costs at most
@@ -137,6 +167,7 @@ inline const char* kind_name(std::uint32_t kind) {
     case kKindState: return "a LinearAttentionState";
     case kKindRecurrent: return "the state of a RecurrentLinearAttention";
     case kKindGated: return "the state of a RecurrentGatedAttention";
+    case kKindBatched: return "the states of a BatchedRecurrentLinearAttention";
     default: return "the states of a MultiHeadRecurrentLinearAttention";
   }
 }
@@ -159,6 +190,7 @@ struct Header {
   std::uint32_t version = 0, scalar = 0, kind = 0, flags = 0;
   std::uint64_t heads = 0, key_dim = 0, F = 0, M = 0;
   std::uint64_t decay = 0;  // log-decay entries per head: 0, 1 or F (0 in version 1)
+  std::uint64_t sequences = 0;  // kind 5: B, the payload's first field (not in the header)
   bool maxima() const noexcept { return (flags & kFlagMaxima) != 0; }
 };
 
@@ -167,8 +199,23 @@ inline std::uint64_t head_bytes(const Header& h, std::uint64_t s) {
   return kHeadPrefixBytes + s * (2 * h.F * h.M + (h.maxima() ? 3 : 2) * h.F + h.decay);
 }
 
-// Which field byte `offset` of the payload falls in, and how many of its bytes came before:
-// for the message of a truncated file.
+// Head records in the payload: H, or for kind 5 B·H (h.sequences must be B).
+inline std::uint64_t record_count(const Header& h) noexcept {
+  return h.kind == kKindBatched ? h.sequences * h.heads : h.heads;
+}
+
+// Which record a message is about: "" for a single head, "head 2", or for kind 5 "sequence
+// 1, head 0".
+inline std::string record_name(const Header& h, std::uint64_t record) {
+  if (h.kind == kKindBatched)
+    return "sequence " + std::to_string(record / h.heads) + ", head " +
+           std::to_string(record % h.heads);
+  return h.heads > 1 ? "head " + std::to_string(record) : std::string();
+}
+
+// Which field byte `got` of the payload (after the header; for kind 5 from the sequence count
+// B on) falls in, and how many of its bytes came before: for the message of a truncated file.
+// For kind 5 past the first 8 bytes, h.sequences must be B.
 inline std::string truncation_message(const Header& h, std::uint64_t s, std::uint64_t got) {
   const std::uint64_t FM = h.F * h.M;
   const std::pair<const char*, std::uint64_t> fields[] = {
@@ -176,12 +223,20 @@ inline std::string truncation_message(const Header& h, std::uint64_t s, std::uin
       {"z", h.F * s},  {"z_lo", h.F * s},           {"m", h.maxima() ? h.F * s : 0},
       {"log_decay", h.decay * s}};
   std::uint64_t at = 0;
-  for (std::uint64_t head = 0; head < h.heads; ++head)
+  if (h.kind == kKindBatched) {
+    if (got < kSequencesBytes)
+      return "truncated file: expected 8 bytes of sequence count B, got " + std::to_string(got);
+    at = kSequencesBytes;
+  }
+  const std::uint64_t records = record_count(h);
+  for (std::uint64_t record = 0; record < records; ++record)
     for (const auto& f : fields) {
-      if (f.second > 0 && got < at + f.second)
+      if (f.second > 0 && got < at + f.second) {
+        const std::string which = record_name(h, record);
         return "truncated file: expected " + std::to_string(f.second) + " bytes of " + f.first +
-               (h.heads > 1 ? " (head " + std::to_string(head) + ")" : std::string()) +
-               ", got " + std::to_string(got - at);
+               (which.empty() ? std::string() : " (" + which + ")") + ", got " +
+               std::to_string(got - at);
+      }
       at += f.second;
     }
   return "truncated file: expected 4 bytes of checksum, got " + std::to_string(got - at);
@@ -337,13 +392,14 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
   if (hd.scalar != scalar_code<Scalar>())
     fail(fn, std::string("wrong scalar type: the file holds ") + scalar_name(hd.scalar) +
                  ", not " + scalar_name(scalar_code<Scalar>()));
-  if (hd.kind < kKindState || hd.kind > (version == kVersion1 ? kKindMultiHead : kKindGated))
+  if (hd.kind < kKindState || hd.kind > (version == kVersion1 ? kKindMultiHead : kKindBatched))
     fail(fn, "unknown kind code " + std::to_string(hd.kind));
   if (hd.kind != kind)
     fail(fn, std::string("wrong kind: the file holds ") + kind_name(hd.kind) + ", not " +
                  kind_name(kind));
   if ((hd.flags & ~kFlagMaxima) != 0) fail(fn, "unknown flags " + std::to_string(hd.flags));
-  if (hd.heads == 0 || hd.heads > kMaxHeads || (kind != kKindMultiHead && hd.heads != 1))
+  if (hd.heads == 0 || hd.heads > kMaxHeads ||
+      (kind != kKindMultiHead && kind != kKindBatched && hd.heads != 1))
     fail(fn, "invalid head count " + std::to_string(hd.heads));
   if ((kind == kKindState) != (hd.key_dim == 0) || hd.key_dim > kMaxDim)
     fail(fn, "invalid key dimension " + std::to_string(hd.key_dim));
@@ -373,17 +429,39 @@ struct HeadRecord {
 
 // Reads the payload and the trailing CRC after a checked header, verifies the CRC, and only
 // then decodes: nothing is allocated beyond the bytes that actually arrived (plus one chunk),
-// and nothing reaches the caller unless every byte checked out.
+// and nothing reaches the caller unless every byte checked out. For kind 5 the payload starts
+// with the sequence count B, checked against the sanity bounds before the records are read;
+// the records are then B·H, sequence-major (B = records / H).
 template <class Scalar>
-std::vector<HeadRecord<Scalar>> read_payload(std::istream& is, const char* fn, const Header& hd,
-                                             std::uint32_t crc) {
+std::vector<HeadRecord<Scalar>> read_payload(std::istream& is, const char* fn,
+                                             const Header& header, std::uint32_t crc) {
   constexpr std::uint64_t s = sizeof(Scalar);
-  const std::uint64_t total = hd.heads * head_bytes(hd, s) + 4;
+  Header hd = header;
+  std::uint64_t prefix = 0;  // bytes of the payload before the records (kind 5: B)
+  if (hd.kind == kKindBatched) {
+    unsigned char b[kSequencesBytes];
+    const std::size_t n = read_some(is, b, kSequencesBytes);
+    if (n < kSequencesBytes) fail(fn, truncation_message(hd, s, n));
+    crc = crc32_update(crc, b, kSequencesBytes);
+    hd.sequences = get_le<std::uint64_t>(b);
+    prefix = kSequencesBytes;
+    if (hd.sequences > kMaxStates / hd.heads)
+      fail(fn, "absurd shape: B = " + std::to_string(hd.sequences) + " sequences of " +
+                   std::to_string(hd.heads) + " head(s) (more than the " +
+                   std::to_string(kMaxStates) + " (sequence, head) states this loader accepts)");
+    if (hd.sequences * hd.heads * head_bytes(hd, s) > kMaxPayloadBytes)
+      fail(fn, "absurd shape: F = " + std::to_string(hd.F) + ", M = " + std::to_string(hd.M) +
+                   ", B = " + std::to_string(hd.sequences) + " sequences of " +
+                   std::to_string(hd.heads) + " head(s) (more than the " +
+                   std::to_string(kMaxPayloadBytes >> 30) + " GiB this loader accepts)");
+  }
+  const std::uint64_t records = record_count(hd);
+  const std::uint64_t total = records * head_bytes(hd, s) + 4;
   if (total > std::uint64_t(std::numeric_limits<std::size_t>::max()))
     fail(fn, "the state (" + std::to_string(total) + " bytes) is too large for this machine");
   const std::int64_t left = bytes_left(is);
   if (left >= 0 && std::uint64_t(left) < total)
-    fail(fn, truncation_message(hd, s, std::uint64_t(left)));
+    fail(fn, truncation_message(hd, s, prefix + std::uint64_t(left)));
   std::vector<unsigned char> buf;
   if (left >= 0) buf.reserve(static_cast<std::size_t>(total));
   std::uint64_t got = 0;
@@ -392,7 +470,7 @@ std::vector<HeadRecord<Scalar>> read_payload(std::istream& is, const char* fn, c
     buf.resize(static_cast<std::size_t>(got) + want);
     const std::size_t n = read_some(is, buf.data() + got, want);
     got += n;
-    if (n < want) fail(fn, truncation_message(hd, s, got));
+    if (n < want) fail(fn, truncation_message(hd, s, prefix + got));
   }
   const std::size_t body = static_cast<std::size_t>(total - 4);
   const std::uint32_t stored = get_le<std::uint32_t>(buf.data() + body);
@@ -409,13 +487,25 @@ std::vector<HeadRecord<Scalar>> read_payload(std::istream& is, const char* fn, c
       std::memcpy(x + i, &b, sizeof b);
     }
   };
-  std::vector<HeadRecord<Scalar>> heads(static_cast<std::size_t>(hd.heads));
+  // An empty batched decoder has no state to decay: a log-decay size would not save back.
+  if (hd.kind == kKindBatched && records == 0 && hd.decay != 0)
+    fail(fn, "invalid log-decay size " + std::to_string(hd.decay) +
+                 ": a file of B = 0 sequences has no state to decay (L must be 0)");
+  std::vector<HeadRecord<Scalar>> heads(static_cast<std::size_t>(records));
   for (std::size_t h = 0; h < heads.size(); ++h) {
     HeadRecord<Scalar>& r = heads[h];
     const std::int64_t position = to_signed(get_le<std::uint64_t>(p));
     const std::uint64_t unfolded = get_le<std::uint64_t>(p + 8);
     p += kHeadPrefixBytes;
-    const std::string which = hd.heads > 1 ? "head " + std::to_string(h) + ": " : std::string();
+    const std::string name = record_name(hd, h);
+    const std::string which = name.empty() ? name : name + ": ";
+    // The H heads of a sequence share its position (BatchedRecurrentLinearAttention::position).
+    if (hd.kind == kKindBatched && h % hd.heads != 0 &&
+        static_cast<Index>(position) != heads[h - h % hd.heads].position)
+      fail(fn, "invalid record: " + which + "position " + std::to_string(position) +
+                   ", but head 0 of the sequence has " +
+                   std::to_string(heads[h - h % hd.heads].position) +
+                   " (the heads of a sequence share one position)");
     if (hd.kind == kKindState && (position != 0 || unfolded != 0))
       fail(fn, "invalid record: a LinearAttentionState has position 0 and 0 unfolded tokens, "
                "the file says " + std::to_string(position) + " and " + std::to_string(unfolded));
