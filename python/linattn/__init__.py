@@ -16,6 +16,20 @@ release the GIL and run their heads (and sequences) on ``get_num_threads()`` thr
 
 Shape errors raise ``ValueError`` with the C++ library's message (the function and every shape),
 dtype errors ``TypeError``.
+
+Padding: ``key_padding_mask`` (bool, True marks a padding key, as in PyTorch's
+``nn.MultiheadAttention``) has one entry per key row: shape [S] for [N, D] and [N, H, D] inputs
+(the packed rows), [B, S] for [B, T, H, D]; every head shares it.
+
+Decoding: ``linear_attention(..., causal=True, output_final_state=True)`` returns the output and a
+``RecurrentState`` holding every sequence's state (the prefill of a server);
+``RecurrentState.step`` then consumes one token of each of its B sequences, and
+``RecurrentState.save`` / ``load`` move the exact decoding position through bytes (the C++
+library's state file).
+
+The names of flash-linear-attention's kernels (``chunk_gla``, ``chunk_simple_gla``,
+``chunk_delta_rule``, ``chunk_gated_delta_rule`` and their ``fused_recurrent_*`` twins) call
+these functions with FLA's conventions and return ``(o, None)``.
 """
 
 from __future__ import annotations
@@ -34,6 +48,15 @@ __all__ = [
     "gated_linear_attention_backward",
     "delta_rule_attention",
     "delta_rule_attention_backward",
+    "RecurrentState",
+    "chunk_gla",
+    "fused_recurrent_gla",
+    "chunk_simple_gla",
+    "fused_recurrent_simple_gla",
+    "chunk_delta_rule",
+    "fused_recurrent_delta_rule",
+    "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
     "set_num_threads",
     "get_num_threads",
     "__version__",
@@ -126,40 +149,87 @@ class _Packed:
         return np.ascontiguousarray(a).reshape(rows, cols)
 
 
-def linear_attention(q, k, v, feature_map: str = "elu", causal: bool = False, cu_seqlens=None):
+def _keep(fn: str, p: _Packed, key_padding_mask):
+    """key_padding_mask (True = padding) as the kernels' keep mask: one bool per packed key row,
+    True = the key takes part; None when there is no mask."""
+    if key_padding_mask is None:
+        return None
+    m = np.asarray(key_padding_mask)
+    if m.dtype != np.bool_:
+        raise TypeError(f"{fn}: key_padding_mask must be a bool array (True = padding), got {m.dtype}")
+    want = p.k_shape[:2] if len(p.k_shape) == 4 else p.k_shape[:1]
+    if m.shape != want:
+        raise ValueError(f"{fn}: key_padding_mask must have shape {want} (one entry per key row), got {m.shape}")
+    return np.ascontiguousarray(~m.reshape(-1))
+
+
+def linear_attention(q, k, v, feature_map: str = "elu", causal: bool = False, cu_seqlens=None,
+                     key_padding_mask=None, initial_state=None, output_final_state: bool = False):
     """Linear attention: out_i = φ(q_i)ᵀ S / φ(q_i)ᵀ z with S = Σ_j φ(k_j) v_jᵀ, z = Σ_j φ(k_j)
     over every key j (causal=False) or the keys j ≤ i (causal=True); O(N) time and memory.
 
+    key_padding_mask: True marks keys that take no part (module docs). Causal only:
+    initial_state (a RecurrentState, one sequence per sequence of the input) continues from
+    its states; output_final_state=True returns ``(out, state)`` with a new RecurrentState at
+    the end of every sequence, ready for ``state.step`` (initial_state is not changed).
+
     >>> out = linattn.linear_attention(q, k, v, "elu", causal=True)   # q, k, v [B, T, H, D]
+    >>> out, state = linattn.linear_attention(q, k, v, causal=True, output_final_state=True)
     """
     fn = "causal_linear_attention" if causal else "linear_attention"
     p = _Packed(fn, q, k, v, cu_seqlens)
-    out = _ext.linear_forward(*p.arrays, p.heads, str(feature_map), bool(causal), p.q_offsets, p.k_offsets)
-    return out.reshape(p.out_shape)
+    keep = _keep(fn, p, key_padding_mask)
+    if initial_state is None and not output_final_state:
+        out = _ext.linear_forward(*p.arrays, p.heads, str(feature_map), bool(causal), p.q_offsets,
+                                  p.k_offsets, keep)
+        return out.reshape(p.out_shape)
+    if not causal:
+        raise ValueError(f"{fn}: initial_state and output_final_state need causal=True")
+    if initial_state is None:
+        sequences = 1 if p.q_offsets is None else len(p.q_offsets) - 1
+        state = RecurrentState(sequences, p.heads, p.q_shape[-1], p.v_shape[-1], feature_map,
+                               p.arrays[0].dtype)
+    else:
+        if not isinstance(initial_state, RecurrentState):
+            raise TypeError(f"{fn}: initial_state must be a linattn.RecurrentState, got {type(initial_state).__name__}")
+        if initial_state.feature_map != str(feature_map) or initial_state.dtype != p.arrays[0].dtype:
+            raise ValueError(f"{fn}: initial_state has feature_map '{initial_state.feature_map}' and dtype "
+                             f"{initial_state.dtype}, the call '{feature_map}' and {p.arrays[0].dtype}")
+        state = initial_state.copy()
+    out = state._d.prefill(*p.arrays, keep, p.q_offsets).reshape(p.out_shape)
+    return (out, state) if output_final_state else out
 
 
-def linear_attention_backward(q, k, v, dout, feature_map: str = "elu", causal: bool = False, cu_seqlens=None):
-    """Gradients (dq, dk, dv) of linear_attention() for ∂L/∂out = dout (the output's shape)."""
+def linear_attention_backward(q, k, v, dout, feature_map: str = "elu", causal: bool = False, cu_seqlens=None,
+                              key_padding_mask=None):
+    """Gradients (dq, dk, dv) of linear_attention() for ∂L/∂out = dout (the output's shape);
+    masked keys get zero gradients. With a mask the heads run one after the other."""
     fn = "causal_linear_attention_backward" if causal else "linear_attention_backward"
     p = _Packed(fn, q, k, v, cu_seqlens, dout)
-    dq, dk, dv = _ext.linear_backward(*p.arrays, p.heads, str(feature_map), bool(causal), p.q_offsets, p.k_offsets)
+    keep = _keep(fn, p, key_padding_mask)
+    dq, dk, dv = _ext.linear_backward(*p.arrays, p.heads, str(feature_map), bool(causal), p.q_offsets,
+                                      p.k_offsets, keep)
     return dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape)
 
 
-def softmax_attention(q, k, v, causal: bool = False, cu_seqlens=None):
+def softmax_attention(q, k, v, causal: bool = False, cu_seqlens=None, key_padding_mask=None):
     """Softmax attention, softmax(q kᵀ / √D) v per head (causal: keys j ≤ i), the O(N²)
-    baseline linear attention replaces; tiled, never forming the N x N matrix."""
+    baseline linear attention replaces; tiled, never forming the N x N matrix.
+    key_padding_mask (non-causal only; True = padding): the kept keys are gathered (one copy of
+    them), a query with none left gets zeros."""
     fn = "causal_softmax_attention" if causal else "softmax_attention"
     p = _Packed(fn, q, k, v, cu_seqlens)
-    out = _ext.softmax_forward(*p.arrays, p.heads, bool(causal), p.q_offsets, p.k_offsets)
+    keep = _keep(fn, p, key_padding_mask)
+    out = _ext.softmax_forward(*p.arrays, p.heads, bool(causal), p.q_offsets, p.k_offsets, keep)
     return out.reshape(p.out_shape)
 
 
-def softmax_attention_backward(q, k, v, dout, causal: bool = False, cu_seqlens=None):
+def softmax_attention_backward(q, k, v, dout, causal: bool = False, cu_seqlens=None, key_padding_mask=None):
     """Gradients (dq, dk, dv) of softmax_attention() for ∂L/∂out = dout."""
     fn = "causal_softmax_attention_backward" if causal else "softmax_attention_backward"
     p = _Packed(fn, q, k, v, cu_seqlens, dout)
-    dq, dk, dv = _ext.softmax_backward(*p.arrays, p.heads, bool(causal), p.q_offsets, p.k_offsets)
+    keep = _keep(fn, p, key_padding_mask)
+    dq, dk, dv = _ext.softmax_backward(*p.arrays, p.heads, bool(causal), p.q_offsets, p.k_offsets, keep)
     return dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape)
 
 
@@ -231,3 +301,184 @@ def delta_rule_attention_backward(q, k, v, beta, g, dout, feature_map: str = "l2
     dq, dk, dv, db, dg = _ext.delta_backward(*p.arrays[:3], B, A, p.arrays[3], p.heads, str(feature_map), _scale(scale, q), p.q_offsets)
     return (dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape),
             db.reshape(np.shape(beta)), None if dg is None else dg.reshape(np.shape(g)))
+
+
+class RecurrentState:
+    """The decoding state of B sequences of H heads: one token of every sequence per
+    ``step``, O(H·F·M) memory per sequence whatever its length (the C++ library's
+    BatchedRecurrentLinearAttention; each head computes exactly what a single-head decoder with
+    the same history computes, bit for bit, for any thread count).
+
+    Sequences are numbered 0 … B−1 and own row b of every step. ``add_sequence`` appends one,
+    ``remove_sequence(b)`` gives number b to the last one; ``step(..., slots=[...])`` advances a
+    subset. ``save()`` returns the exact decoding position as bytes (the C++ ``save_state``
+    file, checksummed); ``load(data)`` restores it into a state of the same heads, dimensions,
+    map and dtype, taking the file's number of sequences, and stepping on gives the bits an
+    uninterrupted state gives. Pickling goes through the same bytes.
+
+    >>> out, state = linattn.linear_attention(q, k, v, causal=True, output_final_state=True)
+    >>> y = state.step(q_t, k_t, v_t)      # q_t, k_t: [B, H, D], v_t: [B, H, M] -> [B, H, M]
+    >>> blob = state.save()                # park the conversations
+    """
+
+    def __init__(self, batch_size: int, num_heads: int, key_dim: int, value_dim: int | None = None,
+                 feature_map: str = "elu", dtype=np.float32):
+        dtype = np.dtype(dtype)
+        if dtype not in _FLOATS:
+            raise TypeError(f"RecurrentState: dtype must be float32 or float64, got {dtype}")
+        new = _ext.new_decoder_f32 if dtype == np.float32 else _ext.new_decoder_f64
+        M = key_dim if value_dim is None else value_dim
+        self._d = new(int(batch_size), int(num_heads), int(key_dim), int(M), str(feature_map))
+        self.dtype = dtype
+
+    @property
+    def batch_size(self) -> int:
+        """B, the number of sequences."""
+        return self._d.sequences
+
+    @property
+    def num_heads(self) -> int:
+        return self._d.heads
+
+    @property
+    def key_dim(self) -> int:
+        return self._d.key_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self._d.value_dim
+
+    @property
+    def feature_dim(self) -> int:
+        """F, the feature map's output size per head."""
+        return self._d.feature_dim
+
+    @property
+    def feature_map(self) -> str:
+        return self._d.feature_map
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Tokens consumed by each sequence (int64, B entries)."""
+        return np.asarray(self._d.positions(), dtype=np.int64)
+
+    @property
+    def S(self) -> np.ndarray:
+        """The states Σ φ(k) vᵀ, [B, H, F, M] (a copy, the compensated low parts folded in)."""
+        S, _ = self._d.states()
+        return S.reshape(self.batch_size, self.num_heads, self.feature_dim, self.value_dim)
+
+    @property
+    def z(self) -> np.ndarray:
+        """The normalisers Σ φ(k), [B, H, F] (a copy)."""
+        _, z = self._d.states()
+        return z.reshape(self.batch_size, self.num_heads, self.feature_dim)
+
+    def step(self, q, k, v, slots=None) -> np.ndarray:
+        """One token of every sequence (or of the sequences listed in slots, row r belonging to
+        sequence slots[r]): q, k [R, H, D] (or FLA's [R, 1, H, D]), v [R, H, M]; returns
+        [R, H, M] (or [R, 1, H, M])."""
+        fn = "RecurrentState.step"
+        q, k, v = _arrays(fn, q=q, k=k, v=v)
+        if q.dtype != self.dtype:
+            raise TypeError(f"{fn}: the state holds {self.dtype}, the tokens are {q.dtype}")
+        if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim or (q.ndim == 4 and q.shape[1] != 1):
+            raise ValueError(f"{fn}: q, k, v must be [R, H, D] (or [R, 1, H, D]), got q {q.shape}, k {k.shape}, "
+                             f"v {v.shape}")
+        rows = [np.ascontiguousarray(a).reshape(a.shape[0], -1) for a in (q, k, v)]
+        idx = None if slots is None else np.ascontiguousarray(slots, dtype=np.int64)
+        out = self._d.step(*rows, idx)
+        return out.reshape(q.shape[:-2] + (self.num_heads, self.value_dim))
+
+    def reset(self, b: int | None = None) -> None:
+        """Every sequence (or sequence b) back to no tokens."""
+        self._d.reset(None if b is None else int(b))
+
+    def add_sequence(self) -> int:
+        """Appends an empty sequence; returns its number."""
+        return self._d.add_sequence()
+
+    def remove_sequence(self, b: int) -> None:
+        """Removes sequence b; the last sequence takes its number."""
+        self._d.remove_sequence(int(b))
+
+    def resize(self, batch_size: int) -> None:
+        """batch_size sequences: the first keep their states, new ones are empty."""
+        self._d.resize(int(batch_size))
+
+    def save(self) -> bytes:
+        """The exact decoding position of every sequence and head, as the C++ save_state()
+        writes it (docs/SPEC.md §8)."""
+        return self._d.save()
+
+    def load(self, data: bytes) -> None:
+        """Restores what save() wrote (of the same heads, D, M, map and dtype); the number of
+        sequences becomes the file's. Raises RuntimeError naming the problem (truncated,
+        corrupted, another shape) and leaves the state unchanged then."""
+        self._d.load(bytes(data))
+
+    def copy(self) -> "RecurrentState":
+        c = RecurrentState.__new__(RecurrentState)
+        c._d, c.dtype = self._d.clone(), self.dtype
+        return c
+
+    def __reduce__(self):
+        return (_restore, (self.num_heads, self.key_dim, self.value_dim, self.feature_map, self.dtype.str,
+                           self.save()))
+
+    def __repr__(self) -> str:
+        return (f"linattn.RecurrentState(batch_size={self.batch_size}, num_heads={self.num_heads}, "
+                f"key_dim={self.key_dim}, value_dim={self.value_dim}, feature_map='{self.feature_map}', "
+                f"dtype={self.dtype})")
+
+
+def _restore(heads, key_dim, value_dim, feature_map, dtype, data):
+    state = RecurrentState(0, heads, key_dim, value_dim, feature_map, np.dtype(dtype))
+    state.load(data)
+    return state
+
+
+def _fla_names(gated, delta, module: str) -> dict:
+    """flash-linear-attention's kernel names over `gated` (gated_linear_attention) and `delta`
+    (delta_rule_attention): FLA's argument order and defaults (identity maps, scale 1/√K, q and
+    k normalised by the caller unless use_qk_l2norm_in_kernel), returning (o, None)."""
+
+    def no_state(fn, initial_state, output_final_state):
+        if initial_state is not None or output_final_state:
+            raise ValueError(f"{module}.{fn}: initial_state / output_final_state are not offered for the "
+                             f"gated and delta-rule kernels from Python")
+
+    def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+        """GLA: per-feature log gates g of q's shape [B, T, H, K]."""
+        no_state("chunk_gla", initial_state, output_final_state)
+        return gated(q, k, v, g, "identity", scale, False, cu_seqlens), None
+
+    def chunk_simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+        """A log decay g per token and head, [B, T, H] (RetNet, Mamba-2)."""
+        no_state("chunk_simple_gla", initial_state, output_final_state)
+        return gated(q, k, v, g, "identity", scale, False, cu_seqlens), None
+
+    def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                         cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+        """DeltaNet: beta [B, T, H]."""
+        no_state("chunk_delta_rule", initial_state, output_final_state)
+        fmap = "l2norm" if use_qk_l2norm_in_kernel else "identity"
+        return delta(q, k, v, beta, None, fmap, scale, cu_seqlens), None
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+        """Gated DeltaNet: g (log decays) and beta [B, T, H]."""
+        no_state("chunk_gated_delta_rule", initial_state, output_final_state)
+        fmap = "l2norm" if use_qk_l2norm_in_kernel else "identity"
+        return delta(q, k, v, beta, g, fmap, scale, cu_seqlens), None
+
+    return dict(gla=chunk_gla, simple_gla=chunk_simple_gla, delta_rule=chunk_delta_rule,
+                gated_delta_rule=chunk_gated_delta_rule)
+
+
+# The library picks the chunked or the recurrent form itself: both of FLA's names run the same.
+_fla = _fla_names(gated_linear_attention, delta_rule_attention, "linattn")
+chunk_gla = fused_recurrent_gla = _fla["gla"]
+chunk_simple_gla = fused_recurrent_simple_gla = _fla["simple_gla"]
+chunk_delta_rule = fused_recurrent_delta_rule = _fla["delta_rule"]
+chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = _fla["gated_delta_rule"]

@@ -25,6 +25,14 @@ __all__ = [
     "softmax_attention",
     "gated_linear_attention",
     "delta_rule_attention",
+    "chunk_gla",
+    "fused_recurrent_gla",
+    "chunk_simple_gla",
+    "fused_recurrent_simple_gla",
+    "chunk_delta_rule",
+    "fused_recurrent_delta_rule",
+    "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
 ]
 
 _DTYPES = (torch.float32, torch.float64)
@@ -48,6 +56,17 @@ def _offsets(cu_seqlens):
     if isinstance(cu_seqlens, torch.Tensor):
         return cu_seqlens.detach().cpu().numpy().astype(np.int64)
     return np.asarray(cu_seqlens, dtype=np.int64)
+
+
+def _mask(fn: str, m):
+    """A key padding mask (True = padding) as a numpy bool array; it takes no gradient."""
+    if m is None:
+        return None
+    if isinstance(m, torch.Tensor):
+        if m.dtype != torch.bool:
+            raise TypeError(f"{fn}: key_padding_mask must be a bool tensor (True = padding), got {m.dtype}")
+        return m.detach().cpu().numpy()
+    return np.asarray(m)
 
 
 def _tensors(*arrays):
@@ -78,20 +97,24 @@ class _Kernel(torch.autograd.Function):
         return (None, None, None, None, *_tensors(*grads))
 
 
-def linear_attention(q, k, v, feature_map: str = "elu", causal: bool = False, cu_seqlens=None):
-    """linattn.linear_attention() on tensors, differentiable in q, k and v."""
-    options = dict(feature_map=str(feature_map), causal=bool(causal), cu_seqlens=_offsets(cu_seqlens))
+def linear_attention(q, k, v, feature_map: str = "elu", causal: bool = False, cu_seqlens=None,
+                     key_padding_mask=None):
+    """linattn.linear_attention() on tensors, differentiable in q, k and v (the decoding
+    arguments initial_state / output_final_state are the numpy function's: inference only)."""
+    options = dict(feature_map=str(feature_map), causal=bool(causal), cu_seqlens=_offsets(cu_seqlens),
+                   key_padding_mask=_mask("linattn.torch.linear_attention", key_padding_mask))
     return _Kernel.apply(_la.linear_attention, _la.linear_attention_backward, "qkv", options, q, k, v)
 
 
-def causal_linear_attention(q, k, v, feature_map: str = "elu", cu_seqlens=None):
+def causal_linear_attention(q, k, v, feature_map: str = "elu", cu_seqlens=None, key_padding_mask=None):
     """linear_attention(..., causal=True)."""
-    return linear_attention(q, k, v, feature_map, True, cu_seqlens)
+    return linear_attention(q, k, v, feature_map, True, cu_seqlens, key_padding_mask)
 
 
-def softmax_attention(q, k, v, causal: bool = False, cu_seqlens=None):
+def softmax_attention(q, k, v, causal: bool = False, cu_seqlens=None, key_padding_mask=None):
     """linattn.softmax_attention() on tensors, differentiable in q, k and v."""
-    options = dict(causal=bool(causal), cu_seqlens=_offsets(cu_seqlens))
+    options = dict(causal=bool(causal), cu_seqlens=_offsets(cu_seqlens),
+                   key_padding_mask=_mask("linattn.torch.softmax_attention", key_padding_mask))
     return _Kernel.apply(_la.softmax_attention, _la.softmax_attention_backward, "qkv", options, q, k, v)
 
 
@@ -110,3 +133,11 @@ def delta_rule_attention(q, k, v, beta, g=None, feature_map: str = "l2norm_silu"
                    cu_seqlens=_offsets(cu_seqlens))
     return _Kernel.apply(_la.delta_rule_attention, _la.delta_rule_attention_backward,
                          ("q", "k", "v", "beta", "g"), options, q, k, v, beta, g)
+
+
+# flash-linear-attention's names (see linattn's module docs), differentiable.
+_fla = _la._fla_names(gated_linear_attention, delta_rule_attention, "linattn.torch")
+chunk_gla = fused_recurrent_gla = _fla["gla"]
+chunk_simple_gla = fused_recurrent_simple_gla = _fla["simple_gla"]
+chunk_delta_rule = fused_recurrent_delta_rule = _fla["delta_rule"]
+chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = _fla["gated_delta_rule"]

@@ -32,6 +32,12 @@ using Rows = Eigen::Map<RowMatrix<Scalar>>;
 template <class Scalar>
 using Array = py::array_t<Scalar, py::array::c_style>;
 using Offsets = py::array_t<std::int64_t, py::array::c_style>;
+// A key padding mask as the library takes it: one bool per packed key row, true = the key takes
+// part (the Python layer inverts PyTorch's key_padding_mask, where true marks padding).
+using KeyMask = py::array_t<bool, py::array::c_style>;
+using MaskMap = Eigen::Map<const Eigen::Array<bool, Eigen::Dynamic, 1>>;
+
+inline MaskMap mask_of(const KeyMask& m) { return MaskMap(m.data(), m.size()); }
 
 // A 2-D array (N x H·D, the packed row-major layout) as a read-only Eigen map; anything else is
 // a caller error the Python layer never makes.
@@ -142,5 +148,7 @@ void register_linear_f64(py::module_& m);
 void register_softmax(py::module_& m);
 void register_gated_delta_f32(py::module_& m);
 void register_gated_delta_f64(py::module_& m);
+void register_recurrent_f32(py::module_& m);
+void register_recurrent_f64(py::module_& m);
 
 }  // namespace linattn_python

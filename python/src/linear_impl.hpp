@@ -4,6 +4,7 @@
 
 #include <linattn/elu_plus_one.hpp>
 #include <linattn/identity.hpp>
+#include <linattn/linear_attention_backward.hpp>
 #include <linattn/multihead.hpp>
 #include <linattn/multihead_backward.hpp>
 #include <linattn/normalized_cosine.hpp>
@@ -33,7 +34,8 @@ template <class Scalar>
 Array<Scalar> linear_forward(const Array<Scalar>& q, const Array<Scalar>& k,
                              const Array<Scalar>& v, Index heads, const std::string& map,
                              bool causal, const std::optional<Offsets>& q_offsets,
-                             const std::optional<Offsets>& k_offsets) {
+                             const std::optional<Offsets>& k_offsets,
+                             const std::optional<KeyMask>& mask) {
   const Operands<Scalar> x(causal ? "causal_linear_attention" : "linear_attention", q, k, v,
                            q_offsets, k_offsets);
   Array<Scalar> out = new_rows<Scalar>(x.Q.rows(), x.V.cols());
@@ -42,9 +44,15 @@ Array<Scalar> linear_forward(const Array<Scalar>& q, const Array<Scalar>& k,
     py::gil_scoped_release unlocked;
     with_feature_map(x.fn, map, [&](const auto& phi) {
       linattn::MultiHeadWorkspace<Scalar> ws;
-      if (!causal) {
+      if (!causal && mask) {
+        linattn::masked_batched_linear_attention(x.Q, x.K, x.V, x.q_offsets, x.k_offsets,
+                                                 mask_of(*mask), heads, phi, O, ws);
+      } else if (!causal) {
         linattn::batched_linear_attention(x.Q, x.K, x.V, x.q_offsets, x.k_offsets, heads, phi, O,
                                           ws);
+      } else if (x.q_offsets == x.k_offsets && mask) {
+        linattn::masked_batched_causal_linear_attention(x.Q, x.K, x.V, x.q_offsets,
+                                                        mask_of(*mask), heads, phi, O, ws);
       } else if (x.q_offsets == x.k_offsets) {
         linattn::batched_causal_linear_attention(x.Q, x.K, x.V, x.q_offsets, heads, phi, O, ws);
       } else {
@@ -56,12 +64,44 @@ Array<Scalar> linear_forward(const Array<Scalar>& q, const Array<Scalar>& k,
   return out;
 }
 
+// The masked backward, head by head of each sequence (the library's masked gradients are
+// single-head): the heads run one after the other on the calling thread.
+template <class Scalar, class Phi>
+void masked_linear_backward(const Operands<Scalar>& x, const ConstRows<Scalar>& G,
+                            const MaskMap& keep, Index heads, const Phi& phi, bool causal,
+                            Gradients<Scalar>& g) {
+  const Index D = x.Q.cols() / heads, M = x.V.cols() / heads;
+  if (keep.size() != x.K.rows())
+    throw std::invalid_argument(std::string(x.fn) + ": the key mask has " +
+                                std::to_string(keep.size()) + " entries but k has " +
+                                std::to_string(x.K.rows()) + " rows");
+  linattn::Workspace<Scalar> ws;
+  x.each_sequence([&](Index q0, Index n, Index k0, Index l) {
+    for (Index h = 0; h < heads; ++h) {
+      const auto Qh = x.Q.block(q0, h * D, n, D);
+      const auto Kh = x.K.block(k0, h * D, l, D);
+      const auto Vh = x.V.block(k0, h * M, l, M);
+      const auto Gh = G.block(q0, h * M, n, M);
+      auto dQ = g.dQ.block(q0, h * D, n, D);
+      auto dK = g.dK.block(k0, h * D, l, D);
+      auto dV = g.dV.block(k0, h * M, l, M);
+      if (causal)
+        linattn::masked_causal_linear_attention_backward(Qh, Kh, Vh, Gh, keep.segment(k0, l), phi,
+                                                         dQ, dK, dV, ws);
+      else
+        linattn::masked_linear_attention_backward(Qh, Kh, Vh, Gh, keep.segment(k0, l), phi, dQ,
+                                                  dK, dV, ws);
+    }
+  });
+}
+
 // (dq, dk, dv) of linear_forward() for ∂L/∂out = dout, sequence by sequence.
 template <class Scalar>
 py::tuple linear_backward(const Array<Scalar>& q, const Array<Scalar>& k, const Array<Scalar>& v,
                           const Array<Scalar>& dout, Index heads, const std::string& map,
                           bool causal, const std::optional<Offsets>& q_offsets,
-                          const std::optional<Offsets>& k_offsets) {
+                          const std::optional<Offsets>& k_offsets,
+                          const std::optional<KeyMask>& mask) {
   const Operands<Scalar> x(
       causal ? "causal_linear_attention_backward" : "linear_attention_backward", q, k, v,
       q_offsets, k_offsets);
@@ -70,6 +110,7 @@ py::tuple linear_backward(const Array<Scalar>& q, const Array<Scalar>& k, const 
   {
     py::gil_scoped_release unlocked;
     with_feature_map(x.fn, map, [&](const auto& phi) {
+      if (mask) return masked_linear_backward(x, G, mask_of(*mask), heads, phi, causal, g);
       linattn::MultiHeadWorkspace<Scalar> ws;
       x.each_sequence([&](Index q0, Index n, Index k0, Index l) {
         auto dq = g.dQ.middleRows(q0, n);
@@ -93,10 +134,10 @@ template <class Scalar>
 void register_linear(py::module_& m) {
   m.def("linear_forward", &linear_forward<Scalar>, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("heads"), py::arg("feature_map"), py::arg("causal"), py::arg("q_offsets"),
-        py::arg("k_offsets"));
+        py::arg("k_offsets"), py::arg("mask"));
   m.def("linear_backward", &linear_backward<Scalar>, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("dout"), py::arg("heads"), py::arg("feature_map"), py::arg("causal"),
-        py::arg("q_offsets"), py::arg("k_offsets"));
+        py::arg("q_offsets"), py::arg("k_offsets"), py::arg("mask"));
 }
 
 }  // namespace linattn_python

@@ -44,6 +44,8 @@ PYBIND11_MODULE(_linattn, m) {
   lp::register_softmax(m);
   lp::register_gated_delta_f32(m);
   lp::register_gated_delta_f64(m);
+  lp::register_recurrent_f32(m);
+  lp::register_recurrent_f64(m);
   m.def("set_num_threads", &lp::set_num_threads, pybind11::arg("n"));
   m.def("get_num_threads", &lp::get_num_threads);
   m.attr("__version__") = LINATTN_VERSION_STRING;

@@ -207,11 +207,15 @@ def test_shape_errors_carry_the_library_message():
     # The extension's own checks, for a caller of linattn._linattn that skips the package's.
     from linattn import _linattn
     with pytest.raises(ValueError, match="k has 8 rows but v has 6"):
-        _linattn.softmax_forward(q, k, v[:6], 1, False, None, None)
+        _linattn.softmax_forward(q, k, v[:6], 1, False, None, None, None)
     with pytest.raises(ValueError, match="q has 2 sequences but k has 1"):
-        _linattn.linear_backward(q, k, v, np.zeros((8, 3)), 1, "elu", False, np.array([0, 4, 8]), None)
+        _linattn.linear_backward(q, k, v, np.zeros((8, 3)), 1, "elu", False, np.array([0, 4, 8]), None, None)
+    with pytest.raises(ValueError, match="the key mask has 5 entries but k has 8 rows"):
+        _linattn.linear_backward(q, k, v, np.zeros((8, 3)), 1, "elu", False, None, None, np.ones(5, bool))
+    with pytest.raises(ValueError, match="the key mask is 5x1 but must be a vector of 8 entries"):
+        _linattn.linear_forward(q, k, v, 1, "elu", True, None, None, np.ones(5, bool))
     with pytest.raises(ValueError, match="must be 2-D"):
-        _linattn.linear_forward(q[None], k, v, 1, "elu", False, None, None)
+        _linattn.linear_forward(q[None], k, v, 1, "elu", False, None, None, None)
     with pytest.raises(ValueError, match="thread count must be >= 1"):
         linattn.set_num_threads(0)
 

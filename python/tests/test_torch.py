@@ -64,6 +64,29 @@ def test_gradcheck_delta(decay, name):
         assert torch.autograd.gradcheck(f, (q, k, v, beta))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_key_padding_mask(causal):
+    rng = np.random.default_rng(25)
+    q, k, v = rand(rng, 2, 6, 2, 3), rand(rng, 2, 6, 2, 3), rand(rng, 2, 6, 2, 2)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[0, 2] = pad[1, 5] = True
+    f = lambda a, b, c: lt.linear_attention(a, b, c, "elu", causal, key_padding_mask=pad)
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    if not causal:
+        f = lambda a, b, c: lt.softmax_attention(a, b, c, key_padding_mask=pad)
+        assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_gradcheck_fla_names():
+    rng = np.random.default_rng(26)
+    q, k, v = rand(rng, 1, 6, 2, 3), rand(rng, 1, 6, 2, 3), rand(rng, 1, 6, 2, 2)
+    g, beta = rand(rng, 1, 6, 2, lo=-0.3, hi=-0.01), rand(rng, 1, 6, 2, lo=0.1, hi=0.9)
+    f = lambda a, b, c, gg, bb: lt.chunk_gated_delta_rule(a, b, c, gg, bb, use_qk_l2norm_in_kernel=True)[0]
+    assert torch.autograd.gradcheck(f, (q, k, v, g, beta))
+    f = lambda a, b, c, gg: lt.fused_recurrent_simple_gla(a, b, c, gg)[0]
+    assert torch.autograd.gradcheck(f, (q, k, v, g))
+
+
 def test_same_bits_as_numpy_and_shared_memory():
     rng = np.random.default_rng(25)
     q, k, v = (rand(rng, 2, 33, 2, 8, requires_grad=False).float() for _ in range(3))

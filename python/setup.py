@@ -1,0 +1,62 @@
+"""pip install --no-build-isolation ./python: the linattn package with its extension module,
+compiled from the headers of this checkout (../include) with Debian's pybind11 (python3-pybind11),
+numpy and Eigen (libeigen3-dev), nothing downloaded.
+
+Environment: LINATTN_PORTABLE=1 compiles without -march=native (a module for other machines);
+LINATTN_JOBS=N compiles N translation units at once (default: every core); EIGEN3_INCLUDE_DIR
+points at Eigen when it is not in /usr/include/eigen3. The CMake build (LINATTN_PYTHON) makes
+the same module for the tests and benchmarks.
+"""
+
+import os
+import re
+import sys
+from pathlib import Path
+
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
+from setuptools import setup
+
+HERE = Path(__file__).resolve().parent
+INCLUDE = HERE.parent / "include"
+if not (INCLUDE / "linattn" / "version.hpp").exists():
+    sys.exit(f"linattn: the C++ headers are not at {INCLUDE}: install from a checkout of the repository "
+             f"(pip install --no-build-isolation ./python from its root)")
+
+
+def eigen_dir() -> str:
+    for d in (os.environ.get("EIGEN3_INCLUDE_DIR"), "/usr/include/eigen3", "/usr/local/include/eigen3"):
+        if d and (Path(d) / "Eigen" / "Core").exists():
+            return d
+    sys.exit("linattn: Eigen 3.4 not found (Debian: apt-get install libeigen3-dev; or set EIGEN3_INCLUDE_DIR)")
+
+
+version = re.search(r'LINATTN_VERSION_STRING "([^"]+)"', (INCLUDE / "linattn" / "version.hpp").read_text()).group(1)
+flags = ["-O3", "-DNDEBUG", "-fopenmp"]
+if os.environ.get("LINATTN_PORTABLE", "0") != "1":
+    flags.append("-march=native")  # as the CMake build with LINATTN_NATIVE: the module runs here
+
+# The module's translation units compile in parallel (setuptools alone compiles them one by one).
+ParallelCompile("LINATTN_JOBS", default=0).install()
+
+module = Pybind11Extension(
+    "linattn._linattn",
+    sorted(str(p.relative_to(HERE)) for p in (HERE / "src").glob("*.cpp")),
+    include_dirs=[str(INCLUDE), eigen_dir()],
+    cxx_std=17,
+    extra_compile_args=flags,
+    extra_link_args=["-fopenmp"],
+)
+
+setup(
+    name="linattn",
+    version=version,
+    description="Linear attention (Transformers are RNNs) on the CPU: numpy and PyTorch bindings of the "
+                "linattn C++ library",
+    license="MIT",
+    packages=["linattn"],
+    ext_modules=[module],
+    cmdclass={"build_ext": build_ext},
+    python_requires=">=3.8",
+    install_requires=["numpy"],
+    zip_safe=False,
+)
