@@ -11,15 +11,20 @@ wall times per case. Printed as a markdown table:
   --max-torch-n), autograd for the backward;
 * PyTorch softmax attention, softmax(q kᵀ/√D) v with a causal mask (memory B·H·N²: up to
   --max-torch-n);
-* the Python overhead: one call at N = 16.
+* the Python overhead: one call at N = 16;
+* decoding: linattn.RecurrentState.step for B = 1 and 64 sequences x 8 heads, tokens per second;
+* the GIL released: two Python threads running kernels at once against the same calls one
+  after the other (1 kernel thread each; 2x is the ideal on two free cores).
 
-Usage: PYTHONPATH=build/python python3 benchmarks/bench_python.py [--quick] (after building the
-_linattn target; torch optional: without it only the numpy rows).
+Usage: python3 benchmarks/bench_python.py [--quick] with linattn importable: installed
+(`pip install --no-build-isolation ./python`, as `bash .ci/bench` does in a venv) or from a
+CMake build (PYTHONPATH=build/python). torch is optional: without it only the numpy rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 
 import numpy as np
@@ -78,10 +83,14 @@ def fwd_bwd(f, q, k, v):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="N up to 4096, 3 repeats")
+    ap.add_argument("--quick", action="store_true", help="N up to 4096 (PyTorch up to 1024), 3 repeats")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--max-torch-n", type=int, default=4096)
+    ap.add_argument("--max-torch-n", type=int, default=None,
+                    help="largest N of the PyTorch formula's causal form and of softmax (default 4096; 1024 "
+                         "with --quick: Debian's torch takes 41 s per softmax forward+backward at 4096)")
     args = ap.parse_args()
+    if args.max_torch_n is None:
+        args.max_torch_n = 1024 if args.quick else 4096
     ns = [256, 1024, 4096] if args.quick else [256, 1024, 4096, 16384]
     repeats = 3 if args.quick else args.repeats
     linattn.set_num_threads(1)
@@ -129,6 +138,32 @@ def main() -> None:
         t2 = best(lambda: [lt.causal_linear_attention(tq, tk, tv) for _ in range(calls)], 3) / calls
         line += f", {1e6 * t2:.1f} µs per linattn.torch call"
     print(line)
+
+    print("\nDecoding, linattn.RecurrentState.step (H = 8, D = M = 64, float32, elu, 1 thread):\n")
+    print("| sequences B | µs per step | tokens/s |")
+    print("|---:|---:|---:|")
+    for B in (1, 64):
+        state = linattn.RecurrentState(B, H, D, D, "elu", np.float32)
+        q, k, v = (rng.uniform(-1, 1, (B, H, D)).astype(np.float32) for _ in range(3))
+        steps = 2000 if B == 1 else 200
+        t = best(lambda: [state.step(q, k, v) for _ in range(steps)], 3) / steps
+        print(f"| {B} | {1e6 * t:.1f} | {B / t:,.0f} |")
+
+    n = 4096
+    q, k, v = (rng.uniform(-1, 1, (1, n, H, D)).astype(np.float32) for _ in range(3))
+    call = lambda: linattn.linear_attention(q, k, v, "elu", True)
+    serial = best(lambda: (call(), call()), repeats)
+
+    def two_threads():
+        threads = [threading.Thread(target=call) for _ in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+
+    parallel = best(two_threads, repeats)
+    print(f"\nGIL released: two causal forwards (N = {n}) one after the other {1e3 * serial:.1f} ms, "
+          f"in two Python threads {1e3 * parallel:.1f} ms: {serial / parallel:.2f}x")
 
 
 if __name__ == "__main__":
