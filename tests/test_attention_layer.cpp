@@ -1,8 +1,8 @@
 // LinearAttentionLayer and SoftmaxAttentionLayer (attention_layer.hpp, spec §6): the parallel
 // forward against a reference written out here from PyTorch's conventions (W is out x in,
 // y = W x + b), stepping against the parallel causal forward, prefill + steps against one
-// shot, the gradients of X and of every parameter against central differences, and the error
-// messages. (That a step allocates nothing is checked in test_workspace.)
+// shot, a linear State set through its heads, the gradients of X and of every parameter against
+// central differences, and the error messages. (That a step allocates nothing is checked in test_workspace.)
 #include <linattn/linattn.hpp>
 
 #include <gtest/gtest.h>
@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -248,6 +249,41 @@ TEST(AttentionLayer, SoftmaxCacheGrowsAndReserves) {
   // The cache holds the keys and values of the rows, as the layer projects them.
   EXPECT_LE(test::max_abs_diff(st.keys(), linear_rows(X, layer.Wk, layer.bk)), 1e-14);
   EXPECT_LE(test::max_abs_diff(st.values(), linear_rows(X, layer.Wv, layer.bv)), 1e-14);
+}
+
+// The linear layer's State can be set through heads() (no const_cast): position() is the heads'
+// position, so a State whose heads are set (set_state, or load_state of a multi-head file)
+// continues at the heads' position, as the State they came from.
+TEST(AttentionLayer, LinearStateIsSetThroughItsHeads) {
+  const auto layer = make_layer<LinearAttentionLayer<EluPlusOne, double>>(Shape{7, 2, 5, 3}, 61);
+  const MatD X = test::random_matrix(40, 7, 62, -2, 2);
+  Eigen::VectorXd ya(7), yb(7);
+  auto a = layer.make_state();
+  (void)layer.forward(X.topRows(20), a);
+  auto b = layer.make_state();
+  for (Index h = 0; h < layer.num_heads(); ++h)
+    b.heads().head(h).set_state(a.heads().head(h).state(), a.position());
+  EXPECT_EQ(b.position(), 20);
+  for (Index i = 20; i < 30; ++i) {
+    layer.step(X.row(i), a, ya);
+    layer.step(X.row(i), b, yb);
+    EXPECT_EQ(test::max_abs_diff(ya, yb), 0.0) << "row " << i;
+  }
+  EXPECT_EQ(b.position(), 30);
+  // Issue 29: the heads saved as a multi-head file and loaded into another State's heads.
+  std::stringstream file(std::ios::in | std::ios::out | std::ios::binary);
+  linattn::save_state(file, a.heads());
+  auto c = layer.make_state();
+  linattn::load_state(file, c.heads());
+  EXPECT_EQ(c.position(), 30);
+  const MatD rest_a = layer.forward(X.bottomRows(10), a), rest_c = layer.forward(X.bottomRows(10), c);
+  EXPECT_EQ(test::max_abs_diff(rest_a, rest_c), 0.0);
+  EXPECT_EQ(c.position(), 40);
+  // Heads of another shape are refused by the layer.
+  auto d = layer.make_state();
+  d.heads() = linattn::MultiHeadRecurrentLinearAttention<EluPlusOne, double>(2, 5, 4);
+  test::expect_invalid([&] { layer.step(X.row(0), d, ya); },
+                       Needles{"LinearAttentionLayer::step", "state"}, "heads of another shape");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 // the uninterrupted outputs bit for bit; every malformed file (truncated, bit-flipped, wrong
 // type, kind or shape, absurd shapes, failing streams) is a std::runtime_error that names the
 // problem and leaves the target object as it was. The gated decoder (RecurrentGatedAttention,
-// kind 4) resumes bit for bit with scalar and per-feature gates, and the batched decoder
-// (BatchedRecurrentLinearAttention, kind 5) with its sequences at different positions.
+// kind 4) resumes bit for bit with scalar and per-feature gates, the batched decoder
+// (BatchedRecurrentLinearAttention, kind 5) with its sequences at different positions, and the
+// attention layers' States (LinearAttentionLayer: kind 3; SoftmaxAttentionLayer's KV cache:
+// kind 6) through prefills and steps.
 #include <linattn/linattn.hpp>
 
 #include <gtest/gtest.h>
@@ -802,7 +804,7 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
   for (const std::uint32_t v : {1u, 2u}) {  // the same checks in both versions
     SCOPED_TRACE("version " + std::to_string(v));
     EXPECT_EQ(load(header(v, 3, 1, 0, 1, 0, 2, 2)), p + "unknown scalar type code 3");
-    EXPECT_EQ(load(header(v, 1, 6, 0, 1, 0, 2, 2)), p + "unknown kind code 6");
+    EXPECT_EQ(load(header(v, 1, 7, 0, 1, 0, 2, 2)), p + "unknown kind code 7");
     EXPECT_EQ(load(header(v, 1, 1, 6, 1, 0, 2, 2)), p + "unknown flags 6");
     EXPECT_EQ(load(header(v, 1, 1, 0, 2, 0, 2, 2)), p + "invalid head count 2");
     EXPECT_EQ(load(header(v, 1, 1, 0, 1, 5, 2, 2)), p + "invalid key dimension 5");
@@ -811,10 +813,11 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
     EXPECT_EQ(runtime_error_of([&] { linattn::load_state(zero, heads); }),
               p + "invalid head count 0");
   }
-  // Kinds 4 (RecurrentGatedAttention) and 5 (BatchedRecurrentLinearAttention) came with
-  // version 2.
+  // Kinds 4 (RecurrentGatedAttention), 5 (BatchedRecurrentLinearAttention) and 6
+  // (SoftmaxAttentionLayer::State) came with version 2.
   EXPECT_EQ(load(header(1, 1, 4, 0, 1, 2, 2, 2)), p + "unknown kind code 4");
   EXPECT_EQ(load(header(1, 1, 5, 0, 1, 2, 2, 2)), p + "unknown kind code 5");
+  EXPECT_EQ(load(header(1, 1, 6, 0, 1, 2, 0, 2)), p + "unknown kind code 6");
   EXPECT_EQ(load(header(2, 1, 5, 0, 1, 2, 2, 2)),
             p + "wrong kind: the file holds the states of a BatchedRecurrentLinearAttention, "
                 "not a LinearAttentionState");
@@ -1644,6 +1647,513 @@ TEST(StateIoBatchedFailure, AbsurdSequenceCountsDoNotAllocate) {
                 "must be 0)");
   EXPECT_EQ(plain.sequences(), 1);
   expect_unchanged(target, twin);
+}
+
+// ------------------------------------------------------------------------------------------
+// Attention layers: LinearAttentionLayer::State (kind 3) and SoftmaxAttentionLayer::State
+// (kind 6, the KV cache)
+// ------------------------------------------------------------------------------------------
+
+using linattn::LinearAttentionLayer;
+using linattn::SoftmaxAttentionLayer;
+
+// A layer of d_model = 7 and H = 2 heads of D = 5, M = 3 (D != M, neither dividing d_model) by
+// default, with random weights and non-zero biases.
+template <class Layer>
+Layer layer_of(std::uint32_t seed, Index d_model = 7, Index H = 2, Index D = 5, Index M = 3) {
+  Layer layer(d_model, H, D, M);
+  layer.reset_parameters(seed);
+  using S = typename decltype(layer.bq)::Scalar;
+  layer.bq = test::random_matrix<S>(layer.bq.size(), 1, seed + 1, -0.5, 0.5);
+  layer.bk = test::random_matrix<S>(layer.bk.size(), 1, seed + 2, -0.5, 0.5);
+  layer.bv = test::random_matrix<S>(layer.bv.size(), 1, seed + 3, -0.5, 0.5);
+  layer.bo = test::random_matrix<S>(layer.bo.size(), 1, seed + 4, -0.5, 0.5);
+  return layer;
+}
+
+// Generation over rows [from, to) of X: a prefill (forward(X, state)) of the first `prefill`
+// rows, then one step per row. Returns the output rows.
+template <class Layer, class State, class S>
+Mat<S> decode(const Layer& layer, State& state, const Mat<S>& X, Index from, Index prefill,
+              Index to) {
+  Mat<S> Y(to - from, layer.d_model());
+  if (prefill > 0) Y.topRows(prefill) = layer.forward(X.middleRows(from, prefill), state);
+  Eigen::Matrix<S, Eigen::Dynamic, 1> y(layer.d_model());
+  for (Index t = from + prefill; t < to; ++t) {
+    layer.step(X.row(t), state, y);
+    Y.row(t - from) = y.transpose();
+  }
+  return Y;
+}
+
+template <class S>
+class StateIoLayer : public ::testing::Test {};
+TYPED_TEST_SUITE(StateIoLayer, StateIoScalars, );
+
+// A decode of 190 tokens (a prefill of 40, then 150 steps: past a fold of the low parts, and
+// 22 tokens into the next) saved, loaded into a fresh State and into one with a history of its
+// own, and continued by 150 steps (past the next fold), a prefill of 30 and 150 more steps:
+// the uninterrupted decode's outputs bit for bit, position() restored, and the same final
+// state. Returns the saved bytes.
+template <class Layer>
+std::string check_layer_resume(const Layer& layer, std::uint32_t seed) {
+  using S = typename decltype(layer.bq)::Scalar;
+  constexpr Index N = 520, prefill = 40, k = 190;
+  const Mat<S> X = test::random_matrix<S>(N, layer.d_model(), seed, -2, 2);
+  const auto rest = [&](auto& state) {
+    Mat<S> out(N - k, layer.d_model());
+    out.topRows(150) = decode(layer, state, X, k, 0, k + 150);
+    out.bottomRows(N - k - 150) = decode(layer, state, X, k + 150, 30, N);
+    return out;
+  };
+  auto whole = layer.make_state();
+  decode(layer, whole, X, 0, prefill, k);
+  auto first = whole;  // the decode to save, at token k
+  const Mat<S> expected = rest(whole);
+  EXPECT_EQ(first.position(), k);
+  const std::string bytes = saved(first);
+  EXPECT_EQ(saved(first), bytes);  // saving does not move the state
+  for (const int target : {0, 1, 2}) {
+    SCOPED_TRACE("target " + std::to_string(target));
+    auto resumed = layer.make_state();
+    if (target == 1) decode(layer, resumed, X, 300, 7, 330);  // a history of its own
+    if (target < 2) {
+      std::istringstream is(bytes, std::ios::binary);
+      linattn::load_state(is, resumed);
+      EXPECT_EQ(is.peek(), std::char_traits<char>::eof());  // exactly one record consumed
+    } else {
+      OneWayBuf buf(bytes);  // a stream that cannot seek
+      std::istream pipe(&buf);
+      linattn::load_state(pipe, resumed);
+    }
+    EXPECT_EQ(resumed.position(), k);
+    EXPECT_EQ(saved(resumed), bytes);
+    EXPECT_TRUE(same_bits(rest(resumed), expected));
+    EXPECT_EQ(resumed.position(), N);
+    EXPECT_EQ(saved(resumed), saved(whole));
+  }
+  return bytes;
+}
+
+template <class S, class Phi>
+void check_linear_layer_resume(std::uint32_t seed) {
+  using Access = linattn::detail::RecurrentStateAccess;
+  const auto layer = layer_of<LinearAttentionLayer<Phi, S>>(seed);
+  const std::string bytes = check_layer_resume(layer, seed + 10);
+  // The bytes of the heads' multi-head file (kind 3), saved 22 tokens after a fold.
+  const auto* b = reinterpret_cast<const unsigned char*>(bytes.data());
+  EXPECT_EQ(linattn::detail::io::get_le<std::uint32_t>(b + 16), 3u);
+  constexpr bool maxima = linattn::normalizes_keys_per_feature_v<Phi>;
+  EXPECT_EQ(bytes.size(), std::size_t(72 + 2 * (16 + sizeof(S) * (2 * 5 * 3 + (maxima ? 3 : 2) * 5))));
+  auto state = layer.make_state();
+  std::istringstream is(bytes, std::ios::binary);
+  linattn::load_state(is, state);
+  EXPECT_EQ(saved(state.heads()), bytes);
+  for (Index h = 0; h < 2; ++h) {
+    EXPECT_EQ(state.heads().head(h).position(), 190);
+    EXPECT_EQ(Access::unfolded(state.heads().head(h)), 22);
+  }
+  // The same file written before layer states could be saved (format version 1) loads as well.
+  auto old = layer.make_state();
+  std::istringstream v1(as_version1(bytes), std::ios::binary);
+  linattn::load_state(v1, old);
+  EXPECT_EQ(old.position(), 190);
+  EXPECT_EQ(saved(old), bytes);
+  // A State's file loads into a MultiHeadRecurrentLinearAttention of its shapes, and back.
+  MultiHeadRecurrentLinearAttention<Phi, S> heads(2, 5, 3);
+  std::istringstream mh(bytes, std::ios::binary);
+  linattn::load_state(mh, heads);
+  EXPECT_EQ(saved(heads), bytes);
+}
+
+TYPED_TEST(StateIoLayer, LinearLayerResumesBitIdentically) {
+  using S = TypeParam;
+  check_linear_layer_resume<S, EluPlusOne>(201);
+  check_linear_layer_resume<S, SoftmaxSplit>(202);
+}
+
+TYPED_TEST(StateIoLayer, SoftmaxLayerResumesBitIdentically) {
+  using S = TypeParam;
+  const auto layer = layer_of<SoftmaxAttentionLayer<S>>(211);
+  const std::string bytes = check_layer_resume(layer, 221);
+  EXPECT_EQ(bytes.size(), std::size_t(72 + 8) + 190 * 2 * (5 + 3) * sizeof(S));
+  // Loaded into a State whose capacity holds the file's tokens, the cache keeps its memory
+  // (steps go on without allocating); into one that does not, it is reallocated to T rows.
+  auto roomy = layer.make_state(1000);
+  std::istringstream a(bytes, std::ios::binary);
+  linattn::load_state(a, roomy);
+  EXPECT_EQ(roomy.capacity(), 1000);
+  EXPECT_EQ(roomy.position(), 190);
+  auto small = layer.make_state(10);
+  std::istringstream b(bytes, std::ios::binary);
+  linattn::load_state(b, small);
+  EXPECT_EQ(small.capacity(), 190);
+  EXPECT_TRUE(same_bits(small.keys(), roomy.keys()));
+  EXPECT_TRUE(same_bits(small.values(), roomy.values()));
+  const Mat<S> X = test::random_matrix<S>(40, 7, 231, -2, 2);
+  EXPECT_TRUE(same_bits(decode(layer, small, X, 0, 0, 40), decode(layer, roomy, X, 0, 0, 40)));
+}
+
+// An empty cache (T = 0, 80 bytes) round trips: loaded into a State with a history, it empties
+// it, which then continues like a new one.
+TYPED_TEST(StateIoLayer, EmptyCacheRoundTrips) {
+  using S = TypeParam;
+  const auto layer = layer_of<SoftmaxAttentionLayer<S>>(241);
+  const std::string f = saved(layer.make_state());
+  ASSERT_EQ(f.size(), 80u);
+  EXPECT_EQ(saved(layer.make_state(64)), f);  // the capacity is not saved
+  const Mat<S> X = test::random_matrix<S>(30, 7, 242, -2, 2);
+  auto target = layer.make_state();
+  decode(layer, target, X, 0, 5, 12);
+  std::istringstream is(f, std::ios::binary);
+  linattn::load_state(is, target);
+  EXPECT_EQ(target.position(), 0);
+  EXPECT_EQ(saved(target), f);
+  auto fresh = layer.make_state();
+  EXPECT_TRUE(same_bits(decode(layer, target, X, 0, 10, 30), decode(layer, fresh, X, 0, 10, 30)));
+}
+
+// The documented layout of kind 6: the header (H, D, F = 0, M, L = 0, no flags), T at 68, the T
+// key rows, then the T value rows, row-major, then the CRC.
+TEST(StateIoLayer, KVCacheLayoutIsAsDocumented) {
+  using linattn::detail::io::get_le;
+  const auto layer = layer_of<SoftmaxAttentionLayer<float>>(251);
+  auto state = layer.make_state();
+  decode(layer, state, test::random_matrix<float>(9, 7, 252), 0, 4, 9);
+  const std::string f = saved(state);
+  ASSERT_EQ(f.size(), 72 + 8 + 9 * 2 * (5 + 3) * 4u);
+  const auto* b = reinterpret_cast<const unsigned char*>(f.data());
+  EXPECT_EQ(get_le<std::uint32_t>(b + 8), 2u);   // version
+  EXPECT_EQ(get_le<std::uint32_t>(b + 12), 1u);  // float
+  EXPECT_EQ(get_le<std::uint32_t>(b + 16), 6u);  // kind: SoftmaxAttentionLayer::State
+  EXPECT_EQ(get_le<std::uint32_t>(b + 20), 0u);  // flags
+  EXPECT_EQ(get_le<std::uint64_t>(b + 24), 2u);  // H
+  EXPECT_EQ(get_le<std::uint64_t>(b + 32), 5u);  // D
+  EXPECT_EQ(get_le<std::uint64_t>(b + 40), 0u);  // F: no feature map
+  EXPECT_EQ(get_le<std::uint64_t>(b + 48), 3u);  // M
+  EXPECT_EQ(get_le<std::uint64_t>(b + 56), 0u);  // L
+  EXPECT_EQ(get_le<std::uint32_t>(b + 64), linattn::detail::io::crc32(b, 64));
+  EXPECT_EQ(get_le<std::uint64_t>(b + 68), 9u);  // T
+  const auto read = [&](std::size_t at, Index rows, Index cols) {
+    test::RowMat<float> m(rows, cols);
+    for (Index i = 0; i < rows * cols; ++i) {
+      const std::uint32_t bits = get_le<std::uint32_t>(b + at + 4 * std::size_t(i));
+      std::memcpy(m.data() + i, &bits, sizeof bits);
+    }
+    return m;
+  };
+  EXPECT_TRUE(same_bits(read(76, 9, 10), state.keys()));
+  EXPECT_TRUE(same_bits(read(76 + 9 * 10 * 4, 9, 6), state.values()));
+  EXPECT_EQ(get_le<std::uint32_t>(b + f.size() - 4), linattn::detail::io::crc32(b, f.size() - 4));
+}
+
+// Failures of the linear layer's State: a decode in progress (SoftmaxSplit, double, H = 2,
+// D = F = 5, M = 3: records of 376 bytes), its file, and a State in another position with its
+// twin: a failed load must leave the State so that it continues exactly as the twin.
+struct SavedLinearLayer {
+  using Layer = LinearAttentionLayer<SoftmaxSplit, double>;
+  Layer layer = layer_of<Layer>(261);
+  Mat<double> X = test::random_matrix<double>(200, 7, 262, -2, 2);
+  std::string file;
+  std::size_t record = 16 + 8 * (2 * 5 * 3 + 3 * 5);
+  SavedLinearLayer() {
+    auto state = layer.make_state();
+    decode(layer, state, X, 0, 8, 20);
+    file = saved(state);
+  }
+  Layer::State bystander() const {
+    auto state = layer.make_state();
+    decode(layer, state, X, 50, 3, 61);
+    return state;
+  }
+  void expect_unchanged(Layer::State& target, Layer::State twin) const {
+    EXPECT_EQ(target.position(), twin.position());
+    EXPECT_EQ(saved(target), saved(twin));
+    EXPECT_TRUE(same_bits(decode(layer, target, X, 61, 0, 200), decode(layer, twin, X, 61, 0, 200)));
+  }
+};
+
+TEST(StateIoLayerFailure, LinearWrongKindAndShapeAreRejected) {
+  const SavedLinearLayer s;
+  auto target = s.bystander();
+  const auto twin = target;
+  const std::string p = "linattn::load_state: wrong kind: the file holds ";
+  const std::string as_linear = ", not the states of a MultiHeadRecurrentLinearAttention (as a "
+                                "LinearAttentionLayer::State is saved)";
+  const auto cache = layer_of<SoftmaxAttentionLayer<double>>(263);
+  std::istringstream a(saved(cache.make_state()), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(a, target); }),
+            p + "the KV cache of a SoftmaxAttentionLayer::State" + as_linear);
+  std::istringstream b(saved(RecurrentLinearAttention<SoftmaxSplit, double>(5, 3)),
+                       std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(b, target); }),
+            p + "the state of a RecurrentLinearAttention" + as_linear);
+  std::istringstream c(saved(BatchedRecurrentLinearAttention<SoftmaxSplit, double>(1, 2, 5, 3)),
+                       std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(c, target); }),
+            p + "the states of a BatchedRecurrentLinearAttention" + as_linear);
+  std::istringstream d(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state<double>(d); }),
+            p + "the states of a MultiHeadRecurrentLinearAttention, not a LinearAttentionState");
+  s.expect_unchanged(target, twin);
+
+  const std::string m = "linattn::load_state: shape mismatch: the file holds 2 head(s) of D = 5, "
+                        "F = 5, M = 3 with running maxima, this LinearAttentionLayer::State has ";
+  const auto shape = [&](auto other) {
+    auto state = other.make_state();
+    const std::string before = saved(state);
+    std::istringstream is(s.file, std::ios::binary);
+    const std::string msg = runtime_error_of([&] { linattn::load_state(is, state); });
+    EXPECT_EQ(saved(state), before);
+    return msg;
+  };
+  using Soft = LinearAttentionLayer<SoftmaxSplit, double>;
+  EXPECT_EQ(shape(Soft(7, 3, 5, 3)), m + "3 head(s) of D = 5, F = 5, M = 3 with running maxima");
+  EXPECT_EQ(shape(Soft(7, 2, 4, 3)), m + "2 head(s) of D = 4, F = 4, M = 3 with running maxima");
+  EXPECT_EQ(shape(Soft(7, 2, 5, 4)), m + "2 head(s) of D = 5, F = 5, M = 4 with running maxima");
+  EXPECT_EQ(shape(LinearAttentionLayer<EluPlusOne, double>(7, 2, 5, 3)),
+            m + "2 head(s) of D = 5, F = 5, M = 3 without running maxima");
+  auto single = LinearAttentionLayer<SoftmaxSplit, float>(7, 2, 5, 3).make_state();
+  std::istringstream e(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(e, single); }),
+            "linattn::load_state: wrong scalar type: the file holds double, not float");
+  EXPECT_EQ(single.position(), 0);
+}
+
+// The heads of a State share one position: a file whose heads disagree is refused (naming the
+// head), and so is saving a State whose heads were set to different positions.
+TEST(StateIoLayerFailure, LinearHeadsAtDifferentPositionsAreRejected) {
+  const SavedLinearLayer s;
+  auto target = s.bystander();
+  const auto twin = target;
+  std::string f = s.file;
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&f[68 + s.record]),
+                              std::uint64_t(21));
+  reseal(f);
+  std::istringstream a(f, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(a, target); }),
+            "linattn::load_state: invalid record: head 1: position 21, but head 0 has 20 (the "
+            "heads of a LinearAttentionLayer::State share one position)");
+  s.expect_unchanged(target, twin);
+  // The same file is a valid MultiHeadRecurrentLinearAttention (whose heads may differ).
+  MultiHeadRecurrentLinearAttention<SoftmaxSplit, double> heads(2, 5, 3);
+  std::istringstream b(f, std::ios::binary);
+  linattn::load_state(b, heads);
+  EXPECT_EQ(heads.head(1).position(), 21);
+
+  auto state = s.layer.make_state();
+  state.heads().head(1).set_state(state.heads().head(1).state(), 4);
+  std::ostringstream os(std::ios::binary);
+  try {
+    linattn::save_state(os, state);
+    ADD_FAILURE() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "linattn::save_state: the heads' positions differ: head 0 is at 0, head 1 at 4 "
+              "(the heads of a LinearAttentionLayer::State share one position)");
+  }
+  EXPECT_TRUE(os.str().empty());
+}
+
+TEST(StateIoLayerFailure, LinearTruncationsAndFlippedBytesThrow) {
+  const SavedLinearLayer s;
+  auto target = s.bystander();
+  const auto twin = target;
+  ASSERT_EQ(s.file.size(), 72 + 2 * s.record);
+  for (std::size_t len = 0; len < s.file.size(); ++len) {
+    SCOPED_TRACE("first " + std::to_string(len) + " bytes");
+    const std::string cut = s.file.substr(0, len);
+    std::istringstream seekable(cut, std::ios::binary);
+    const std::string m1 = runtime_error_of([&] { linattn::load_state(seekable, target); });
+    ASSERT_TRUE(starts_with(m1, "linattn::load_state: truncated file: expected ")) << m1;
+    OneWayBuf buf(cut);
+    std::istream pipe(&buf);
+    ASSERT_EQ(runtime_error_of([&] { linattn::load_state(pipe, target); }), m1);
+  }
+  const auto message = [&](std::size_t len) {
+    std::istringstream is(s.file.substr(0, len), std::ios::binary);
+    return runtime_error_of([&] { linattn::load_state(is, target); });
+  };
+  const std::string p = "linattn::load_state: truncated file: expected ";
+  EXPECT_EQ(message(30), p + "56 bytes of header, got 18");
+  EXPECT_EQ(message(68), p + "8 bytes of position (head 0), got 0");
+  EXPECT_EQ(message(68 + s.record + 16 + 10), p + "120 bytes of S (head 1), got 10");
+  EXPECT_EQ(message(s.file.size() - 1), p + "4 bytes of checksum, got 3");
+  for (std::size_t at = 0; at < s.file.size(); ++at) {
+    std::string f = s.file;
+    f[at] = char(f[at] ^ (1 << (at % 8)));
+    std::istringstream is(f, std::ios::binary);
+    const std::string m = runtime_error_of([&] { linattn::load_state(is, target); });
+    const char* expected = at < 8    ? "linattn::load_state: wrong magic number"
+                           : at < 12 ? "linattn::load_state: unsupported format version"
+                           : at < 68 ? "linattn::load_state: corrupted header: checksum mismatch"
+                                     : "linattn::load_state: corrupted data: checksum mismatch";
+    ASSERT_TRUE(starts_with(m, expected)) << "byte " << at << ": " << m;
+  }
+  s.expect_unchanged(target, twin);
+}
+
+// Failures of the softmax layer's State: a cache of T = 12 tokens (double, H = 2, D = 5,
+// M = 3: rows of 80 key bytes and 48 value bytes), its file, and a State with another cache
+// and its twin.
+struct SavedCache {
+  using Layer = SoftmaxAttentionLayer<double>;
+  Layer layer = layer_of<Layer>(271);
+  Mat<double> X = test::random_matrix<double>(100, 7, 272, -2, 2);
+  std::string file;
+  SavedCache() {
+    auto state = layer.make_state();
+    decode(layer, state, X, 0, 6, 12);
+    file = saved(state);
+  }
+  Layer::State bystander() const {
+    auto state = layer.make_state(40);
+    decode(layer, state, X, 50, 3, 59);
+    return state;
+  }
+  void expect_unchanged(Layer::State& target, Layer::State twin) const {
+    EXPECT_EQ(target.position(), twin.position());
+    EXPECT_EQ(target.capacity(), twin.capacity());
+    EXPECT_EQ(saved(target), saved(twin));
+    EXPECT_TRUE(same_bits(decode(layer, target, X, 59, 0, 100), decode(layer, twin, X, 59, 0, 100)));
+  }
+};
+
+TEST(StateIoLayerFailure, CacheWrongKindAndShapeAreRejected) {
+  const SavedCache s;
+  auto target = s.bystander();
+  const auto twin = target;
+  const std::string p = "linattn::load_state: wrong kind: the file holds ";
+  const auto linear = layer_of<LinearAttentionLayer<EluPlusOne, double>>(273);
+  std::istringstream a(saved(linear.make_state()), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(a, target); }),
+            p + "the states of a MultiHeadRecurrentLinearAttention, not the KV cache of a "
+                "SoftmaxAttentionLayer::State");
+  std::istringstream b(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state<double>(b); }),
+            p + "the KV cache of a SoftmaxAttentionLayer::State, not a LinearAttentionState");
+  MultiHeadRecurrentLinearAttention<EluPlusOne, double> heads(2, 5, 3);
+  std::istringstream c(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(c, heads); }),
+            p + "the KV cache of a SoftmaxAttentionLayer::State, not the states of a "
+                "MultiHeadRecurrentLinearAttention");
+  s.expect_unchanged(target, twin);
+
+  const std::string m = "linattn::load_state: shape mismatch: the file holds a KV cache of 2 "
+                        "head(s) of D = 5, M = 3, this SoftmaxAttentionLayer::State has ";
+  const auto shape = [&](const SoftmaxAttentionLayer<double>& other) {
+    auto state = other.make_state(4);
+    const std::string before = saved(state);
+    std::istringstream is(s.file, std::ios::binary);
+    const std::string msg = runtime_error_of([&] { linattn::load_state(is, state); });
+    EXPECT_EQ(saved(state), before);
+    EXPECT_EQ(state.capacity(), 4);
+    return msg;
+  };
+  EXPECT_EQ(shape(SoftmaxAttentionLayer<double>(7, 2, 4, 3)), m + "2 head(s) of D = 4, M = 3");
+  EXPECT_EQ(shape(SoftmaxAttentionLayer<double>(7, 2, 5, 4)), m + "2 head(s) of D = 5, M = 4");
+  // The same H·D and H·M columns in one head: the head count is part of the shape.
+  EXPECT_EQ(shape(SoftmaxAttentionLayer<double>(7, 1, 10, 6)), m + "1 head(s) of D = 10, M = 6");
+  // d_model is not: a layer of another d_model with the same heads takes the cache.
+  auto wider = SoftmaxAttentionLayer<double>(9, 2, 5, 3).make_state();
+  std::istringstream d(s.file, std::ios::binary);
+  linattn::load_state(d, wider);
+  EXPECT_EQ(wider.position(), 12);
+  auto single = SoftmaxAttentionLayer<float>(7, 2, 5, 3).make_state();
+  std::istringstream e(s.file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(e, single); }),
+            "linattn::load_state: wrong scalar type: the file holds double, not float");
+}
+
+TEST(StateIoLayerFailure, CacheTruncationsAndFlippedBytesThrow) {
+  const SavedCache s;
+  auto target = s.bystander();
+  const auto twin = target;
+  ASSERT_EQ(s.file.size(), 80 + 12 * (80 + 48u));
+  for (std::size_t len = 0; len < s.file.size(); ++len) {
+    SCOPED_TRACE("first " + std::to_string(len) + " bytes");
+    const std::string cut = s.file.substr(0, len);
+    std::istringstream seekable(cut, std::ios::binary);
+    const std::string m1 = runtime_error_of([&] { linattn::load_state(seekable, target); });
+    ASSERT_TRUE(starts_with(m1, "linattn::load_state: truncated file: expected ")) << m1;
+    OneWayBuf buf(cut);
+    std::istream pipe(&buf);
+    ASSERT_EQ(runtime_error_of([&] { linattn::load_state(pipe, target); }), m1);
+  }
+  const auto message = [&](std::size_t len) {
+    std::istringstream is(s.file.substr(0, len), std::ios::binary);
+    return runtime_error_of([&] { linattn::load_state(is, target); });
+  };
+  const std::string p = "linattn::load_state: truncated file: expected ";
+  EXPECT_EQ(message(68), p + "8 bytes of cached token count T, got 0");
+  EXPECT_EQ(message(71), p + "8 bytes of cached token count T, got 3");
+  EXPECT_EQ(message(76 + 100), p + "960 bytes of keys, got 100");
+  EXPECT_EQ(message(76 + 960 + 5), p + "576 bytes of values, got 5");
+  EXPECT_EQ(message(s.file.size() - 1), p + "4 bytes of checksum, got 3");
+  for (std::size_t at = 0; at < s.file.size(); ++at) {
+    std::string f = s.file;
+    f[at] = char(f[at] ^ (1 << (at % 8)));
+    std::istringstream is(f, std::ios::binary);
+    const std::string m = runtime_error_of([&] { linattn::load_state(is, target); });
+    if (at >= 76 || at < 68)
+      ASSERT_TRUE(starts_with(m, at < 8    ? "linattn::load_state: wrong magic number"
+                                 : at < 12 ? "linattn::load_state: unsupported format version"
+                                 : at < 68 ? "linattn::load_state: corrupted header: checksum "
+                                             "mismatch"
+                                           : "linattn::load_state: corrupted data: checksum "
+                                             "mismatch"))
+          << "byte " << at << ": " << m;
+    else  // T: a wrong length (truncated, or the checksum over the wrong bytes) or absurd
+      ASSERT_TRUE(starts_with(m, "linattn::load_state: ")) << "byte " << at << ": " << m;
+  }
+  s.expect_unchanged(target, twin);
+}
+
+// The header of a KV cache has no feature map, maxima or log-decay; kind 6 does not exist in
+// format version 1; T and the rows are checked against the sanity bounds before anything is
+// allocated.
+TEST(StateIoLayerFailure, CacheHeaderAndAbsurdSizesAreChecked) {
+  const SavedCache s;
+  auto target = s.bystander();
+  const auto twin = target;
+  const auto load = [&](const std::string& bytes) {
+    std::istringstream is(bytes, std::ios::binary);
+    return runtime_error_of([&] { linattn::load_state(is, target); });
+  };
+  const auto with_t = [](std::string f, std::uint64_t T) {
+    unsigned char b[8];
+    linattn::detail::io::put_le(b, T);
+    return f.append(reinterpret_cast<const char*>(b), 8);
+  };
+  const std::string p = "linattn::load_state: ";
+  EXPECT_EQ(load(header(2, 2, 6, 0, 2, 5, 1, 3)),
+            p + "invalid feature dimension 1: a KV cache has no feature map (F must be 0)");
+  EXPECT_EQ(load(header(2, 2, 6, 1, 2, 5, 0, 3)),
+            p + "invalid flags 1: a KV cache has no running maxima");
+  EXPECT_EQ(load(header(2, 2, 6, 0, 2, 5, 0, 3, 1)),
+            p + "invalid log-decay size 1: a KV cache has no log-decay (L must be 0)");
+  EXPECT_EQ(load(header(1, 2, 6, 0, 2, 5, 0, 3)), p + "unknown kind code 6");
+  EXPECT_EQ(load(header(2, 2, 6, 0, 0, 5, 0, 3)), p + "invalid head count 0");
+  EXPECT_EQ(load(header(2, 2, 6, 0, 2, 0, 0, 3)), p + "invalid key dimension 0");
+  EXPECT_EQ(load(header(2, 2, 6, 0, 1u << 16, 1u << 24, 0, 1u << 24)),
+            p + "absurd shape: one cached token of 65536 head(s) of D = 16777216, M = 16777216 "
+                "is more than the 64 GiB this loader accepts");
+  const std::string h = header(2, 2, 6, 0, 2, 5, 0, 3);
+  EXPECT_EQ(load(with_t(h, std::uint64_t(1) << 40)),
+            p + "absurd shape: T = 1099511627776 cached tokens of 2 head(s) of D = 5, M = 3 "
+                "(more than the 64 GiB this loader accepts)");
+  EXPECT_EQ(load(with_t(h, ~std::uint64_t(0))),
+            p + "absurd shape: T = 18446744073709551615 cached tokens of 2 head(s) of D = 5, "
+                "M = 3 (more than the 64 GiB this loader accepts)");
+  // 2^28 tokens of 128 bytes (32 GiB) declared, 100 bytes there: refused before the rows are
+  // allocated, whether or not the stream can tell its length.
+  const std::string many = with_t(h, std::uint64_t(1) << 28) + std::string(100, '\0');
+  const std::string short_of_many = p + "truncated file: expected 21474836480 bytes of keys, got 100";
+  EXPECT_EQ(load(many), short_of_many);
+  OneWayBuf buf(many);
+  std::istream pipe(&buf);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(pipe, target); }), short_of_many);
+  s.expect_unchanged(target, twin);
 }
 
 }  // namespace

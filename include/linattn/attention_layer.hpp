@@ -39,6 +39,19 @@ struct LayerGradients {
 
 namespace detail {
 
+// The vectors a step works in: the token x, its q, k, v, the heads' outputs o and the row y.
+template <class Scalar>
+struct TokenBuffers {
+  TokenBuffers(Index d_model, Index heads, Index key_dim, Index value_dim)
+      : x(d_model),
+        q(heads * key_dim),
+        k(heads * key_dim),
+        v(heads * value_dim),
+        o(heads * value_dim),
+        y(d_model) {}
+  Vector<Scalar> x, q, k, v, o, y;
+};
+
 /// The weights, biases and shape checks that both layers share (spec §6): with H heads of key
 /// size D and value size M,
 ///   Q = X Wqᵀ + bq,  K = X Wkᵀ + bk,  V = X Wvᵀ + bv,  Y = A Woᵀ + bo,
@@ -155,23 +168,11 @@ class AttentionProjections {
     return Y;
   }
 
-  // The vectors a step works in: the token x, its q, k, v, the heads' outputs o and the row y.
-  struct TokenBuffers {
-    explicit TokenBuffers(const AttentionProjections& p)
-        : x(p.d_model_),
-          q(p.heads_ * p.key_dim_),
-          k(p.heads_ * p.key_dim_),
-          v(p.heads_ * p.value_dim_),
-          o(p.heads_ * p.value_dim_),
-          y(p.d_model_) {}
-    Vector<Scalar> x, q, k, v, o, y;
-  };
-
   // The first half of a step: checks, then x (copied first: y may be its memory) projected into
   // b.q, b.k, b.v. Allocates nothing.
   template <class DXv, class DYv>
   void step_in(const char* fn, const Eigen::MatrixBase<DXv>& x, const Eigen::MatrixBase<DYv>& y,
-               TokenBuffers& b) const {
+               TokenBuffers<Scalar>& b) const {
     static_assert(std::is_same_v<typename DXv::Scalar, Scalar>,
                   "linattn: the token's scalar type must be the layer's");
     check_parameters(fn);
@@ -188,7 +189,7 @@ class AttentionProjections {
 
   // The second half: y = Wo b.o + bo.
   template <class DYv>
-  void step_out(TokenBuffers& b, const Eigen::MatrixBase<DYv>& y) const {
+  void step_out(TokenBuffers<Scalar>& b, const Eigen::MatrixBase<DYv>& y) const {
     b.y.noalias() = Wo * b.o;
     b.y += bo;
     writable(y).reshaped() = b.y;
@@ -251,6 +252,100 @@ class AttentionProjections {
 
 }  // namespace detail
 
+template <class Phi, class Scalar>
+class LinearAttentionLayer;
+template <class Scalar>
+class SoftmaxAttentionLayer;
+
+/// \brief The per-sequence state of generation of a LinearAttentionLayer<Phi, Scalar>, spelled
+/// `LinearAttentionLayer<Phi, Scalar>::State` (make_state()): one linear attention state per
+/// head, and the buffers a step works in. Copy it to fork a sequence (beam search).
+///
+/// save_state(os, state) and load_state(is, state) (state_io.hpp) write and restore it
+/// exactly: a decode resumed from the file continues bit for bit (spec §8).
+template <class Phi, class Scalar>
+class LinearAttentionLayerState {
+ public:
+  /// Tokens consumed (prefill and steps): the heads' position (head 0's; step() and forward()
+  /// move every head together).
+  Index position() const noexcept { return rnn_.head(0).position(); }
+
+  /// The heads' recurrent forms (their states: heads().head(h).state()).
+  const MultiHeadRecurrentLinearAttention<Phi, Scalar>& heads() const noexcept { return rnn_; }
+
+  /// \brief The heads, to set them: `heads().head(h).set_state(st, position)` for every head h
+  /// (states computed elsewhere), or load_state(is, heads()) of a multi-head file. position()
+  /// is head 0's position, so set every head to the same one. Keep the heads' shapes: the
+  /// layer's step() and forward() refuse a state whose H, D or M are not its own.
+  /// \code
+  /// auto state = layer.make_state();
+  /// for (Index h = 0; h < layer.num_heads(); ++h)
+  ///   state.heads().head(h).set_state(prefilled[h], prompt_length);
+  /// layer.step(x, state, y);  // continues at position prompt_length
+  /// \endcode
+  MultiHeadRecurrentLinearAttention<Phi, Scalar>& heads() noexcept { return rnn_; }
+
+ private:
+  friend class LinearAttentionLayer<Phi, Scalar>;
+  explicit LinearAttentionLayerState(const LinearAttentionLayer<Phi, Scalar>& layer)
+      : rnn_(layer.num_heads(), layer.key_dim(), layer.value_dim(), layer.feature_map()),
+        buf_(layer.d_model(), layer.num_heads(), layer.key_dim(), layer.value_dim()) {}
+
+  MultiHeadRecurrentLinearAttention<Phi, Scalar> rnn_;
+  detail::TokenBuffers<Scalar> buf_;
+};
+
+/// \brief The KV cache of one sequence of a SoftmaxAttentionLayer<Scalar>, spelled
+/// `SoftmaxAttentionLayer<Scalar>::State` (make_state()): every head's keys and values so far
+/// (one row per token), and the buffers a step works in. Copy it to fork a sequence.
+///
+/// save_state(os, state) and load_state(is, state) (state_io.hpp) write the cached rows and
+/// restore them exactly: a decode resumed from the file continues bit for bit (spec §8).
+template <class Scalar>
+class SoftmaxAttentionLayerState {
+ public:
+  /// Tokens consumed (prefill and steps).
+  Index position() const noexcept { return length_; }
+  /// Tokens the cache holds without growing.
+  Index capacity() const noexcept { return keys_.rows(); }
+  /// The cached keys (position() x H·D) and values (position() x H·M).
+  auto keys() const { return keys_.topRows(length_); }
+  auto values() const { return values_.topRows(length_); }
+
+ private:
+  friend class SoftmaxAttentionLayer<Scalar>;
+  friend struct detail::RecurrentStateAccess;  // state_io.hpp: restores the cache
+  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+  SoftmaxAttentionLayerState(const SoftmaxAttentionLayer<Scalar>& layer, Index capacity)
+      : keys_(capacity, layer.num_heads() * layer.key_dim()),
+        values_(capacity, layer.num_heads() * layer.value_dim()),
+        scores_(capacity),
+        buf_(layer.d_model(), layer.num_heads(), layer.key_dim(), layer.value_dim()),
+        heads_(layer.num_heads()) {}
+
+  // Room for n more tokens (doubling). Everything is allocated before anything moves: a
+  // failed allocation leaves the cache as it was.
+  void reserve_more(Index n) {
+    const Index need = length_ + n;
+    if (need <= keys_.rows()) return;
+    const Index cap = std::max(need, 2 * keys_.rows());
+    RowMatrix keys(cap, keys_.cols()), values(cap, values_.cols());
+    Vector<Scalar> scores(cap);
+    keys.topRows(length_) = keys_.topRows(length_);
+    values.topRows(length_) = values_.topRows(length_);
+    keys_.swap(keys);
+    values_.swap(values);
+    scores_.swap(scores);
+  }
+
+  RowMatrix keys_, values_;  // token-major: appending a token writes one contiguous row
+  Vector<Scalar> scores_;
+  detail::TokenBuffers<Scalar> buf_;
+  Index heads_;
+  Index length_ = 0;
+};
+
 /// \brief A multi-head linear attention layer (spec §6): projections in the layout of
 /// `torch.nn.Linear`, H heads of linear attention with the feature map `Phi`, an output
 /// projection. Parallel over a whole sequence (forward()), recurrent for generation (step()),
@@ -263,6 +358,7 @@ class AttentionProjections {
 /// PyTorch state dict loads as it is; biases bq, bk, bv, bo), drawn as `torch.nn.Linear` draws
 /// them at construction (reset_parameters()), biases zero. Generation keeps one O(F·M) state
 /// per head (make_state()); a step costs the same at any position and allocates nothing.
+/// save_state() / load_state() (state_io.hpp) save a state and resume it bit for bit.
 /// SoftmaxAttentionLayer has the same interface with a KV cache.
 ///
 /// \code
@@ -278,24 +374,9 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
   using Base = detail::AttentionProjections<Scalar>;
 
  public:
-  /// \brief The per-sequence state of generation: one linear attention state per head, and the
-  /// buffers a step works in. Copy it to fork a sequence (beam search).
-  class State {
-   public:
-    /// Tokens consumed (prefill and steps).
-    Index position() const noexcept { return position_; }
-    /// The heads' recurrent forms (their states: heads().head(h).state()).
-    const MultiHeadRecurrentLinearAttention<Phi, Scalar>& heads() const noexcept { return rnn_; }
-
-   private:
-    friend class LinearAttentionLayer;
-    explicit State(const LinearAttentionLayer& layer)
-        : rnn_(layer.num_heads(), layer.key_dim(), layer.value_dim(), layer.phi_), buf_(layer) {}
-
-    MultiHeadRecurrentLinearAttention<Phi, Scalar> rnn_;
-    typename Base::TokenBuffers buf_;
-    Index position_ = 0;
-  };
+  /// \brief The per-sequence state of generation (LinearAttentionLayerState): one linear
+  /// attention state per head. Saved and restored exactly by save_state() / load_state().
+  using State = LinearAttentionLayerState<Phi, Scalar>;
 
   /// H = num_heads heads of key and value size d_model / num_heads.
   /// \throws std::invalid_argument unless d_model is a positive multiple of num_heads.
@@ -345,10 +426,9 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
     }
     Matrix<Scalar> Y = this->output(A);
     // Nothing below throws: the state moves only once every head is done.
-    const Index position = state.position_ + X.rows();
+    const Index position = state.position() + X.rows();
     for (Index h = 0; h < H; ++h)
       state.rnn_.head(h).set_state(next[static_cast<std::size_t>(h)], position);
-    state.position_ = position;
     return Y;
   }
 
@@ -367,7 +447,6 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
     this->step_in(fn, x, y, b);
     state.rnn_.step(b.q, b.k, b.v, b.o);
     this->step_out(b, y);
-    ++state.position_;
   }
 
   /// The gradients of a loss L with respect to X and every parameter, given dY = ∂L/∂Y for
@@ -414,7 +493,7 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
 /// A step at position t attends over the t + 1 cached keys: its cost grows with t, against the
 /// constant cost of LinearAttentionLayer::step(). The cache grows by doubling (amortised
 /// O(1) allocations); make_state(capacity) reserves it, and steps within the capacity allocate
-/// nothing.
+/// nothing. save_state() / load_state() (state_io.hpp) save the cache and resume it bit for bit.
 ///
 /// \code
 /// linattn::SoftmaxAttentionLayer<float> layer(256, 8);
@@ -426,49 +505,11 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
 template <class Scalar = float>
 class SoftmaxAttentionLayer : public detail::AttentionProjections<Scalar> {
   using Base = detail::AttentionProjections<Scalar>;
-  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
  public:
-  /// \brief The KV cache of one sequence: every head's keys and values so far (one row per
-  /// token), and the buffers a step works in.
-  class State {
-   public:
-    /// Tokens consumed (prefill and steps).
-    Index position() const noexcept { return length_; }
-    /// Tokens the cache holds without growing.
-    Index capacity() const noexcept { return keys_.rows(); }
-    /// The cached keys (position() x H·D) and values (position() x H·M).
-    auto keys() const { return keys_.topRows(length_); }
-    auto values() const { return values_.topRows(length_); }
-
-   private:
-    friend class SoftmaxAttentionLayer;
-    State(const SoftmaxAttentionLayer& layer, Index capacity)
-        : keys_(capacity, layer.num_heads() * layer.key_dim()),
-          values_(capacity, layer.num_heads() * layer.value_dim()),
-          scores_(capacity),
-          buf_(layer) {}
-
-    // Room for n more tokens (doubling). Everything is allocated before anything moves: a
-    // failed allocation leaves the cache as it was.
-    void reserve_more(Index n) {
-      const Index need = length_ + n;
-      if (need <= keys_.rows()) return;
-      const Index cap = std::max(need, 2 * keys_.rows());
-      RowMatrix keys(cap, keys_.cols()), values(cap, values_.cols());
-      Vector<Scalar> scores(cap);
-      keys.topRows(length_) = keys_.topRows(length_);
-      values.topRows(length_) = values_.topRows(length_);
-      keys_.swap(keys);
-      values_.swap(values);
-      scores_.swap(scores);
-    }
-
-    RowMatrix keys_, values_;  // token-major: appending a token writes one contiguous row
-    Vector<Scalar> scores_;
-    typename Base::TokenBuffers buf_;
-    Index length_ = 0;
-  };
+  /// \brief The KV cache of one sequence (SoftmaxAttentionLayerState): every head's keys and
+  /// values so far. Saved and restored exactly by save_state() / load_state().
+  using State = SoftmaxAttentionLayerState<Scalar>;
 
   /// H = num_heads heads of key and value size d_model / num_heads.
   /// \throws std::invalid_argument unless d_model is a positive multiple of num_heads.
@@ -588,7 +629,8 @@ class SoftmaxAttentionLayer : public detail::AttentionProjections<Scalar> {
   }
 
   void check_state(const char* fn, const State& state) const {
-    if (state.keys_.cols() != this->num_heads() * this->key_dim() ||
+    if (state.heads_ != this->num_heads() ||
+        state.keys_.cols() != this->num_heads() * this->key_dim() ||
         state.values_.cols() != this->num_heads() * this->value_dim() ||
         state.buf_.x.size() != this->d_model())
       detail::throw_invalid(fn, "the state was made by a layer of another shape");

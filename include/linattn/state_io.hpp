@@ -1,8 +1,9 @@
 /// \file state_io.hpp
 /// \brief Saving a state to a stream and loading it back, exactly: a LinearAttentionState, or
 /// the whole decoding position of a RecurrentLinearAttention, a
-/// MultiHeadRecurrentLinearAttention, a RecurrentGatedAttention or a
-/// BatchedRecurrentLinearAttention, in a little-endian binary format with a checksum
+/// MultiHeadRecurrentLinearAttention, a RecurrentGatedAttention, a
+/// BatchedRecurrentLinearAttention, a LinearAttentionLayer::State or a
+/// SoftmaxAttentionLayer::State (its KV cache), in a little-endian binary format with a checksum
 /// (docs/SPEC.md §8, "What linattn implements: saving a state").
 ///
 /// ### The format (version 2)
@@ -16,15 +17,15 @@
 /// | 0  | 8 | magic number `89 4C 41 53 0D 0A 1A 0A` (`\x89LAS\r\n\x1a\n`) |
 /// | 8  | 4 | format version, u32 = 2 |
 /// | 12 | 4 | scalar type, u32: 1 = float (binary32), 2 = double (binary64) |
-/// | 16 | 4 | kind, u32: 1 = LinearAttentionState, 2 = RecurrentLinearAttention, 3 = MultiHeadRecurrentLinearAttention, 4 = RecurrentGatedAttention, 5 = BatchedRecurrentLinearAttention (4 and 5: version 2 only) |
+/// | 16 | 4 | kind, u32: 1 = LinearAttentionState, 2 = RecurrentLinearAttention, 3 = MultiHeadRecurrentLinearAttention or LinearAttentionLayer::State, 4 = RecurrentGatedAttention, 5 = BatchedRecurrentLinearAttention, 6 = SoftmaxAttentionLayer::State (KV cache) (4, 5 and 6: version 2 only) |
 /// | 20 | 4 | flags, u32: bit 0 = running maxima `m` present (SoftmaxSplit); other bits 0 |
 /// | 24 | 8 | heads H, u64 (1 for kinds 1, 2 and 4; for kind 5 the heads per sequence) |
 /// | 32 | 8 | key dimension D, u64 (0 for kind 1: a state does not know it) |
-/// | 40 | 8 | feature dimension F, u64 |
+/// | 40 | 8 | feature dimension F, u64 (0 for kind 6: no feature map) |
 /// | 48 | 8 | value dimension M, u64 |
-/// | 56 | 8 | log-decay entries per head L, u64: 0 (undecayed), 1 (scalar decay) or F (per-feature gates); 0 with running maxima; F for kind 4 |
+/// | 56 | 8 | log-decay entries per head L, u64: 0 (undecayed), 1 (scalar decay) or F (per-feature gates); 0 with running maxima; F for kind 4; 0 for kind 6 |
 /// | 64 | 4 | CRC-32 of bytes 0–63 |
-/// | 68 | … | H head records, one after the other (below); for kind 5 instead B and B·H records (below) |
+/// | 68 | … | H head records, one after the other (below); for kind 5 instead B and B·H records, for kind 6 T and the cached rows (below) |
 /// | end − 4 | 4 | CRC-32 of every byte before it |
 ///
 /// A head record (s = 4 or 8 bytes per scalar; matrices row-major):
@@ -48,6 +49,17 @@
 /// b·H + h. Each record holds that (sequence, head)'s state and unfolded token count, and the
 /// position of its sequence, the same in all H records of a sequence. The trailing CRC covers
 /// B too. The file is 72 + 8 + B·H·(16 + s·(2·F·M + 2·F [+ F] + L)) bytes.
+///
+/// **LinearAttentionLayer::State** is saved as kind 3: its H heads' records, each with the
+/// State's position (all equal; the loader refuses heads at different positions), exactly the
+/// bytes of save_state(os, state.heads()). Its position() comes back from the records.
+///
+/// **Kind 6** (a SoftmaxAttentionLayer::State, the KV cache of H heads of key size D and value
+/// size M; flags 0, F = 0, L = 0): the payload at 68 is the number of cached tokens T, u64
+/// (the State's position(); T = 0 is an empty cache), then the T key rows, T x H·D scalars
+/// row-major (token t's keys of head h at columns h·D to h·D + D − 1), then the T value rows,
+/// T x H·M scalars row-major; the trailing CRC covers all of it. Only the live rows are
+/// written, not the reserved capacity. The file is 72 + 8 + s·T·H·(D + M) bytes.
 ///
 /// The CRC-32 is the common one
 /// (reflected polynomial 0xEDB88320, initial value and final XOR 0xFFFFFFFF; "123456789" gives
@@ -279,6 +291,160 @@ void load_state(std::istream& is, MultiHeadRecurrentLinearAttention<FeatureMap, 
     auto& r = heads[static_cast<std::size_t>(h)];
     detail::RecurrentStateAccess::install(rnn.head(h), std::move(r.state), r.position, r.unfolded);
   }
+}
+
+/// \brief Writes the exact decoding position of a LinearAttentionLayer's generation state
+/// (`LinearAttentionLayer<Phi, Scalar>::State`) as a multi-head file (kind 3): one record per
+/// head with its state as the head holds it (low parts not folded), the tokens in its low parts
+/// since their last fold, and the position, which is the State's position(). The bytes are
+/// those of save_state(os, state.heads()), so either loads into a State (load_state(is,
+/// state)) or into a MultiHeadRecurrentLinearAttention of the same shapes.
+///
+/// A decode saved after any token (prefill or step), loaded into a State of a layer of the
+/// same shapes and continued with step() or forward(X, state) gives the uninterrupted decode's
+/// outputs bit for bit. The file records H, D, F, M and the presence of maxima, not the
+/// layer's weights, d_model or feature map: load it for the layer that made it. It is
+/// \f$72 + H\,(16 + s\,(2FM + 2F\,[+F] + L))\f$ bytes for s-byte scalars.
+/// \throws std::invalid_argument if the heads are at different positions (only possible
+/// through the non-const State::heads()), or as save_state(os, MultiHeadRecurrentLinearAttention)
+/// for log-decays; std::runtime_error if the stream was not writable or a write failed.
+/// \code
+/// linattn::LinearAttentionLayer<linattn::EluPlusOne, float> layer(256, 8);
+/// auto state = layer.make_state();
+/// Eigen::MatrixXf P = layer.forward(prompt, state);  // prefill, then layer.step(...)
+/// std::ofstream file("conversation.state", std::ios::binary);
+/// linattn::save_state(file, state);
+/// \endcode
+template <class Phi, class Scalar>
+void save_state(std::ostream& os, const LinearAttentionLayerState<Phi, Scalar>& state) {
+  const auto& rnn = state.heads();
+  for (Index h = 1; h < rnn.heads(); ++h)
+    if (rnn.head(h).position() != rnn.head(0).position())
+      detail::throw_invalid("save_state", "the heads' positions differ: head 0 is at " +
+                                              std::to_string(rnn.head(0).position()) +
+                                              ", head " + std::to_string(h) + " at " +
+                                              std::to_string(rnn.head(h).position()) +
+                                              " (the heads of a LinearAttentionLayer::State "
+                                              "share one position)");
+  linattn::save_state(os, rnn);
+}
+
+/// \brief Restores into `state` (a `LinearAttentionLayer<Phi, Scalar>::State`) the decoding
+/// position that save_state(os, state) wrote: every head's state bits, fold schedule and
+/// position, and so the State's position(). The layer then continues it exactly as it would
+/// have continued the saved State.
+///
+/// Reads a multi-head file (kind 3, format version 2 or 1): one that save_state(os, state)
+/// or save_state(os, state.heads()) wrote, or a MultiHeadRecurrentLinearAttention's whose
+/// heads are all at one position. It must have the State's H, D, F, M and maxima. Strong
+/// guarantee: on any failure `state` is unchanged. Reads exactly one record.
+/// \throws std::runtime_error `"linattn::load_state: ..."` for every failure of
+/// load_state(std::istream&) (truncated, corrupted, wrong magic, version, scalar type or
+/// kind, absurd shapes), "shape mismatch" naming the file's and the State's H, D, F, M and
+/// maxima, and "invalid record" for heads at different positions.
+/// \code
+/// linattn::LinearAttentionLayer<linattn::EluPlusOne, float> layer(256, 8);  // the same weights
+/// auto state = layer.make_state();
+/// std::ifstream file("conversation.state", std::ios::binary);
+/// linattn::load_state(file, state);  // state.position() is the saved one
+/// layer.step(x, state, y);           // continues the saved decode
+/// \endcode
+template <class Phi, class Scalar>
+void load_state(std::istream& is, LinearAttentionLayerState<Phi, Scalar>& state) {
+  constexpr const char* fn = "load_state";
+  std::uint32_t crc = 0;
+  const auto hd = detail::io::read_header<Scalar>(
+      is, fn, detail::io::kKindMultiHead, crc,
+      "the states of a MultiHeadRecurrentLinearAttention (as a LinearAttentionLayer::State is "
+      "saved)");
+  auto& rnn = state.heads();
+  const auto& first = rnn.head(0);
+  detail::io::check_object_shape(fn, hd, "LinearAttentionLayer::State",
+                                 std::uint64_t(rnn.heads()), std::uint64_t(first.key_dim()),
+                                 std::uint64_t(first.feature_dim()),
+                                 std::uint64_t(first.value_dim()),
+                                 normalizes_keys_per_feature_v<Phi>);
+  auto heads = detail::io::read_payload<Scalar>(is, fn, hd, crc);
+  for (std::size_t h = 1; h < heads.size(); ++h)
+    if (heads[h].position != heads.front().position)
+      detail::io::fail(fn, "invalid record: head " + std::to_string(h) + ": position " +
+                               std::to_string(heads[h].position) + ", but head 0 has " +
+                               std::to_string(heads.front().position) +
+                               " (the heads of a LinearAttentionLayer::State share one "
+                               "position)");
+  for (Index h = 0; h < rnn.heads(); ++h) {
+    auto& r = heads[static_cast<std::size_t>(h)];
+    detail::RecurrentStateAccess::install(rnn.head(h), std::move(r.state), r.position, r.unfolded);
+  }
+}
+
+/// \brief Writes the KV cache of a SoftmaxAttentionLayer's generation state
+/// (`SoftmaxAttentionLayer<Scalar>::State`, kind 6): the number of cached tokens T, which is
+/// position(), then the T cached key rows (T x H·D) and value rows (T x H·M) with their bits.
+/// Only the live rows are written, not the capacity reserved past them.
+///
+/// A decode saved after any token, loaded into a State of a layer of the same shapes with
+/// load_state(is, state) and continued with step() or forward(X, state) gives the
+/// uninterrupted decode's outputs bit for bit. The file records H, D and M (F = 0: no feature
+/// map), not the layer's weights or d_model: load it for the layer that made it. It is
+/// \f$72 + 8 + T\,H\,(D + M)\,s\f$ bytes for s-byte scalars.
+/// \throws std::runtime_error if the stream was not writable or a write failed.
+/// \code
+/// linattn::SoftmaxAttentionLayer<float> layer(256, 8);
+/// auto state = layer.make_state(1024);
+/// Eigen::MatrixXf P = layer.forward(prompt, state);  // prefill, then layer.step(...)
+/// std::ofstream file("conversation.cache", std::ios::binary);
+/// linattn::save_state(file, state);
+/// \endcode
+template <class Scalar>
+void save_state(std::ostream& os, const SoftmaxAttentionLayerState<Scalar>& state) {
+  const Index H = detail::RecurrentStateAccess::heads(state), T = state.position();
+  const auto K = state.keys();
+  const auto V = state.values();
+  detail::io::Writer w(os, "save_state");
+  detail::io::write_header<Scalar>(w, detail::io::kKindKVCache, false, H, K.cols() / H, 0,
+                                   V.cols() / H, 0);
+  w.integer(std::uint64_t(T));
+  if (T > 0) {  // row-major: the T live rows are the first T·H·D (T·H·M) scalars
+    w.scalars(K.data(), T * K.cols());
+    w.scalars(V.data(), T * V.cols());
+  }
+  w.finish();
+}
+
+/// \brief Restores into `state` (a `SoftmaxAttentionLayer<Scalar>::State`) the KV cache that
+/// save_state(os, state) wrote: its T key and value rows with their bits, and position() = T.
+/// The layer then continues it exactly as it would have continued the saved State.
+///
+/// The file must have the State's H, D and M. The cached rows go into the State's own
+/// memory when its capacity() holds them (a make_state(capacity) reservation is kept), else
+/// the cache is reallocated to T rows (it grows by doubling from there). Strong guarantee: on
+/// any failure `state` is unchanged. Reads exactly one record; T is checked against the
+/// sanity bounds (at most 64 GiB of rows) and, when the stream can tell its length, against
+/// it before anything is allocated.
+/// \throws std::runtime_error `"linattn::load_state: ..."` for every failure of
+/// load_state(std::istream&) (truncated, e.g. "truncated file: expected 640 bytes of keys, got
+/// 100"; corrupted; wrong magic, version, scalar type or kind; absurd shapes, including a T
+/// of more than 64 GiB of rows; a feature dimension, maxima or log-decay in the header), and
+/// "shape mismatch" naming the file's and the State's H, D and M.
+/// \code
+/// linattn::SoftmaxAttentionLayer<float> layer(256, 8);  // the same weights
+/// auto state = layer.make_state(4096);
+/// std::ifstream file("conversation.cache", std::ios::binary);
+/// linattn::load_state(file, state);  // state.position() is the saved one
+/// layer.step(x, state, y);           // continues the saved decode
+/// \endcode
+template <class Scalar>
+void load_state(std::istream& is, SoftmaxAttentionLayerState<Scalar>& state) {
+  constexpr const char* fn = "load_state";
+  std::uint32_t crc = 0;
+  const auto hd = detail::io::read_header<Scalar>(is, fn, detail::io::kKindKVCache, crc);
+  const Index H = detail::RecurrentStateAccess::heads(state);
+  detail::io::check_cache_shape(fn, hd, "SoftmaxAttentionLayer::State", std::uint64_t(H),
+                                std::uint64_t(state.keys().cols() / H),
+                                std::uint64_t(state.values().cols() / H));
+  auto r = detail::io::read_kv_payload<Scalar>(is, fn, hd, crc);
+  detail::RecurrentStateAccess::install(state, std::move(r.keys), std::move(r.values));
 }
 
 /// \brief Writes the exact decoding position of every sequence of a batched decoder (kind 5):

@@ -1,6 +1,8 @@
 // libFuzzer target of the state loader (state_io.hpp): arbitrary bytes go to load_state for
 // float and double states and into recurrent, multi-head recurrent, gated recurrent and
-// batched recurrent objects (every kind), through a seekable and a non-seekable stream. Any exception but
+// batched recurrent objects and the attention layers' States (a LinearAttentionLayer's, kind 3;
+// a SoftmaxAttentionLayer's KV cache, kind 6): every kind, through a seekable and a
+// non-seekable stream. Any exception but
 // std::runtime_error is a bug, and so is a load that succeeds and does not save back to exactly
 // the bytes it consumed (for a record of the old format version 1: to its version-2 form), or
 // one that fails and changes the object. ASan and UBSan catch the rest.
@@ -133,5 +135,23 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string bd_before = saved(bd);
   check(bytes, [&](std::istream& is) { linattn::load_state(is, bd); }, [&] { return saved(bd); },
         [&] { return saved(bd) == bd_before && bd.sequences() == 1; });
+  // The attention layers' States: a linear layer's (kind 3, H = 2, D = F = 3, M = 2, no maxima;
+  // its heads must share one position) and KV caches (kind 6) in float (H = 2, D = 3, M = 2)
+  // and double (H = 1, D = 2, M = 3, with a reserved capacity that a load may keep).
+  const linattn::LinearAttentionLayer<linattn::EluPlusOne, float> lf(5, 2, 3, 2);
+  auto lfs = lf.make_state();
+  const std::string lfs_before = saved(lfs);
+  check(bytes, [&](std::istream& is) { linattn::load_state(is, lfs); }, [&] { return saved(lfs); },
+        [&] { return saved(lfs) == lfs_before && lfs.position() == 0; });
+  const linattn::SoftmaxAttentionLayer<float> sfl(5, 2, 3, 2);
+  auto sfs = sfl.make_state();
+  const std::string sfs_before = saved(sfs);
+  check(bytes, [&](std::istream& is) { linattn::load_state(is, sfs); }, [&] { return saved(sfs); },
+        [&] { return saved(sfs) == sfs_before && sfs.position() == 0 && sfs.capacity() == 0; });
+  const linattn::SoftmaxAttentionLayer<double> sdl(4, 1, 2, 3);
+  auto sds = sdl.make_state(8);
+  const std::string sds_before = saved(sds);
+  check(bytes, [&](std::istream& is) { linattn::load_state(is, sds); }, [&] { return saved(sds); },
+        [&] { return saved(sds) == sds_before && sds.position() == 0 && sds.capacity() == 8; });
   return 0;
 }

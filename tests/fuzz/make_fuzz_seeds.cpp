@@ -2,7 +2,8 @@
 // kind and scalar type, in the shapes the fuzz target's objects have, decayed states (a scalar
 // and a per-feature log-decay), gated decoders (kind 4: per-feature gates in float, scalar
 // gates in double), batched decoders (kind 5, sequences at different positions, and an empty
-// one) and files of the old format version 1, so that the fuzzer
+// one), the attention layers' States (a linear layer's, kind 3, past a fold; KV caches, kind 6,
+// and an empty one) and files of the old format version 1, so that the fuzzer
 // starts from inputs that pass the checksums and mutates from there.
 #include <linattn/linattn.hpp>
 
@@ -128,6 +129,34 @@ int main(int argc, char** argv) {
   ok &= write(dir, "batched_double", bd);
   ok &= write(dir, "batched_empty",
               linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float>(0, 2, 3, 2));
+  // The attention layers' States in the shapes of the fuzz target's: a linear layer's after a
+  // prefill and 130 steps (a fold of the low parts, and 2 tokens into the next; also as
+  // version 1), KV caches after a prefill and steps, and an empty cache.
+  const linattn::LinearAttentionLayer<linattn::EluPlusOne, float> lf(5, 2, 3, 2);
+  const linattn::SoftmaxAttentionLayer<float> sfl(5, 2, 3, 2);
+  const linattn::SoftmaxAttentionLayer<double> sdl(4, 1, 2, 3);
+  auto lfs = lf.make_state();
+  auto sfs = sfl.make_state();
+  auto sds = sdl.make_state();
+  const Eigen::MatrixXf X = Eigen::MatrixXf::Constant(4, 5, 0.25f);
+  (void)lf.forward(X, lfs);
+  (void)sfl.forward(X, sfs);
+  (void)sdl.forward(X.leftCols(4).cast<double>().eval(), sds);
+  Eigen::VectorXf y(5);
+  Eigen::VectorXd yd(4);
+  for (int t = 0; t < 130; ++t) {
+    const Eigen::VectorXf x = Eigen::VectorXf::LinSpaced(5, -1.0f + 0.01f * float(t), 1.0f);
+    lf.step(x, lfs, y);
+    if (t < 6) {
+      sfl.step(x, sfs, y);
+      sdl.step(x.head(4).cast<double>(), sds, yd);
+    }
+  }
+  ok &= write(dir, "layer_linear_float", lfs);
+  ok &= write_version1(dir, "layer_linear_float_v1", lfs);
+  ok &= write(dir, "layer_softmax_float", sfs);
+  ok &= write(dir, "layer_softmax_double", sds);
+  ok &= write(dir, "layer_softmax_empty", sfl.make_state());
   if (!ok) std::fprintf(stderr, "make_fuzz_seeds: could not write into %s\n", dir.c_str());
   return ok ? 0 : 1;
 }

@@ -32,6 +32,13 @@
 #include "../state.hpp"
 
 namespace linattn {
+
+// attention_layer.hpp: the states of the attention layers (kind 3 and kind 6 files).
+template <class Phi, class Scalar>
+class LinearAttentionLayerState;
+template <class Scalar>
+class SoftmaxAttentionLayerState;
+
 namespace detail {
 
 // The objects' own members, so that a resumed decode continues from the very bits an
@@ -87,6 +94,32 @@ struct RecurrentStateAccess {
     r.marks_ = std::move(marks);
     r.sequences_ = sequences;
   }
+  // The KV cache of a SoftmaxAttentionLayer::State: its head count (the cache's columns are
+  // H·D and H·M), and the install of T cached tokens (keys T x H·D, values T x H·M). Strong
+  // guarantee: the rows go into the cache's own memory when it has room (no allocation, and
+  // the reservation of make_state(capacity) is kept), else the one allocation (the scores)
+  // comes before the swaps.
+  template <class Scalar>
+  static Index heads(const SoftmaxAttentionLayerState<Scalar>& s) noexcept {
+    return s.heads_;
+  }
+  template <class Scalar>
+  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  template <class Scalar>
+  static void install(SoftmaxAttentionLayerState<Scalar>& s, RowMatrix<Scalar>&& keys,
+                      RowMatrix<Scalar>&& values) {
+    const Index T = keys.rows();
+    if (T <= s.keys_.rows()) {
+      s.keys_.topRows(T) = keys;
+      s.values_.topRows(T) = values;
+    } else {
+      Vector<Scalar> scores(T);
+      s.keys_.swap(keys);
+      s.values_.swap(values);
+      s.scores_.swap(scores);
+    }
+    s.length_ = T;
+  }
 };
 
 namespace io {
@@ -98,11 +131,13 @@ constexpr std::uint32_t kFloat = 1, kDouble = 2;
 constexpr std::uint32_t kKindState = 1, kKindRecurrent = 2, kKindMultiHead = 3;
 constexpr std::uint32_t kKindGated = 4;    // version 2 only
 constexpr std::uint32_t kKindBatched = 5;  // version 2 only; the payload starts with B
+constexpr std::uint32_t kKindKVCache = 6;  // version 2 only; T, then the cached K and V rows
 constexpr std::uint32_t kFlagMaxima = 1;
 constexpr std::size_t kHeaderBytes = 68;    // with its CRC (version 2)
 constexpr std::size_t kHeaderBytesV1 = 60;  // version 1: no log-decay field
 constexpr std::size_t kHeadPrefixBytes = 16;  // position, unfolded tokens
 constexpr std::size_t kSequencesBytes = 8;    // kind 5: the sequence count B before the records
+constexpr std::size_t kTokensBytes = 8;       // kind 6: the cached token count T before the rows
 // Sanity bounds on a file's declared shapes, checked before anything is allocated: far above
 // any real state (a 4096 x 4096 double state is 256 MiB), far below what would overflow the
 // size arithmetic.
@@ -168,6 +203,7 @@ inline const char* kind_name(std::uint32_t kind) {
     case kKindRecurrent: return "the state of a RecurrentLinearAttention";
     case kKindGated: return "the state of a RecurrentGatedAttention";
     case kKindBatched: return "the states of a BatchedRecurrentLinearAttention";
+    case kKindKVCache: return "the KV cache of a SoftmaxAttentionLayer::State";
     default: return "the states of a MultiHeadRecurrentLinearAttention";
   }
 }
@@ -356,9 +392,11 @@ inline std::int64_t bytes_left(std::istream& is) {
 
 // Reads and checks the header: magic, version, its CRC, then the declared scalar type, kind
 // and shapes against what the caller asks for and the sanity bounds. Returns it and the CRC
-// register after it.
+// register after it. `wanted` names what the caller loads in a wrong-kind message (default:
+// kind_name(kind)).
 template <class Scalar>
-Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::uint32_t& crc) {
+Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::uint32_t& crc,
+                   const char* wanted = nullptr) {
   if (!is) fail(fn, "the stream is not readable (its failbit or badbit is set)");
   unsigned char h[kHeaderBytes];
   read_exact(is, fn, h, 8, "magic number");
@@ -392,17 +430,26 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
   if (hd.scalar != scalar_code<Scalar>())
     fail(fn, std::string("wrong scalar type: the file holds ") + scalar_name(hd.scalar) +
                  ", not " + scalar_name(scalar_code<Scalar>()));
-  if (hd.kind < kKindState || hd.kind > (version == kVersion1 ? kKindMultiHead : kKindBatched))
+  if (hd.kind < kKindState || hd.kind > (version == kVersion1 ? kKindMultiHead : kKindKVCache))
     fail(fn, "unknown kind code " + std::to_string(hd.kind));
   if (hd.kind != kind)
     fail(fn, std::string("wrong kind: the file holds ") + kind_name(hd.kind) + ", not " +
-                 kind_name(kind));
+                 (wanted != nullptr ? wanted : kind_name(kind)));
   if ((hd.flags & ~kFlagMaxima) != 0) fail(fn, "unknown flags " + std::to_string(hd.flags));
   if (hd.heads == 0 || hd.heads > kMaxHeads ||
-      (kind != kKindMultiHead && kind != kKindBatched && hd.heads != 1))
+      (kind != kKindMultiHead && kind != kKindBatched && kind != kKindKVCache && hd.heads != 1))
     fail(fn, "invalid head count " + std::to_string(hd.heads));
   if ((kind == kKindState) != (hd.key_dim == 0) || hd.key_dim > kMaxDim)
     fail(fn, "invalid key dimension " + std::to_string(hd.key_dim));
+  // A KV cache: keys and values as projected, no feature map, maxima or decay.
+  if (kind == kKindKVCache && hd.F != 0)
+    fail(fn, "invalid feature dimension " + std::to_string(hd.F) +
+                 ": a KV cache has no feature map (F must be 0)");
+  if (kind == kKindKVCache && hd.maxima())
+    fail(fn, "invalid flags " + std::to_string(hd.flags) + ": a KV cache has no running maxima");
+  if (kind == kKindKVCache && hd.decay != 0)
+    fail(fn, "invalid log-decay size " + std::to_string(hd.decay) +
+                 ": a KV cache has no log-decay (L must be 0)");
   if (hd.decay != 0 && hd.decay != 1 && hd.decay != hd.F)
     fail(fn, "invalid log-decay size " + std::to_string(hd.decay) + " (must be 0, 1 or F = " +
                  std::to_string(hd.F) + ")");
@@ -417,7 +464,44 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
     fail(fn, "absurd shape: F = " + std::to_string(hd.F) + ", M = " + std::to_string(hd.M) +
                  ", " + std::to_string(hd.heads) + " head(s) (more than the " +
                  std::to_string(kMaxPayloadBytes >> 30) + " GiB this loader accepts)");
+  if (kind == kKindKVCache &&
+      sizeof(Scalar) * hd.heads * (hd.key_dim + hd.M) > kMaxPayloadBytes)
+    fail(fn, "absurd shape: one cached token of " + std::to_string(hd.heads) +
+                 " head(s) of D = " + std::to_string(hd.key_dim) + ", M = " +
+                 std::to_string(hd.M) + " is more than the " +
+                 std::to_string(kMaxPayloadBytes >> 30) + " GiB this loader accepts");
   return hd;
+}
+
+// Reads the rest of a record, `total` bytes ending with the trailing CRC, and checks that CRC
+// (`crc` is the register after everything before them). Allocates nothing beyond the bytes
+// that actually arrive (plus one chunk): when the stream can tell its length, a short one is
+// refused before anything is read. truncated(got) is the message for a record cut after `got`
+// of these bytes.
+template <class Truncated>
+std::vector<unsigned char> read_body(std::istream& is, const char* fn, std::uint64_t total,
+                                     std::uint32_t crc, const Truncated& truncated) {
+  if (total > std::uint64_t(std::numeric_limits<std::size_t>::max()))
+    fail(fn, "the state (" + std::to_string(total) + " bytes) is too large for this machine");
+  const std::int64_t left = bytes_left(is);
+  if (left >= 0 && std::uint64_t(left) < total) fail(fn, truncated(std::uint64_t(left)));
+  std::vector<unsigned char> buf;
+  if (left >= 0) buf.reserve(static_cast<std::size_t>(total));
+  std::uint64_t got = 0;
+  while (got < total) {
+    const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(kReadChunk, total - got));
+    buf.resize(static_cast<std::size_t>(got) + want);
+    const std::size_t n = read_some(is, buf.data() + got, want);
+    got += n;
+    if (n < want) fail(fn, truncated(got));
+  }
+  const std::size_t body = static_cast<std::size_t>(total - 4);
+  const std::uint32_t stored = get_le<std::uint32_t>(buf.data() + body);
+  const std::uint32_t computed = crc32_update(crc, buf.data(), body) ^ 0xFFFFFFFFu;
+  if (stored != computed)
+    fail(fn, "corrupted data: checksum mismatch (stored " + std::to_string(stored) +
+                 ", computed " + std::to_string(computed) + ")");
+  return buf;
 }
 
 // One head's state and decoding position.
@@ -456,28 +540,9 @@ std::vector<HeadRecord<Scalar>> read_payload(std::istream& is, const char* fn,
                    std::to_string(kMaxPayloadBytes >> 30) + " GiB this loader accepts)");
   }
   const std::uint64_t records = record_count(hd);
-  const std::uint64_t total = records * head_bytes(hd, s) + 4;
-  if (total > std::uint64_t(std::numeric_limits<std::size_t>::max()))
-    fail(fn, "the state (" + std::to_string(total) + " bytes) is too large for this machine");
-  const std::int64_t left = bytes_left(is);
-  if (left >= 0 && std::uint64_t(left) < total)
-    fail(fn, truncation_message(hd, s, prefix + std::uint64_t(left)));
-  std::vector<unsigned char> buf;
-  if (left >= 0) buf.reserve(static_cast<std::size_t>(total));
-  std::uint64_t got = 0;
-  while (got < total) {
-    const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(kReadChunk, total - got));
-    buf.resize(static_cast<std::size_t>(got) + want);
-    const std::size_t n = read_some(is, buf.data() + got, want);
-    got += n;
-    if (n < want) fail(fn, truncation_message(hd, s, prefix + got));
-  }
-  const std::size_t body = static_cast<std::size_t>(total - 4);
-  const std::uint32_t stored = get_le<std::uint32_t>(buf.data() + body);
-  const std::uint32_t computed = crc32_update(crc, buf.data(), body) ^ 0xFFFFFFFFu;
-  if (stored != computed)
-    fail(fn, "corrupted data: checksum mismatch (stored " + std::to_string(stored) +
-                 ", computed " + std::to_string(computed) + ")");
+  const std::vector<unsigned char> buf =
+      read_body(is, fn, records * head_bytes(hd, s) + 4, crc,
+                [&](std::uint64_t got) { return truncation_message(hd, s, prefix + got); });
 
   const Index F = static_cast<Index>(hd.F), M = static_cast<Index>(hd.M);
   const unsigned char* p = buf.data();
@@ -550,6 +615,71 @@ std::vector<HeadRecord<Scalar>> read_payload(std::istream& is, const char* fn,
   return heads;
 }
 
+// Which field byte `got` of a kind-6 payload (from the token count T on) falls in, and how
+// many of its bytes came before: for the message of a truncated file. Past the first 8 bytes,
+// T must be the file's.
+inline std::string kv_truncation_message(const Header& h, std::uint64_t s, std::uint64_t T,
+                                         std::uint64_t got) {
+  const std::pair<const char*, std::uint64_t> fields[] = {
+      {"cached token count T", kTokensBytes},
+      {"keys", T * h.heads * h.key_dim * s},
+      {"values", T * h.heads * h.M * s}};
+  std::uint64_t at = 0;
+  for (const auto& f : fields) {
+    if (f.second > 0 && got < at + f.second)
+      return "truncated file: expected " + std::to_string(f.second) + " bytes of " + f.first +
+             ", got " + std::to_string(got - at);
+    at += f.second;
+  }
+  return "truncated file: expected 4 bytes of checksum, got " + std::to_string(got - at);
+}
+
+// The cached rows of a kind-6 file: keys T x H·D and values T x H·M (T = rows).
+template <class Scalar>
+struct KVRecord {
+  RecurrentStateAccess::RowMatrix<Scalar> keys, values;
+};
+
+// Reads a kind-6 payload after a checked header: the token count T, checked against the
+// sanity bounds before anything is allocated, then (read_body) the T key rows, the T value
+// rows and the trailing CRC; decoded only once the CRC checks out.
+template <class Scalar>
+KVRecord<Scalar> read_kv_payload(std::istream& is, const char* fn, const Header& hd,
+                                 std::uint32_t crc) {
+  constexpr std::uint64_t s = sizeof(Scalar);
+  unsigned char b[kTokensBytes];
+  const std::size_t n = read_some(is, b, kTokensBytes);
+  if (n < kTokensBytes) fail(fn, kv_truncation_message(hd, s, 0, n));
+  crc = crc32_update(crc, b, kTokensBytes);
+  const std::uint64_t T = get_le<std::uint64_t>(b);
+  const std::uint64_t row = s * hd.heads * (hd.key_dim + hd.M);  // > 0, <= 64 GiB (header)
+  if (T > kMaxPayloadBytes / row)
+    fail(fn, "absurd shape: T = " + std::to_string(T) + " cached tokens of " +
+                 std::to_string(hd.heads) + " head(s) of D = " + std::to_string(hd.key_dim) +
+                 ", M = " + std::to_string(hd.M) + " (more than the " +
+                 std::to_string(kMaxPayloadBytes >> 30) + " GiB this loader accepts)");
+  const std::vector<unsigned char> buf =
+      read_body(is, fn, T * row + 4, crc, [&](std::uint64_t got) {
+        return kv_truncation_message(hd, s, T, kTokensBytes + got);
+      });
+  const Index rows = static_cast<Index>(T);
+  const Index HD = static_cast<Index>(hd.heads * hd.key_dim);
+  const Index HM = static_cast<Index>(hd.heads * hd.M);
+  KVRecord<Scalar> r;
+  r.keys.resize(rows, HD);
+  r.values.resize(rows, HM);
+  const unsigned char* p = buf.data();
+  const auto get_scalars = [&p](Scalar* x, Index count) {
+    for (Index i = 0; i < count; ++i, p += s) {
+      const Bits<Scalar> bits = get_le<Bits<Scalar>>(p);
+      std::memcpy(x + i, &bits, sizeof bits);
+    }
+  };
+  get_scalars(r.keys.data(), rows * HD);  // row-major: the file's order
+  get_scalars(r.values.data(), rows * HM);
+  return r;
+}
+
 // Writes a header (with its CRC) for the given shapes and log-decay entries per head.
 template <class Scalar>
 void write_header(Writer& w, std::uint32_t kind, bool maxima, Index heads, Index key_dim, Index F,
@@ -610,6 +740,19 @@ inline void check_object_shape(const char* fn, const Header& hd, const char* obj
   fail(fn, std::string("shape mismatch: the file holds ") +
                describe(hd.heads, hd.key_dim, hd.F, hd.M, hd.maxima()) + ", this " + object +
                " has " + describe(heads, key_dim, F, M, maxima));
+}
+
+// A KV cache's shapes against a kind-6 header's, as runtime_error naming both.
+inline void check_cache_shape(const char* fn, const Header& hd, const char* object,
+                              std::uint64_t heads, std::uint64_t key_dim, std::uint64_t M) {
+  if (hd.heads == heads && hd.key_dim == key_dim && hd.M == M) return;
+  const auto describe = [](std::uint64_t h, std::uint64_t d, std::uint64_t m) {
+    return std::to_string(h) + " head(s) of D = " + std::to_string(d) + ", M = " +
+           std::to_string(m);
+  };
+  fail(fn, std::string("shape mismatch: the file holds a KV cache of ") +
+               describe(hd.heads, hd.key_dim, hd.M) + ", this " + object + " has " +
+               describe(heads, key_dim, M));
 }
 
 }  // namespace io
