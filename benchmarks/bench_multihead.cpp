@@ -12,6 +12,10 @@
 //     output and workspace per call) beside the out-parameter forms with a reused
 //     MultiHeadWorkspace, for every multi-head kernel;
 //   - tiled softmax (non-causal and causal) at 1 and 2 threads;
+//   - Linformer (linformer.hpp, k = 256 projected keys, non-causal), one thread: no multi-head
+//     form, so one single-head call per head on the column blocks of the packed column-major
+//     buffers, E and F (k × N, from make_linformer_projections) shared by the heads, a reused
+//     LinformerWorkspace: O(N·k) beside linear attention's O(N) and softmax's O(N²);
 //   - the paper's CPU algorithm (paper_baseline.hpp) on [H, N, D], one thread: mh_paper_linear
 //     and mh_paper_causal, measured in the same run as linattn (report.py prints the ratios);
 //   - row-major against column-major call by call (mh_layout_pair_*: both calls in every
@@ -192,6 +196,41 @@ void BM_multihead(benchmark::State& st, Kind kind, Layout layout, Form form, int
   lb::set_threads(1);
 }
 
+// Linformer with k projected keys (spec §5), one thread: H single-head calls on the heads' column
+// blocks of the packed column-major buffers (the same values as BM_multihead), E and F shared by
+// the heads. Useful flops per head: 2·k·N·(D + M) for E K and F V, plus softmax attention of N
+// queries over k keys.
+template <class T>
+void BM_linformer(benchmark::State& st, Index k) {
+  const Index N = st.range(0), H = kHeads, D = kDim, M = kDim;
+  lb::set_threads(1);
+  const Mat<T> Q = lb::random_matrix<T>(N, H * D, 51), K = lb::random_matrix<T>(N, H * D, 52),
+               V = lb::random_matrix<T>(N, H * M, 53);
+  const auto projections = linattn::make_linformer_projections<T>(N, k, 54);
+  const Mat<T>& E = projections.first;
+  const Mat<T>& F = projections.second;
+  Mat<T> out = Mat<T>::Zero(N, H * M);
+  linattn::LinformerWorkspace<T> ws;
+  const auto call = [&] {
+    for (Index h = 0; h < H; ++h)
+      linattn::linformer_attention(Q.middleCols(h * D, D), K.middleCols(h * D, D),
+                                   V.middleCols(h * M, M), E, F, out.middleCols(h * M, M), ws);
+  };
+  const double projections_flops = 2.0 * double(k) * double(N) * double(D + M);
+  const double flops = double(H) * (projections_flops + lb::softmax_flops(N, k, D, M, false));
+  if (lb::worth_warming_up(flops)) call();
+  for (auto _ : st) {
+    call();
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  if (!lb::all_finite(out)) st.SkipWithError("non-finite output");
+  st.SetComplexityN(N);
+  lb::set_common_counters(st, flops, N, D, M, H, 1);
+  st.counters["k"] = double(k);
+  st.counters["ws_bytes"] = double(ws.bytes());
+}
+
 // Row-major against column-major packed inputs, call by call, one thread: each iteration makes
 // the column-major call and the row-major one (the same memory viewed through a row-major Map)
 // back to back, alternating which goes first. The machine's drift during a run (clock, other
@@ -333,6 +372,9 @@ void register_all(const lb::Profile& p) {
     b->Iterations(p.name == "smoke" ? 2 : 20);
     for (Index n : pair_ns) b->Arg(int64_t(n));
   }
+  // Linformer over the whole sweep: O(N·k), k = 256.
+  lb::add("mh_linformer/k:256" + tail(1), p.mh_ns, "N", benchmark::oN,
+          [](benchmark::State& st) { BM_linformer<float>(st, 256); });
   lb::add("mh_paper_linear/phi:elu/layout:hnd" + tail(1), p.mh_ns, "N", benchmark::oN,
           [](benchmark::State& st) { BM_paper<float>(st, false); });
   lb::add("mh_paper_causal/phi:elu/layout:hnd" + tail(1), p.mh_ns, "N", benchmark::oN,
@@ -378,7 +420,8 @@ std::string notes(const lb::Profile& p) {
          "thread only; tiled softmax (and its GEMM reference) capped at N <= " +
          std::to_string(p.mh_softmax_cap) + " on 1 thread, N <= " +
          std::to_string(p.mh_softmax_cap_mt) + " on more (8 heads of O(N^2) work), its returning "
-         "form at N <= " + std::to_string(p.mh_ret_softmax_cap) + ".";
+         "form at N <= " + std::to_string(p.mh_ret_softmax_cap) +
+         "; Linformer (k = 256, one single-head call per head, 1 thread) at every N.";
 }
 
 }  // namespace
