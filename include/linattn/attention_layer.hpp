@@ -12,9 +12,11 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "batched_layer.hpp"
 #include "checks.hpp"
 #include "common.hpp"
 #include "elu_plus_one.hpp"
@@ -377,6 +379,9 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
   /// \brief The per-sequence state of generation (LinearAttentionLayerState): one linear
   /// attention state per head. Saved and restored exactly by save_state() / load_state().
   using State = LinearAttentionLayerState<Phi, Scalar>;
+  /// \brief The state of B sequences generated together (LinearAttentionLayerBatchedState):
+  /// their heads in a BatchedRecurrentLinearAttention and the buffers of a batched step.
+  using BatchedState = LinearAttentionLayerBatchedState<Phi, Scalar>;
 
   /// H = num_heads heads of key and value size d_model / num_heads.
   /// \throws std::invalid_argument unless d_model is a positive multiple of num_heads.
@@ -449,6 +454,132 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
     this->step_out(b, y);
   }
 
+  /// \brief `sequences` empty sequences served together, with step buffers for
+  /// max(sequences, capacity) of them (see LinearAttentionLayerBatchedState).
+  /// \throws std::invalid_argument if sequences or capacity is negative.
+  /// \code
+  /// auto batch = layer.make_batched_state(4, 64);  // 4 sequences now, room for 64
+  /// \endcode
+  BatchedState make_batched_state(Index sequences = 0, Index capacity = 0) const {
+    if (sequences < 0 || capacity < 0)
+      detail::throw_invalid("LinearAttentionLayer::make_batched_state",
+                            "sequences and capacity must be >= 0, got " +
+                                std::to_string(sequences) + " and " + std::to_string(capacity));
+    return BatchedState(this->d_model(), this->num_heads(), this->key_dim(), this->value_dim(),
+                        phi_, sequences, capacity);
+  }
+
+  /// \brief Packed prefill of the B sequences of `states`: X (N x d_model) holds their new rows
+  /// one sequence after the other, sequence b in rows [cu_seqlens[b], cu_seqlens[b+1]) (B + 1
+  /// offsets of any integer type, as batched_causal_linear_attention() takes them; a sequence
+  /// may get no rows). Each sequence continues from its state (after earlier prefills or
+  /// steps) and its position advances by its rows; writes Y (N x d_model, may be X's memory),
+  /// row for row what forward(X_b, state_b) gives for each sequence alone (to rounding). The
+  /// projections are one matrix product each over the N rows. Allocates (states, N-row
+  /// temporaries). On an exception `states` is unchanged.
+  /// \throws std::invalid_argument if X or Y is not N x d_model, cu_seqlens has not B + 1
+  /// entries from 0 to N, non-decreasing, or `states` is of another layer's shape.
+  /// \code
+  /// Eigen::VectorXi cu(5);
+  /// cu << 0, 7, 7, 19, 20;                      // prompts of 7, 0, 12 and 1 tokens
+  /// layer.forward(prompts, cu, batch, Y);       // prompts, Y: 20 x d_model
+  /// \endcode
+  template <class DX, class Off, class DY>
+  void forward(const Eigen::MatrixBase<DX>& X, const Off& cu_seqlens, BatchedState& states,
+               const Eigen::MatrixBase<DY>& Y, const ParallelOptions& par = {}) const {
+    constexpr const char* fn = "LinearAttentionLayer::forward";
+    check_batched_state(fn, states);
+    this->check_rows(fn, "Y", Y);
+    if (Y.rows() != X.rows())
+      detail::throw_invalid(fn, "Y is " + detail::shape_of(Y) + " but X is " +
+                                    detail::shape_of(X) + ": they must have the same rows");
+    Matrix<Scalar> Q, K, V;
+    this->prefill_in(fn, X, Q, K, V);
+    const detail::OffsetsRef off = detail::offsets_of(fn, "cu_seqlens", cu_seqlens);
+    const Index B = states.sequences(), H = this->num_heads();
+    if (static_cast<Index>(off.size()) != B + 1)
+      detail::throw_invalid(fn, "cu_seqlens has " + std::to_string(off.size()) +
+                                    " entries but must have B + 1 = " + std::to_string(B + 1) +
+                                    " (the state holds B = " + std::to_string(B) + " sequences)");
+    detail::check_offsets(fn, "cu_seqlens", off, X.rows());
+    auto& dec = states.dec_;
+    std::vector<LinearAttentionState<Scalar>> next = dec.states();
+    Matrix<Scalar> A(X.rows(), H * this->value_dim());
+    batched_causal_linear_attention(Q, K, V, cu_seqlens, H, phi_, next, A, states.ws_, {}, par);
+    detail::writable(Y) = this->output(A);
+    // Nothing below throws: the sequences move only once every head is done. A sequence with no
+    // rows is left as it was (its fold schedule too).
+    for (Index b = 0; b < B; ++b) {
+      const Index rows = off[static_cast<std::size_t>(b + 1)] - off[static_cast<std::size_t>(b)];
+      if (rows == 0) continue;
+      const Index position = dec.position(b) + rows;
+      for (Index h = 0; h < H; ++h)
+        dec.set_state(b, h, next[static_cast<std::size_t>(b * H + h)], position);
+    }
+  }
+
+  /// Packed prefill returning Y (N x d_model); see the form with Y.
+  template <class DX, class Off>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, const Off& cu_seqlens,
+                         BatchedState& states, const ParallelOptions& par = {}) const {
+    Matrix<Scalar> Y(X.rows(), this->d_model());
+    forward(X, cu_seqlens, states, Y, par);
+    return Y;
+  }
+
+  /// \brief One token of each of the B sequences of `states`: row b of Xb (B x d_model) is
+  /// sequence b's token; writes its output row into row b of Yb (B x d_model, may be Xb's
+  /// memory). The projections are one matrix product each over the B rows, the heads one
+  /// BatchedRecurrentLinearAttention::step (their (sequence, head) pairs on up to
+  /// `par.num_threads` threads). Equal to B separate step(x, state, y) calls to rounding (the
+  /// attention bit for bit given the same projections). Performs no heap allocation once
+  /// states.capacity() >= B (make_batched_state(), add_sequence() and reserve() see to it).
+  /// \throws std::invalid_argument if Xb or Yb is not B x d_model or `states` is of another
+  /// layer's shape, with no sequence moved.
+  /// \code
+  /// Eigen::MatrixXf Xb(batch.sequences(), 512), Yb(batch.sequences(), 512);
+  /// layer.step(Xb, batch, Yb);
+  /// \endcode
+  template <class DX, class DY>
+  void step(const Eigen::MatrixBase<DX>& Xb, BatchedState& states,
+            const Eigen::MatrixBase<DY>& Yb, const ParallelOptions& par = {}) const {
+    constexpr const char* fn = "LinearAttentionLayer::step";
+    const Index B = states.sequences();
+    check_batched_step(fn, Xb, Yb, states, B, false);
+    auto& dec = states.dec_;
+    states.run_step(*this, B, Xb, Yb, par, [&](auto&& q, auto&& k, auto&& v, auto&& a) {
+      dec.step(q, k, v, a, par);
+    });
+  }
+
+  /// \brief One token of the sequences listed in `slots` only (a vector of distinct sequence
+  /// numbers of any integer type): row r of Xb and Yb belongs to sequence slots(r); the others
+  /// keep their state. See step(Xb, states, Yb).
+  /// \throws std::invalid_argument on wrong shapes, a slot outside [0, B) or a repeated one,
+  /// with no sequence moved.
+  /// \code
+  /// Eigen::VectorXi active(2);
+  /// active << 0, 3;                          // sequences 0 and 3 have a new token
+  /// layer.step(active, X2, batch, Y2);       // X2, Y2: 2 x d_model
+  /// \endcode
+  template <class DSlots, class DX, class DY>
+  void step(const Eigen::DenseBase<DSlots>& slots, const Eigen::MatrixBase<DX>& Xb,
+            BatchedState& states, const Eigen::MatrixBase<DY>& Yb,
+            const ParallelOptions& par = {}) const {
+    constexpr const char* fn = "LinearAttentionLayer::step";
+    if (slots.rows() != 1 && slots.cols() != 1 && slots.size() != 0)
+      detail::throw_invalid(fn, "slots is " + detail::shape_of(slots) + " but must be a vector");
+    const Index n = slots.size();
+    check_batched_step(fn, Xb, Yb, states, n, true);
+    if (n > states.sequences())
+      detail::throw_invalid(fn, std::to_string(n) + " slots but the state holds B = " +
+                                    std::to_string(states.sequences()) + " sequences");
+    auto& dec = states.dec_;
+    states.run_step(*this, n, Xb, Yb, par, [&](auto&& q, auto&& k, auto&& v, auto&& a) {
+      dec.step(slots, q, k, v, a, par);
+    });
+  }
+
   /// The gradients of a loss L with respect to X and every parameter, given dY = ∂L/∂Y for
   /// Y = forward(X, causal) (the forward is recomputed; the attention's gradients are the
   /// multi-head backward kernels', O(F·M) working memory per head).
@@ -475,6 +606,32 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
       return causal ? multihead_causal_linear_attention(Q, K, V, this->num_heads(), phi_)
                     : multihead_linear_attention(Q, K, V, this->num_heads(), phi_);
     };
+  }
+
+  void check_batched_state(const char* fn, const BatchedState& states) const {
+    const auto& dec = states.dec_;
+    if (dec.heads() != this->num_heads() || dec.key_dim() != this->key_dim() ||
+        dec.value_dim() != this->value_dim() || states.d_model_ != this->d_model())
+      detail::throw_invalid(fn, "the batched state was made by a layer of another shape");
+  }
+
+  template <class DX, class DY>
+  void check_batched_step(const char* fn, const Eigen::MatrixBase<DX>& Xb,
+                          const Eigen::MatrixBase<DY>& Yb, const BatchedState& states, Index rows,
+                          bool slots) const {
+    static_assert(std::is_same_v<typename DX::Scalar, Scalar> &&
+                      std::is_same_v<typename DY::Scalar, Scalar>,
+                  "linattn: the tokens' scalar type must be the layer's");
+    check_batched_state(fn, states);
+    this->check_parameters(fn);
+    const Index d = this->d_model();
+    if (Xb.rows() != rows || Xb.cols() != d || Yb.rows() != rows || Yb.cols() != d)
+      detail::throw_invalid(fn, "Xb is " + detail::shape_of(Xb) + " and Yb is " +
+                                    detail::shape_of(Yb) + " but both must be " +
+                                    detail::shape_string(rows, d) +
+                                    (slots ? " (one row per slot, " + std::to_string(rows) + " slots)"
+                                           : " (one row per sequence, B = " +
+                                                 std::to_string(rows) + ")"));
   }
 
   void check_state(const char* fn, const State& state) const {
