@@ -200,10 +200,12 @@ void check_save_load() {
   Mat<S> Yb(4, 12), Yr(4, 12);
   std::uint32_t seed = 300;
   for (int t = 0; t < 70; ++t) layer.step(test::random_matrix<S>(4, 12, seed++), batch, Yb);
-  std::stringstream file;
-  linattn::save_state(file, batch.decoder());
+  std::stringstream file, through_decoder;
+  linattn::save_state(file, batch);
+  linattn::save_state(through_decoder, batch.decoder());
+  EXPECT_EQ(file.str(), through_decoder.str());  // the BatchedState's file is its decoder's
   auto resumed = layer.make_batched_state();
-  linattn::load_state(file, resumed.decoder());
+  linattn::load_state(file, resumed);
   ASSERT_EQ(resumed.sequences(), 4);
   for (Index b = 0; b < 4; ++b) EXPECT_EQ(resumed.position(b), batch.position(b));
   // 140 more steps: past the next fold of every head; then a prefill and more steps.

@@ -93,7 +93,7 @@ void layer_rows_times_transpose(const Matrix<Scalar>& W, const RowMat& in, Index
 /// Eigen::MatrixXf Xb(4, 512), Yb(4, 512);
 /// layer.step(Xb, batch, Yb);                      // one token of each: no allocation
 /// std::ofstream file("batch.state", std::ios::binary);
-/// linattn::save_state(file, batch.decoder());     // park every conversation
+/// linattn::save_state(file, batch);               // park every conversation
 /// \endcode
 template <class Phi, class Scalar>
 class LinearAttentionLayerBatchedState {

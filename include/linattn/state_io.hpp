@@ -595,4 +595,36 @@ void load_state(std::istream& is, RecurrentGatedAttention<Phi, Scalar>& rnn) {
   detail::RecurrentStateAccess::install(rnn, std::move(r.state), r.position);
 }
 
+// After the BatchedRecurrentLinearAttention overloads: a qualified call in a template finds
+// only the overloads declared before it.
+
+/// \brief Writes every sequence of a `LinearAttentionLayer<Phi, Scalar>::BatchedState`: the
+/// file of save_state(os, state.decoder()) (kind 5: B sequences x H heads, their positions and
+/// fold schedules), so that load_state(is, state) resumes every conversation bit for bit.
+/// \throws as save_state(os, BatchedRecurrentLinearAttention).
+/// \code
+/// auto batch = layer.make_batched_state(4);
+/// // ... layer.forward(prompts, cu_seqlens, batch); layer.step(Xb, batch, Yb); ...
+/// std::ofstream file("batch.state", std::ios::binary);
+/// linattn::save_state(file, batch);  // park every conversation
+/// \endcode
+template <class Phi, class Scalar>
+void save_state(std::ostream& os, const LinearAttentionLayerBatchedState<Phi, Scalar>& state) {
+  linattn::save_state(os, state.decoder());
+}
+
+/// \brief Restores a `BatchedState` that save_state(os, state) wrote (or any kind-5 file of
+/// the same H, D, F, M): B becomes the file's, every sequence continues bit for bit. The step
+/// buffers grow on the next step if B outgrew their capacity (one allocation).
+/// \throws as load_state(is, BatchedRecurrentLinearAttention&); `state` is unchanged then.
+/// \code
+/// auto resumed = layer.make_batched_state();
+/// std::ifstream file("batch.state", std::ios::binary);
+/// linattn::load_state(file, resumed);  // resumed.sequences() is the saved B
+/// \endcode
+template <class Phi, class Scalar>
+void load_state(std::istream& is, LinearAttentionLayerBatchedState<Phi, Scalar>& state) {
+  linattn::load_state(is, state.decoder());
+}
+
 }  // namespace linattn

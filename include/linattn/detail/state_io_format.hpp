@@ -38,6 +38,9 @@ template <class Phi, class Scalar>
 class LinearAttentionLayerState;
 template <class Scalar>
 class SoftmaxAttentionLayerState;
+// batched_layer.hpp: the B sequences a LinearAttentionLayer serves (kind 5 files).
+template <class Phi, class Scalar>
+class LinearAttentionLayerBatchedState;
 
 namespace detail {
 
