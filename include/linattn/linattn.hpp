@@ -33,6 +33,7 @@
 #include "multihead_backward.hpp"
 #include "softmax_attention.hpp"
 #include "softmax_attention_backward.hpp"
+#include "linformer.hpp"
 #include "attention_layer.hpp"
 #include "gated_attention.hpp"
 #include "gated_attention_backward.hpp"
