@@ -368,6 +368,11 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--steps") == 0 && i + 1 < argc) steps_arg = std::atoi(argv[++i]);
     if (std::strcmp(argv[i], "--svg") == 0 && i + 1 < argc) svg = argv[++i];
   }
+  // The model's products are a few hundred rows of 32 to 64 columns. Compiled with OpenMP, Eigen
+  // splits every product of rows*cols*depth >= 1e5 over its threads, and such a product is
+  // smaller than the fork/join it then pays for (300 steps on a 2-core machine: 188 s on two
+  // threads, 2.6 s on one). The attention calls choose their own thread counts (parallel.hpp).
+  Eigen::setNbThreads(1);
   const int steps = steps_arg > 0 ? steps_arg : smoke ? 40 : 10000, batch = 16;
   const int report_every = smoke ? 10 : 250;
   Model model(1);

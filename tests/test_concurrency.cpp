@@ -76,7 +76,8 @@ void run_all(const Inputs<S>& in, Scratch<S>& s) {
   const Index N = in.N, M = in.M;
   for (std::size_t i = 0; i < s.out.size(); ++i) s.out[i].resize(N, i < 10 ? M : kHeads * M);
   linattn::ParallelOptions par;
-  par.num_threads = 2;  // OpenMP inside each std::thread (serial without OpenMP)
+  par.num_threads = 2;  // OpenMP inside each std::thread (serial without OpenMP),
+  par.min_work_per_thread = 0;  // however small the calls (ParallelOptions' cost model)
   std::size_t k = 0;
   linattn::linear_attention(in.Q, in.K, in.V, linattn::EluPlusOne{}, s.out[k++], s.ws);
   linattn::linear_attention(in.Q, in.K, in.V, linattn::NormalizedCosine{}, s.out[k++], s.ws);

@@ -4,8 +4,8 @@
 // features whatever the layout of its input (row-major, column-major, Maps with an outer
 // stride, blocks). Issue 23: Silu at extreme and non-finite inputs, L2Normalize on zero, tiny,
 // huge and non-finite rows, both backwards against finite differences, and the new maps
-// through the kernels. Built portable and with -march=native in CI: nothing here may depend
-// on which one.
+// through the kernels. Issue 26: Relu, Dpfp and Taylor2 on every layout. Built portable and
+// with -march=native in CI: nothing here may depend on which one.
 #include <linattn/linattn.hpp>
 
 #include <gtest/gtest.h>
@@ -401,6 +401,16 @@ TEST(FeatureMapLayouts, IdentityAndSiluAreBitwiseIdentical) {
   check_layouts<double>(linattn::Identity{}, true);
   check_layouts<float>(linattn::Silu{}, true);
   check_layouts<double>(linattn::Silu{}, true);
+}
+TEST(FeatureMapLayouts, ReluDpfpAndTaylor2AreBitwiseIdentical) {
+  // Issue 26: each feature is one exact or correctly rounded operation on its inputs (Relu a
+  // select, Dpfp one product, Taylor2 (x'_a/√2)·x'_b), the same whatever the input's layout.
+  check_layouts<float>(linattn::Relu{}, true);
+  check_layouts<double>(linattn::Relu{}, true);
+  check_layouts<float>(linattn::Dpfp(3), true);
+  check_layouts<double>(linattn::Dpfp(3), true);
+  check_layouts<float>(linattn::Taylor2{}, true);
+  check_layouts<double>(linattn::Taylor2{}, true);
 }
 TEST(FeatureMapLayouts, L2NormalizeIsBitwiseIdentical) {
   // Each block of rows is mapped by the inner map into the output, then normalised in place

@@ -76,6 +76,8 @@ struct EigenThreads {
 ParallelOptions threads(int n) {
   ParallelOptions p;
   p.num_threads = n;
+  // The shapes here are small: without this the work model would run them on one thread.
+  p.min_work_per_thread = 0;
   return p;
 }
 

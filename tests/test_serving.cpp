@@ -2,7 +2,8 @@
 // for B sequences x H heads, bit for bit B·H separate RecurrentLinearAttention steps, any thread
 // count, no allocation), states in and out of the multi-head and batched causal kernels (prefill
 // then decode == one shot), offsets of any integer type, and key masks of the multi-head and
-// batched forms (== per-head masked single-head calls).
+// batched forms (== per-head masked single-head calls), and the cost model that runs a call too
+// small to gain from threads on the calling thread (ParallelOptions::min_work_per_thread).
 //
 // The no-allocation checks need EIGEN_RUNTIME_NO_MALLOC before any Eigen header (see
 // test_multihead.cpp) and count global operator new too.
@@ -19,12 +20,18 @@
 
 #include <Eigen/Core>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "test_util.hpp"
 
@@ -48,9 +55,12 @@ using Vec = Eigen::Matrix<S, Eigen::Dynamic, 1>;
 template <class S>
 using States = std::vector<LinearAttentionState<S>>;
 
+// n threads however small the call (min_work_per_thread = 0): these tests check the parallel
+// paths on small shapes, which the cost model would run on one thread (section (e) checks it).
 ParallelOptions threads(int n) {
   ParallelOptions p;
   p.num_threads = n;
+  p.min_work_per_thread = 0;
   return p;
 }
 
@@ -865,6 +875,167 @@ TEST(ServingErrors, MaskMessages) {
   expect_invalid([&] { linattn::masked_multihead_causal_linear_attention(x.Q, x.K.leftCols(5), x.V, mask, 2, EluPlusOne{}, out, ws); },
                  {"linattn::masked_multihead_causal_linear_attention", "K is 10x5"},
                  "bad shapes");
+}
+
+// ---------------------------------------------------------------------------------------------
+// (e) Threads that pay: a call runs on min(num_threads, work / min_work_per_thread) threads
+// ---------------------------------------------------------------------------------------------
+
+TEST(ServingThreads, CostModelPicksTheThreadsThatPay) {
+  using linattn::detail::threads_for;
+  const double g = ParallelOptions::kDefaultMinWorkPerThread;
+  ASSERT_GT(g, 0.0);
+  ParallelOptions two, four, one, dflt;
+  two.num_threads = 2;
+  four.num_threads = 4;
+  one.num_threads = 1;
+  EXPECT_EQ(two.min_work_per_thread, g) << "the default grain";
+  // The work models: a decode pair, a causal head, a non-causal head (flops).
+  EXPECT_EQ(linattn::detail::decode_pair_work(64, 64), 4.0 * 64 * 65);
+  EXPECT_EQ(linattn::detail::causal_head_work(100, 64, 64), 100 * 4.0 * 64 * 65);
+  EXPECT_EQ(linattn::detail::linear_head_work(100, 50, 64, 64), 150 * 2.0 * 64 * 65);
+  // The decode step of issue 29 (4 sequences x 2 heads of D = M = 6) and a server's (64 x 8
+  // heads of 64).
+  const double tiny = 4 * 2 * linattn::detail::decode_pair_work(6, 6);
+  const double large = 64 * 8 * linattn::detail::decode_pair_work(64, 64);
+  EXPECT_EQ(threads_for(one, large), 1);
+#ifdef _OPENMP
+  EXPECT_EQ(threads_for(two, tiny), 1);
+  EXPECT_EQ(threads_for(two, large), 2);
+  EXPECT_EQ(threads_for(two, 0.0), 1);
+  EXPECT_EQ(threads_for(two, 1.99 * g), 1);  // two threads need twice the grain
+  EXPECT_EQ(threads_for(two, 2.0 * g), 2);
+  EXPECT_EQ(threads_for(two, 1e15), 2);  // never more than asked for
+  EXPECT_EQ(threads_for(four, 3.5 * g), 3);
+  EXPECT_EQ(threads_for(four, 1e15), 4);
+  EXPECT_EQ(threads_for(four, std::numeric_limits<double>::quiet_NaN()), 1);
+  EXPECT_EQ(threads_for(dflt, 1e15), omp_get_max_threads()) << "num_threads = 0: OpenMP's default";
+  ParallelOptions always = four;
+  always.min_work_per_thread = 0;  // always the threads asked for
+  EXPECT_EQ(threads_for(always, 0.0), 4);
+  always.min_work_per_thread = -1;
+  EXPECT_EQ(threads_for(always, 0.0), 4);
+  ParallelOptions coarse = two;
+  coarse.min_work_per_thread = 1e9;  // cores shared with busy processes
+  EXPECT_EQ(threads_for(coarse, large), 1);
+  EXPECT_EQ(threads_for(coarse, 2e9), 2);
+#else
+  EXPECT_EQ(threads_for(two, large), 1) << "without OpenMP every call is serial";
+  EXPECT_EQ(threads_for(four, 1e15), 1);
+  EXPECT_EQ(threads_for(dflt, 1e15), 1);
+#endif
+}
+
+// A feature map (ReLU + 1/4) that records the largest OpenMP team it runs in.
+std::atomic<int> g_largest_team{0};
+struct TeamRecordingMap {
+  Index feature_dim(Index d) const { return d; }
+  template <class Derived>
+  void map(const Eigen::MatrixBase<Derived>& x,
+           linattn::MatrixRef<typename Derived::Scalar> phi) const {
+#ifdef _OPENMP
+    const int team = omp_get_num_threads();
+#else
+    const int team = 1;
+#endif
+    int seen = g_largest_team.load();
+    while (team > seen && !g_largest_team.compare_exchange_weak(seen, team)) {
+    }
+    using S = typename Derived::Scalar;
+    phi = (x.array().max(S(0)) + S(0.25)).matrix();
+  }
+};
+
+// The largest team `call` ran the map in (1: the calling thread only).
+template <class Call>
+int team_of(const Call& call) {
+  g_largest_team = 0;
+  call();
+  return g_largest_team.load();
+}
+
+// Through the paths themselves: with num_threads = 2 and the default grain, a tiny call runs on
+// the calling thread and a large one on two threads, and min_work_per_thread = 0 forces two
+// threads on the tiny one; every result is bit for bit the one-thread result.
+TEST(ServingThreads, TinyCallsRunOnTheCallingThreadLargeOnesOnTwo) {
+#ifdef _OPENMP
+  if (omp_get_dynamic() || omp_get_thread_limit() < 2)
+    GTEST_SKIP() << "OMP_DYNAMIC or OMP_THREAD_LIMIT may shrink a team of 2 threads";
+  const int two_threads = 2;
+#else
+  const int two_threads = 1;
+#endif
+  ParallelOptions modeled;
+  modeled.num_threads = 2;  // the default min_work_per_thread
+  const ParallelOptions forced = threads(2), one = threads(1);
+  using Decoder = BatchedRecurrentLinearAttention<TeamRecordingMap, float>;
+
+  // The decode step of issue 29: 4 sequences x 2 heads of D = M = 5, over a fold (128 steps).
+  {
+    const Index B = 4, H = 2, D = 5, M = 5;
+    Decoder a(B, H, D, M), b(B, H, D, M), c(B, H, D, M);
+    RowMat<float> oa(B, H * M), ob(B, H * M), oc(B, H * M);
+    int team_a = 0, team_b = 0, team_c = 0;
+    bool same = true;
+    for (Index t = 0; t < 130; ++t) {
+      const Tokens<float, EluPlusOne> x(B, H, D, M, t, 29);
+      team_a = std::max(team_a, team_of([&] { a.step(x.q, x.k, x.v, oa, modeled); }));
+      team_b = std::max(team_b, team_of([&] { b.step(x.q, x.k, x.v, ob, forced); }));
+      team_c = std::max(team_c, team_of([&] { c.step(x.q, x.k, x.v, oc, one); }));
+      same = same && same_bits(oa, oc) && same_bits(ob, oc);
+    }
+    EXPECT_EQ(team_a, 1) << "a tiny decode step ran in a team";
+    EXPECT_EQ(team_b, two_threads) << "min_work_per_thread = 0 did not use the threads asked for";
+    EXPECT_EQ(team_c, 1);
+    EXPECT_TRUE(same) << "tiny decode step: outputs differ between thread counts";
+    for (Index s = 0; s < B; ++s)
+      for (Index h = 0; h < H; ++h) {
+        EXPECT_TRUE(same_state(a.state(s, h), c.state(s, h))) << s << " " << h;
+        EXPECT_TRUE(same_state(b.state(s, h), c.state(s, h))) << s << " " << h;
+      }
+  }
+  // A server's step: 64 sequences x 8 heads of 64.
+  {
+    const Index B = 64, H = 8, D = 64, M = 64;
+    Decoder a(B, H, D, M), c(B, H, D, M);
+    RowMat<float> oa(B, H * M), oc(B, H * M);
+    const Tokens<float, EluPlusOne> x(B, H, D, M, 0, 30);
+    EXPECT_EQ(team_of([&] { a.step(x.q, x.k, x.v, oa, modeled); }), two_threads)
+        << "a large decode step did not use the threads asked for";
+    EXPECT_EQ(team_of([&] { c.step(x.q, x.k, x.v, oc, one); }), 1);
+    EXPECT_TRUE(same_bits(oa, oc)) << "large decode step";
+  }
+  // The batched causal and non-causal kernels: 2 sequences x 2 heads of 4 (tiny), and of 32
+  // with 1500 rows each (large).
+  for (const bool large : {false, true}) {
+    const Index H = 2, D = large ? 32 : 4, M = D, n = large ? 1500 : 10;
+    const std::vector<Index> offsets = {0, n, 2 * n};
+    const Mat<float> Q = test::random_matrix<float>(2 * n, H * D, 31);
+    const Mat<float> K = test::random_matrix<float>(2 * n, H * D, 32);
+    const Mat<float> V = test::random_matrix<float>(2 * n, H * M, 33);
+    MultiHeadWorkspace<float> ws;
+    Mat<float> out(2 * n, H * M), ref(2 * n, H * M);
+    const std::string tag = large ? "large" : "tiny";
+    const int expected = large ? two_threads : 1;
+    EXPECT_EQ(team_of([&] {
+                linattn::batched_causal_linear_attention(Q, K, V, offsets, H, TeamRecordingMap{},
+                                                         out, ws, CausalOptions{}, modeled);
+              }),
+              expected)
+        << tag << " batched causal";
+    linattn::batched_causal_linear_attention(Q, K, V, offsets, H, TeamRecordingMap{}, ref, ws,
+                                             CausalOptions{}, one);
+    EXPECT_TRUE(same_bits(out, ref)) << tag << " batched causal";
+    EXPECT_EQ(team_of([&] {
+                linattn::batched_linear_attention(Q, K, V, offsets, offsets, H,
+                                                  TeamRecordingMap{}, out, ws, modeled);
+              }),
+              expected)
+        << tag << " batched non-causal";
+    linattn::batched_linear_attention(Q, K, V, offsets, offsets, H, TeamRecordingMap{}, ref, ws,
+                                      one);
+    EXPECT_TRUE(same_bits(out, ref)) << tag << " batched non-causal";
+  }
 }
 
 }  // namespace

@@ -359,8 +359,11 @@ class BatchedRecurrentLinearAttention {
     const detail::Nested<DK> ke(k.derived());
     const detail::Nested<DV> ve(v.derived());
     auto& dst = detail::writable(out);
-    const int threads =
-        static_cast<int>(std::min<Index>(std::max(detail::resolve_threads(par), 1), tasks));
+    // Threads that pay (ParallelOptions::min_work_per_thread): a pair is 4·F·(M + 1) flops,
+    // about a microsecond at F = M = 64, so a step of a few small pairs runs on this thread.
+    const int threads = static_cast<int>(std::min<Index>(
+        detail::threads_for(par, double(tasks) * detail::decode_pair_work(phi_.feature_dim(D), M)),
+        tasks));
     reserve_threads(threads);
     const auto run = [&](Index t, Scratch& s) {
       const Index r = t / H, h = t % H, b = slot(r);

@@ -187,7 +187,9 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
     for (auto& st : *states) delta_absorb_low(st);
   }
   const auto run = [&](const auto& q, const auto& k, const auto& v, auto& o) {
-    parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, int thread) {
+    // The delta rule reads the state before each write: about twice a causal head's work.
+    const double work = 2.0 * double(heads) * causal_head_work(Q.rows(), F, M);
+    parallel_tasks<Scalar>(B * heads, work, par, ws, [&](Index t, int thread) {
       const Index b = t / heads, h = t % heads;
       const Index r0 = offsets[static_cast<std::size_t>(b)];
       const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;

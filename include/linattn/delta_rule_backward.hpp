@@ -234,7 +234,9 @@ void multihead_delta_rule_attention_backward(
   auto& ga = detail::writable(dlog_a);
   const auto run = [&](const auto& q, const auto& k, const auto& v, const auto& go, auto& dq,
                        auto& dk, auto& dv) {
-    detail::parallel_tasks<Scalar>(heads, par, ws, [&](Index h, int thread) {
+    const double work =
+        4.0 * double(heads) * detail::causal_head_work(N, phi.feature_dim(D), M);
+    detail::parallel_tasks<Scalar>(heads, work, par, ws, [&](Index h, int thread) {
       auto dqs = detail::sub_view(dq, 0, h * D, N, D);
       auto dks = detail::sub_view(dk, 0, h * D, N, D);
       auto dvs = detail::sub_view(dv, 0, h * M, N, M);

@@ -126,7 +126,9 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
   const Viewed<DV> v(V.derived());
   const Viewed<DG> g(log_gates.derived());
   with_output_view(writable(out), [&](auto& dst) {
-    parallel_tasks<Scalar>(B * heads, par, ws, [&](Index t, int thread) {
+    // Every row of every sequence once per head (threads_for(), parallel.hpp).
+    const double work = double(heads) * causal_head_work(Q.rows(), F, M);
+    parallel_tasks<Scalar>(B * heads, work, par, ws, [&](Index t, int thread) {
       const Index b = t / heads, h = t % heads;
       const Index r0 = offsets[static_cast<std::size_t>(b)];
       const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;

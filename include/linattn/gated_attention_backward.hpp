@@ -242,7 +242,9 @@ void multihead_gated_linear_attention_backward(
     detail::with_output_views(
         detail::writable(dQ), detail::writable(dK), detail::writable(dV),
         [&](auto& gq, auto& gk, auto& gv) {
-          detail::parallel_tasks<Scalar>(heads, par, ws, [&](Index h, int thread) {
+          const double work =
+              2.0 * double(heads) * detail::causal_head_work(N, phi.feature_dim(D), M);
+          detail::parallel_tasks<Scalar>(heads, work, par, ws, [&](Index h, int thread) {
             auto dqs = gq.block(0, h * D, N, D);
             auto dks = gk.block(0, h * D, N, D);
             auto dvs = gv.block(0, h * M, N, M);

@@ -663,7 +663,8 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   // Viewed once, not per head: see batched_linear.
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-               parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, int thread) {
+               const double work = double(heads) * softmax_head_work(N, L, D, M, causal);
+               parallel_tasks<typename DQ::Scalar>(heads, work, par, ws, [&](Index h, int thread) {
                  auto dh = sub_view(dst, 0, h * M, N, M);
                  softmax_views(sub_view(q, 0, h * D, N, D), sub_view(k, 0, h * D, L, D),
                                sub_view(v, 0, h * M, L, M), dh, algorithm, causal,

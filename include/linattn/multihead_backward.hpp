@@ -45,7 +45,11 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Viewed<DG> g(dOut.derived());
   const Index C = options.chunk_size > 0 ? options.chunk_size : kDefaultChunk;
   with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
-    parallel_tasks<Scalar>(heads, par, ws, [&](Index h, int thread) {
+    // A gradient costs about twice its forward (threads_for(), parallel.hpp).
+    const double work = 2.0 * double(heads) *
+                        (Causal ? causal_head_work(Q.rows(), F, M)
+                                : linear_head_work(Q.rows(), K.rows(), F, M));
+    parallel_tasks<Scalar>(heads, work, par, ws, [&](Index h, int thread) {
       const auto qh = q.view.block(0, h * D, q.view.rows(), D);
       const auto kh = k.view.block(0, h * D, k.view.rows(), D);
       const auto vh = v.view.block(0, h * M, v.view.rows(), M);

@@ -17,6 +17,12 @@ namespace linattn {
 
 /// \brief H independent recurrent heads over the packed layout: a token is q, k of H·D
 /// entries and v of H·M entries; step() writes H·M outputs and allocates nothing.
+///
+/// step() runs its heads one after the other on the calling thread, never in an OpenMP region:
+/// the H heads of one token are 4·H·F·(M + 1) flops (1.3·10^5 for 8 heads of 64), too few for
+/// a second thread to pay (2·ParallelOptions::kDefaultMinWorkPerThread, parallel.hpp). Many
+/// sequences stepped together go through BatchedRecurrentLinearAttention, whose step() spreads
+/// its (sequence, head) pairs over threads when they pay.
 /// \code
 /// linattn::MultiHeadRecurrentLinearAttention<linattn::EluPlusOne, float> rnn(8, 64, 64);
 /// Eigen::VectorXf out(8 * 64);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -25,21 +26,52 @@ namespace linattn {
 /// calling thread. Results agree with the one-thread call to rounding, and are bit for bit
 /// the same from run to run for a given thread count.
 ///
+/// Threads that pay: starting and joining a team of threads costs time (1 to 60 microseconds on
+/// an idle machine, milliseconds when the other cores are busy), so every parallel path
+/// estimates the work of a call from its shapes (in flops: 4·F·(M + 1) per (sequence, head)
+/// pair of a decode step, 4·N·F·(M + 1) per causal head, ...) and uses min(num_threads, work /
+/// min_work_per_thread) threads, at least one: a call too small to gain from threads runs on
+/// the calling thread, with no parallel region at all. The split of one sequence has its own,
+/// larger grain (`min_rows_per_thread`). docs/SPEC.md §8 lists the paths and the measurement.
+///
 /// \code
 /// linattn::ParallelOptions par;
 /// par.num_threads = 4;  // split long sequences over 4 threads
 /// auto out = linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}, {}, par);
 /// par.num_threads = 1;  // never split: bit for bit the serial algorithm
+/// par.num_threads = 2;
+/// par.min_work_per_thread = 0;  // always 2 threads, however small the call
 /// \endcode
 struct ParallelOptions {
+  /// The default of `min_work_per_thread`, in flops: what starting a second thread costs on the
+  /// 2-core machine of the benchmarks (an AMD EPYC VM, GCC 12, libgomp), at the rate of one
+  /// core. An empty `#pragma omp parallel num_threads(2)` region (omp_fork_join in
+  /// benchmarks/bench_serving.cpp) costs, on the idle machine, 1 us while the worker still
+  /// spins after the previous region and 60 us once it has gone to sleep (a few milliseconds
+  /// later); with the other core busy, 10 to 25 us under OMP_WAIT_POLICY=passive but 6 to 8 ms
+  /// under libgomp's default policy. One core runs the kernels at 15 to 50 GFLOP/s (a decode
+  /// step of 8 heads of 64: 15 to 20): 10^6 flops are 50 to 70 us of decode steps, so a second
+  /// thread pays even when it has to be woken. See docs/SPEC.md §8.
+  static constexpr double kDefaultMinWorkPerThread = 1e6;
+
   /// Threads to use: 0 means OpenMP's default (omp_get_max_threads()), 1 runs serially.
-  /// Without OpenMP every kernel runs serially, with identical results.
+  /// Without OpenMP every kernel runs serially, with identical results. An upper bound: a call
+  /// whose work does not pay for that many threads uses fewer (`min_work_per_thread`).
   int num_threads = 0;
   /// A single sequence is split only if each thread gets at least this many rows (for
   /// non-causal attention, half the rows of Q and K together: its rows cost half a causal
   /// row). 0 picks the default, `max(1024, 2^22 / (F·M))`: about a third of a millisecond of
   /// work per thread, against a few microseconds to start the threads.
   Index min_rows_per_thread = 0;
+  /// The work (in flops, as estimated from the shapes of a call) that each thread must get: a
+  /// call of work W runs on min(num_threads, floor(W / min_work_per_thread)) threads, at least
+  /// 1 (the batched decode step, the multi-head and batched linear attention kernels; the split
+  /// of one sequence when this asks for more rows than min_rows_per_thread's default). Raise it
+  /// when the cores are shared with busy processes (where a parallel region can cost
+  /// milliseconds: 10^8 is about 5 ms of work); 0 (or less) always uses the threads asked for.
+  /// On the multi-head and batched paths results are bit for bit the same for any thread
+  /// count, so this changes speed only.
+  double min_work_per_thread = kDefaultMinWorkPerThread;
 };
 
 namespace detail {
@@ -51,6 +83,33 @@ inline int resolve_threads(const ParallelOptions& par) {
   (void)par;
   return 1;
 #endif
+}
+
+// Threads for a call of `work` flops (estimated from its shapes): the threads asked for,
+// reduced to floor(work / min_work_per_thread) when that is fewer (at least 1). 1 without
+// OpenMP. The one cost model of every parallel path but the split of one sequence (below).
+inline int threads_for(const ParallelOptions& par, double work) {
+  const int requested = std::max(resolve_threads(par), 1);
+  if (requested == 1 || !(par.min_work_per_thread > 0)) return requested;
+  const double pays = work / par.min_work_per_thread;  // threads the work pays for
+  if (!(pays >= 2)) return 1;                          // also NaN
+  return pays >= requested ? requested : static_cast<int>(pays);
+}
+
+// The work models of the paths (flops), as the benchmarks count them: a decode step of one
+// (sequence, head) pair (the update S += phi(k) v^T, z += phi(k), and the read phi(q)^T S,
+// phi(q)^T z), one head of a causal or non-causal linear attention call, and one head of
+// softmax attention (scores and their products with V; half of them when causal). A gradient
+// costs about twice its forward.
+inline double decode_pair_work(Index F, Index M) { return 4.0 * double(F) * double(M + 1); }
+inline double causal_head_work(Index rows, Index F, Index M) {
+  return 4.0 * double(rows) * double(F) * double(M + 1);
+}
+inline double linear_head_work(Index query_rows, Index key_rows, Index F, Index M) {
+  return 2.0 * double(query_rows + key_rows) * double(F) * double(M + 1);
+}
+inline double softmax_head_work(Index query_rows, Index key_rows, Index D, Index M, bool causal) {
+  return (causal ? 1.0 : 2.0) * double(query_rows) * double(key_rows) * double(D + M);
 }
 
 inline int thread_id() {
@@ -65,13 +124,22 @@ inline int thread_id() {
 // nested in a parallel region (whose threads are busy already: the multi-head kernels call the
 // single-head ones from theirs) and each of the threads gets min_rows_per_thread rows.
 // `rows` is the work in causal rows (see ParallelOptions::min_rows_per_thread).
+// The split's cost model: its default grain, max(1024, 2^22 / (F·M)) rows, is at least
+// 1.6·10^7 flops a thread (4·F·M a causal row), far above min_work_per_thread's default, because
+// the split adds work (the summaries of spec §8) besides the fork and join. A
+// min_work_per_thread raised above it (cores shared with busy processes) raises it; an explicit
+// min_rows_per_thread is used as it is.
 inline int sequence_split_threads(const ParallelOptions& par, Index rows, Index state_size) {
 #ifdef _OPENMP
   if (omp_in_parallel()) return 1;
-  const Index min_rows =
-      par.min_rows_per_thread > 0
-          ? par.min_rows_per_thread
-          : std::max<Index>(1024, (Index(1) << 22) / std::max<Index>(state_size, 1));
+  Index min_rows = par.min_rows_per_thread;
+  if (min_rows <= 0) {
+    min_rows = std::max<Index>(1024, (Index(1) << 22) / std::max<Index>(state_size, 1));
+    const double work_rows =
+        par.min_work_per_thread / (4.0 * double(std::max<Index>(state_size, 1)));
+    if (work_rows > double(min_rows))
+      min_rows = work_rows >= double(rows) ? rows + 1 : static_cast<Index>(std::ceil(work_rows));
+  }
   const Index by_rows = rows / min_rows;
   return static_cast<int>(std::max<Index>(1, std::min<Index>(resolve_threads(par), by_rows)));
 #else

@@ -212,7 +212,8 @@ void multihead_softmax_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Viewed<DG> g(dOut.derived());
   const Index N = Q.rows(), L = K.rows();
   with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
-    parallel_tasks<typename DQ::Scalar>(heads, par, ws, [&](Index h, int thread) {
+    const double work = 2.0 * double(heads) * softmax_head_work(N, L, D, M, causal);
+    parallel_tasks<typename DQ::Scalar>(heads, work, par, ws, [&](Index h, int thread) {
       auto dqh = sub_view(gq, 0, h * D, N, D);
       if (L == 0) {
         dqh.setZero();

@@ -31,15 +31,15 @@
 
 namespace linattn::detail {
 
-// Runs fn(task, thread) for task in [0, tasks), in parallel when OpenMP is on; thread indexes
-// the workspace and state of ws that the task may use. Every argument check happens before
-// this point, but a task can still run out of memory (a workspace grows on a thread's first
-// task): an exception escaping an OpenMP region calls std::terminate, so the first one is
-// kept, the remaining tasks are skipped and it is rethrown after the region.
+// Runs fn(task, thread) for task in [0, tasks) on min(threads, tasks) threads (a parallel
+// region only when that is more than one and OpenMP is on); thread indexes the workspace and
+// state of ws that the task may use. Every argument check happens before this point, but a task
+// can still run out of memory (a workspace grows on a thread's first task): an exception
+// escaping an OpenMP region calls std::terminate, so the first one is kept, the remaining tasks
+// are skipped and it is rethrown after the region.
 template <class Scalar, class Fn>
-void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<Scalar>& ws,
-                    const Fn& fn) {
-  const int threads = static_cast<int>(std::min<Index>(resolve_threads(par), std::max<Index>(tasks, 1)));
+void run_tasks(Index tasks, int threads, MultiHeadWorkspace<Scalar>& ws, const Fn& fn) {
+  threads = static_cast<int>(std::min<Index>(std::max(threads, 1), std::max<Index>(tasks, 1)));
   ws.reserve_threads(threads);
   if (threads <= 1) {
     for (Index t = 0; t < tasks; ++t) fn(t, 0);
@@ -65,6 +65,22 @@ void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<
   }
   if (error) std::rethrow_exception(error);
 #endif
+}
+
+// run_tasks() on the threads that `work` flops (the whole call's, estimated from its shapes)
+// pay for: detail::threads_for(), ParallelOptions::min_work_per_thread.
+template <class Scalar, class Fn>
+void parallel_tasks(Index tasks, double work, const ParallelOptions& par,
+                    MultiHeadWorkspace<Scalar>& ws, const Fn& fn) {
+  run_tasks<Scalar>(tasks, threads_for(par, work), ws, fn);
+}
+
+// run_tasks() on all the threads asked for, whatever the work: for callers that do not
+// estimate theirs (yet). Prefer the overload above.
+template <class Scalar, class Fn>
+void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<Scalar>& ws,
+                    const Fn& fn) {
+  run_tasks<Scalar>(tasks, resolve_threads(par), ws, fn);
 }
 
 // Rows of a sequence that every head of a group takes before the group moves on: measured
@@ -143,8 +159,13 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
     }
     return;
   }
-  const Index G = head_groups(B, heads, resolve_threads(par));
-  parallel_tasks<Scalar>(B * G, par, ws, [&](Index t, int thread) {
+  double work = 0;  // flops, for the threads that pay (threads_for())
+  for (std::size_t bs = 0; bs < static_cast<std::size_t>(B); ++bs)
+    work += double(heads) * linear_head_work(q_offsets[bs + 1] - q_offsets[bs],
+                                             k_offsets[bs + 1] - k_offsets[bs], F, M);
+  const int threads = threads_for(par, work);
+  const Index G = head_groups(B, heads, threads);
+  run_tasks<Scalar>(B * G, threads, ws, [&](Index t, int thread) {
     const Index b = t / G;
     const HeadRange hr = head_range(t % G, G, heads);
     const std::size_t bs = static_cast<std::size_t>(b);
@@ -272,8 +293,12 @@ void batched_causal_views(const char* fn, const VQ& q, const VK& k, const VV& v,
     }
     return;
   }
-  const Index G = head_groups(B, heads, resolve_threads(par));
-  parallel_tasks<Scalar>(B * G, par, ws, [&](Index t, int thread) {
+  double work = 0;  // flops, for the threads that pay (threads_for())
+  for (std::size_t bs = 0; bs < static_cast<std::size_t>(B); ++bs)
+    work += double(heads) * causal_head_work(offsets[bs + 1] - offsets[bs], F, M);
+  const int threads = threads_for(par, work);
+  const Index G = head_groups(B, heads, threads);
+  run_tasks<Scalar>(B * G, threads, ws, [&](Index t, int thread) {
     const Index b = t / G;
     const HeadRange hr = head_range(t % G, G, heads);
     const Index r0 = offsets[static_cast<std::size_t>(b)];
