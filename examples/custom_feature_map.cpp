@@ -7,7 +7,9 @@
 // plugs into every kernel (see linattn/feature_map.hpp). Two examples:
 //
 //  - Relu: φ(x) = max(x, 0), F = D. Not strictly positive: a query with no positive entry has a
-//    zero denominator; the library's ε guard turns that row into zeros instead of NaN.
+//    zero denominator; the library's ε guard turns that row into zeros instead of NaN. (The
+//    library ships it as linattn::Relu, with a packet path and a backward; written out here as
+//    the smallest example of the concept.)
 //  - PositiveRandomFeatures: φ(x) = exp(-|x̃|²/2) [exp(W x̃), exp(-W x̃)] / √(2m), x̃ = x / D^{1/4},
 //    with a random Gaussian projection W (m x D, m = D, so F = 2D) held as a parameter. Strictly
 //    positive, and E[φ(q)·φ(k)] = exp(q·k / √D): the softmax kernel, approximated with random

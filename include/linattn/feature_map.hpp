@@ -37,15 +37,15 @@
 ///
 /// A user map is checked at compile time by every kernel with a readable message:
 /// \code
-/// struct Relu {
+/// struct Squared {  // φ(x) = x², entry by entry
 ///   Eigen::Index feature_dim(Eigen::Index d) const { return d; }
 ///   template <class Derived>
 ///   void map(const Eigen::MatrixBase<Derived>& x,
 ///            linattn::MatrixRef<typename Derived::Scalar> phi) const {
-///     phi = x.cwiseMax(typename Derived::Scalar(0));
+///     phi = x.cwiseAbs2();
 ///   }
 /// };
-/// auto out = linattn::linear_attention(Q, K, V, Relu{});
+/// auto out = linattn::linear_attention(Q, K, V, Squared{});
 /// \endcode
 #pragma once
 

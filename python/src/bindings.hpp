@@ -8,6 +8,7 @@
 
 #include <Eigen/Core>
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -16,10 +17,40 @@
 
 #include <linattn/common.hpp>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace linattn_python {
 
 namespace py = pybind11;
 using linattn::Index;
+
+// linattn.set_num_threads(n) for every Python thread. OpenMP's thread count is a setting of each
+// OS thread (omp_set_num_threads changes the calling thread's), and a thread Python starts
+// begins from OMP_NUM_THREADS or all cores: without this, two Python threads each running a
+// kernel would each open a team of all cores (measured: 1.54x instead of 1.74x for two causal
+// forwards on two cores). 0: never set, OpenMP's default.
+inline std::atomic<int>& thread_count() {
+  static std::atomic<int> n{0};
+  return n;
+}
+
+inline void apply_thread_count() {
+#ifdef _OPENMP
+  const int n = thread_count().load(std::memory_order_relaxed);
+  if (n > 0 && omp_get_max_threads() != n) omp_set_num_threads(n);
+#endif
+}
+
+// Around every kernel call: the GIL released (other Python threads run meanwhile) and the
+// thread count of linattn.set_num_threads applied on the thread that runs the kernel.
+struct Unlocked {
+  Unlocked() { apply_thread_count(); }
+  Unlocked(const Unlocked&) = delete;
+  Unlocked& operator=(const Unlocked&) = delete;
+  py::gil_scoped_release release;
+};
 
 template <class Scalar>
 using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;

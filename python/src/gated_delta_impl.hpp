@@ -58,7 +58,7 @@ Array<Scalar> gated_forward(const Array<Scalar>& q, const Array<Scalar>& k,
   Array<Scalar> out = new_rows<Scalar>(x.Q.rows(), x.V.cols());
   auto O = rows_of(out);
   {
-    py::gil_scoped_release unlocked;
+    Unlocked unlocked;
     with_gated_map(x.fn, map, [&](const auto& phi) {
       linattn::MultiHeadWorkspace<Scalar> ws;
       linattn::batched_gated_linear_attention(x.Q, x.K, x.V, G, x.q_offsets, heads, phi, O, ws,
@@ -86,7 +86,7 @@ py::tuple gated_backward(const Array<Scalar>& q, const Array<Scalar>& k, const A
   Array<Scalar> dg = new_rows<Scalar>(G.rows(), G.cols());
   auto dG = rows_of(dg);
   {
-    py::gil_scoped_release unlocked;
+    Unlocked unlocked;
     with_gated_map(x.fn, map, [&](const auto& phi) {
       linattn::MultiHeadWorkspace<Scalar> ws;
       x.each_sequence([&](Index q0, Index n, Index k0, Index l) {
@@ -117,7 +117,7 @@ Array<Scalar> delta_forward(const Array<Scalar>& q, const Array<Scalar>& k,
   Array<Scalar> out = new_rows<Scalar>(x.Q.rows(), x.V.cols());
   auto O = rows_of(out);
   {
-    py::gil_scoped_release unlocked;
+    Unlocked unlocked;
     with_delta_map(x.fn, map, [&](const auto& phi) {
       linattn::MultiHeadWorkspace<Scalar> ws;
       linattn::batched_delta_rule_attention(x.Q, x.K, x.V, B, A, x.q_offsets, heads, phi, O, ws,
@@ -148,7 +148,7 @@ py::tuple delta_backward(const Array<Scalar>& q, const Array<Scalar>& k, const A
   auto dB = rows_of(db);
   auto dA = rows_of(da);
   {
-    py::gil_scoped_release unlocked;
+    Unlocked unlocked;
     with_delta_map(x.fn, map, [&](const auto& phi) {
       linattn::MultiHeadWorkspace<Scalar> ws;
       x.each_sequence([&](Index q0, Index n, Index k0, Index l) {

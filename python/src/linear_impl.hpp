@@ -41,7 +41,7 @@ Array<Scalar> linear_forward(const Array<Scalar>& q, const Array<Scalar>& k,
   Array<Scalar> out = new_rows<Scalar>(x.Q.rows(), x.V.cols());
   auto O = rows_of(out);
   {
-    py::gil_scoped_release unlocked;
+    Unlocked unlocked;
     with_feature_map(x.fn, map, [&](const auto& phi) {
       linattn::MultiHeadWorkspace<Scalar> ws;
       if (!causal && mask) {
@@ -108,7 +108,7 @@ py::tuple linear_backward(const Array<Scalar>& q, const Array<Scalar>& k, const 
   const auto G = x.dout(dout);
   Gradients<Scalar> g(x);
   {
-    py::gil_scoped_release unlocked;
+    Unlocked unlocked;
     with_feature_map(x.fn, map, [&](const auto& phi) {
       if (mask) return masked_linear_backward(x, G, mask_of(*mask), heads, phi, causal, g);
       linattn::MultiHeadWorkspace<Scalar> ws;

@@ -18,12 +18,24 @@ void set_num_threads(int n) {
   if (n < 1)
     throw std::invalid_argument("set_num_threads: the thread count must be >= 1, got " +
                                 std::to_string(n));
-#ifdef _OPENMP
-  omp_set_num_threads(n);
-#endif
+  // For every Python thread, applied where a kernel runs (bindings.hpp, Unlocked).
+  thread_count().store(n, std::memory_order_relaxed);
+  apply_thread_count();
 }
 
 int get_num_threads() {
+#ifdef _OPENMP
+  const int n = thread_count().load(std::memory_order_relaxed);
+  return n > 0 ? n : omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// The team size a kernel started now on this thread would get (tests: the thread count holds
+// in every Python thread).
+int threads_in_kernel() {
+  Unlocked unlocked;
 #ifdef _OPENMP
   return omp_get_max_threads();
 #else
@@ -48,6 +60,7 @@ PYBIND11_MODULE(_linattn, m) {
   lp::register_recurrent_f64(m);
   m.def("set_num_threads", &lp::set_num_threads, pybind11::arg("n"));
   m.def("get_num_threads", &lp::get_num_threads);
+  m.def("_threads_in_kernel", &lp::threads_in_kernel);
   m.attr("__version__") = LINATTN_VERSION_STRING;
   m.attr("openmp") =
 #ifdef _OPENMP

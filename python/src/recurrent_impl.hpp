@@ -77,10 +77,10 @@ class DecoderOf final : public Decoder<Scalar> {
         throw std::invalid_argument(std::string(fn) + ": slots must be 1-D");
       const Eigen::Map<const Eigen::Matrix<std::int64_t, Eigen::Dynamic, 1>> S(slots->data(),
                                                                                slots->shape(0));
-      py::gil_scoped_release unlocked;
+      Unlocked unlocked;
       dec_.step(S, Q, K, V, O);
     } else {
-      py::gil_scoped_release unlocked;
+      Unlocked unlocked;
       dec_.step(Q, K, V, O);
     }
     return out;
@@ -106,7 +106,7 @@ class DecoderOf final : public Decoder<Scalar> {
     Array<Scalar> out = new_rows<Scalar>(x.Q.rows(), x.V.cols());
     auto O = rows_of(out);
     {
-      py::gil_scoped_release unlocked;
+      Unlocked unlocked;
       std::vector<linattn::LinearAttentionState<Scalar>> states = dec_.states();
       linattn::MultiHeadWorkspace<Scalar> ws;
       if (mask) {
@@ -138,14 +138,14 @@ class DecoderOf final : public Decoder<Scalar> {
   py::bytes save() const override {
     std::ostringstream os(std::ios::binary);
     {
-      py::gil_scoped_release unlocked;
+      Unlocked unlocked;
       linattn::save_state(os, dec_);
     }
     return py::bytes(os.str());
   }
   void load(const py::bytes& data) override {
     std::istringstream is(std::string(data), std::ios::binary);
-    py::gil_scoped_release unlocked;
+    Unlocked unlocked;
     linattn::load_state(is, dec_);
   }
   std::unique_ptr<Decoder<Scalar>> clone() const override {

@@ -51,7 +51,7 @@ Array<Scalar> softmax_forward(const Array<Scalar>& q, const Array<Scalar>& k,
   Array<Scalar> out = new_rows<Scalar>(x.Q.rows(), x.V.cols());
   auto O = rows_of(out);
   {
-    py::gil_scoped_release unlocked;
+    Unlocked unlocked;
     linattn::MultiHeadWorkspace<Scalar> ws;
     x.each_sequence([&](Index q0, Index n, Index k0, Index l) {
       auto ob = O.middleRows(q0, n);
@@ -87,7 +87,7 @@ py::tuple softmax_backward(const Array<Scalar>& q, const Array<Scalar>& k,
   const auto G = x.dout(dout);
   Gradients<Scalar> g(x);
   {
-    py::gil_scoped_release unlocked;
+    Unlocked unlocked;
     linattn::MultiHeadWorkspace<Scalar> ws;
     x.each_sequence([&](Index q0, Index n, Index k0, Index l) {
       auto dq = g.dQ.middleRows(q0, n);

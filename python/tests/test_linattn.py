@@ -264,6 +264,18 @@ def test_threads_agree_and_run_concurrently():
         assert rel_err(two, one) <= 1e-6
     finally:
         linattn.set_num_threads(before)
+    # The count holds in every Python thread, not only the one that set it (OpenMP's is a
+    # per-thread setting, and a new thread starts from all cores).
+    if linattn._ext.openmp:
+        try:
+            linattn.set_num_threads(1)
+            seen = []
+            worker = threading.Thread(target=lambda: seen.append(linattn._ext._threads_in_kernel()))
+            worker.start()
+            worker.join()
+            assert seen == [1]
+        finally:
+            linattn.set_num_threads(before)
     # The GIL is released inside the kernels: Python threads calling them all finish with the
     # same results as the serial calls (a deadlock or a held GIL would show as a timeout here).
     results = [None] * 4
