@@ -40,6 +40,7 @@
 
 #include "causal_reference.hpp"
 #include "reference.hpp"
+#include "team_recording_map.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -503,25 +504,7 @@ TEST(MultiHeadThreads, ThreadCountsGiveBitwiseIdenticalResults) {
   check_thread_counts<double>(SoftmaxSplit{});
 }
 
-// A user feature map that records the size of the OpenMP team it runs in.
-std::atomic<int> g_max_team{0};
-struct TeamRecordingRelu {
-  Eigen::Index feature_dim(Eigen::Index d) const { return d; }
-  template <class Derived>
-  void map(const Eigen::MatrixBase<Derived>& x,
-           linattn::MatrixRef<typename Derived::Scalar> phi) const {
-#ifdef _OPENMP
-    const int team = omp_get_num_threads();
-#else
-    const int team = 1;
-#endif
-    int seen = g_max_team.load();
-    while (team > seen && !g_max_team.compare_exchange_weak(seen, team)) {
-    }
-    using S = typename Derived::Scalar;
-    phi = (x.array().max(S(0)) + S(0.25)).matrix();  // positive: no zero denominators
-  }
-};
+using linattn_test::TeamRecordingMap;
 
 // num_threads is honoured: 1 runs outside any parallel region, 2 in a team of 2 (OpenMP only).
 TEST(MultiHeadThreads, NumThreadsIsHonoured) {
@@ -531,24 +514,25 @@ TEST(MultiHeadThreads, NumThreadsIsHonoured) {
 #endif
   const MhShape sh{4, 50, 50, 3, 2};
   const Inputs<float> in = make_inputs<float>(sh, 61);
-  g_max_team = 0;
+  linattn_test::largest_team() = 0;
   const Mat<float> one =
-      linattn::multihead_linear_attention(in.Q, in.K, in.V, sh.H, TeamRecordingRelu{}, threads(1));
-  EXPECT_EQ(g_max_team.load(), 1) << "num_threads = 1 ran in a parallel team";
-  g_max_team = 0;
+      linattn::multihead_linear_attention(in.Q, in.K, in.V, sh.H, TeamRecordingMap{}, threads(1));
+  EXPECT_EQ(linattn_test::largest_team().load(), 1) << "num_threads = 1 ran in a parallel team";
+  linattn_test::largest_team() = 0;
   const Mat<float> two =
-      linattn::multihead_linear_attention(in.Q, in.K, in.V, sh.H, TeamRecordingRelu{}, threads(2));
+      linattn::multihead_linear_attention(in.Q, in.K, in.V, sh.H, TeamRecordingMap{}, threads(2));
 #ifdef _OPENMP
-  EXPECT_EQ(g_max_team.load(), 2) << "num_threads = 2 did not run in a team of 2 threads";
+  EXPECT_EQ(linattn_test::largest_team().load(), 2)
+      << "num_threads = 2 did not run in a team of 2 threads";
 #else
-  EXPECT_EQ(g_max_team.load(), 1);
+  EXPECT_EQ(linattn_test::largest_team().load(), 1);
 #endif
   EXPECT_EQ(test::max_abs_diff(one, two), 0.0);
   // A user map through the reference too (generic, pair by pair).
   for (Index h = 0; h < sh.H; ++h) {
     const MatD expected = ref::linear_attention(
         qk_head(in.Q, h, sh.D).cast<double>(), qk_head(in.K, h, sh.D).cast<double>(),
-        in.V.middleCols(h * sh.M, sh.M).cast<double>(), TeamRecordingRelu{});
+        in.V.middleCols(h * sh.M, sh.M).cast<double>(), TeamRecordingMap{});
     EXPECT_LE(test::max_abs_diff(one.middleCols(h * sh.M, sh.M), expected),
               test::tolerance<float>(3.0))
         << h;

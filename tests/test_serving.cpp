@@ -33,6 +33,7 @@
 #include <omp.h>
 #endif
 
+#include "team_recording_map.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -926,32 +927,14 @@ TEST(ServingThreads, CostModelPicksTheThreadsThatPay) {
 #endif
 }
 
-// A feature map (ReLU + 1/4) that records the largest OpenMP team it runs in.
-std::atomic<int> g_largest_team{0};
-struct TeamRecordingMap {
-  Index feature_dim(Index d) const { return d; }
-  template <class Derived>
-  void map(const Eigen::MatrixBase<Derived>& x,
-           linattn::MatrixRef<typename Derived::Scalar> phi) const {
-#ifdef _OPENMP
-    const int team = omp_get_num_threads();
-#else
-    const int team = 1;
-#endif
-    int seen = g_largest_team.load();
-    while (team > seen && !g_largest_team.compare_exchange_weak(seen, team)) {
-    }
-    using S = typename Derived::Scalar;
-    phi = (x.array().max(S(0)) + S(0.25)).matrix();
-  }
-};
+using linattn_test::TeamRecordingMap;
 
 // The largest team `call` ran the map in (1: the calling thread only).
 template <class Call>
 int team_of(const Call& call) {
-  g_largest_team = 0;
+  linattn_test::largest_team() = 0;
   call();
-  return g_largest_team.load();
+  return linattn_test::largest_team().load();
 }
 
 // Through the paths themselves: with num_threads = 2 and the default grain, a tiny call runs on
