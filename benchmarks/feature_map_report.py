@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
 """Write docs/feature_maps.md and docs/feature_maps_plot.svg from a run of feature_map_quality.
 
-    build/bench/benchmarks/feature_map_quality --quality_out=ERRORS.json \\
-        --benchmark_out=TIMINGS.json --benchmark_out_format=json
+    python3 benchmarks/feature_map_report.py --run build/bench/benchmarks/feature_map_quality \\
+        --md docs/feature_maps.md --svg docs/feature_maps_plot.svg
+
+runs the program (quick profile; --profile full for more seeds) and writes both files. From the
+files of an earlier run (benchmarks/run.sh passes them):
+
+    feature_map_quality --quality_out=ERRORS.json --benchmark_out=TIMINGS.json \\
+        --benchmark_out_format=json
     python3 benchmarks/feature_map_report.py --errors ERRORS.json --timings TIMINGS.json \\
         [--md docs/feature_maps.md] [--svg docs/feature_maps_plot.svg] [--command "..."]
 
-(benchmarks/run.sh does both.) ERRORS.json is the program's study (relative errors against
+ERRORS.json is the program's study (relative errors against
 softmax attention, per map and input family); TIMINGS.json its Google Benchmark output (time per
 call of each map's attention at the study's shape). Every figure of the two files comes from
 these; the words that judge the figures are chosen from them too (which map is closest, where a
@@ -21,9 +27,12 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 from xml.sax.saxutils import escape
 
+DEFAULT_COMMAND = "bash benchmarks/run.sh"
 UNIT_S = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 # Lines of the plot: colour and marker per map family.
 STYLE = {
@@ -185,7 +194,7 @@ def best(d: Data, family: str, causal: bool, keys: list[str]) -> tuple[str, floa
 
 def label(d: Data, key: str) -> str:
     m = d.method[key]
-    return m["label"] + ("" if m["family"] in ("softmax",) else f" (F = {m['F']})")
+    return m["label"] + ("" if m["family"] in ("softmax", "favor", "linformer") else f" (F = {m['F']})")
 
 
 def pareto(d: Data, family: str, causal: bool) -> list[str]:
@@ -237,7 +246,7 @@ def findings(d: Data) -> list[str]:
     gauss = [f["key"] for f in d.families if f["outliers"] == 0]
     outl = [f["key"] for f in d.families if f["outliers"] > 0]
     maps = [m for m in d.methods if m["family"] != "softmax"]
-    small = [m["key"] for m in maps if m["F"] <= d.D + 1]
+    small = [m["key"] for m in maps if d.D <= m["F"] <= d.D + 1]
     for causal in (False, True):
         what = "causal" if causal else "non-causal"
         cells = []
@@ -397,10 +406,14 @@ def marker(kind: str, x: float, y: float, color: str, r: float = 4.5) -> str:
     return f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r:.1f}" fill="{color}"/>'
 
 
+def decade(e: int) -> str:
+    return f"{10.0 ** e:g}" if -3 <= e <= 3 else f"1e{e}"
+
+
 def write_svg(d: Data, path: str, panels: list[str]) -> None:
     pw, ph, left, top, gap = 420, 360, 80, 70, 70
     width = left + len(panels) * pw + (len(panels) - 1) * gap + 30
-    legend_h = 26 * ((len(STYLE) + 1) // 2 + 1)
+    legend_h = 24 * ((len(STYLE) + 1) // 2)
     height = top + ph + 60 + legend_h
     maps = [m for m in d.methods if m["family"] in STYLE]
     ys = [d.mean(m["key"], f, False) for m in maps for f in panels]
@@ -430,7 +443,7 @@ def write_svg(d: Data, path: str, panels: list[str]) -> None:
         for e in range(e0, e1 + 1):
             y = Y(10.0 ** e)
             o.append(f'<line x1="{px}" y1="{y:.1f}" x2="{px + pw}" y2="{y:.1f}" stroke="#cccccc"/>')
-            o.append(f'<text x="{px - 6}" y="{y + 4:.1f}" text-anchor="end">1e{e}</text>')
+            o.append(f'<text x="{px - 6}" y="{y + 4:.1f}" text-anchor="end">{decade(e)}</text>')
         for k in range(x0, x1 + 1):
             x = X(2.0 ** k)
             o.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{top + ph}" stroke="#eeeeee"/>')
@@ -487,13 +500,30 @@ def write_svg(d: Data, path: str, panels: list[str]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--errors", required=True, help="feature_map_quality --quality_out file")
+    ap.add_argument("--run", metavar="BIN", help="run this feature_map_quality binary first")
+    ap.add_argument("--profile", default="quick", choices=("quick", "full", "smoke"),
+                    help="the profile of --run")
+    ap.add_argument("--errors", help="feature_map_quality --quality_out file (with --run: where it goes)")
     ap.add_argument("--timings", help="feature_map_quality's Google Benchmark JSON")
     ap.add_argument("--md", help="write this markdown file (docs/feature_maps.md)")
     ap.add_argument("--svg", help="write this SVG plot (docs/feature_maps_plot.svg)")
     ap.add_argument("--panels", default="gauss1,outlier8", help="input families of the plot's panels")
-    ap.add_argument("--command", default="bash benchmarks/run.sh", help="the command recorded in the markdown")
+    ap.add_argument("--command", default=DEFAULT_COMMAND, help="the command recorded in the markdown")
     a = ap.parse_args()
+    if a.run:
+        tmp = tempfile.mkdtemp(prefix="feature_maps.")
+        a.errors = a.errors or os.path.join(tmp, "feature_map_errors.json")
+        a.timings = a.timings or os.path.join(tmp, "feature_map_quality.json")
+        cmd = [a.run, f"--{a.profile}", f"--quality_out={a.errors}", f"--benchmark_out={a.timings}",
+               "--benchmark_out_format=json"]
+        print("==", " ".join(cmd), flush=True)
+        if subprocess.run(cmd).returncode != 0:
+            print("feature_map_report.py: the program failed", file=sys.stderr)
+            return 1
+        if a.command == DEFAULT_COMMAND:
+            a.command = " ".join(["python3", "benchmarks/feature_map_report.py"] + sys.argv[1:])
+    elif not a.errors:
+        ap.error("give --run BIN or --errors FILE")
     d = Data(a.errors, a.timings)
     panels = [p for p in a.panels.split(",") if any(f["key"] == p for f in d.families)]
     if not panels:
