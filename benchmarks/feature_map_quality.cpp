@@ -35,6 +35,7 @@
 
 #include "bench_common.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -176,7 +177,7 @@ Reference softmax_reference(const Inputs& in) {
       sum += in.V.row(i);
       uniform.row(i) = sum / double(i + 1);
     }
-    if (!causal) uniform.rowwise() = in.V.colwise().mean();
+    if (!causal) uniform = in.V.colwise().mean().replicate(N, 1);
     r.uniform_error[causal] = (uniform - r.out[causal]).norm() / r.out[causal].norm();
     if (causal) {
       r.max_weight_causal = max_weight / double(N);
