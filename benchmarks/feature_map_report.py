@@ -198,15 +198,16 @@ def label(d: Data, key: str) -> str:
 
 
 def pareto(d: Data, family: str, causal: bool) -> list[str]:
-    """Methods no other method beats on both time per token and error (softmax itself excluded)."""
+    """Methods better than equal weights that no other such method beats on both time per token and
+    error (softmax itself excluded)."""
     pts = []
     for m in d.methods:
         if m["family"] == "softmax":
             continue
         t = d.time.get((m["key"], causal))
         e = d.mean(m["key"], family, causal)
-        if t is not None and e is not None:
-            pts.append((t[0], e, m["key"]))
+        if t is not None and e is not None and e < d.uniform(family, causal):
+            pts.append((t[1], e, m["key"]))
     pts.sort()
     front, best_e = [], math.inf
     for t, e, k in pts:
@@ -228,80 +229,144 @@ def favor_fit(d: Data, family: str, causal: bool) -> tuple[float, float] | None:
 
 def error_table(d: Data, causal: bool) -> list[str]:
     fams = d.families
-    header = ["map", "F", "µs/token"] + [f["key"] for f in fams]
+    header = ["map", "F", "cpu µs/token"] + [f["key"] for f in fams]
     rows = []
     for m in d.methods:
         if causal and not m["causal"]:
             continue
         t = d.time.get((m["key"], causal))
-        rows.append([m["label"], str(m["F"]) if m["family"] != "softmax" else "(N)", fmt_us(t[0] if t else None)]
+        rows.append([m["label"], str(m["F"]) if m["family"] != "softmax" else "(N)", fmt_us(t[1] if t else None)]
                     + [fmt_err(d.e(m["key"], f["key"], causal), m["random"]) for f in fams])
     rows.append(["equal weights (mean of V)", "–", "–"] + [f"{d.uniform(f['key'], causal):.3g}" for f in fams])
     return table(header, rows)
 
 
+def ratio_range(d: Data, keys: list[str], fams: list[str], causal: bool = False) -> tuple[float, float] | None:
+    r = [d.mean(k, f, causal) / d.uniform(f, causal) for k in keys for f in fams
+         if d.mean(k, f, causal) is not None and d.uniform(f, causal) > 0]
+    return (min(r), max(r)) if r else None
+
+
+def cost_ratio(d: Data, key: str, ref: str, causal: bool = False) -> float | None:
+    a, b = d.time.get((key, causal)), d.time.get((ref, causal))
+    return a[1] / b[1] if a and b and b[1] > 0 else None
+
+
 def findings(d: Data) -> list[str]:
     L: list[str] = []
     fams = [f["key"] for f in d.families]
-    gauss = [f["key"] for f in d.families if f["outliers"] == 0]
-    outl = [f["key"] for f in d.families if f["outliers"] > 0]
+    sharp = [f["key"] for f in d.families if f["key"] != fams[0]]  # all but the flattest
     maps = [m for m in d.methods if m["family"] != "softmax"]
+    nonest = [m["key"] for m in maps if not m["estimator"] and m["family"] != "linformer"]
     small = [m["key"] for m in maps if d.D <= m["F"] <= d.D + 1]
+    # Closest overall, and at F ≈ D.
+    cells = []
+    for f in fams:
+        b = best(d, f, False, [m["key"] for m in maps])
+        if b:
+            cells.append(f"{f}: {label(d, b[0])}, {b[1]:.3g} (equal weights: {d.uniform(f, False):.3g})")
+    L.append("- **Closest to softmax, any F (non-causal)**: " + "; ".join(cells) + ".")
     for causal in (False, True):
-        what = "causal" if causal else "non-causal"
         cells = []
         for f in fams:
             b = best(d, f, causal, [k for k in small if d.method[k]["causal"] or not causal])
             if b:
-                cells.append(f"{f}: {d.method[b[0]]['label']} ({b[1]:.3g})")
-        L.append(f"- **At F ≈ D ({d.D}–{d.D + 1} features), {what}**, the smallest error per input: " +
-                 "; ".join(cells) + ".")
-    for causal in (False,):
-        cells = []
-        for f in fams:
-            b = best(d, f, causal, [m["key"] for m in maps if m["F"] <= 512])
-            if b:
-                cells.append(f"{f}: {label(d, b[0])} ({b[1]:.3g})")
-        L.append("- **Any F ≤ 512, non-causal**: " + "; ".join(cells) + ".")
+                cells.append(f"{f}: {d.method[b[0]]['label']} {b[1]:.3g}")
+        L.append(f"- **At equal F ≈ D ({d.D}–{d.D + 1} features), {'causal' if causal else 'non-causal'}**: "
+                 + "; ".join(cells) + ".")
+    # The maps that are not estimators: how much better than ignoring q and k.
+    rr = ratio_range(d, nonest, sharp)
+    r0 = ratio_range(d, nonest, fams[:1])
+    dp = d.keys_of("dpfp")
+    if rr and r0:
+        L.append(f"- **EluPlusOne, Relu, SoftmaxSplit, NormalizedCosine and DPFP stay close to equal weights**: "
+                 f"their error is {rr[0]:.2f}–{rr[1]:.2f}× that of outputting the mean of V on every input but "
+                 f"the flattest ({fams[0]}: {r0[0]:.2f}–{r0[1]:.2f}×).")
+    if len(dp) > 1:
+        r3 = ratio_range(d, dp[-1:], sharp)
+        L.append(f"- **More features do not bring DPFP to softmax**: from {d.method[dp[0]]['label']} to "
+                 f"{d.method[dp[-1]]['label']} (F = {d.method[dp[0]]['F']} → {d.method[dp[-1]]['F']}) the error goes "
+                 + ", ".join(f"{f} {d.mean(dp[0], f, False):.3g} → {d.mean(dp[-1], f, False):.3g}" for f in fams)
+                 + (f"; at ν = 3 it is still {r3[0]:.2f}–{r3[1]:.2f}× equal weights' on all but {fams[0]}." if r3 else "."))
     if "taylor2" in d.method:
-        t = [d.mean("taylor2", f, False) for f in fams]
-        L.append(f"- **Taylor-2** (F = {d.method['taylor2']['F']}, exact second-order polynomial of exp): "
-                 + ", ".join(f"{f} {x:.3g}" for f, x in zip(fams, t) if x is not None)
-                 + " (non-causal); its cost per token is "
-                 + (f"{d.time[('taylor2', False)][0] / d.time[('elu', False)][0]:.0f}× EluPlusOne's."
-                    if ('taylor2', False) in d.time and ('elu', False) in d.time else "not measured in this run."))
-    if d.time:
-        for f in [x for x in ("gauss1", "outlier8") if x in fams]:
-            front = pareto(d, f, False)
-            L.append(f"- **Error for the time, {f}, non-causal** (each map on this list is faster than every "
-                     "map with a smaller error): " +
-                     " → ".join(f"{label(d, k)} {fmt_us(d.time[(k, False)][0])} µs, {d.mean(k, f, False):.3g}"
-                                for k in front) + ".")
-    # Where maps break down: their error at least that of equal weights.
-    worse = []
-    for m in maps:
-        bad = [f for f in fams if (d.mean(m["key"], f, False) or 0) >= d.uniform(f, False)]
-        if bad:
-            worse.append(f"{m['label']} ({', '.join(bad)})")
-    if worse:
-        L.append("- **No better than equal weights** (non-causal error ≥ that of outputting the mean of V, "
-                 "which ignores q and k): " + "; ".join(worse) + ".")
+        t = {f: d.mean("taylor2", f, False) for f in fams}
+        c = cost_ratio(d, "taylor2", "elu")
+        cs = cost_ratio(d, "taylor2", "softmax")
+        L.append(f"- **Taylor-2 is the best map where attention is flat and breaks down where it is sharp**: "
+                 + ", ".join(f"{f} {x:.3g}" for f, x in t.items() if x is not None)
+                 + " (non-causal; " + ", ".join(f"{f} {t[f] / d.uniform(f, False):.2f}× equal weights"
+                                                for f in fams[-3:] if t.get(f) is not None) + ")"
+                 + (f". It costs {c:.0f}× EluPlusOne per token" if c else "")
+                 + (f" and {cs:.1f}× softmax itself at N = {d.N}" if cs else "") + ".")
     if d.has_favor and d.keys_of("favor"):
+        ks = d.keys_of("favor")
         cells = []
         for f in fams:
             fit = favor_fit(d, f, False)
             if fit:
-                cells.append(f"{f} {fit[0]:+.2f}")
-        L.append("- **FAVOR+**: fitted slope of log(error) against log(m), non-causal: " + ", ".join(cells) +
-                 " (an unbiased estimate with independent features would give −0.50).")
+                cells.append(f"{f} {minus(fit[0])}")
+        last = ks[-1]
+        falling = [f for f in fams if (favor_fit(d, f, False) or (0.0, 0.0))[0] < -0.2]
+        worse = [f for f in fams if (d.mean(last, f, False) or 0) >= d.uniform(f, False)]
+        L.append(f"- **FAVOR+ estimates exp(q·k/√D) without bias, but its variance decides**: the fitted slope of "
+                 "log(error) against log(m) (m = " + ", ".join(str(d.method[k]["F"]) for k in ks) +
+                 ", non-causal) is " + ", ".join(cells) + ", against −0.5 for an error ∝ 1/√m. " +
+                 (f"The error falls with m only on {', '.join(falling)}; elsewhere it hardly moves up to m = "
+                  f"{d.method[last]['F']}. " if falling else f"It hardly moves up to m = {d.method[last]['F']}. ") +
+                 f"At m = {d.method[last]['F']} it is above equal weights' on " +
+                 (", ".join(worse) if worse else "no input") + ".")
     elif not d.has_favor:
-        L.append("- **FAVOR+** is not in this run: the program was built without `<linattn/favor.hpp>`.")
+        L.append("- **FAVOR+** is not in this run: the program was built without `<linattn/favor.hpp>`; "
+                 "rebuild and rerun once it exists.")
+    lk = d.keys_of("linformer")
+    if lk:
+        e = [d.mean(k, f, False) for k in lk for f in fams if d.mean(k, f, False) is not None]
+        L.append(f"- **Linformer with random projections is far from softmax**: errors {min(e):.3g} to "
+                 f"{max(e):.3g} (k = {d.method[lk[0]]['F']} … {d.method[lk[-1]]['F']}), above equal weights "
+                 "everywhere: F·V sums k random mixtures of all N values, whose norm grows as √(N/k), so the "
+                 "output is not an average of values any more. The paper learns E and F; untrained, they do "
+                 "not approximate softmax attention.")
+    # Where every map falls to (or below) equal weights.
+    worse, seen = [], set()
+    for m in maps:
+        if m["family"] == "linformer" or m["family"] in seen:
+            continue
+
+        def bad(key: str) -> list[str]:
+            return [f for f in fams if (d.mean(key, f, False) or 0) >= d.uniform(f, False)]
+
+        members = d.keys_of(m["family"])
+        if len(members) > 1 and all(bad(k) == bad(m["key"]) for k in members) and bad(m["key"]):
+            seen.add(m["family"])
+            b = bad(m["key"])
+            worse.append(f"{FAMILY_LABEL.get(m['family'], m['family']).split(' (')[0]}, every "
+                         f"{'m' if m['family'] == 'favor' else 'ν'} ({'every input' if b == fams else ', '.join(b)})")
+        elif bad(m["key"]):
+            worse.append(f"{m['label']} ({', '.join(bad(m['key']))})")
+    if worse:
+        L.append("- **Where a map is no better than equal weights** (non-causal error ≥ that of the mean of V): "
+                 + "; ".join(worse) + ".")
+    if d.time:
+        for f in fams[:2]:
+            front = pareto(d, f, False)
+            L.append(f"- **For its cost, {f}, non-causal** (of the maps better than equal weights, each one listed "
+                     "is cheaper than every map with a smaller error; cpu µs/token, error): " +
+                     " → ".join(f"{label(d, k)} {fmt_us(d.time[(k, False)][1])}, {d.mean(k, f, False):.3g}"
+                                for k in front) + ".")
+    if d.time and ("softmax", False) in d.time:
+        cells = []
+        for m in maps:
+            c = cost_ratio(d, m["key"], "softmax")
+            if c is not None:
+                cells.append(f"{label(d, m['key'])} {c:.2g}")
+        L.append(f"- **Cost per token relative to softmax** (N = {d.N}, non-causal, cpu time; softmax's cost grows "
+                 "with N, the others' does not): " + ", ".join(cells) + ".")
     return L
 
 
 def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panels: list[str]) -> None:
     ctx = d.context
-    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = ctx.get("date") or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     L = ["# Feature maps against softmax attention", "",
          "<!-- Generated by benchmarks/feature_map_report.py from a run of feature_map_quality; "
          "do not edit by hand. -->", "",
@@ -315,13 +380,18 @@ def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panel
          f"Regenerate: `{command}`", "",
          f"Machine: {cpu_description()}; {ctx.get('linattn_compiler', 'compiler unknown')}, "
          f"`{ctx.get('linattn_cxx_flags', '?')}`; Eigen {ctx.get('linattn_eigen', '?')}. "
-         f"Profile `{d.profile}`, random maps over {d.draws} seeds each, generated {date}.", ""]
+         f"Profile `{d.profile}`, random maps over {d.draws} seeds each, run of {date}.", ""]
     L += ["## Findings", ""] + findings(d) + [""]
     L += ["Two kinds of map are compared here, and they should not be confused:", "",
-          "- **FAVOR+ and Taylor-2 approximate the softmax kernel exp(q·k/√D)**: FAVOR+ is an unbiased "
-          "random-feature estimate whose error falls as its m features grow; Taylor-2 is the exact "
-          "second-order polynomial 1 + t + t²/2 of t = q·k/√D, accurate while |t| is small and wrong "
-          "when scores are large (sharp attention, outlier channels).",
+          "- **FAVOR+ and Taylor-2 approximate the softmax kernel exp(q·k/√D)**. FAVOR+ is an unbiased "
+          "random-feature estimate: with independent features its relative variance per score is "
+          "(exp(‖q + k‖²/√D) − 1)/m, so its error falls as 1/√m once that is small, and the factor "
+          "exp(‖q + k‖²/√D) decides when. For q, k entries N(0, σ²) in D dimensions ‖q + k‖²/√D ≈ 2σ²√D: "
+          f"{2 * d.D ** 0.5 * 0.25:.0f} at σ = 0.5 and {2 * d.D ** 0.5:.0f} at σ = 1 for D = {d.D} "
+          f"(e^{2 * d.D ** 0.5:.0f} ≈ {sci(math.exp(2 * d.D ** 0.5))}), and more with outlier channels: no "
+          "practical m reaches the 1/√m regime there. Taylor-2 is the exact second-order polynomial "
+          "1 + t + t²/2 of t = q·k/√D: accurate while |t| is small and wrong when scores are large "
+          "(sharp attention, outlier channels).",
           "- **EluPlusOne, Relu, NormalizedCosine, SoftmaxSplit and DPFP are not estimators of the "
           "softmax kernel**: φ(q)·φ(k) is another similarity, trained models learn to use it. Their error "
           "against softmax is a property of the inputs, not a sampling error, and it does not fall to "
@@ -345,8 +415,8 @@ def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panel
                 "largest weight, causal", "error of equal weights"], rows)
     L += ["", "(keys in the tables below: " + ", ".join(f"`{f['key']}` = {f['label']}" for f in d.families) + ")", ""]
     L += ["## Error against softmax, non-causal", "",
-          "Relative Frobenius error (random maps: mean ± standard deviation over the seeds); µs/token is "
-          f"the wall time of one call divided by N = {d.N}. \"Equal weights\" is the error of outputting "
+          "Relative Frobenius error (random maps: mean ± standard deviation over the seeds); cpu µs/token is "
+          f"the cpu time of one call (one thread) divided by N = {d.N}. \"Equal weights\" is the error of outputting "
           "the mean of V for every query: a map at or above it has lost the attention pattern.", ""]
     L += error_table(d, False) + [""]
     L += ["## Error against softmax, causal", "",
@@ -364,7 +434,7 @@ def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panel
         sl = []
         for f in d.families:
             fit = favor_fit(d, f["key"], False)
-            sl.append(f"{fit[0]:+.2f}" if fit else "–")
+            sl.append(minus(fit[0]) if fit else "–")
         rows.append(["slope"] + sl)
         L += table(["m"] + [f["key"] for f in d.families], rows) + [""]
     if svg_name:
@@ -383,8 +453,8 @@ def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panel
           "the softmax (tiled, float) row shows how small that part is.",
           f"- Random maps: seeds 1000 … {1000 + d.draws - 1}, the same for every input family.",
           "- Timings: one call of each map's attention on uniform inputs of the same shape (the cost does "
-          "not depend on the values), Google Benchmark, wall time, one thread; the machine's other core "
-          "may be busy, so compare maps within this run.", ""]
+          "not depend on the values), Google Benchmark, cpu time of the one thread (the machine's other core "
+          "may be busy; wall times are in the JSON); compare maps within this run.", ""]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(L))
 
@@ -406,20 +476,30 @@ def marker(kind: str, x: float, y: float, color: str, r: float = 4.5) -> str:
     return f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r:.1f}" fill="{color}"/>'
 
 
+def sci(x: float) -> str:
+    e = math.floor(math.log10(x))
+    return f"{x / 10 ** e:.0f}·10^{e}"
+
+
+def minus(x: float) -> str:
+    return f"{x:+.2f}".replace("-", "−")
+
+
 def decade(e: int) -> str:
     return f"{10.0 ** e:g}" if -3 <= e <= 3 else f"1e{e}"
 
 
 def write_svg(d: Data, path: str, panels: list[str]) -> None:
-    pw, ph, left, top, gap = 420, 360, 80, 70, 70
+    pw, ph, left, top, gap = 360, 340, 80, 70, 60
     width = left + len(panels) * pw + (len(panels) - 1) * gap + 30
-    legend_h = 24 * ((len(STYLE) + 1) // 2)
+    legend_h = 24 * ((len(STYLE) + 2) // 3)
     height = top + ph + 60 + legend_h
     maps = [m for m in d.methods if m["family"] in STYLE]
     ys = [d.mean(m["key"], f, False) for m in maps for f in panels]
     ys += [d.uniform(f, False) for f in panels]
     ys = [y for y in ys if y and y > 0]
-    e0, e1 = math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys)))
+    # A little room beyond the extreme points, so that no marker sits on the frame.
+    e0, e1 = math.floor(math.log10(min(ys)) - 0.1), math.ceil(math.log10(max(ys)) + 0.1)
     if e1 == e0:
         e1 += 1
     xs = [m["F"] for m in maps]
@@ -481,16 +561,16 @@ def write_svg(d: Data, path: str, panels: list[str]) -> None:
                          f'y2="{Y(math.exp(c) / math.sqrt(fb)):.1f}" stroke="{color}" stroke-dasharray="3,3"/>')
                 fit = favor_fit(d, fam, False)
                 if fit:
-                    o.append(f'<text x="{X(fb):.1f}" y="{Y(math.exp(c) / math.sqrt(fb)) + 16:.1f}" '
-                             f'text-anchor="end" fill="{color}">slope {fit[0]:+.2f} (1/√m: −0.50)</text>')
+                    o.append(f'<text x="{px + 8}" y="{top + ph - 10}" fill="{color}">'
+                             f'FAVOR+ fitted slope {minus(fit[0])}; dashed ∝ 1/√m</text>')
     o.append(f'<text transform="translate(20,{top + ph / 2:.0f}) rotate(-90)" text-anchor="middle" '
              'font-size="14">relative error (log scale)</text>')
     ly = top + ph + 70
     present = [k for k in STYLE if any(m["family"] == k for m in maps)]
     for i, k in enumerate(present):
         color, mk = STYLE[k]
-        lx = left + (i % 2) * 360
-        yy = ly + (i // 2) * 24
+        lx = left + (i % 3) * 400
+        yy = ly + (i // 3) * 24
         o.append(marker(mk, lx, yy - 4, color))
         o.append(f'<text x="{lx + 12}" y="{yy}">{escape(FAMILY_LABEL[k])}</text>')
     o.append("</svg>")
@@ -507,7 +587,7 @@ def main() -> int:
     ap.add_argument("--timings", help="feature_map_quality's Google Benchmark JSON")
     ap.add_argument("--md", help="write this markdown file (docs/feature_maps.md)")
     ap.add_argument("--svg", help="write this SVG plot (docs/feature_maps_plot.svg)")
-    ap.add_argument("--panels", default="gauss1,outlier8", help="input families of the plot's panels")
+    ap.add_argument("--panels", default="gauss0.5,gauss1,outlier8", help="input families of the plot's panels")
     ap.add_argument("--command", default=DEFAULT_COMMAND, help="the command recorded in the markdown")
     a = ap.parse_args()
     if a.run:
