@@ -321,11 +321,15 @@ def findings(d: Data) -> list[str]:
     lk = d.keys_of("linformer")
     if lk:
         e = [d.mean(k, f, False) for k in lk for f in fams if d.mean(k, f, False) is not None]
+        slopes = [fit_slope([d.method[k]["F"] for k in lk], [d.mean(k, f, False) for k in lk]) for f in fams]
+        slopes = [x[0] for x in slopes if x]
         L.append(f"- **Linformer with random projections is far from softmax**: errors {min(e):.3g} to "
                  f"{max(e):.3g} (k = {d.method[lk[0]]['F']} … {d.method[lk[-1]]['F']}), above equal weights "
-                 "everywhere: F·V sums k random mixtures of all N values, whose norm grows as √(N/k), so the "
-                 "output is not an average of values any more. The paper learns E and F; untrained, they do "
-                 "not approximate softmax attention.")
+                 "everywhere. Each row of F·V mixes all N values with N(0, 1/k) weights (about √(N/k) times a "
+                 "value's norm), so the output is no longer an average of values" +
+                 (f"; the error falls as k^{minus(min(slopes))} to k^{minus(max(slopes))} (fitted slopes)"
+                  if slopes else "") +
+                 ". The paper learns E and F; drawn at random, they do not approximate softmax attention.")
     # Where every map falls to (or below) equal weights.
     worse, seen = [], set()
     for m in maps:
@@ -394,7 +398,7 @@ def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panel
           "1 + t + t²/2 of t = q·k/√D: accurate while |t| is small and wrong when scores are large "
           "(sharp attention, outlier channels).",
           "- **EluPlusOne, Relu, NormalizedCosine, SoftmaxSplit and DPFP are not estimators of the "
-          "softmax kernel**: φ(q)·φ(k) is another similarity, trained models learn to use it. Their error "
+          "softmax kernel**: φ(q)·φ(k) is another similarity, which a model trained with it learns to use. Their error "
           "against softmax is a property of the inputs, not a sampling error, and it does not fall to "
           "0 as F grows (DPFP's ν = 1, 2, 3 show it). They apply no 1/√D scaling (the library's, and "
           "the paper's, choice), so they are given the same Q and K as softmax.",
