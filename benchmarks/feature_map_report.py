@@ -507,7 +507,8 @@ def write_svg(d: Data, path: str, panels: list[str]) -> None:
     ys += [d.uniform(f, False) for f in panels]
     ys = [y for y in ys if y and y > 0]
     # A little room beyond the extreme points, so that no marker sits on the frame.
-    e0, e1 = math.floor(math.log10(min(ys)) - 0.1), math.ceil(math.log10(max(ys)) + 0.1)
+    lo, hi = math.log10(min(ys)), math.log10(max(ys))
+    e0, e1 = math.floor(lo - 0.02), math.ceil(hi + 0.02)
     if e1 == e0:
         e1 += 1
     xs = [m["F"] for m in maps]
