@@ -1772,6 +1772,8 @@ KIND_TITLES = {
     "dl_naive_pair": "The token-by-token recurrence in Eigen vs the delta rule Chunked and Auto (one head)",
     "decode_recurrent": "Decode step, recurrent (RNN) form",
     "decode_softmax": "Decode step, softmax over a KV cache",
+    "fm_linear": "Every feature map, non-causal (feature_map_quality; errors in docs/feature_maps.md)",
+    "fm_causal": "Every feature map, causal (feature_map_quality; errors in docs/feature_maps.md)",
 }
 KIND_ORDER = list(KIND_TITLES)
 

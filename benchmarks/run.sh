@@ -8,8 +8,9 @@
 #   --smoke     smallest sizes only (checks that everything runs; docs are not rewritten)
 #   --out DIR   where the JSON goes (default: <build>/results)
 #   --build DIR the CMake build directory (default: $LINATTN_BENCH_BUILD_DIR or build/bench)
-#   --no-docs   print the summary but leave docs/benchmarks.md, docs/benchmark_plot.svg and the
-#               headline table of README.md (between its bench:headline markers) as they are
+#   --no-docs   print the summary but leave docs/benchmarks.md, docs/benchmark_plot.svg, the
+#               headline table of README.md (between its bench:headline markers) and
+#               docs/feature_maps.md with its plot as they are
 #   -- ARGS     passed to every benchmark program (e.g. -- --benchmark_filter=mh_)
 #
 # Build first (bash .ci/bench does both):
@@ -40,7 +41,7 @@ while (($# > 0)); do
     --build=*) build="${1#--build=}" ;;
     --no-docs) docs=0 ;;
     --) shift; extra=("$@"); break ;;
-    -h | --help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -60,7 +61,7 @@ fi
 
 out="${out:-$build/results}"
 mkdir -p "$out"
-rm -f "$out"/bench_*.json
+rm -f "$out"/bench_*.json "$out"/feature_map_*.json
 
 # The command a reader can rerun (recorded in docs/benchmarks.md).
 if [[ -n "${LINATTN_BENCH_MANIFEST:-}" ]]; then
@@ -81,9 +82,12 @@ for bin in "${binaries[@]}"; do
     failed+=("$name")
     continue
   fi
+  own=()
+  # feature_map_quality's study (errors against softmax) goes to a file of its own.
+  [[ "$name" == feature_map_quality ]] && own=("--quality_out=$out/feature_map_errors.json")
   echo "== $name --$profile"
   if ! "$bin" "--$profile" "--benchmark_out=$out/$name.json" --benchmark_out_format=json \
-    "${extra[@]}"; then
+    "${own[@]}" "${extra[@]}"; then
     echo "run.sh: $name failed" >&2
     failed+=("$name")
   fi
@@ -96,6 +100,16 @@ if ((docs)); then
 fi
 echo "== ${report[*]}"
 "${report[@]}"
+
+# docs/feature_maps.md and its plot, from feature_map_quality's study and timings.
+# Not after a run narrowed by ARGS (a filter would leave the doc without its timings).
+if ((docs && ${#extra[@]} == 0)) && [[ -s "$out/feature_map_errors.json" && -s "$out/feature_map_quality.json" ]]; then
+  fm=(python3 "$repo/benchmarks/feature_map_report.py" --errors "$out/feature_map_errors.json"
+    --timings "$out/feature_map_quality.json" --md "$repo/docs/feature_maps.md"
+    --svg "$repo/docs/feature_maps_plot.svg" --command "$command")
+  echo "== ${fm[*]}"
+  "${fm[@]}" || failed+=(feature_map_report.py)
+fi
 
 if ((${#failed[@]} > 0)); then
   echo "run.sh: failed: ${failed[*]}" >&2
