@@ -19,6 +19,7 @@
 
 #include "checks.hpp"
 #include "common.hpp"
+#include "error.hpp"
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
 #include "parallel.hpp"
@@ -392,19 +393,16 @@ class BatchedRecurrentLinearAttention {
 #ifdef _OPENMP
       // Contiguous ranges of (sequence, head) pairs, all of the same cost: a static split, no
       // scheduling per pair (a pair is about a microsecond at F = M = 64).
-      std::exception_ptr error;
+      detail::FirstError error;
 #pragma omp parallel num_threads(threads)
       {
         const Index T = omp_get_num_threads(), me = omp_get_thread_num();
-        try {
+        error.run([&] {
           for (Index t = me * tasks / T; t < (me + 1) * tasks / T; ++t)
             run(t, scratch_[static_cast<std::size_t>(me)]);
-        } catch (...) {
-#pragma omp critical(linattn_batched_recurrent_error)
-          if (!error) error = std::current_exception();
-        }
+        });
       }
-      if (error) std::rethrow_exception(error);
+      error.rethrow_if_failed();
 #endif
     }
     for (Index r = 0; r < n; ++r) ++positions_[static_cast<std::size_t>(slot(r))];

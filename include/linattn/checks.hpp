@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "common.hpp"
+#include "error.hpp"
 
 namespace linattn::detail {
 
@@ -25,8 +26,9 @@ std::string shape_of(const Eigen::EigenBase<Derived>& m) {
   return shape_string(m.rows(), m.cols());
 }
 
+// std::invalid_argument, or the error handler without exceptions (error.hpp).
 [[noreturn]] inline void throw_invalid(const char* function, const std::string& what) {
-  throw std::invalid_argument(std::string("linattn::") + function + ": " + what);
+  raise<std::invalid_argument>(std::string("linattn::") + function + ": " + what);
 }
 
 // The scalar types of Q, K and V must agree: mixing float and double would hide a conversion.

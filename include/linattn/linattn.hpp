@@ -9,6 +9,7 @@
 
 #include "version.hpp"
 #include "common.hpp"
+#include "error.hpp"
 #include "checks.hpp"
 #include "workspace.hpp"
 #include "parallel.hpp"

@@ -5,10 +5,12 @@
 
 #include <Eigen/Core>
 
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "checks.hpp"
+#include "error.hpp"
 #include "common.hpp"
 #include "elu_plus_one.hpp"
 #include "recurrent_linear_attention.hpp"
@@ -91,10 +93,18 @@ class MultiHeadRecurrentLinearAttention {
   Index key_dim() const noexcept { return heads_.front().key_dim(); }
   Index value_dim() const noexcept { return heads_.front().value_dim(); }
   /// Head h (its state, set_state() to continue from a parallel prefill).
-  Head& head(Index h) { return heads_.at(static_cast<std::size_t>(h)); }
-  const Head& head(Index h) const { return heads_.at(static_cast<std::size_t>(h)); }
+  /// \throws std::out_of_range naming h and the head count unless 0 <= h < heads().
+  Head& head(Index h) { return heads_[checked_head(h)]; }
+  const Head& head(Index h) const { return heads_[checked_head(h)]; }
 
  private:
+  std::size_t checked_head(Index h) const {
+    if (h < 0 || h >= heads())
+      detail::raise<std::out_of_range>("linattn::MultiHeadRecurrentLinearAttention::head: head " +
+                                       std::to_string(h) + " of " + std::to_string(heads()));
+    return static_cast<std::size_t>(h);
+  }
+
   template <class DQ, class DK, class DV, class O>
   void step_heads(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                   const Eigen::MatrixBase<DV>& v, O&& o) {

@@ -20,6 +20,7 @@
 
 #include "../causal_linear_attention.hpp"
 #include "../common.hpp"
+#include "../error.hpp"
 #include "../linear_attention.hpp"
 #include "../multihead_workspace.hpp"
 #include "../parallel.hpp"
@@ -46,24 +47,13 @@ void run_tasks(Index tasks, int threads, MultiHeadWorkspace<Scalar>& ws, const F
     return;
   }
 #ifdef _OPENMP
-  std::exception_ptr error;
-  bool failed = false;
+  FirstError error;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (Index t = 0; t < tasks; ++t) {
-    bool skip;
-#pragma omp atomic read
-    skip = failed;
-    if (skip) continue;
-    try {
-      fn(t, thread_id());
-    } catch (...) {
-#pragma omp critical(linattn_parallel_tasks_error)
-      if (!error) error = std::current_exception();
-#pragma omp atomic write
-      failed = true;
-    }
+    if (error.failed()) continue;
+    error.run([&] { fn(t, thread_id()); });
   }
-  if (error) std::rethrow_exception(error);
+  error.rethrow_if_failed();
 #endif
 }
 

@@ -16,6 +16,7 @@
 #endif
 
 #include "../common.hpp"
+#include "../error.hpp"
 #include "../parallel.hpp"
 #include "../state.hpp"
 #include "../state_algebra.hpp"
@@ -129,31 +130,17 @@ void scan_parts(const LinearAttentionState<Scalar>* init, SplitScratch<Scalar>& 
 template <class Phase1, class Phase2>
 int run_two_phases(int threads, const Phase1& phase1, const Phase2& phase2) {
 #ifdef _OPENMP
-  std::exception_ptr error;
-  bool failed = false;
+  FirstError error;
   int team = 1;
 #pragma omp parallel num_threads(threads)
   {
     const int T = omp_get_num_threads(), t = omp_get_thread_num();
     if (t == 0) team = T;
-    const auto guarded = [&](const auto& phase) {
-      try {
-        phase(t, T);
-      } catch (...) {
-#pragma omp critical(linattn_sequence_split_error)
-        if (!error) error = std::current_exception();
-#pragma omp atomic write
-        failed = true;
-      }
-    };
-    guarded(phase1);
+    error.run([&] { phase1(t, T); });
 #pragma omp barrier
-    bool skip;
-#pragma omp atomic read
-    skip = failed;
-    if (!skip) guarded(phase2);
+    if (!error.failed()) error.run([&] { phase2(t, T); });
   }
-  if (error) std::rethrow_exception(error);
+  error.rethrow_if_failed();
   return team;
 #else
   (void)threads;

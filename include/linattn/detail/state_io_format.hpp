@@ -27,6 +27,7 @@
 #include "../batched_recurrent.hpp"
 #include "../checks.hpp"
 #include "../common.hpp"
+#include "../error.hpp"
 #include "../recurrent_gated_attention.hpp"
 #include "../recurrent_linear_attention.hpp"
 #include "../state.hpp"
@@ -212,7 +213,7 @@ inline const char* kind_name(std::uint32_t kind) {
 }
 
 [[noreturn]] inline void fail(const char* function, const std::string& what) {
-  throw std::runtime_error(std::string("linattn::") + function + ": " + what);
+  raise<std::runtime_error>(std::string("linattn::") + function + ": " + what);
 }
 
 // Integers that may be any two's complement value go through u64 explicitly: converting an
@@ -323,11 +324,15 @@ class Writer {
     integer(crc_so_far());
     flush();
     bool failed = false;
+#if LINATTN_HAS_EXCEPTIONS
     try {
       os_.flush();
     } catch (const std::ios_base::failure&) {  // an exception mask: report it our way
       failed = true;
     }
+#else
+    os_.flush();
+#endif
     if (failed || !os_) fail(fn_, "writing failed: the stream's flush reported an error after " +
                             std::to_string(written_) + " bytes");
   }
@@ -339,11 +344,15 @@ class Writer {
   void flush() {
     crc_ = crc32_update(crc_, buf_.data(), used_);
     bool failed = false;
+#if LINATTN_HAS_EXCEPTIONS
     try {
       os_.write(reinterpret_cast<const char*>(buf_.data()), static_cast<std::streamsize>(used_));
     } catch (const std::ios_base::failure&) {  // an exception mask: report it our way
       failed = true;
     }
+#else
+    os_.write(reinterpret_cast<const char*>(buf_.data()), static_cast<std::streamsize>(used_));
+#endif
     if (failed || !os_)
       fail(fn_, "writing failed after " + std::to_string(written_) + " bytes (disk full, or "
                 "the stream was closed?)");
@@ -363,12 +372,17 @@ class Writer {
 // on an error, whatever the stream's exception mask).
 inline std::size_t read_some(std::istream& is, unsigned char* p, std::size_t n) {
   std::size_t got = 0;
+#if LINATTN_HAS_EXCEPTIONS
   try {
     is.read(reinterpret_cast<char*>(p), static_cast<std::streamsize>(n));
     got = static_cast<std::size_t>(is.gcount());
   } catch (const std::ios_base::failure&) {
     got = static_cast<std::size_t>(is.gcount());
   }
+#else
+  is.read(reinterpret_cast<char*>(p), static_cast<std::streamsize>(n));
+  got = static_cast<std::size_t>(is.gcount());
+#endif
   return got;
 }
 
