@@ -110,7 +110,8 @@ class FavorNormal {
 /// of stack scratch and allocate only when that exceeds 4096 (detail/map_scratch.hpp). A
 /// row containing NaN maps to NaN.
 ///
-/// \tparam Scalar float or double; inputs must have the same scalar type.
+/// \tparam Scalar float or double: the type W is stored in. Inputs may be float or double
+/// (the other type uses W converted exactly, as the tests' double references do).
 /// \code
 /// // 256 features estimating softmax attention over 64-dimensional heads.
 /// const linattn::Favor<float> phi(/*D=*/64, /*m=*/256, /*seed=*/42);
@@ -233,51 +234,76 @@ class Favor {
     derive();
   }
 
-  // The quantities the maps use, from W as stored (so that ±c_j cancel to rounding).
+  // What the maps use, per scalar type, from W as stored (a Favor<float> applied to double
+  // inputs, as the tests' double references do, uses the same W exactly).
+  template <class S>
+  struct Params {
+    Matrix<S> Wt;  // D x m: w_j contiguous
+    Vector<S> c;   // c_j = |w_j|^2 / 2
+    S inv_sqrt_m = 1, scale = 1;
+  };
+
   void derive() {
-    Wt_ = W_.transpose();
     const Index m = W_.rows();
-    c_.resize(m);
-    for (Index j = 0; j < m; ++j) c_(j) = Scalar(0.5 * W_.row(j).template cast<double>().squaredNorm());
-    inv_sqrt_m_ = Scalar(1.0 / std::sqrt(double(m)));
-    scale_ = Scalar(1.0 / std::sqrt(std::sqrt(double(W_.cols()))));
+    const Eigen::MatrixXd W = W_.template cast<double>();
+    const Eigen::VectorXd c = 0.5 * W.rowwise().squaredNorm();
+    const double inv_sqrt_m = 1.0 / std::sqrt(double(m));
+    const double scale = 1.0 / std::sqrt(std::sqrt(double(W_.cols())));  // D^{-1/4}
+    const auto fill = [&](auto& p) {
+      using S = typename std::decay_t<decltype(p.c)>::Scalar;
+      p.Wt = W.transpose().cast<S>();
+      p.c = c.cast<S>();
+      p.inv_sqrt_m = S(inv_sqrt_m);
+      p.scale = S(scale);
+    };
+    fill(pf_);
+    fill(pd_);
+  }
+
+  template <class S>
+  const Params<S>& params() const noexcept {
+    if constexpr (std::is_same_v<S, float>)
+      return pf_;
+    else
+      return pd_;
   }
 
   // a = the exponents of one row (x' in xp): plain c_j − d_j/2, key −d_j/2, query
   // 2c_j − d_j/2 − max; then a <- exp(a)/√m. The stabilised exponents are ≤ 0 and go through
   // the library's exp for (−∞, 0] (0 below its floor, where a feature is under 1e-38 of the
   // row's largest); the plain ones, which may be positive, through Eigen's exp.
-  template <class XP, class A>
-  void row_features(const XP& xp, A& a, Shift shift) const {
-    const Index m = Wt_.cols();
-    for (Index j = 0; j < m; ++j) a(j) = Scalar(-0.5) * (Wt_.col(j) - xp).squaredNorm();
+  template <class S, class XP, class A>
+  static void row_features(const Params<S>& p, const XP& xp, A& a, Shift shift) {
+    const Index m = p.Wt.cols();
+    for (Index j = 0; j < m; ++j) a(j) = S(-0.5) * (p.Wt.col(j) - xp).squaredNorm();
     if (shift == Shift::None) {
-      a.array() = (a.array() + c_.array()).exp() * inv_sqrt_m_;
+      a.array() = (a.array() + p.c.array()).exp() * p.inv_sqrt_m;
       return;
     }
     if (shift == Shift::Query) {
-      a += Scalar(2) * c_;
-      Scalar mx = a(0);  // NaN in a row's input makes every a_j, the max and the row NaN
+      a += S(2) * p.c;
+      S mx = a(0);  // NaN in a row's input makes every a_j, the max and the row NaN
       for (Index j = 1; j < m; ++j)
         if (a(j) > mx) mx = a(j);
       a.array() -= mx;
     }
-    a.array() = a.array().unaryExpr(detail::exp_nonpositive_op<Scalar>()) * inv_sqrt_m_;
+    a.array() = a.array().unaryExpr(detail::exp_nonpositive_op<S>()) * p.inv_sqrt_m;
   }
 
   template <class Derived>
   void run_map(const Eigen::MatrixBase<Derived>& x, MatrixRef<typename Derived::Scalar> phi,
                Shift shift) const {
-    static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
-                  "linattn: Favor<Scalar> maps inputs of its own scalar type");
+    using S = typename Derived::Scalar;
+    static_assert(detail::is_supported_scalar_v<S>, "linattn: Favor maps float or double inputs");
+    const Params<S>& p = params<S>();
     const Index D = input_dim(), m = num_features();
     eigen_assert(x.cols() == D && phi.cols() == m && phi.rows() == x.rows());
     const Index a_off = padded(D), width = a_off + padded(m);
-    detail::for_row_blocks_with_scratch<Scalar>(x.rows(), width, [&](Index r0, Index n, Scalar* buf) {
-      Eigen::Map<Vector<Scalar>> xp(buf, D), a(buf + a_off, m);
+    detail::for_row_blocks_with_scratch<S>(x.rows(), width, [&](Index r0, Index n, S* buf) {
+      Eigen::Map<Vector<S>> xp(buf, D), a(buf + a_off, m);
       for (Index i = 0; i < n; ++i) {
-        xp = x.row(r0 + i).transpose() * scale_;
-        row_features(xp, a, shift);
+        xp = x.row(r0 + i).transpose() * p.scale;
+        row_features(p, xp, a, shift);
         phi.row(r0 + i) = a.transpose();
       }
     });
@@ -286,21 +312,22 @@ class Favor {
   template <class DX, class DG>
   void run_backward(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi,
                     MatrixRef<typename DX::Scalar> grad_x, Shift shift) const {
-    static_assert(std::is_same_v<typename DX::Scalar, Scalar>,
-                  "linattn: Favor<Scalar> maps inputs of its own scalar type");
+    using S = typename DX::Scalar;
+    static_assert(detail::is_supported_scalar_v<S>, "linattn: Favor maps float or double inputs");
+    const Params<S>& p = params<S>();
     const Index D = input_dim(), m = num_features();
     eigen_assert(x.cols() == D && grad_phi.cols() == m && grad_x.rows() == x.rows());
     const Index a_off = padded(D), g_off = a_off + padded(m), width = g_off + padded(D);
-    detail::for_row_blocks_with_scratch<Scalar>(x.rows(), width, [&](Index r0, Index n, Scalar* buf) {
-      Eigen::Map<Vector<Scalar>> xp(buf, D), a(buf + a_off, m), gx(buf + g_off, D);
+    detail::for_row_blocks_with_scratch<S>(x.rows(), width, [&](Index r0, Index n, S* buf) {
+      Eigen::Map<Vector<S>> xp(buf, D), a(buf + a_off, m), gx(buf + g_off, D);
       for (Index i = 0; i < n; ++i) {
-        xp = x.row(r0 + i).transpose() * scale_;
-        row_features(xp, a, shift);
+        xp = x.row(r0 + i).transpose() * p.scale;
+        row_features(p, xp, a, shift);
         a.array() *= grad_phi.row(r0 + i).transpose().array();  // s_j = g_j φ̂_j
         // Σ_j s_j (w_j − x') = W^T s − (Σ_j s_j) x'
-        gx.noalias() = Wt_ * a;
+        gx.noalias() = p.Wt * a;
         gx -= a.sum() * xp;
-        grad_x.row(r0 + i) = (gx * scale_).transpose();
+        grad_x.row(r0 + i) = (gx * p.scale).transpose();
       }
     });
   }
@@ -309,9 +336,9 @@ class Favor {
   // the buffer and every row's exp sees the same packet split.
   static Index padded(Index n) { return (n + 15) / 16 * 16; }
 
-  Matrix<Scalar> W_, Wt_;  // m x D, and its transpose (w_j contiguous)
-  Vector<Scalar> c_;       // c_j = |w_j|^2 / 2
-  Scalar inv_sqrt_m_ = 1, scale_ = 1;
+  Matrix<Scalar> W_;  // m x D, as drawn or set
+  Params<float> pf_;
+  Params<double> pd_;
 };
 
 }  // namespace linattn
