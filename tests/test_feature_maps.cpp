@@ -1189,11 +1189,11 @@ TEST(Favor, DrawsAreDeterministicPerSeed) {
 }
 
 TEST(Favor, BadArgumentsThrowWithTheShapes) {
-  test::expect_invalid([] { linattn::Favor<float>(0, 4, 1); }, {"Favor", "D is 0", "m is 4"},
+  test::expect_invalid([] { (void)linattn::Favor<float>(0, 4, 1); }, {"Favor", "D is 0", "m is 4"},
                        "D = 0");
-  test::expect_invalid([] { linattn::Favor<double>(3, 0, 1); }, {"Favor", "D is 3", "m is 0"},
+  test::expect_invalid([] { (void)linattn::Favor<double>(3, 0, 1); }, {"Favor", "D is 3", "m is 0"},
                        "m = 0");
-  test::expect_invalid([] { linattn::Favor<float>(-2, -1, 1); }, {"Favor", "-2", "-1"},
+  test::expect_invalid([] { (void)linattn::Favor<float>(-2, -1, 1); }, {"Favor", "-2", "-1"},
                        "negative");
   linattn::Favor<float> phi(4, 6, 1);
   test::expect_invalid([&] { (void)phi.feature_dim(5); },

@@ -303,7 +303,7 @@ class Favor {
       Eigen::Map<Vector<S>> xp(buf, D), a(buf + a_off, m);
       for (Index i = 0; i < n; ++i) {
         xp = x.row(r0 + i).transpose() * p.scale;
-        row_features(p, xp, a, shift);
+        row_features<S>(p, xp, a, shift);
         phi.row(r0 + i) = a.transpose();
       }
     });
@@ -322,7 +322,7 @@ class Favor {
       Eigen::Map<Vector<S>> xp(buf, D), a(buf + a_off, m), gx(buf + g_off, D);
       for (Index i = 0; i < n; ++i) {
         xp = x.row(r0 + i).transpose() * p.scale;
-        row_features(p, xp, a, shift);
+        row_features<S>(p, xp, a, shift);
         a.array() *= grad_phi.row(r0 + i).transpose().array();  // s_j = g_j φ̂_j
         // Σ_j s_j (w_j − x') = W^T s − (Σ_j s_j) x'
         gx.noalias() = p.Wt * a;
