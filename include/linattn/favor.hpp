@@ -6,7 +6,6 @@
 
 #include <Eigen/Core>
 #include <Eigen/QR>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -66,10 +65,10 @@ class FavorNormal {
 ///
 /// W (m × D) holds m random features \f$w_j\f$. For w ~ N(0, I),
 /// \f$\mathbb{E}[e^{w^\top u}] = e^{\|u\|^2/2}\f$, hence
-/// \f[ \mathbb{E}\big[\varphi(q)^\top\varphi(k)\big] = \exp(q'^\top k') = \exp(q \cdot k / \sqrt{D}), \f]
-/// the similarity of softmax attention: linear attention with this map is an unbiased
-/// estimate of softmax attention's numerator and denominator, in O(N·m·(D + M)). Every feature
-/// is an exponential, so > 0 (`nonnegative_features`): denominators cannot cancel.
+/// \f[ \mathbb{E}\big[\varphi(q)^\top\varphi(k)\big] = \exp(q'^\top k') = \exp(q \cdot k /
+/// \sqrt{D}), \f] the similarity of softmax attention: linear attention with this map is an
+/// unbiased estimate of softmax attention's numerator and denominator, in O(N·m·(D + M)). Every
+/// feature is an exponential, so > 0 (`nonnegative_features`): denominators cannot cancel.
 ///
 /// **The draw** (`Favor(D, m, seed)`, `redraw(seed)`): ⌈m/D⌉ blocks, each a D × D matrix of
 /// i.i.d. N(0, 1) entries orthogonalised by Householder QR (Q's columns, signs fixed by R's
@@ -162,10 +161,10 @@ class Favor {
   /// projection's (every kernel calls it at entry).
   Index feature_dim(Index D) const {
     if (D != input_dim())
-      detail::throw_invalid("Favor::feature_dim",
-                            "the inputs have D = " + std::to_string(D) +
-                                " columns, the projection W (" + detail::shape_of(W_) +
-                                ") has D = " + std::to_string(input_dim()));
+      detail::throw_invalid("Favor::feature_dim", "the inputs have D = " + std::to_string(D) +
+                                                      " columns, the projection W (" +
+                                                      detail::shape_of(W_) +
+                                                      ") has D = " + std::to_string(input_dim()));
     return num_features();
   }
 
