@@ -38,8 +38,9 @@
 /// - *optional* side-aware overloads, for maps whose features are best formed with a shift that
 ///   cancels only in the product of a query side and a key side (Favor):
 ///   \code
-///   void map(x, phi, linattn::QuerySide side) const;   void map(x, phi, linattn::KeySide side) const;
-///   void backward(x, grad_phi, grad_x, linattn::QuerySide side) const;   // and KeySide
+///   void map(x, phi, linattn::QuerySide side) const;
+///   void map(x, phi, linattn::KeySide side) const;
+///   void backward(x, grad_phi, grad_x, linattn::QuerySide side) const;  // and KeySide
 ///   \endcode
 ///   Every kernel maps queries with the query side and keys with the key side, and tells the
 ///   map whether it divides each output row by its denominator \f$\varphi(q)^\top z\f$
