@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "causal_reference.hpp"
+#include "delta_reference.hpp"
 #include "gated_reference.hpp"
 #include "gradient_util.hpp"
 #include "reference.hpp"
@@ -154,6 +155,22 @@ static_assert(!linattn::detail::may_cancel_v<linattn::Relu>);
 static_assert(!linattn::detail::may_cancel_v<linattn::Dpfp>);
 static_assert(linattn::detail::may_cancel_v<linattn::Taylor2>);
 static_assert(!std::is_convertible_v<int, linattn::Dpfp>);  // explicit Dpfp(int nu)
+// Issue 26, FAVOR+: strictly positive features (exp), not elementwise, a backward, and the
+// side-aware overloads of the concept's extension (which no other built-in map has).
+static_assert(linattn::is_feature_map_v<linattn::Favor<float>, float>);
+static_assert(linattn::is_feature_map_v<linattn::Favor<double>, double>);
+static_assert(linattn::has_backward_v<linattn::Favor<float>, float>);
+static_assert(linattn::has_sided_map_v<linattn::Favor<float>, float>);
+static_assert(linattn::has_sided_map_v<linattn::Favor<double>, double>);
+static_assert(linattn::detail::has_side_backward<linattn::Favor<float>, float,
+                                                 linattn::KeySide>::value);
+static_assert(linattn::detail::has_side_backward<linattn::Favor<double>, double,
+                                                 linattn::QuerySide>::value);
+static_assert(!linattn::detail::declares_elementwise<linattn::Favor<float>>::value);
+static_assert(!linattn::detail::may_cancel_v<linattn::Favor<float>>);
+static_assert(!linattn::has_sided_map_v<linattn::EluPlusOne, float>);
+static_assert(!linattn::has_sided_map_v<linattn::Taylor2, double>);
+static_assert(!linattn::has_sided_map_v<linattn::L2Normalize<linattn::Silu>, float>);
 
 // ---------------------------------------------------------------------------------------------
 // What the typed suite knows about each map.
@@ -295,6 +312,18 @@ struct MapInfo<linattn::Taylor2> {
   static constexpr Similarity similarity = Similarity::NonNegative;
 };
 
+// FAVOR+ with m = 2D + 3 features (F ≠ D; the last orthogonal block truncated), one seed per
+// D. Strictly positive: every feature is an exponential (e^-59 at worst for these inputs).
+template <class S>
+struct MapInfo<linattn::Favor<S>> {
+  static constexpr const char* name = "Favor";
+  static linattn::Favor<S> make(Index D) { return linattn::Favor<S>(D, 2 * D + 3, 2600 + D); }
+  static Index expected_F(Index D) { return 2 * D + 3; }
+  static constexpr bool strictly_positive = true;
+  static constexpr bool has_backward = true;
+  static constexpr Similarity similarity = Similarity::NonNegative;
+};
+
 template <class MapT, class ScalarT, class InfoT = MapInfo<MapT>>
 struct MapCase {
   using Map = MapT;
@@ -323,7 +352,8 @@ using MapCases = ::testing::Types<MapCase<linattn::EluPlusOne, CaseScalar>,
                                   MapCase<linattn::Relu, CaseScalar>,
                                   MapCase<linattn::Dpfp, CaseScalar>,
                                   MapCase<linattn::Dpfp, CaseScalar, DpfpNu3Info>,
-                                  MapCase<linattn::Taylor2, CaseScalar>>;
+                                  MapCase<linattn::Taylor2, CaseScalar>,
+                                  MapCase<linattn::Favor<CaseScalar>, CaseScalar>>;
 
 struct MapCaseNames {
   template <class C>
@@ -1018,6 +1048,310 @@ TEST(Issue26Maps, Taylor2DenominatorNeverCancelsToZero) {
   EXPECT_LE(err, 2.5e-7) << out << "\nmean " << mean;  // measured 6.0e-8 (|V| <= 3)
 }
 
+// ---------------------------------------------------------------------------------------------
+// Issue 26: FAVOR+ (linattn::Favor) against naive references of its formulas (docs/SPEC.md §7),
+// its orthogonal draw, the unbiasedness of its estimate, and its stabilised sides.
+// ---------------------------------------------------------------------------------------------
+
+// Naive features of the rows of x for the projection W (m x D), in double, loop by loop:
+// x' = x / D^{1/4}, e_j = w_j·x' − |x'|²/2, c_j = |w_j|²/2, and
+//   plain φ_j = exp(e_j)/√m,  key side exp(e_j − c_j)/√m,  query side exp(ê_j − max ê)/√m with
+//   ê_j = e_j + c_j.
+enum class NaiveSide { Plain, Key, Query };
+MatD naive_favor(const MatD& x, const MatD& W, NaiveSide side) {
+  const Index D = x.cols(), m = W.rows();
+  const double s = 1.0 / std::pow(double(D), 0.25);
+  MatD phi(x.rows(), m);
+  std::vector<double> e(static_cast<std::size_t>(m));
+  for (Index r = 0; r < x.rows(); ++r) {
+    double sq = 0;
+    for (Index d = 0; d < D; ++d) sq += (x(r, d) * s) * (x(r, d) * s);
+    double mx = -std::numeric_limits<double>::infinity();
+    for (Index j = 0; j < m; ++j) {
+      double dot = 0, c = 0;
+      for (Index d = 0; d < D; ++d) {
+        dot += W(j, d) * x(r, d) * s;
+        c += W(j, d) * W(j, d) / 2;
+      }
+      double ej = dot - sq / 2;
+      if (side == NaiveSide::Key) ej -= c;
+      if (side == NaiveSide::Query) ej += c;
+      e[std::size_t(j)] = ej;
+      mx = std::max(mx, ej);
+    }
+    for (Index j = 0; j < m; ++j)
+      phi(r, j) = std::exp(e[std::size_t(j)] - (side == NaiveSide::Query ? mx : 0.0)) /
+                  std::sqrt(double(m));
+  }
+  return phi;
+}
+
+template <class S, class Side>
+Mat<S> favor_side(const linattn::Favor<S>& phi, const Mat<S>& x, Side side) {
+  Mat<S> out(x.rows(), phi.num_features());
+  phi.map(x, out, side);
+  return out;
+}
+
+TEST(Favor, MatchesTheNaiveFormulaOnEverySide) {
+  // D below and above a packet, m below, equal to and above D (last block truncated), 300 rows
+  // (more than a 256-row block), inputs in [−2, 2] and a zero row. Errors relative to each
+  // feature (they are positive): exp amplifies the exponent's rounding, |e| ≲ 10 here.
+  double worst_f = 0, worst_d = 0;
+  for (const Index D : {1, 5, 16, 33})
+    for (const Index m : {Index(3), D, 2 * D + 5}) {
+      const linattn::Favor<double> fd(D, m, test::seed_of({D, m, 2651}));
+      const linattn::Favor<float> ff(D, m, test::seed_of({D, m, 2651}));
+      Mat<double> x = test::random_matrix<double>(300, D, test::seed_of({D, 2652}), -2, 2);
+      x.row(7).setZero();
+      const Mat<float> xf = x.cast<float>();
+      const MatD W = fd.projection();
+      ASSERT_EQ(W.rows(), m);
+      ASSERT_EQ(W.cols(), D);
+      const auto rel = [](const auto& got, const MatD& want) {
+        return (got.template cast<double>() - want).cwiseQuotient(want).cwiseAbs().maxCoeff();
+      };
+      const MatD Wf = ff.projection().cast<double>();
+      const MatD xfd = xf.cast<double>();
+      for (const NaiveSide side : {NaiveSide::Plain, NaiveSide::Key, NaiveSide::Query}) {
+        Mat<double> got_d(300, m);
+        Mat<float> got_f(300, m);
+        if (side == NaiveSide::Plain) {
+          fd.map(x, got_d);
+          ff.map(xf, got_f);
+        } else if (side == NaiveSide::Key) {
+          got_d = favor_side(fd, x, linattn::KeySide{true});
+          got_f = favor_side(ff, xf, linattn::KeySide{true});
+        } else {
+          got_d = favor_side(fd, x, linattn::QuerySide{true});
+          got_f = favor_side(ff, xf, linattn::QuerySide{true});
+        }
+        worst_d = std::max(worst_d, rel(got_d, naive_favor(x, W, side)));
+        worst_f = std::max(worst_f, rel(got_f, naive_favor(xfd, Wf, side)));
+      }
+    }
+  test::report_error("Favor/vs_naive (relative per feature)/float", worst_f);
+  test::report_error("Favor/vs_naive (relative per feature)/double", worst_d);
+  // Measured 9.0e-6 (float) and 3.9e-14 (double): about |exponent|·ε, the exponents reaching
+  // a few tens here.
+  EXPECT_LE(worst_f, 3e-5);
+  EXPECT_LE(worst_d, 1.5e-13);
+}
+
+TEST(Favor, BlocksOfTheProjectionAreOrthogonal) {
+  // Rows within each block of D are orthogonal; their norms are independent chi(D) draws.
+  for (const Index D : {1, 4, 16})
+    for (const Index m : {D, 3 * D + 1}) {
+      const linattn::Favor<double> phi(D, m, test::seed_of({D, m, 2653}));
+      const MatD& W = phi.projection();
+      double worst = 0;
+      for (Index r0 = 0; r0 < m; r0 += D) {
+        const Index n = std::min(D, m - r0);
+        MatD U = W.middleRows(r0, n);
+        for (Index i = 0; i < n; ++i) U.row(i) /= U.row(i).norm();
+        worst = std::max(worst, test::max_abs_diff(U * U.transpose(), MatD::Identity(n, n)));
+      }
+      EXPECT_LE(worst, 1e-12) << "D=" << D << " m=" << m;
+      if (D > 1 || m > 1) {
+        const Eigen::VectorXd norms = W.rowwise().norm();
+        EXPECT_GT(norms.maxCoeff() - norms.minCoeff(), 1e-3) << "row norms should differ";
+      }
+    }
+}
+
+TEST(Favor, DrawsAreDeterministicPerSeed) {
+  const linattn::Favor<double> a(8, 20, 7), b(8, 20, 7), c(8, 20, 8);
+  EXPECT_EQ(a.projection(), b.projection());
+  EXPECT_GT(test::max_abs_diff(a.projection(), c.projection()), 0.1);
+  // The draw is made in double: the float map holds the same W rounded once.
+  const linattn::Favor<float> f(8, 20, 7);
+  EXPECT_EQ(f.projection(), a.projection().cast<float>());
+  // redraw(seed) is the constructor's draw.
+  linattn::Favor<double> r(8, 20, 99);
+  r.redraw(7);
+  EXPECT_EQ(r.projection(), a.projection());
+  r.redraw(8);
+  EXPECT_EQ(r.projection(), c.projection());
+  // set_projection: any m' >= 1 rows of the same D; the features follow it.
+  const MatD W2 = test::random_matrix<double>(5, 8, 2654, -1, 1);
+  r.set_projection(W2);
+  EXPECT_EQ(r.projection(), W2);
+  EXPECT_EQ(r.num_features(), 5);
+  EXPECT_EQ(r.input_dim(), 8);
+  EXPECT_EQ(r.feature_dim(8), 5);
+  const MatD x = test::random_matrix<double>(3, 8, 2655);
+  MatD phi(3, 5);
+  r.map(x, phi);
+  EXPECT_LE(test::max_abs_diff(phi, naive_favor(x, W2, NaiveSide::Plain)), 1e-14);
+  r.set_projection(a.projection());
+  MatD p1(3, 20), p2(3, 20);
+  r.map(x, p1);
+  a.map(x, p2);
+  EXPECT_EQ(p1, p2);
+}
+
+TEST(Favor, BadArgumentsThrowWithTheShapes) {
+  using N = std::vector<std::string>;  // the needles of each message
+  test::expect_invalid([] { (void)linattn::Favor<float>(0, 4, 1); }, N{"Favor", "D is 0", "m is 4"},
+                       "D = 0");
+  test::expect_invalid([] { (void)linattn::Favor<double>(3, 0, 1); },
+                       N{"Favor", "D is 3", "m is 0"}, "m = 0");
+  test::expect_invalid([] { (void)linattn::Favor<float>(-2, -1, 1); }, N{"Favor", "-2", "-1"},
+                       "negative");
+  linattn::Favor<float> phi(4, 6, 1);
+  test::expect_invalid([&] { (void)phi.feature_dim(5); },
+                       N{"Favor::feature_dim", "D = 5", "6x4", "D = 4"}, "feature_dim");
+  test::expect_invalid([&] { phi.set_projection(Mat<float>::Ones(6, 3)); },
+                       N{"Favor::set_projection", "6x3", "6x4"}, "set_projection D");
+  test::expect_invalid([&] { phi.set_projection(Mat<float>(0, 4)); },
+                       N{"Favor::set_projection", "0x4"}, "set_projection m = 0");
+  EXPECT_EQ(phi.num_features(), 6);  // unchanged by the rejected calls
+  // Every kernel asks the map for F at entry: the map's D mismatch surfaces there.
+  const Mat<float> Q = Mat<float>::Ones(3, 5), V = Mat<float>::Ones(3, 2);
+  test::expect_invalid([&] { (void)linattn::linear_attention(Q, Q, V, phi); },
+                       N{"Favor::feature_dim", "D = 5"}, "linear_attention");
+  test::expect_invalid([&] { (void)linattn::causal_linear_attention(Q, Q, V, phi); },
+                       N{"Favor::feature_dim", "D = 5"}, "causal_linear_attention");
+  test::expect_invalid(
+      [&] { linattn::RecurrentLinearAttention<linattn::Favor<float>, float> r(5, 2, phi); },
+      N{"Favor::feature_dim", "D = 5"}, "RecurrentLinearAttention");
+}
+
+TEST(Favor, EstimatesTheSoftmaxKernelWithoutBias) {
+  // E[φ(q)·φ(k)] = exp(q·k/√D) over the draw of W. S = 2000 seeds, D = m = 16 (one orthogonal
+  // block); the sample mean must lie within 5 standard errors (from the sample variance).
+  const Index D = 16, m = 16, S = 2000;
+  const MatD q = test::random_matrix<double>(1, D, 2656, -0.6, 0.6);
+  const MatD k = test::random_matrix<double>(1, D, 2657, -0.6, 0.6) + 0.3 * q;
+  const double expected = std::exp(q.row(0).dot(k.row(0)) / std::sqrt(double(D)));
+  double sum = 0, sum_sq = 0;
+  MatD pq(1, m), pk(1, m);
+  for (Index s = 0; s < S; ++s) {
+    const linattn::Favor<double> phi(D, m, std::uint64_t(1000 + s));
+    phi.map(q, pq);
+    phi.map(k, pk);
+    const double est = pq.row(0).dot(pk.row(0));
+    sum += est;
+    sum_sq += est * est;
+  }
+  const double mean = sum / double(S);
+  const double sd = std::sqrt((sum_sq - double(S) * mean * mean) / double(S - 1));
+  const double se = sd / std::sqrt(double(S));
+  std::cout << "[ info     ] Favor estimate " << mean << " ± " << se << " (sd " << sd
+            << "), exp(q·k/√D) = " << expected << "\n";
+  EXPECT_LE(std::abs(mean - expected), 5 * se);
+  EXPECT_GT(sd, 0.0);
+}
+
+TEST(Favor, StabilisedSidesScaleTheSimilarityByAQueryFactorOnly) {
+  // φ̂_Q(q)·φ̂_K(k) = c(q)·φ(q)·φ(k): the ratio is the same for every key of a query (double,
+  // to 1e-12 relative). Unnormalised sides are the plain features, bit for bit.
+  const Index D = 7, m = 23;
+  const linattn::Favor<double> phi(D, m, 2658);
+  const MatD Q = test::random_matrix<double>(20, D, 2659, -2, 2);
+  const MatD K = test::random_matrix<double>(50, D, 2660, -2, 2);
+  MatD pq(20, m), pk(50, m);
+  phi.map(Q, pq);
+  phi.map(K, pk);
+  const MatD plain = pq * pk.transpose();
+  const MatD sided = favor_side(phi, Q, linattn::QuerySide{true}) *
+                     favor_side(phi, K, linattn::KeySide{true}).transpose();
+  double worst = 0;
+  for (Index i = 0; i < Q.rows(); ++i) {
+    const double c0 = sided(i, 0) / plain(i, 0);
+    EXPECT_GT(c0, 0.0);
+    for (Index j = 0; j < K.rows(); ++j)
+      worst = std::max(worst, std::abs(sided(i, j) / plain(i, j) / c0 - 1));
+  }
+  test::report_error("Favor/sided_over_plain_ratio_spread/double", worst);
+  EXPECT_LE(worst, 1e-14);  // measured 1.8e-15
+  EXPECT_EQ(favor_side(phi, Q, linattn::QuerySide{false}), pq);
+  EXPECT_EQ(favor_side(phi, K, linattn::KeySide{false}), pk);
+  const linattn::Favor<float> phif(D, m, 2658);
+  const Mat<float> Qf = Q.cast<float>();
+  Mat<float> pqf(20, m);
+  phif.map(Qf, pqf);
+  EXPECT_EQ(favor_side(phif, Qf, linattn::QuerySide{false}), pqf);
+  EXPECT_EQ(favor_side(phif, Qf, linattn::KeySide{false}), pqf);
+  // The stabilised features are at most 1/√m (the largest query feature exactly that).
+  const MatD sq = favor_side(phi, Q, linattn::QuerySide{true});
+  EXPECT_LE(sq.maxCoeff(), 1 / std::sqrt(double(m)) * (1 + 1e-15));
+  EXPECT_LE(favor_side(phi, K, linattn::KeySide{true}).maxCoeff(), 1 / std::sqrt(double(m)));
+}
+
+TEST(Favor, SidedBackwardMatchesFiniteDifferences) {
+  // The key side's shift is a constant: its backward is the gradient of x ↦ Σ G ∘ φ̂_K(x). The
+  // query side's row shift is treated as a constant, exact when G·φ̂_Q(x) = 0 row by row (what a
+  // normalised kernel's gradient satisfies): G is projected so here.
+  const Index D = 5, m = 11, n = 4;
+  const linattn::Favor<double> phi(D, m, 2661);
+  const MatD x = test::random_matrix<double>(n, D, 2662, -1.5, 1.5);
+  const MatD G0 = test::random_matrix<double>(n, m, 2663);
+  const MatD pq = favor_side(phi, x, linattn::QuerySide{true});
+  MatD Gq = G0;
+  for (Index i = 0; i < n; ++i)
+    Gq.row(i) -= (G0.row(i).dot(pq.row(i)) / pq.row(i).squaredNorm()) * pq.row(i);
+  const auto check = [&](auto side, const MatD& G, const char* what) {
+    MatD grad(n, D);
+    phi.backward(x, G, grad, side);
+    MatD fd(n, D);
+    const double h = 1e-6;
+    for (Index r = 0; r < n; ++r)
+      for (Index c = 0; c < D; ++c) {
+        MatD xp = x, xm = x;
+        xp(r, c) += h;
+        xm(r, c) -= h;
+        fd(r, c) = (G.cwiseProduct(favor_side(phi, xp, side)).sum() -
+                    G.cwiseProduct(favor_side(phi, xm, side)).sum()) /
+                   (2 * h);
+      }
+    EXPECT_LE(test::max_abs_diff(grad, fd), 1e-8 * std::max(1.0, test::max_abs(fd)))
+        << what << "\nbackward:\n"
+        << grad << "\nfinite differences:\n"
+        << fd;
+    // float against double
+    const linattn::Favor<float> phif(D, m, 2661);
+    Mat<float> gf(n, D);
+    phif.backward(x.cast<float>().eval(), G.cast<float>().eval(), gf, side);
+    EXPECT_LE(test::max_abs_diff(gf, grad), 1e-5 * std::max(1.0, test::max_abs(grad))) << what;
+  };
+  check(linattn::KeySide{true}, G0, "key side");
+  check(linattn::QuerySide{true}, Gq, "query side (G·φ̂ = 0)");
+  check(linattn::KeySide{false}, G0, "key side, unnormalised");
+  check(linattn::QuerySide{false}, G0, "query side, unnormalised");
+}
+
+TEST(Favor, InputsOfMagnitude100StayFiniteThroughTheCausalKernel) {
+  // Entries ±100, D = 16: |x'| = 200 and the plain features' exponents w·x' − |x'|²/2 range
+  // over about ±800 − 20000, so the unshifted formula would give exp(w·x') = inf for aligned
+  // features times exp(−|x'|²/2) = 0, and NaN outputs. The query side's shift keeps every
+  // query feature ≤ 1/√m with the largest exactly 1/√m; the key side's exponents
+  // −|k' − w_j|²/2 are ≤ 0, so nothing overflows. (Here every key's features underflow to 0,
+  // as exp(q·k/√D) of these inputs does relative to one attended key's, and the guard of
+  // spec §2 gives zero rows: finite, never NaN.)
+  const Index N = 70, D = 16, M = 3, m = 40;
+  const auto run = [&](auto tag) {
+    using S = decltype(tag);
+    const linattn::Favor<S> phi(D, m, 2664);
+    Mat<S> Q = test::random_matrix<S>(N, D, 2665, -100, 100);
+    Mat<S> K = test::random_matrix<S>(N, D, 2666, -100, 100);
+    Q.row(0).setConstant(S(100));
+    K.row(1).setConstant(S(-100));
+    const Mat<S> V = test::random_matrix<S>(N, M, 2667);
+    for (const auto a : {linattn::CausalAlgorithm::Chunked, linattn::CausalAlgorithm::Recurrent}) {
+      linattn::CausalOptions o;
+      o.algorithm = a;
+      const Mat<S> out = linattn::causal_linear_attention(Q, K, V, phi, o);
+      EXPECT_TRUE(test::all_finite(out)) << test::scalar_name<S>();
+    }
+    const Mat<S> pq = favor_side(phi, Q, linattn::QuerySide{true});
+    EXPECT_TRUE(test::all_finite(pq));
+    EXPECT_EQ(pq.rowwise().maxCoeff().minCoeff(), S(1.0 / std::sqrt(double(m))));
+  };
+  run(float{});
+  run(double{});
+}
+
 #endif  // LINATTN_TEST_DOUBLE_CASES
 
 #ifdef LINATTN_TEST_DOUBLE_CASES
@@ -1228,6 +1562,271 @@ TEST(Issue26Kernels, GatedKernelMatchesTheQuadraticReference) {
     worst = std::max(worst, w);
   });
   EXPECT_LE(worst, 3.5e-15);  // measured 8.9e-16 (Taylor2), 4.4e-16 (Dpfp)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Issue 26, FAVOR+ through every kernel family in double, against the naive references, which
+// use the plain features φ(x) = exp(W x' − |x'|²/2)/√m: the kernels use the stabilised sides
+// (the normalised ones) or the plain features (the unnormalised ones), so agreement also shows
+// that the shifts cancel. m = 2D + 3 features (F ≠ D, F ≠ M), one Favor per D and seed; the
+// shapes of kKernelShapes (N a multiple of no block size).
+// ---------------------------------------------------------------------------------------------
+
+linattn::Favor<double> favor_for(Index D, Index salt = 0) {
+  return linattn::Favor<double>(D, 2 * D + 3, std::uint64_t(2670 + D + 100 * salt));
+}
+
+TEST(FavorKernels, LinearCausalMaskedAndDecodeMatchTheReference) {
+  double worst = 0;
+  for (const KernelShape& sh : kKernelShapes) {
+    const auto phi = favor_for(sh.D);
+    const Index L = sh.N + 11;
+    const MatD Q = test::random_matrix<double>(sh.N, sh.D, test::seed_of({sh.N, sh.D, 2671}));
+    const MatD K = test::random_matrix<double>(L, sh.D, test::seed_of({L, sh.D, 2672}));
+    const MatD V = test::random_matrix<double>(L, sh.M, test::seed_of({L, sh.M, 2673}));
+    // Non-causal, N ≠ L.
+    worst = std::max(worst, err_of(linattn::linear_attention(Q, K, V, phi),
+                                   ref::generic_linear_attention(Q, K, V, phi)));
+    // Causal: chunked (16, default), recurrent, and the decode step.
+    const MatD Kc = K.topRows(sh.N), Vc = V.topRows(sh.N);
+    const MatD expected = ref::causal_linear_attention(Q, Kc, Vc, phi);
+    for (const auto& o : {causal_options(linattn::CausalAlgorithm::Chunked, 16),
+                          causal_options(linattn::CausalAlgorithm::Chunked, 0),
+                          causal_options(linattn::CausalAlgorithm::Recurrent, 0)})
+      worst =
+          std::max(worst, err_of(linattn::causal_linear_attention(Q, Kc, Vc, phi, o), expected));
+    linattn::RecurrentLinearAttention<linattn::Favor<double>, double> rec(sh.D, sh.M, phi);
+    MatD steps(sh.N, sh.M);
+    for (Index t = 0; t < sh.N; ++t)
+      steps.row(t) = rec.step(Q.row(t), Kc.row(t), Vc.row(t)).transpose();
+    worst = std::max(worst, err_of(steps, expected));
+    // The causal form continued from a state summarised in another call (the fixed key shift
+    // makes the two calls' features the same).
+    if (sh.N > 20) {
+      auto st = linattn::summarize(Kc.topRows(20), Vc.topRows(20), phi);
+      const MatD rest = linattn::causal_linear_attention(
+          Q.bottomRows(sh.N - 20), Kc.bottomRows(sh.N - 20), Vc.bottomRows(sh.N - 20), phi, st);
+      worst = std::max(worst, err_of(rest, expected.bottomRows(sh.N - 20)));
+    }
+    // Masked keys, non-causal and causal.
+    cref::BoolVec keep = cref::random_mask(L, test::seed_of({L, 2674}), 0.7);
+    keep.head(6).setConstant(false);
+    worst = std::max(worst, err_of(linattn::masked_linear_attention(Q, K, V, keep, phi),
+                                   ref::generic_linear_attention(Q, cref::kept_rows(K, keep),
+                                                                 cref::kept_rows(V, keep), phi)));
+    const cref::BoolVec keep_c = keep.head(sh.N);
+    const MatD cexpected = cref::masked_causal(Q, Kc, Vc, keep_c, phi);
+    for (const auto a : {linattn::CausalAlgorithm::Chunked, linattn::CausalAlgorithm::Recurrent})
+      worst = std::max(worst, err_of(linattn::masked_causal_linear_attention(Q, Kc, Vc, keep_c, phi,
+                                                                             causal_options(a, 16)),
+                                     cexpected));
+  }
+  test::report_error("Favor/linear_causal_masked_decode_vs_naive/double", worst);
+  EXPECT_LE(worst, 2e-15);  // measured 3.3e-16
+}
+
+TEST(FavorKernels, MultiHeadBatchedAndBatchedDecodeMatchTheReferencePerHead) {
+  const Index H = 3;
+  double worst = 0;
+  for (const KernelShape& sh : kKernelShapes) {
+    const auto phi = favor_for(sh.D, 1);
+    const MatD Q = test::random_matrix<double>(sh.N, H * sh.D, test::seed_of({sh.N, sh.D, 2681}));
+    const MatD K = test::random_matrix<double>(sh.N, H * sh.D, test::seed_of({sh.N, sh.D, 2682}));
+    const MatD V = test::random_matrix<double>(sh.N, H * sh.M, test::seed_of({sh.N, sh.M, 2683}));
+    const auto head = [&](const MatD& X, Index h, Index w) { return MatD(X.middleCols(h * w, w)); };
+    std::vector<MatD> causal_ref, full_ref;
+    for (Index h = 0; h < H; ++h) {
+      causal_ref.push_back(
+          ref::causal_linear_attention(head(Q, h, sh.D), head(K, h, sh.D), head(V, h, sh.M), phi));
+      full_ref.push_back(
+          ref::generic_linear_attention(head(Q, h, sh.D), head(K, h, sh.D), head(V, h, sh.M), phi));
+    }
+    const auto per_head = [&](const MatD& out, const std::vector<MatD>& expected, Index r0,
+                              Index n) {
+      double w = 0;
+      for (Index h = 0; h < H; ++h)
+        w = std::max(w, err_of(out.block(r0, h * sh.M, n, sh.M), expected[std::size_t(h)]));
+      return w;
+    };
+    worst = std::max(
+        worst, per_head(linattn::multihead_linear_attention(Q, K, V, H, phi), full_ref, 0, sh.N));
+    for (const auto a : {linattn::CausalAlgorithm::Chunked, linattn::CausalAlgorithm::Recurrent})
+      worst = std::max(worst, per_head(linattn::multihead_causal_linear_attention(
+                                           Q, K, V, H, phi, causal_options(a, 16)),
+                                       causal_ref, 0, sh.N));
+    // Batched: the whole sequence as one of two sequences (the other empty), causal and not.
+    const std::vector<Index> off = {0, sh.N, sh.N};
+    linattn::MultiHeadWorkspace<double> ws;
+    MatD out(sh.N, H * sh.M);
+    linattn::batched_causal_linear_attention(Q, K, V, off, H, phi, out, ws,
+                                             causal_options(linattn::CausalAlgorithm::Auto, 16));
+    worst = std::max(worst, per_head(out, causal_ref, 0, sh.N));
+    linattn::batched_linear_attention(Q, K, V, off, off, H, phi, out, ws);
+    worst = std::max(worst, per_head(out, full_ref, 0, sh.N));
+    // Batched decode: B = 2 sequences (the same tokens), H heads, token by token.
+    linattn::BatchedRecurrentLinearAttention<linattn::Favor<double>, double> dec(2, H, sh.D, sh.M,
+                                                                                 phi);
+    MatD steps(sh.N, H * sh.M), qb(2, H * sh.D), kb(2, H * sh.D), vb(2, H * sh.M), ob(2, H * sh.M);
+    for (Index t = 0; t < sh.N; ++t) {
+      qb.row(0) = qb.row(1) = Q.row(t);
+      kb.row(0) = kb.row(1) = K.row(t);
+      vb.row(0) = vb.row(1) = V.row(t);
+      dec.step(qb, kb, vb, ob);
+      EXPECT_EQ(ob.row(0), ob.row(1));
+      steps.row(t) = ob.row(1);
+    }
+    worst = std::max(worst, per_head(steps, causal_ref, 0, sh.N));
+  }
+  test::report_error("Favor/multihead_batched_decode_vs_naive/double", worst);
+  EXPECT_LE(worst, 2e-15);  // measured 3.3e-16
+}
+
+TEST(FavorKernels, GatedAndDeltaRuleMatchTheirReferences) {
+  // Gated: normalised (stabilised sides) and not (plain features), scalar and per-feature
+  // gates, chunked, recurrent and the decode step. The delta rule (unnormalised: plain
+  // features), against its long-double recurrence, and its decode step.
+  double worst_g = 0, worst_d = 0;
+  for (const KernelShape& sh : kKernelShapes) {
+    if (sh.N > 130) continue;  // the long double references are O(N²·F) and O(N·F²·M)
+    const auto phi = favor_for(sh.D, 2);
+    const Index F = phi.feature_dim(sh.D);
+    const MatD Q = test::random_matrix<double>(sh.N, sh.D, test::seed_of({sh.N, sh.D, 2691}));
+    const MatD K = test::random_matrix<double>(sh.N, sh.D, test::seed_of({sh.N, sh.D, 2692}));
+    const MatD V = test::random_matrix<double>(sh.N, sh.M, test::seed_of({sh.N, sh.M, 2693}));
+    for (const Index gates : {Index(1), F}) {
+      const MatD G =
+          test::random_matrix<double>(sh.N, gates, test::seed_of({sh.N, gates, 2694}), -0.5, 0);
+      for (const bool normalize : {false, true}) {
+        gref::Options ro;
+        ro.normalize = normalize;
+        ro.scale = normalize ? 1.0 : 0.7;
+        const MatD expected = gref::quadratic(Q, K, V, G, phi, ro);
+        const auto err = [&](const MatD& out) {
+          return normalize ? err_of(out, expected) : gref::relative_error(out, expected);
+        };
+        linattn::GatedOptions o;
+        o.normalize = normalize;
+        o.scale = ro.scale;
+        o.chunk_size = 16;
+        for (const auto a :
+             {linattn::CausalAlgorithm::Chunked, linattn::CausalAlgorithm::Recurrent}) {
+          o.algorithm = a;
+          worst_g = std::max(worst_g, err(linattn::gated_linear_attention(Q, K, V, G, phi, o)));
+        }
+        linattn::RecurrentGatedAttention<linattn::Favor<double>, double> rnn(sh.D, sh.M, phi, o);
+        MatD steps(sh.N, sh.M);
+        Eigen::VectorXd y(sh.M);
+        for (Index t = 0; t < sh.N; ++t) {
+          rnn.step(Q.row(t), K.row(t), V.row(t), G.row(t), y);
+          steps.row(t) = y.transpose();
+        }
+        worst_g = std::max(worst_g, err(steps));
+      }
+    }
+    // The delta rule: β in [0, 0.5] (plain features have norms of about 1), with decay.
+    const Eigen::VectorXd beta =
+        test::random_matrix<double>(sh.N, 1, test::seed_of({sh.N, 2695}), 0, 0.5);
+    const Eigen::VectorXd log_a =
+        test::random_matrix<double>(sh.N, 1, test::seed_of({sh.N, 2696}), -0.3, 0);
+    linattn::DeltaOptions dopts;
+    dopts.scale = 0.6;
+    const MatD dexpected = dref::recurrence(phi, Q, K, V, beta, log_a, dopts.scale);
+    for (const auto a : {linattn::CausalAlgorithm::Chunked, linattn::CausalAlgorithm::Recurrent}) {
+      dopts.algorithm = a;
+      dopts.chunk_size = 16;
+      worst_d = std::max(
+          worst_d, gref::relative_error(
+                       linattn::delta_rule_attention(Q, K, V, beta, log_a, phi, dopts), dexpected));
+    }
+    linattn::RecurrentDeltaRule<linattn::Favor<double>, double> drnn(sh.D, sh.M, phi, dopts);
+    MatD dsteps(sh.N, sh.M);
+    Eigen::VectorXd y(sh.M);
+    for (Index t = 0; t < sh.N; ++t) {
+      drnn.step(Q.row(t), K.row(t), V.row(t), beta(t), log_a(t), y);
+      dsteps.row(t) = y.transpose();
+    }
+    worst_d = std::max(worst_d, gref::relative_error(dsteps, dexpected));
+  }
+  test::report_error("Favor/gated_vs_quadratic/double", worst_g);
+  test::report_error("Favor/delta_rule_vs_recurrence (relative)/double", worst_d);
+  EXPECT_LE(worst_g, 1.5e-15);  // measured 2.2e-16
+  EXPECT_LE(worst_d, 2e-15);    // measured 3.9e-16
+}
+
+TEST(FavorKernels, GradientsMatchFiniteDifferencesOfTheReference) {
+  // dQ, dK, dV of L = Σ out ∘ W from the backward kernels, chained through the sides' backward
+  // (the query side's row shift taken as a constant: exact for the normalised kernels), against
+  // central differences of the plain-feature references: non-causal, causal chunked and
+  // recurrent, gated (normalised and not, per-feature gates), the delta rule.
+  const Index N = 37, L = 29, D = 5, M = 3;
+  const auto phi = favor_for(D, 3);
+  const Index F = phi.feature_dim(D);
+  const MatD Q = test::random_matrix<double>(N, D, 2701),
+             K = test::random_matrix<double>(N, D, 2702);
+  const MatD V = test::random_matrix<double>(N, M, 2703),
+             W = test::random_matrix<double>(N, M, 2704);
+  const MatD Kn = K.topRows(L), Vn = V.topRows(L);
+  const auto f = [&](const MatD& q, const MatD& k, const MatD& v) -> MatD {
+    return ref::generic_linear_attention(q, k, v, phi, false);
+  };
+  const auto fc = [&](const MatD& q, const MatD& k, const MatD& v) -> MatD {
+    return ref::generic_linear_attention(q, k, v, phi, true);
+  };
+  const auto g = linattn::linear_attention_backward(Q, Kn, Vn, W, phi);
+  double e = std::max({test::relative_error(g.dQ, test::finite_difference(f, Q, Kn, Vn, W, 0)),
+                       test::relative_error(g.dK, test::finite_difference(f, Q, Kn, Vn, W, 1)),
+                       test::relative_error(g.dV, test::finite_difference(f, Q, Kn, Vn, W, 2))});
+  const MatD fq = test::finite_difference(fc, Q, K, V, W, 0),
+             fk = test::finite_difference(fc, Q, K, V, W, 1),
+             fv = test::finite_difference(fc, Q, K, V, W, 2);
+  for (const auto a : {linattn::CausalAlgorithm::Chunked, linattn::CausalAlgorithm::Recurrent}) {
+    const auto gc =
+        linattn::causal_linear_attention_backward(Q, K, V, W, phi, causal_options(a, 16));
+    e = std::max({e, test::relative_error(gc.dQ, fq), test::relative_error(gc.dK, fk),
+                  test::relative_error(gc.dV, fv)});
+  }
+  test::report_error("Favor/backward_vs_fd_of_naive (relative)", e);
+  // Measured 3.0e-10: the O(h²) truncation of the differences; a wrong backward (a missing
+  // shift term, the wrong side) is off by O(1).
+  EXPECT_LE(e, 1.5e-9);
+
+  const MatD G = test::random_matrix<double>(N, F, 2705, -0.5, 0);
+  double eg = 0;
+  for (const bool normalize : {true, false}) {
+    gref::Options ro;
+    ro.normalize = normalize;
+    ro.scale = normalize ? 1.0 : 0.7;
+    const auto fg = [&](const MatD& q, const MatD& k, const MatD& v) -> MatD {
+      return gref::quadratic(q, k, v, G, phi, ro);
+    };
+    linattn::GatedOptions o;
+    o.normalize = normalize;
+    o.scale = ro.scale;
+    o.chunk_size = 16;
+    const MatD gq = test::finite_difference(fg, Q, K, V, W, 0),
+               gk = test::finite_difference(fg, Q, K, V, W, 1),
+               gv = test::finite_difference(fg, Q, K, V, W, 2);
+    for (const auto a : {linattn::CausalAlgorithm::Chunked, linattn::CausalAlgorithm::Recurrent}) {
+      o.algorithm = a;
+      const auto gg = linattn::gated_linear_attention_backward(Q, K, V, G, W, phi, o);
+      eg = std::max({eg, test::relative_error(gg.dQ, gq), test::relative_error(gg.dK, gk),
+                     test::relative_error(gg.dV, gv)});
+    }
+  }
+  test::report_error("Favor/gated_backward_vs_fd_of_quadratic (relative)", eg);
+  EXPECT_LE(eg, 1.5e-9);  // measured 3.1e-10
+
+  const Eigen::VectorXd beta = test::random_matrix<double>(N, 1, 2706, 0, 0.5);
+  const Eigen::VectorXd log_a = test::random_matrix<double>(N, 1, 2707, -0.3, 0);
+  linattn::DeltaOptions dopts;
+  dopts.scale = 0.6;
+  const auto gd = linattn::delta_rule_attention_backward(Q, K, V, beta, log_a, W, phi, dopts);
+  const dref::Gradients rd = dref::backward(phi, Q, K, V, beta, log_a, dopts.scale, W);
+  const double ed =
+      std::max({test::relative_error(gd.dQ, rd.dQ), test::relative_error(gd.dK, rd.dK),
+                test::relative_error(gd.dV, rd.dV)});
+  test::report_error("Favor/delta_backward_vs_chain_rule (relative)", ed);
+  EXPECT_LE(ed, 4e-15);  // measured 6.6e-16
 }
 #endif  // LINATTN_TEST_DOUBLE_CASES
 

@@ -341,10 +341,12 @@ TEST(EluPlusOne, ScalarAndPacketPathsAgreeBitForBitDouble) { check_elu_positions
 // Every built-in map gives the same features on every layout of the same numbers.
 // ---------------------------------------------------------------------------------------------
 
-template <class S, class Map>
-void check_layouts(const Map& phi, bool bitwise) {
+// make(D): the map for inputs of D columns (a map with parameters of that size, as Favor).
+template <class S, class Make>
+void check_layouts_made(const Make& make, bool bitwise) {
   const Index H = 3;
   for (const Index D : {1, 7, 16, 64}) {
+    const auto phi = make(D);
     for (const Index n : {1, 5, 128, 300}) {
       const Mat<S> x = test::random_matrix<S>(n, D, test::seed_of({n, D, 121}), -4, 4);
       const Index F = phi.feature_dim(D);
@@ -384,6 +386,11 @@ void check_layouts(const Map& phi, bool bitwise) {
   }
 }
 
+template <class S, class Map>
+void check_layouts(const Map& phi, bool bitwise) {
+  check_layouts_made<S>([&](Index) { return phi; }, bitwise);
+}
+
 TEST(FeatureMapLayouts, EluPlusOneIsBitwiseIdentical) {
   check_layouts<float>(linattn::EluPlusOne{}, true);
   check_layouts<double>(linattn::EluPlusOne{}, true);
@@ -411,6 +418,13 @@ TEST(FeatureMapLayouts, ReluDpfpAndTaylor2AreBitwiseIdentical) {
   check_layouts<double>(linattn::Dpfp(3), true);
   check_layouts<float>(linattn::Taylor2{}, true);
   check_layouts<double>(linattn::Taylor2{}, true);
+}
+TEST(FeatureMapLayouts, FavorIsBitwiseIdentical) {
+  // Issue 26: each row is copied into a contiguous buffer and mapped with the same operations,
+  // whatever the input's layout (m = 2D + 3 features).
+  check_layouts_made<float>([](Index D) { return linattn::Favor<float>(D, 2 * D + 3, 7); }, true);
+  check_layouts_made<double>([](Index D) { return linattn::Favor<double>(D, 2 * D + 3, 7); },
+                             true);
 }
 TEST(FeatureMapLayouts, L2NormalizeIsBitwiseIdentical) {
   // Each block of rows is mapped by the inner map into the output, then normalised in place

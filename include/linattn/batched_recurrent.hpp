@@ -373,9 +373,9 @@ class BatchedRecurrentLinearAttention {
       // same update, so that the heads agree bit for bit.
       s.q.row(0) = qe.row(r).segment(h * D, D);
       s.k.row(0) = ke.row(r).segment(h * D, D);
-      phi_.map(s.q, s.pq);
+      detail::map_queries(phi_, s.q, s.pq, true);
       if constexpr (!normalizes_keys_per_feature_v<FeatureMap>) {
-        phi_.map(s.k, s.pk);
+        detail::map_keys(phi_, s.k, s.pk, true);
         s.pkv = s.pk.reshaped();
       }
       s.v = ve.row(r).segment(h * M, M).transpose();

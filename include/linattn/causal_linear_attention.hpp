@@ -81,7 +81,7 @@ void causal_rows_per_token(const Phi& phi, const DQ& Q, const DK& K, const DV& V
   auto den = ws.vector(kSlotRowB, 1);
   Eigen::Map<RowMajor> vb(ws.matrix(kSlotScores, b, M).data(), b, M);
   Eigen::Map<RowMajor> ob(ws.matrix(kSlotPrefix, b, M).data(), b, M);
-  phi.map(Q.middleRows(r0, b), pq);
+  map_queries(phi, Q.middleRows(r0, b), pq, true);
   copy_to_row_major(pq, pqt.data());  // pqt (F x b, column-major) is pq's row-major copy
   copy_to_row_major(K.middleRows(r0, b), kt.data());
   copy_to_row_major(V.middleRows(r0, b), vb.data());
@@ -120,8 +120,8 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
     const Index F = st.S.rows(), M = st.S.cols();
     auto pqt = ws.matrix(kSlotExtra, F, b);  // column i: token i's features
     auto pkt = ws.matrix(kSlotKeys, F, b);
-    map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F));
-    map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F));
+    map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F), QuerySide{true});
+    map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F), KeySide{true});
     bool masked = false;
     if constexpr (!std::is_same_v<Keep, NoMask>) {
       for (Index i = 0; i < b; ++i) {
@@ -202,8 +202,8 @@ void causal_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r
   auto den = ws.vector(kSlotRowA, b);
   auto pq = ws.matrix(kSlotPhiQ, b, F);
   auto pkt = ws.matrix(kSlotKeys, F, b);  // column j: key j's features
-  map_column_major(phi, Q.middleRows(r0, b), pq, ws.matrix(kSlotExtra, F, b));
-  map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F));
+  map_column_major(phi, Q.middleRows(r0, b), pq, ws.matrix(kSlotExtra, F, b), QuerySide{true});
+  map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F), KeySide{true});
   if constexpr (!std::is_same_v<Keep, NoMask>)
     for (Index j = 0; j < b; ++j)
       if (!keep(r0 + j)) pkt.col(j).setZero();
@@ -299,7 +299,7 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
     if (Z(b - 1, d) > Scalar(0)) st.m(d) = c(d);  // features with no key keep m = -inf
   auto pq = ws.matrix(kSlotPhiQ, b, F);
   auto A = ws.matrix(kSlotScores, b, b);
-  phi.map(Q.middleRows(r0, b), pq);
+  map_queries(phi, Q.middleRows(r0, b), pq, true);
   pq.array() /= Z.array();
   // As causal_chunk, on the micro-kernel; E (b x F) is column-major, read as φkᵀ by broadcast.
   product<Scalar>(b, b, F, {pq.data(), 1, b}, {E.data(), b, 1}, A.data(), 1, b, false, ws,

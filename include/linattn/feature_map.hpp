@@ -35,6 +35,33 @@
 ///   buffers they compute with, `phi.map(x.transpose(), buffer)`, instead of transposing the
 ///   input in and the features back out.
 ///
+/// - *optional* side-aware overloads, for maps whose features are best formed with a shift that
+///   cancels only in the product of a query side and a key side (Favor):
+///   \code
+///   void map(x, phi, linattn::QuerySide side) const;
+///   void map(x, phi, linattn::KeySide side) const;
+///   void backward(x, grad_phi, grad_x, linattn::QuerySide side) const;  // and KeySide
+///   \endcode
+///   Every kernel maps queries with the query side and keys with the key side, and tells the
+///   map whether it divides each output row by its denominator \f$\varphi(q)^\top z\f$
+///   (`side.normalized`: the linear, causal, multi-head, masked and batched kernels, the decode
+///   classes, the gated kernels with `GatedOptions::normalize`) or not (the unnormalised gated
+///   kernels, the delta rule). The contract, with \f$\varphi\f$ the plain `map`: for
+///   normalised sides \f$\varphi_Q(q)^\top \varphi_K(k) = c(q)\, \varphi(q)^\top\varphi(k)\f$
+///   with \f$c(q) > 0\f$ depending on the query row only (it cancels in the division); for
+///   unnormalised sides the product must equal \f$\varphi(q)^\top\varphi(k)\f$ exactly. A
+///   key side must not depend on anything but its own row (states built by one call are
+///   continued by another, saved, combined). `backward` of a side is that side's
+///   vector–Jacobian product. Without the overloads the plain `map` / `backward` serve both
+///   sides. Detected with has_sided_map_v; an elementwise map with sides loses the token-major
+///   fast path (its sides need not be elementwise).
+///
+/// The key side of a map is chosen by one rule (detail::map_keys, the only place that applies
+/// it): the per-feature softmax over the attended keys if `normalizes_keys_per_feature` is set
+/// (computed by the kernels' own per-feature algorithms: map_keys rejects such a map at compile
+/// time), else `map(x, phi, KeySide)` if provided, else `map(x, phi)`. The query side:
+/// `map(x, phi, QuerySide)` if provided, else `map(x, phi)`.
+///
 /// A user map is checked at compile time by every kernel with a readable message:
 /// \code
 /// struct Squared {  // φ(x) = x², entry by entry
@@ -88,6 +115,24 @@ struct has_backward<Phi, Scalar,
                         std::declval<const Matrix<Scalar>&>(), std::declval<const Matrix<Scalar>&>(),
                         std::declval<MatrixRef<Scalar>>()))>> : std::true_type {};
 
+// map(x, phi, side) / backward(x, grad_phi, grad_x, side) for Side = QuerySide or KeySide.
+template <class Phi, class Scalar, class Side, class = void>
+struct has_side_map : std::false_type {};
+template <class Phi, class Scalar, class Side>
+struct has_side_map<Phi, Scalar, Side,
+                    std::void_t<decltype(std::declval<const Phi&>().map(
+                        std::declval<const Matrix<Scalar>&>(), std::declval<MatrixRef<Scalar>>(),
+                        std::declval<Side>()))>> : std::true_type {};
+
+template <class Phi, class Scalar, class Side, class = void>
+struct has_side_backward : std::false_type {};
+template <class Phi, class Scalar, class Side>
+struct has_side_backward<
+    Phi, Scalar, Side,
+    std::void_t<decltype(std::declval<const Phi&>().backward(
+        std::declval<const Matrix<Scalar>&>(), std::declval<const Matrix<Scalar>&>(),
+        std::declval<MatrixRef<Scalar>>(), std::declval<Side>()))>> : std::true_type {};
+
 template <class Phi, class = void>
 struct per_feature_flag : std::false_type {};
 template <class Phi>
@@ -104,6 +149,23 @@ inline constexpr bool is_feature_map_v =
 /// True when Phi provides the optional `backward` (vector–Jacobian product).
 template <class Phi, class Scalar>
 inline constexpr bool has_backward_v = detail::has_backward<Phi, Scalar>::value;
+
+/// The query side of a kernel's call to a side-aware map (feature_map.hpp): `normalized` is
+/// true when the kernel divides each output row by its denominator φ(q)ᵀz.
+struct QuerySide {
+  bool normalized;
+};
+
+/// The key side of a kernel's call to a side-aware map; `normalized` as for QuerySide.
+struct KeySide {
+  bool normalized;
+};
+
+/// True when Phi provides the optional side-aware `map(x, phi, QuerySide)` and
+/// `map(x, phi, KeySide)` (feature_map.hpp).
+template <class Phi, class Scalar>
+inline constexpr bool has_sided_map_v = detail::has_side_map<Phi, Scalar, QuerySide>::value &&
+                                        detail::has_side_map<Phi, Scalar, KeySide>::value;
 
 /// True for maps with SoftmaxSplit semantics (a per-feature softmax over the keys).
 template <class Phi>
@@ -131,6 +193,64 @@ struct declares_elementwise<Phi, std::void_t<decltype(Phi::elementwise)>>
     : std::bool_constant<Phi::elementwise> {};
 
 template <class Phi, class Scalar>
+inline constexpr bool has_any_side_map_v = has_side_map<Phi, Scalar, QuerySide>::value ||
+                                           has_side_map<Phi, Scalar, KeySide>::value;
+
+template <class T>
+inline constexpr bool dependent_false_v = false;
+
+// The side dispatch: every kernel's call of a map on query or key rows goes through map_side
+// (or map_queries / map_keys), every call of its backward through backward_side. `out` is
+// anything a MatrixRef binds to, as for a plain `map`.
+template <class Phi, class X, class Out, class Side>
+void map_side(const Phi& phi, const Eigen::MatrixBase<X>& x, Out&& out, Side side) {
+  using Scalar = typename X::Scalar;
+  if constexpr (std::is_same_v<Side, KeySide>) {
+    // The key-side rule of feature_map.hpp: a per-feature key softmax is no row map; the
+    // kernels that accept such maps compute it themselves and never map keys through here.
+    static_assert(!normalizes_keys_per_feature_v<Phi> || dependent_false_v<Phi>,
+                  "linattn: the key side of a map with normalizes_keys_per_feature is the "
+                  "per-feature softmax over positions, not a row map");
+  }
+  if constexpr (has_side_map<Phi, Scalar, Side>::value)
+    phi.map(x, out, side);
+  else
+    phi.map(x, out);
+}
+
+template <class Phi, class X, class Out>
+void map_queries(const Phi& phi, const Eigen::MatrixBase<X>& x, Out&& out, bool normalized) {
+  map_side(phi, x, out, QuerySide{normalized});
+}
+
+template <class Phi, class X, class Out>
+void map_keys(const Phi& phi, const Eigen::MatrixBase<X>& x, Out&& out, bool normalized) {
+  map_side(phi, x, out, KeySide{normalized});
+}
+
+template <class Phi, class X, class G, class Out, class Side>
+void backward_side(const Phi& phi, const Eigen::MatrixBase<X>& x, const Eigen::MatrixBase<G>& g,
+                   Out&& grad_x, Side side) {
+  using Scalar = typename X::Scalar;
+  if constexpr (has_side_backward<Phi, Scalar, Side>::value)
+    phi.backward(x, g, grad_x, side);
+  else
+    phi.backward(x, g, grad_x);
+}
+
+template <class Phi, class X, class G, class Out>
+void backward_queries(const Phi& phi, const Eigen::MatrixBase<X>& x,
+                      const Eigen::MatrixBase<G>& g, Out&& grad_x, bool normalized) {
+  backward_side(phi, x, g, grad_x, QuerySide{normalized});
+}
+
+template <class Phi, class X, class G, class Out>
+void backward_keys(const Phi& phi, const Eigen::MatrixBase<X>& x, const Eigen::MatrixBase<G>& g,
+                   Out&& grad_x, bool normalized) {
+  backward_side(phi, x, g, grad_x, KeySide{normalized});
+}
+
+template <class Phi, class Scalar>
 constexpr void static_check_feature_map() {
   static_assert(detail::has_feature_dim<Phi, Scalar>::value,
                 "linattn: this feature map does not model linattn::FeatureMap: it needs "
@@ -156,7 +276,9 @@ void check_feature_map(const char* function, const Phi& phi, Index D) {
                     "a feature map with normalizes_keys_per_feature must have feature_dim(D) == D, "
                     "got F = " + std::to_string(F) + ", D = " + std::to_string(D));
   } else {
-    (void)function, (void)phi, (void)D;
+    // A map with a fixed input dimension (Favor's projection) rejects another D here, at
+    // entry, rather than inside a parallel region.
+    (void)function, (void)phi.feature_dim(D);
   }
 }
 
@@ -196,23 +318,25 @@ inline constexpr bool is_row_major_memory_v =
 
 // Whether map_token_major maps x (n x D) without a transpose: an elementwise map of row-major
 // memory, whose transpose is the column-major D x n matrix the token-major buffer wants.
+// A map with side overloads never takes it: its sides need not be elementwise.
 template <class Phi, class Derived>
-inline constexpr bool maps_token_major_v = declares_elementwise<Phi>::value &&
-                                           !normalizes_keys_per_feature_v<Phi> &&
-                                           is_row_major_memory_v<Derived>;
+inline constexpr bool maps_token_major_v =
+    declares_elementwise<Phi>::value && !normalizes_keys_per_feature_v<Phi> &&
+    !has_any_side_map_v<Phi, typename std::decay_t<Derived>::Scalar> &&
+    is_row_major_memory_v<Derived>;
 
 // φ of the rows of x (n x D) into pt (F x n, column-major: column i holds token i's features),
 // the token-major layout of the recurrent kernel and of the row-major paths. An elementwise map
 // of row-major x maps x^T straight into pt; otherwise the rows are mapped into `scratch` (any
 // n x F column-major buffer) and transposed into pt with packets.
-template <class Phi, class Derived, class Pt, class Scratch>
+template <class Phi, class Derived, class Pt, class Scratch, class Side>
 void map_token_major(const Phi& phi, const Eigen::MatrixBase<Derived>& x, Pt& pt,
-                     Scratch&& scratch) {
+                     Scratch&& scratch, Side side) {
   if constexpr (maps_token_major_v<Phi, Derived>) {
-    (void)scratch;
+    (void)scratch, (void)side;
     phi.map(x.transpose(), pt);
   } else {
-    phi.map(x, scratch);
+    map_side(phi, x, scratch, side);
     copy_to_row_major(scratch, pt.data());
   }
 }
@@ -221,16 +345,17 @@ void map_token_major(const Phi& phi, const Eigen::MatrixBase<Derived>& x, Pt& pt
 // map of row-major x, which maps token-major into `scratch` (F x n) without a transpose of x
 // (Eigen would evaluate the mixed storage orders one scalar at a time) and transposes the
 // features with packets.
-template <class Phi, class Derived, class P, class Scratch>
+template <class Phi, class Derived, class P, class Scratch, class Side>
 void map_column_major(const Phi& phi, const Eigen::MatrixBase<Derived>& x, P& p,
-                      Scratch&& scratch) {
+                      Scratch&& scratch, Side side) {
   if constexpr (maps_token_major_v<Phi, Derived>) {
+    (void)side;
     phi.map(x.transpose(), scratch);
     transpose_copy(scratch.data(), scratch.outerStride(), scratch.rows(), scratch.cols(),
                    p.data(), p.outerStride());
   } else {
     (void)scratch;
-    phi.map(x, p);
+    map_side(phi, x, p, side);
   }
 }
 
@@ -295,15 +420,16 @@ struct TokenFeatures {
     column.resize(D);
   }
 
-  template <class Phi, class X>
-  void map(const Phi& phi, const Eigen::MatrixBase<X>& x, Vector<Scalar>& out) {
-    if constexpr (declares_elementwise<Phi>::value) {
+  template <class Phi, class X, class Side>
+  void map(const Phi& phi, const Eigen::MatrixBase<X>& x, Vector<Scalar>& out, Side side) {
+    if constexpr (declares_elementwise<Phi>::value && !has_any_side_map_v<Phi, Scalar>) {
+      (void)side;
       column = x.reshaped();
       using ColMap = Eigen::Map<Matrix<Scalar>>;
       phi.map(ColMap(column.data(), column.size(), 1), ColMap(out.data(), out.size(), 1));
     } else {
       row.row(0) = x.reshaped().transpose();
-      phi.map(row, features);
+      map_side(phi, row, features, side);
       out = features.reshaped();
     }
   }

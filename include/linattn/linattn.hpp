@@ -23,6 +23,7 @@
 #include "relu.hpp"
 #include "dpfp.hpp"
 #include "taylor2.hpp"
+#include "favor.hpp"
 #include "state.hpp"
 #include "linear_attention.hpp"
 #include "causal_linear_attention.hpp"

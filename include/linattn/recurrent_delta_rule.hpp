@@ -96,8 +96,8 @@ class RecurrentDeltaRule {
     detail::check_token(fn, "k", k, key_dim_);
     detail::check_token(fn, "v", v, value_dim_);
     detail::check_token(fn, "out", out, value_dim_);
-    token_.map(phi_, q, pqv_);
-    token_.map(phi_, k, pkv_);
+    token_.map(phi_, q, pqv_, QuerySide{false});
+    token_.map(phi_, k, pkv_, KeySide{false});
     pqv_ *= static_cast<Scalar>(options_.scale);
     v_ = v.reshaped();
     const Scalar a = detail::exp_nonpositive_op<Scalar>()(log_a);

@@ -98,8 +98,8 @@ class RecurrentGatedAttention {
                                     " entries");
     detail::check_token(fn, "out", out, value_dim_);
     const bool per_feature = log_gate.size() > 1;
-    token_.map(phi_, q, pqv_);
-    token_.map(phi_, k, pkv_);
+    token_.map(phi_, q, pqv_, QuerySide{options_.normalize});
+    token_.map(phi_, k, pkv_, KeySide{options_.normalize});
     v_ = v.reshaped();
     const Index gw = log_gate.size();
     alpha_.head(gw) = log_gate.reshaped();

@@ -104,9 +104,9 @@ class RecurrentLinearAttention {
     detail::check_token("RecurrentLinearAttention::step", "out", out, value_dim_);
     q_.row(0) = q.reshaped().transpose();
     k_.row(0) = k.reshaped().transpose();
-    phi_.map(q_, pq_);
+    detail::map_queries(phi_, q_, pq_, true);
     if constexpr (!normalizes_keys_per_feature_v<FeatureMap>) {
-      phi_.map(k_, pk_);
+      detail::map_keys(phi_, k_, pk_, true);
       pkv_ = pk_.reshaped();
     }
     v_ = v.reshaped();
@@ -354,7 +354,7 @@ class LinearCrossAttention {
   // φ(x) into pq, then one read of the state for all rows.
   template <class X, class PQ, class Den, class Out>
   void read(const X& x, PQ& pq, Den& den, Out&& out) const {
-    phi_.map(x, pq);
+    detail::map_queries(phi_, x, pq, true);
     detail::read_state<FeatureMap>(state_.S, state_.z, pq, den, std::forward<Out>(out));
   }
 

@@ -281,16 +281,17 @@ void recurrent_update_and_read(LinearAttentionState<Scalar>& st, const PQ& pq, P
 // a column-major buffer, or for an elementwise map of row-major x (maps_token_major_v) the
 // transposed view of a token-major F x n buffer that the map filled without a transpose. The
 // kernels' products and row operations read either alike.
-template <class Phi, class X, class Scalar, class Fn>
+template <class Phi, class X, class Scalar, class Fn, class Side>
 void with_mapped_rows(const Phi& phi, const X& x, Index F, int slot, Workspace<Scalar>& ws,
-                      Fn&& fn) {
+                      Fn&& fn, Side side) {
   if constexpr (maps_token_major_v<Phi, X>) {
+    (void)side;
     auto pt = ws.matrix(slot, F, x.rows());
     phi.map(x.transpose(), pt);
     fn(pt.transpose());
   } else {
     auto p = ws.matrix(slot, x.rows(), F);
-    phi.map(x, p);
+    map_side(phi, x, p, side);
     fn(p);
   }
 }
@@ -414,7 +415,8 @@ void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, SMat& S_lo, 
       exp_shifted_cols(pk, m);
       add(pk);
     } else {
-      with_mapped_rows(phi, kb, F, kSlotPhiK, ws, add);
+      // Keys of a state that normalised kernels read (non-causal attention, summaries, memories).
+      with_mapped_rows(phi, kb, F, kSlotPhiK, ws, add, KeySide{true});
     }
   }
 }

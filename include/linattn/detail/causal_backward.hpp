@@ -47,8 +47,8 @@ bool start_sums(const LinearAttentionState<Scalar>* initial, SMat& S, ZVec& z) {
 template <class Phi, class DQ, class DK, class Keep, class A, class Kt>
 void map_chunk(const Phi& phi, const DQ& Q, const DK& K, const Keep& keep, Index r0, Index b,
                A& a, Kt& kt) {
-  phi.map(Q.middleRows(r0, b), a);
-  phi.map(K.middleRows(r0, b), kt);
+  map_queries(phi, Q.middleRows(r0, b), a, true);
+  map_keys(phi, K.middleRows(r0, b), kt, true);
   if constexpr (!std::is_same_v<Keep, NoMask>)
     for (Index j = 0; j < b; ++j)
       if (!keep(r0 + j)) kt.row(j).setZero();
@@ -116,7 +116,7 @@ void causal_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV&
     c = -(a.cwiseProduct(ga).rowwise().sum().cwiseProduct(inv));
     ga += c.asDiagonal() * zi;  // ∇a = S_i ĝ_i + c_i z_i
     z = zi.row(b - 1).transpose();  // (before map_backward_into, which may reuse zi's slot)
-    map_backward_into(phi, Q.middleRows(r0, b), ga, dQ.middleRows(r0, b), ws);
+    map_backward_into(phi, Q.middleRows(r0, b), ga, dQ.middleRows(r0, b), ws, QuerySide{true});
     product<Scalar>(F, M, b, {kt.data(), b, 1}, vr, S.data(), 1, F, true, ws, kSlotProductA);
     copy_rows(gh, dV.middleRows(r0, b));
     dK.col(0).segment(r0, b) = c;
@@ -168,7 +168,7 @@ void causal_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV&
           gk.row(j).setZero();
           dv.row(j).setZero();
         }
-    map_backward_into(phi, K.middleRows(r0, b), gk, dK.middleRows(r0, b), ws);
+    map_backward_into(phi, K.middleRows(r0, b), gk, dK.middleRows(r0, b), ws, KeySide{true});
     if constexpr (masked)
       for (Index j = 0; j < b; ++j)
         if (!keep(r0 + j)) dK.row(r0 + j).setZero();
@@ -231,9 +231,9 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
     auto at = ws.matrix(kSlotPhiQ, F, b);
     auto kt = ws.matrix(kSlotPhiK, F, b);
     map_rows_token_major(phi, Q, r0, b, at, ws.matrix(kSlotBackwardX, b, Q.cols()),
-                         ws.matrix(kSlotScores, b, F));
+                         ws.matrix(kSlotScores, b, F), QuerySide{true});
     map_rows_token_major(phi, K, r0, b, kt, ws.matrix(kSlotBackwardX, b, K.cols()),
-                         ws.matrix(kSlotScores, b, F));
+                         ws.matrix(kSlotScores, b, F), KeySide{true});
     if constexpr (masked)
       for (Index t = 0; t < b; ++t)
         if (!keep(r0 + t)) kt.col(t).setZero();
@@ -284,7 +284,7 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
     } else {
       auto ga = ws.matrix(kSlotExtra, b, F);
       copy_to_row_major(P, ga.data());  // (F x b token-major) -> b x F
-      map_backward_into(phi, Q.middleRows(r0, b), ga, dQ.middleRows(r0, b), ws);
+      map_backward_into(phi, Q.middleRows(r0, b), ga, dQ.middleRows(r0, b), ws, QuerySide{true});
     }
     bool stored = false;  // Ĝ into dV
     if constexpr (is_col_major_memory_v<OV> && !bool(GBuf::IsRowMajor)) {
@@ -370,7 +370,7 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
     } else {
       auto gk = ws.matrix(kSlotExtra, b, F);
       copy_to_row_major(gkt, gk.data());
-      map_backward_into(phi, K.middleRows(r0, b), gk, dK.middleRows(r0, b), ws);
+      map_backward_into(phi, K.middleRows(r0, b), gk, dK.middleRows(r0, b), ws, KeySide{true});
     }
     if constexpr (masked)  // a user map's backward need not give 0 for a zero gradient row
       for (Index t = 0; t < b; ++t)
@@ -423,7 +423,7 @@ void causal_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const
   for (Index r0 = 0; r0 < N; r0 += kLinearRowBlock) {
     const Index b = std::min(kLinearRowBlock, N - r0);
     auto p = ws.matrix(kSlotPhiQ, b, F);
-    phi.map(Q.middleRows(r0, b), p);
+    map_queries(phi, Q.middleRows(r0, b), p, true);
     for (Index i = 0; i < b; ++i) {
       const Index t = r0 + i;
       if (keep(t)) {
@@ -513,7 +513,7 @@ void causal_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const
     const Index b = std::min(kLinearRowBlock, N - r0);
     auto sb = ws.matrix(kSlotPhiK, b, F);
     sb = dQ.middleRows(r0, b);
-    map_backward_into(phi, Q.middleRows(r0, b), sb, dQ.middleRows(r0, b), ws);
+    map_backward_into(phi, Q.middleRows(r0, b), sb, dQ.middleRows(r0, b), ws, QuerySide{true});
   }
 }
 

@@ -180,8 +180,8 @@ void delta_backward_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
     // is read after this point).
     auto dqo = dQ.middleRows(r0, b);
     auto dko = dK.middleRows(r0, b);
-    map_backward_into(phi, Q.middleRows(r0, b), dPQ, dqo, ws);
-    map_backward_into(phi, K.middleRows(r0, b), dPK, dko, ws);
+    map_backward_into(phi, Q.middleRows(r0, b), dPQ, dqo, ws, QuerySide{false});
+    map_backward_into(phi, K.middleRows(r0, b), dPK, dko, ws, KeySide{false});
   }
   if (d_initial) {
     d_initial->dS = dS;

@@ -189,8 +189,8 @@ void delta_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   const Index F = st.S.rows(), M = st.S.cols();
   auto pqt = ws.matrix(kSlotExtra, F, b);
   auto pkt = ws.matrix(kSlotKeys, F, b);
-  map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F));
-  map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F));
+  map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F), QuerySide{false});
+  map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F), KeySide{false});
   pqt *= scale;
   Scalar* vb = ws.matrix(kSlotScores, b, M).data();
   Scalar* ob = ws.matrix(kSlotPrefix, b, M).data();
@@ -241,7 +241,7 @@ Scalar delta_recompute(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
                        bool queries, Workspace<Scalar>& ws, Workspace<Scalar>& xs) {
   const Index F = S0.rows(), M = S0.cols();
   auto pk = ws.matrix(kSlotPhiK, b, F);
-  phi.map(K.middleRows(r0, b), pk);
+  map_keys(phi, K.middleRows(r0, b), pk, false);
   auto ME = xs.matrix(kDeltaME, b, b);
   auto L = ws.matrix(kSlotExtra, b, b);
   auto eq = ws.vector(kSlotNormalizer, b);
@@ -250,7 +250,7 @@ Scalar delta_recompute(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   auto A = ws.matrix(kSlotScores, b, b);
   if (queries) {
     auto pq = ws.matrix(kSlotPhiQ, b, F);
-    phi.map(Q.middleRows(r0, b), pq);
+    map_queries(phi, Q.middleRows(r0, b), pq, false);
     A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
   }
   Scalar total = 1;

@@ -194,8 +194,8 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
     const Index b = std::min(Bk, N - r0);
     auto pqt = ws.matrix(kSlotExtra, F, b);
     auto pkt = ws.matrix(kSlotPrefix, F, b);
-    map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F));
-    map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F));
+    map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F), QuerySide{norm});
+    map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F), KeySide{norm});
     auto at = ws.matrix(kSlotBackwardA, gw, b);
     copy_to_row_major(G.middleRows(r0, b), at.data());
     exp_nonpositive_inplace(at.array());
@@ -251,7 +251,7 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
     }
     auto dphi = ws.matrix(kSlotPhiQ, b, F);
     token_major_to_rows(dqt, dphi);
-    map_backward_into(phi, Q.middleRows(r0, b), dphi, dQ.middleRows(r0, b), ws);
+    map_backward_into(phi, Q.middleRows(r0, b), dphi, dQ.middleRows(r0, b), ws, QuerySide{norm});
   }
   // ---- the final state's own term of ∂L/∂G_N ----
   auto acc = ws.vector(kSlotStateLow, F);  // running Σ_{i>=t} ∂L/∂G_i (gw entries used)
@@ -278,8 +278,8 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
     const Index b = std::min(Bk, N - r0);
     auto pqt = ws.matrix(kSlotExtra, F, b);
     auto pkt = ws.matrix(kSlotPrefix, F, b);
-    map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F));
-    map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F));
+    map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F), QuerySide{norm});
+    map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F), KeySide{norm});
     auto at = ws.matrix(kSlotBackwardA, gw, b);
     copy_to_row_major(G.middleRows(r0, b), at.data());
     exp_nonpositive_inplace(at.array());
@@ -339,7 +339,7 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
     copy_from_row_major(dvb.data(), b, M, dV.middleRows(r0, b));
     auto dphi = ws.matrix(kSlotPhiK, b, F);
     token_major_to_rows(dkt, dphi);
-    map_backward_into(phi, K.middleRows(r0, b), dphi, dK.middleRows(r0, b), ws);
+    map_backward_into(phi, K.middleRows(r0, b), dphi, dK.middleRows(r0, b), ws, KeySide{norm});
   }
   if (d_initial) {
     d_initial->dS = R;
@@ -506,8 +506,8 @@ void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& 
   // and the forward's scores A.
   const auto prepare = [&](Index r0, Index b) {
     ColMajor pq(w2.matrix(2, b, F).data(), b, F), pk(w2.matrix(3, b, F).data(), b, F);
-    phi.map(Q.middleRows(r0, b), pq);
-    phi.map(K.middleRows(r0, b), pk);
+    map_queries(phi, Q.middleRows(r0, b), pq, norm);
+    map_keys(phi, K.middleRows(r0, b), pk, norm);
     ColMajor gb(w2.matrix(4, b, gw).data(), b, gw);
     gb = G.middleRows(r0, b);
     ColMajor eq(w2.matrix(5, b, gw).data(), b, gw), ek(w2.matrix(6, b, gw).data(), b, gw);
@@ -602,7 +602,7 @@ void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& 
       dG.middleRows(r0, b).col(0) = pq.cwiseProduct(dq).rowwise().sum();
     }
     dq.array() += pk.array().colwise() * ws.vector(kSlotState, b).array();
-    map_backward_into(phi, Q.middleRows(r0, b), dq, dQ.middleRows(r0, b), ws);
+    map_backward_into(phi, Q.middleRows(r0, b), dq, dQ.middleRows(r0, b), ws, QuerySide{norm});
     // The state at the next chunk's start.
     ColMajor ks(w2.matrix(13, b, F).data(), b, F);
     scaled(pk, ek, ks);
@@ -708,7 +708,7 @@ void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& 
       }
     }
     dk.array() += pq.array().colwise() * ws.vector(kSlotState, b).array();
-    map_backward_into(phi, K.middleRows(r0, b), dk, dK.middleRows(r0, b), ws);
+    map_backward_into(phi, K.middleRows(r0, b), dk, dK.middleRows(r0, b), ws, KeySide{norm});
   }
   if (d_initial) {
     d_initial->dS = R;

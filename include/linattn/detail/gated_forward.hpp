@@ -118,8 +118,8 @@ void gated_chunk_scalar(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
   const Index F = st.S.rows();
   auto pq = ws.matrix(kSlotPhiQ, b, F);
   auto pk = ws.matrix(kSlotPhiK, b, F);
-  phi.map(Q.middleRows(r0, b), pq);
-  phi.map(K.middleRows(r0, b), pk);
+  map_queries(phi, Q.middleRows(r0, b), pq, cfg.normalize);
+  map_keys(phi, K.middleRows(r0, b), pk, cfg.normalize);
   auto A = ws.matrix(kSlotScores, b, b);
   auto g = ws.vector(kSlotRowB, b);
   auto eq = ws.vector(kSlotNormalizer, b);  // exp(c_i): the decay of the carried state at row i
@@ -238,8 +238,8 @@ void gated_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV&
   const Index F = st.S.rows();
   auto pq = ws.matrix(kSlotPhiQ, b, F);
   auto pk = ws.matrix(kSlotPhiK, b, F);
-  phi.map(Q.middleRows(r0, b), pq);
-  phi.map(K.middleRows(r0, b), pk);
+  map_queries(phi, Q.middleRows(r0, b), pq, cfg.normalize);
+  map_keys(phi, K.middleRows(r0, b), pk, cfg.normalize);
   auto gb = ws.matrix(kSlotKeys, b, F);
   gb = G.middleRows(r0, b);
   auto c = ws.matrix(kSlotPrefix, b, F);  // c_i, then exp(c_i)
@@ -394,8 +394,10 @@ void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   const Index gw = cfg.per_feature ? F : 1;
   auto pqt = ws.matrix(kSlotExtra, F, b);
   auto pkt = ws.matrix(kSlotKeys, F, b);
-  map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F));
-  map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F));
+  map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F),
+                  QuerySide{cfg.normalize});
+  map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F),
+                  KeySide{cfg.normalize});
   auto at = ws.matrix(kSlotBackwardA, gw, b);  // column i: token i's gates
   copy_to_row_major(G.middleRows(r0, b), at.data());
   auto total = ws.vector(kSlotNormalizer, gw);

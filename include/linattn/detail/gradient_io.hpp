@@ -223,24 +223,26 @@ void scatter_token_major(const Scalar* src, Index r0, Index b, X& x, Scalar* tmp
 
 // φ of rows [r0, r0 + b) of x into the token-major pt (F x b): column-major memory is gathered
 // first (gather_rows, into `copy`, b x D), then mapped and transposed in cache.
-template <class Phi, class X, class Pt, class Scalar>
+template <class Phi, class X, class Pt, class Scalar, class Side>
 void map_rows_token_major(const Phi& phi, const X& x, Index r0, Index b, Pt& pt,
-                          Eigen::Map<Matrix<Scalar>> copy, Eigen::Map<Matrix<Scalar>> scratch) {
+                          Eigen::Map<Matrix<Scalar>> copy, Eigen::Map<Matrix<Scalar>> scratch,
+                          Side side) {
   if constexpr (is_col_major_memory_v<X>) {
     if (x.innerStride() == 1) {
       gather_rows(x, r0, b, copy.data());
-      map_token_major(phi, copy, pt, scratch);
+      map_token_major(phi, copy, pt, scratch, side);
       return;
     }
   } else if constexpr (is_row_major_memory_v<X>) {
     using RowMajor = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     if (x.innerStride() == 1) {
       gather_rows_row_major(x, r0, b, copy.data());
-      map_token_major(phi, Eigen::Map<const RowMajor>(copy.data(), b, x.cols()), pt, scratch);
+      map_token_major(phi, Eigen::Map<const RowMajor>(copy.data(), b, x.cols()), pt, scratch,
+                      side);
       return;
     }
   }
-  map_token_major(phi, x.middleRows(r0, b), pt, scratch);
+  map_token_major(phi, x.middleRows(r0, b), pt, scratch, side);
 }
 
 // Rows [r0, r0 + b) of x (b x n), each scaled by scale[t] when scale is not null, into the

@@ -61,7 +61,7 @@ void linear_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV&
     auto inv = ws.vector(kSlotRowA, b);
     auto c = ws.vector(kSlotRowB, b);
     const auto qb = Q.middleRows(i0, b);
-    phi.map(qb, a);
+    map_queries(phi, qb, a, true);
     inv.noalias() = a * z;
     guarded_row_inverses<Phi>(a, z, inv);
     copy_rows(G.middleRows(i0, b), gh);
@@ -72,14 +72,14 @@ void linear_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV&
     product<Scalar>(F, M, b, {a.data(), b, 1}, {gh.data(), 1, b}, R.data(), 1, F, true, ws,
                     kSlotProductA);
     r.noalias() += a.transpose() * c;
-    features_backward_into(phi, qb, a, ga, dQ.middleRows(i0, b), ws);
+    features_backward_into(phi, qb, a, ga, dQ.middleRows(i0, b), ws, QuerySide{true});
   }
   for (Index j0 = 0; j0 < L; j0 += kLinearRowBlock) {
     const Index b = std::min(kLinearRowBlock, L - j0);
     auto pk = ws.matrix(kSlotPhiQ, b, F);
     auto gk = ws.matrix(kSlotPhiK, b, F);
     const auto kb = K.middleRows(j0, b);
-    phi.map(kb, pk);
+    map_keys(phi, kb, pk, true);
     product<Scalar>(b, F, M, strided_rows(V.middleRows(j0, b), ws, kSlotBackwardB), r_t,
                     gk.data(), 1, b, false, ws, kSlotProductA);
     gk.rowwise() += r.transpose();
@@ -93,7 +93,7 @@ void linear_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV&
       product<Scalar>(b, M, F, {pk.data(), 1, b}, {R.data(), 1, F}, o, rs, cs, false, ws,
                       kSlotProductA);
     });
-    features_backward_into(phi, kb, pk, gk, dK.middleRows(j0, b), ws);
+    features_backward_into(phi, kb, pk, gk, dK.middleRows(j0, b), ws, KeySide{true});
     if constexpr (masked)  // a user map's backward need not give 0 for a zero gradient row
       for (Index j = 0; j < b; ++j)
         if (!keep(j0 + j)) dK.row(j0 + j).setZero();
@@ -135,9 +135,9 @@ void linear_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const
     auto gp = ws.matrix(kSlotPhiK, b, F);
     const auto qb = Q.middleRows(i0, b);
     const Strided<Scalar> gb = strided_rows(G.middleRows(i0, b), ws, kSlotBackwardB);
-    phi.map(qb, p);
+    map_queries(phi, qb, p, true);
     product<Scalar>(b, F, M, gb, t_t, gp.data(), 1, b, false, ws, kSlotProductA);
-    map_backward_into(phi, qb, gp, dQ.middleRows(i0, b), ws);
+    map_backward_into(phi, qb, gp, dQ.middleRows(i0, b), ws, QuerySide{true});
     product<Scalar>(F, M, b, {p.data(), b, 1}, gb, gT.data(), 1, F, true, ws, kSlotProductA);
   }
   auto s = z_lo;  // s_d = T_d · ∇T_d

@@ -41,23 +41,23 @@ void guarded_row_inverses(const PQ& pq, const ZVec& z, Den& den) {
 // kSlotBackwardX with packets, and a row-major `out` written back the same way: with mixed
 // storage orders Eigen evaluates a map's elementwise backward one scalar at a time (EluPlusOne's
 // exp became scalar expf; measured 2.3x the column-major time for 8 heads, N = 16384).
-template <class Phi, class X, class GPhi, class Out>
+template <class Phi, class X, class GPhi, class Out, class Side>
 void map_backward_into(const Phi& phi, const X& x, const GPhi& grad_phi, Out&& out,
-                       Workspace<typename X::Scalar>& ws) {
+                       Workspace<typename X::Scalar>& ws, Side side) {
   using Scalar = typename X::Scalar;
   if constexpr (is_row_major_memory_v<X>) {
     if (x.innerStride() == 1 && x.rows() > 0 && x.cols() > 0) {
       auto xc = ws.matrix(kSlotBackwardX, x.rows(), x.cols());
       copy_rows(x, xc);
-      map_backward_into(phi, xc, grad_phi, std::forward<Out>(out), ws);
+      map_backward_into(phi, xc, grad_phi, std::forward<Out>(out), ws, side);
       return;
     }
   }
   if constexpr (std::is_constructible_v<MatrixRef<Scalar>, std::decay_t<Out>&>) {
-    phi.backward(x, grad_phi, out);
+    backward_side(phi, x, grad_phi, out, side);
   } else {
     auto t = ws.matrix(kSlotKeys, x.rows(), x.cols());
-    phi.backward(x, grad_phi, t);
+    backward_side(phi, x, grad_phi, t, side);
     copy_rows(t, out);
   }
 }
@@ -120,16 +120,17 @@ void elu_backward_from_features(Scalar* gt, const Scalar* pt, Index F, Index b, 
 // grad_x = J_φ(x)ᵀ grad_phi for a block of b rows whose features the kernel holds (b x F,
 // contiguous column-major, like grad_phi): for EluPlusOne from the features, overwriting
 // grad_phi (no exponential, no second read or transpose of x), else through map_backward_into.
-template <class Phi, class X, class Feat, class GPhi, class Out>
+template <class Phi, class X, class Feat, class GPhi, class Out, class Side>
 void features_backward_into(const Phi& phi, const X& x, const Feat& features, GPhi& grad_phi,
-                            Out&& out, Workspace<typename X::Scalar>& ws) {
+                            Out&& out, Workspace<typename X::Scalar>& ws, Side side) {
   if constexpr (derivative_from_features_v<Phi>) {
     assert(features.outerStride() == features.rows() && grad_phi.outerStride() == grad_phi.rows());
     const Index b = grad_phi.rows();
     elu_backward_from_features(grad_phi.data(), features.data(), grad_phi.cols(), b, 1, b, x);
+    (void)side;
     copy_rows(grad_phi, std::forward<Out>(out));
   } else {
-    map_backward_into(phi, x, grad_phi, std::forward<Out>(out), ws);
+    map_backward_into(phi, x, grad_phi, std::forward<Out>(out), ws, side);
   }
 }
 
