@@ -392,9 +392,10 @@ def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panel
           "random-feature estimate: with independent features its relative variance per score is "
           "(exp(‖q + k‖²/√D) − 1)/m, so its error falls as 1/√m once that is small, and the factor "
           "exp(‖q + k‖²/√D) decides when. For q, k entries N(0, σ²) in D dimensions ‖q + k‖²/√D ≈ 2σ²√D: "
-          f"{2 * d.D ** 0.5 * 0.25:.0f} at σ = 0.5 and {2 * d.D ** 0.5:.0f} at σ = 1 for D = {d.D} "
+          f"{2 * d.D ** 0.5 * 0.0625:.0f} at σ = 0.25, {2 * d.D ** 0.5 * 0.25:.0f} at σ = 0.5 and "
+          f"{2 * d.D ** 0.5:.0f} at σ = 1 for D = {d.D} "
           f"(e^{2 * d.D ** 0.5:.0f} ≈ {sci(math.exp(2 * d.D ** 0.5))}), and more with outlier channels: no "
-          "practical m reaches the 1/√m regime there. Taylor-2 is the exact second-order polynomial "
+          "practical m reaches the 1/√m regime from σ = 1 on. Taylor-2 is the exact second-order polynomial "
           "1 + t + t²/2 of t = q·k/√D: accurate while |t| is small and wrong when scores are large "
           "(sharp attention, outlier channels).",
           "- **EluPlusOne, Relu, NormalizedCosine, SoftmaxSplit and DPFP are not estimators of the "
@@ -596,7 +597,7 @@ def main() -> int:
     ap.add_argument("--timings", help="feature_map_quality's Google Benchmark JSON")
     ap.add_argument("--md", help="write this markdown file (docs/feature_maps.md)")
     ap.add_argument("--svg", help="write this SVG plot (docs/feature_maps_plot.svg)")
-    ap.add_argument("--panels", default="gauss0.5,gauss1,outlier8", help="input families of the plot's panels")
+    ap.add_argument("--panels", default="gauss0.25,gauss1,outlier8", help="input families of the plot's panels")
     ap.add_argument("--command", default=DEFAULT_COMMAND, help="the command recorded in the markdown")
     a = ap.parse_args()
     if a.run:
