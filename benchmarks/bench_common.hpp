@@ -193,6 +193,16 @@ inline int thread_num() {
 // OpenMP threads for everything that follows. Eigen's own GEMM parallelism stays off (set in
 // run_main): the single-head kernels are measured on one thread, and the multi-head kernels
 // parallelise over heads only.
+// The thread counts of the serving benchmarks: 1, and every processor when there are more
+// (OpenMP's default team is one thread by the time run_main registers benchmarks).
+inline std::vector<int> one_and_all_threads() {
+  int all = 1;
+#ifdef _OPENMP
+  all = omp_get_num_procs();
+#endif
+  return all > 1 ? std::vector<int>{1, all} : std::vector<int>{1};
+}
+
 inline void set_threads(int threads) {
 #ifdef _OPENMP
   omp_set_num_threads(threads);

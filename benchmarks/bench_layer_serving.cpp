@@ -108,17 +108,9 @@ std::vector<Index> batch_sizes(const lb::Profile& p) {
   return {1, 4, 16, 64};
 }
 
-std::vector<int> thread_counts() {
-  int all = 1;
-#ifdef _OPENMP
-  all = omp_get_num_procs();  // run_main has set the default team to one thread by now
-#endif
-  return all > 1 ? std::vector<int>{1, all} : std::vector<int>{1};
-}
-
 void register_all(const lb::Profile& p) {
   const std::vector<Index> bs = batch_sizes(p);
-  for (const int T : thread_counts()) {
+  for (const int T : lb::one_and_all_threads()) {
     const std::string tail = lb::key("phi", "elu") + lb::key("dtype", "f32") +
                              lb::key("d_model", kModel) + lb::key("H", kHeads) +
                              lb::key("D", kDim) + lb::key("thr", T);
