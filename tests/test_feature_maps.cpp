@@ -172,6 +172,9 @@ static_assert(!linattn::has_sided_map_v<linattn::EluPlusOne, float>);
 static_assert(!linattn::has_sided_map_v<linattn::Taylor2, double>);
 static_assert(!linattn::has_sided_map_v<linattn::L2Normalize<linattn::Silu>, float>);
 
+// The typed suite in this file's scalar type, unless the build leaves that type out.
+#if defined(LINATTN_TEST_DOUBLE_CASES) ? defined(LINATTN_TEST_TYPED_DOUBLE) \
+                                       : defined(LINATTN_TEST_TYPED_FLOAT)
 // ---------------------------------------------------------------------------------------------
 // What the typed suite knows about each map.
 // ---------------------------------------------------------------------------------------------
@@ -334,7 +337,9 @@ struct MapCase {
 // The suite is compiled twice from this file (see tests/CMakeLists.txt), once per scalar type,
 // so that neither translation unit takes long to compile: test_feature_maps runs the float
 // cases and the per-map tests below, test_feature_maps_double (LINATTN_TEST_DOUBLE_CASES) the
-// double cases.
+// double cases and the new maps through every kernel. A build may leave either scalar type out
+// of the suite (LINATTN_TEST_TYPED_SCALARS, test_util.hpp: .ci/test builds each type in one of
+// its stages only).
 #ifndef LINATTN_TEST_DOUBLE_CASES
 using CaseScalar = float;
 #else
@@ -662,6 +667,7 @@ TYPED_TEST(FeatureMapConformance, BackwardMatchesFiniteDifferences) {
     }
   }
 }
+#endif  // the typed suite
 
 #ifndef LINATTN_TEST_DOUBLE_CASES
 // ---------------------------------------------------------------------------------------------

@@ -272,7 +272,9 @@ TEST(StateIoFormat, LogDecayLayoutIsAsDocumented) {
 
 template <class S>
 class StateIoRoundTrip : public ::testing::Test {};
-using StateIoScalars = ::testing::Types<float, double>;
+// One or both scalar types (test::TypedScalars): every case instantiates the kernels whose state
+// it saves, in its type.
+using StateIoScalars = test::TypedScalars;
 TYPED_TEST_SUITE(StateIoRoundTrip, StateIoScalars, );
 
 template <class S, class Phi>
