@@ -13,9 +13,15 @@
 
 #include <Eigen/Core>
 
+#include <atomic>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "causal_reference.hpp"
 #include "test_util.hpp"
@@ -160,6 +166,158 @@ TEST(Concurrency, RecurrentLayersPerThreadEqualSerial) {
   for (std::thread& th : threads) th.join();
   for (int t = 0; t < kThreads; ++t)
     EXPECT_EQ(test::max_abs_diff(outs[static_cast<std::size_t>(t)], serial), 0.0) << "thread " << t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// ParallelOptions::executor (issue 28): the library's parallel loops on the caller's threads.
+// Here an executor that starts a std::thread per task but the first (run on the calling
+// thread), and counts its calls and tasks. Without OpenMP (the ThreadSanitizer stage) this is
+// the only way the kernels run on several threads, and TSan checks the tasks for races.
+// ---------------------------------------------------------------------------------------------
+
+struct CountingExecutor {
+  std::atomic<int> calls{0};
+  std::atomic<Index> tasks{0};
+  std::atomic<int> calls_from_tasks{0};  // calls made from inside a task (must stay 0)
+
+  linattn::Executor executor() {
+    return [this](Index n, linattn::FunctionRef<void(Index)> task) {
+      if (linattn::detail::in_executor_task()) ++calls_from_tasks;
+      ++calls;
+      tasks += n;
+      std::vector<std::thread> spawned;
+      for (Index t = 1; t < n; ++t) spawned.emplace_back([&task, t] { task(t); });
+      if (n > 0) task(0);
+      for (std::thread& th : spawned) th.join();
+    };
+  }
+};
+
+linattn::ParallelOptions serial_options() {
+  linattn::ParallelOptions par;
+  par.num_threads = 1;
+  return par;
+}
+
+// One long sequence split over 3 executor tasks (spec §8): two calls of the executor (the
+// summaries, then the reads), the same bits as OpenMP with 3 threads, and the one-thread
+// result to rounding. Non-causal and causal.
+TEST(Concurrency, ExecutorRunsTheSequenceSplitAsOpenMpDoes) {
+  const Index N = 3001, D = 16, M = 8;
+  const Mat<float> Q = test::random_matrix<float>(N, D, 21);
+  const Mat<float> K = test::random_matrix<float>(N, D, 22);
+  const Mat<float> V = test::random_matrix<float>(N, M, 23);
+  CountingExecutor counter;
+  linattn::ParallelOptions par;
+  par.num_threads = 3;
+  par.min_rows_per_thread = 256;
+  par.executor = counter.executor();
+  linattn::ParallelOptions omp = par;
+  omp.executor = nullptr;
+
+  const Mat<float> causal_one =
+      linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}, {}, serial_options());
+  const Mat<float> causal_pool =
+      linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}, {}, par);
+  EXPECT_EQ(counter.calls.load(), 2);
+  EXPECT_EQ(counter.tasks.load(), 6);
+  // Measured 6e-8 against one thread (the summaries' sums in another order).
+  EXPECT_LE(test::max_abs_diff(causal_pool, causal_one), 4e-7);
+  EXPECT_GT(test::max_abs_diff(causal_pool, causal_one), 0.0) << "the split did not run";
+
+  const Mat<float> linear_one =
+      linattn::linear_attention(Q, K, V, linattn::EluPlusOne{}, serial_options());
+  const Mat<float> linear_pool = linattn::linear_attention(Q, K, V, linattn::EluPlusOne{}, par);
+  EXPECT_EQ(counter.calls.load(), 4);
+  EXPECT_LE(test::max_abs_diff(linear_pool, linear_one), 4e-7);
+  EXPECT_EQ(counter.calls_from_tasks.load(), 0);
+#ifdef _OPENMP
+  const Mat<float> causal_omp = linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{},
+                                                                 {}, omp);
+  const Mat<float> linear_omp = linattn::linear_attention(Q, K, V, linattn::EluPlusOne{}, omp);
+  if (omp_get_dynamic() == 0) {  // a dynamic runtime may give fewer threads than asked for
+    EXPECT_EQ(test::max_abs_diff(causal_pool, causal_omp), 0.0) << "not OpenMP's partition";
+    EXPECT_EQ(test::max_abs_diff(linear_pool, linear_omp), 0.0) << "not OpenMP's partition";
+  }
+#endif
+}
+
+// The (sequence, head) tasks of the multi-head kernels and of the batched decode step on the
+// executor: the one-thread bits (every head is computed alone, whatever thread runs it), and
+// calls too small to pay for threads never reach the executor.
+TEST(Concurrency, ExecutorRunsMultiHeadAndDecodeTasks) {
+  const Inputs<float> in;
+  CountingExecutor counter;
+  linattn::ParallelOptions par;
+  par.num_threads = 3;
+  par.min_work_per_thread = 0;
+  par.executor = counter.executor();
+  linattn::MultiHeadWorkspace<float> ws;
+  Mat<float> pool(in.N, kHeads * in.M), one(in.N, kHeads * in.M);
+  linattn::multihead_causal_linear_attention(in.QH, in.KH, in.VH, kHeads, linattn::EluPlusOne{},
+                                             pool, ws, CausalOptions{}, par);
+  linattn::multihead_causal_linear_attention(in.QH, in.KH, in.VH, kHeads, linattn::EluPlusOne{},
+                                             one, ws, CausalOptions{}, serial_options());
+  EXPECT_EQ(counter.calls.load(), 1);
+  EXPECT_EQ(test::max_abs_diff(pool, one), 0.0);
+
+  const Index B = 5, D = 8, M = 4, steps = 12;
+  linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> dec(B, kHeads, D, M),
+      dec1(B, kHeads, D, M);
+  Mat<float> y(B, kHeads * M), y1(B, kHeads * M);
+  for (Index s = 0; s < steps; ++s) {
+    const Mat<float> q = test::random_matrix<float>(B, kHeads * D, test::seed_of({s, 31}));
+    const Mat<float> k = test::random_matrix<float>(B, kHeads * D, test::seed_of({s, 32}));
+    const Mat<float> v = test::random_matrix<float>(B, kHeads * M, test::seed_of({s, 33}));
+    dec.step(q, k, v, y, par);
+    dec1.step(q, k, v, y1, serial_options());
+    ASSERT_EQ(test::max_abs_diff(y, y1), 0.0) << "step " << s;
+  }
+  EXPECT_EQ(counter.calls.load(), 1 + int(steps));
+
+  // The default grain: one small step is below it and runs on the calling thread.
+  linattn::ParallelOptions grain = par;
+  grain.min_work_per_thread = linattn::ParallelOptions::kDefaultMinWorkPerThread;
+  dec.step(test::random_matrix<float>(B, kHeads * D, 41),
+           test::random_matrix<float>(B, kHeads * D, 42),
+           test::random_matrix<float>(B, kHeads * M, 43), y, grain);
+  EXPECT_EQ(counter.calls.load(), 1 + int(steps)) << "a call below the grain used the executor";
+  EXPECT_EQ(counter.calls_from_tasks.load(), 0);
+}
+
+// run_team (parallel.hpp), the one place that hands tasks to an executor: a call from inside a
+// task runs its tasks on that thread (never the executor again: a pool whose threads all wait
+// would deadlock), every task runs once, and an exception of a task reaches the caller after
+// the executor has returned.
+TEST(Concurrency, ExecutorTasksNeverCallTheExecutorAndExceptionsReachTheCaller) {
+  CountingExecutor counter;
+  const linattn::Executor ex = counter.executor();
+  std::atomic<int> ran{0}, nested_ran{0};
+  const int team = linattn::detail::run_team(4, &ex, [&](int t, int T) {
+    EXPECT_TRUE(linattn::detail::in_executor_task());
+    EXPECT_EQ(T, 4);
+    ran += 1 << (4 * t);
+    linattn::detail::run_team(3, &ex, [&](int, int) { ++nested_ran; });
+  });
+  EXPECT_EQ(team, 4);
+  EXPECT_EQ(ran.load(), 0x1111);
+  EXPECT_EQ(nested_ran.load(), 12);
+  EXPECT_EQ(counter.calls.load(), 1);
+  EXPECT_FALSE(linattn::detail::in_executor_task());
+  linattn::ParallelOptions par;
+  par.executor = ex;
+  EXPECT_EQ(linattn::detail::resolve_threads(par),
+            std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
+#if LINATTN_HAS_EXCEPTIONS
+  std::atomic<int> after{0};
+  EXPECT_THROW(linattn::detail::run_team(3, &ex,
+                                         [&](int t, int) {
+                                           if (t == 1) throw std::runtime_error("task 1");
+                                           ++after;
+                                         }),
+               std::runtime_error);
+  EXPECT_EQ(after.load(), 2);
+#endif
 }
 
 }  // namespace

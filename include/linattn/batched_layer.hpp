@@ -40,7 +40,7 @@ inline constexpr double kLayerProjectionWorkPerThread = double(1 << 21);
 // product each, on the calling thread.
 template <class Scalar, class RowMat>
 void layer_rows_times_transpose(const Matrix<Scalar>& W, const RowMat& in, Index n, RowMat& out,
-                                int threads) {
+                                int threads, const Executor* executor) {
   constexpr Index kTile = Index(kMicroRowPackets) * Index(Eigen::internal::packet_traits<Scalar>::size);
   const Index m = W.rows(), k = W.cols();
   if (m == 0 || n == 0) return;
@@ -61,13 +61,10 @@ void layer_rows_times_transpose(const Matrix<Scalar>& W, const RowMat& in, Index
     rows(0, m);
     return;
   }
-#ifdef _OPENMP
-#pragma omp parallel num_threads(T)
-  {
-    const Index nt = omp_get_num_threads(), me = omp_get_thread_num();
+  run_team(T, executor, [&](int t, int nt) {
+    const Index me = t;
     rows(std::min(m, me * tiles / nt * kTile), std::min(m, (me + 1) * tiles / nt * kTile));
-  }
-#endif
+  });
 }
 
 }  // namespace detail
@@ -191,17 +188,19 @@ class LinearAttentionLayerBatchedState {
     if (work >= 2 * detail::kLayerProjectionWorkPerThread)
       threads = static_cast<int>(std::min<double>(detail::resolve_threads(par),
                                                   work / detail::kLayerProjectionWorkPerThread));
-#ifdef _OPENMP
-    if (omp_in_parallel()) threads = 1;
-#endif
-    detail::layer_rows_times_transpose(layer.Wq, x_, n, q_, threads);
+    if (detail::in_parallel_region()) threads = 1;
+    detail::layer_rows_times_transpose(layer.Wq, x_, n, q_, threads,
+                                      detail::executor_of(par));
     q_.topRows(n).rowwise() += layer.bq.transpose();
-    detail::layer_rows_times_transpose(layer.Wk, x_, n, k_, threads);
+    detail::layer_rows_times_transpose(layer.Wk, x_, n, k_, threads,
+                                      detail::executor_of(par));
     k_.topRows(n).rowwise() += layer.bk.transpose();
-    detail::layer_rows_times_transpose(layer.Wv, x_, n, v_, threads);
+    detail::layer_rows_times_transpose(layer.Wv, x_, n, v_, threads,
+                                      detail::executor_of(par));
     v_.topRows(n).rowwise() += layer.bv.transpose();
     attend(q_.topRows(n), k_.topRows(n), v_.topRows(n), a_.topRows(n));
-    detail::layer_rows_times_transpose(layer.Wo, a_, n, y_, threads);
+    detail::layer_rows_times_transpose(layer.Wo, a_, n, y_, threads,
+                                      detail::executor_of(par));
     y_.topRows(n).rowwise() += layer.bo.transpose();
     detail::writable(Yb) = y_.topRows(n);
   }

@@ -390,20 +390,13 @@ class BatchedRecurrentLinearAttention {
     if (threads <= 1) {
       for (Index t = 0; t < tasks; ++t) run(t, scratch_[0]);
     } else {
-#ifdef _OPENMP
       // Contiguous ranges of (sequence, head) pairs, all of the same cost: a static split, no
-      // scheduling per pair (a pair is about a microsecond at F = M = 64).
-      detail::FirstError error;
-#pragma omp parallel num_threads(threads)
-      {
-        const Index T = omp_get_num_threads(), me = omp_get_thread_num();
-        error.run([&] {
-          for (Index t = me * tasks / T; t < (me + 1) * tasks / T; ++t)
-            run(t, scratch_[static_cast<std::size_t>(me)]);
-        });
-      }
-      error.rethrow_if_failed();
-#endif
+      // scheduling per pair (a pair is about a microsecond at F = M = 64). On OpenMP's threads
+      // or as the tasks of the caller's executor (ParallelOptions::executor).
+      detail::run_team(threads, detail::executor_of(par), [&](int me, int T) {
+        for (Index t = Index(me) * tasks / T; t < Index(me + 1) * tasks / T; ++t)
+          run(t, scratch_[static_cast<std::size_t>(me)]);
+      });
     }
     for (Index r = 0; r < n; ++r) ++positions_[static_cast<std::size_t>(slot(r))];
   }

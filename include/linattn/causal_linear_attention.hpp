@@ -391,7 +391,7 @@ void causal_linear_attention_views(const char* function, const VQ& q, const VK& 
                                    const Phi& phi, const Keep& keep,
                                    LinearAttentionState<typename VQ::Scalar>& st, VOut& dst,
                                    Workspace<typename VQ::Scalar>& ws, const CausalOptions& opts,
-                                   int threads) {
+                                   int threads, const Executor* executor) {
   using Scalar = typename VQ::Scalar;
   const Index F = phi.feature_dim(q.cols()), M = v.cols(), N = q.rows();
   if (threads <= 1) {
@@ -411,7 +411,7 @@ void causal_linear_attention_views(const char* function, const VQ& q, const VK& 
   auto& x = ws.template extension<SplitScratch<Scalar>>();
   x.prepare(threads, Index(threads - 1) * threads, F, M, normalizes_keys_per_feature_v<Phi>);
   const int team = run_two_phases(
-      threads,
+      threads, executor,
       [&](int t, int T) {
         for (int j = 0; j + 1 < T; ++j) {
           const RowRange seg = split_rows(N, T, j, C);
@@ -454,7 +454,7 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
                causal_linear_attention_views(function, q, k, v, phi, keep, st, dst, ws, opts,
-                                             threads);
+                                             threads, executor_of(par));
              });
 }
 

@@ -79,7 +79,8 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
 template <class VQ, class VK, class VV, class Phi, class Keep, class VOut>
 void linear_attention_views(const char* function, const VQ& q, const VK& k, const VV& v,
                             const Phi& phi, const Keep& keep, VOut& dst,
-                            Workspace<typename VQ::Scalar>& ws, int threads) {
+                            Workspace<typename VQ::Scalar>& ws, int threads,
+                            const Executor* executor) {
   using Scalar = typename VQ::Scalar;
   const Index F = phi.feature_dim(q.cols()), M = v.cols(), N = q.rows(), L = k.rows();
   if (threads <= 1) {
@@ -92,7 +93,7 @@ void linear_attention_views(const char* function, const VQ& q, const VK& k, cons
   auto& x = ws.template extension<SplitScratch<Scalar>>();
   x.prepare(threads, threads, F, M, normalizes_keys_per_feature_v<Phi>);
   run_two_phases(
-      threads,
+      threads, executor,
       [&](int t, int T) {
         summarize_rows(phi, k, v, keep, split_rows(L, T, t, kLinearRowBlock),
                        x.parts[static_cast<std::size_t>(t)], x.ws[static_cast<std::size_t>(t)]);
@@ -125,7 +126,8 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-               linear_attention_views(function, q, k, v, phi, keep, dst, ws, threads);
+               linear_attention_views(function, q, k, v, phi, keep, dst, ws, threads,
+                                      executor_of(par));
              });
 }
 

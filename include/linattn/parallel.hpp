@@ -4,17 +4,59 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <utility>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "common.hpp"
+#include "error.hpp"
 
 namespace linattn {
 
-/// \brief How the kernels run in parallel (OpenMP).
+/// \brief A non-owning reference to a callable with the signature `R(Args...)` (the
+/// std::function_ref of C++26): two pointers, no allocation, valid as long as the callable it
+/// was made from.
+///
+/// The library hands its parallel tasks to an executor (ParallelOptions::executor) as a
+/// `FunctionRef<void(Index)>`: the executor calls it, from any thread, while its own call lasts.
+///
+/// \code
+/// auto body = [&](linattn::Index t) { out[t] = work(t); };
+/// linattn::FunctionRef<void(linattn::Index)> task(body);
+/// task(3);  // calls body(3)
+/// \endcode
+template <class Signature>
+class FunctionRef;
+
+template <class R, class... Args>
+class FunctionRef<R(Args...)> {
+ public:
+  /// Refers to `f` (which must outlive every call through this reference).
+  template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, FunctionRef> &&
+                                              std::is_invocable_r_v<R, F&, Args...>>>
+  FunctionRef(F&& f) noexcept  // NOLINT: implicit, as std::function_ref
+      : object_(const_cast<void*>(static_cast<const void*>(std::addressof(f)))),
+        call_([](void* object, Args... args) -> R {
+          return (*static_cast<std::add_pointer_t<std::remove_reference_t<F>>>(object))(
+              std::forward<Args>(args)...);
+        }) {}
+
+  R operator()(Args... args) const { return call_(object_, std::forward<Args>(args)...); }
+
+ private:
+  void* object_;
+  R (*call_)(void*, Args...);
+};
+
+/// \brief How the kernels run in parallel: OpenMP, or the caller's thread pool (`executor`).
 ///
 /// The multi-head and batched kernels run heads and sequences on different threads. The
 /// single-sequence kernels (linear_attention(), causal_linear_attention() and their masked
@@ -72,11 +114,59 @@ struct ParallelOptions {
   /// On the multi-head and batched paths results are bit for bit the same for any thread
   /// count, so this changes speed only.
   double min_work_per_thread = kDefaultMinWorkPerThread;
+
+  /// The caller's thread pool, in place of OpenMP: `executor(n, task)` must call `task(i)`
+  /// exactly once for every i in [0, n), on any threads (the calling one included) and
+  /// possibly at the same time, and return when every call has returned. The library hands it
+  /// as many tasks as the threads a call would use (`num_threads`, 0 = the machine's
+  /// std::thread::hardware_concurrency(), reduced by `min_work_per_thread` as for OpenMP), never
+  /// more than one call at a time from one kernel call, and never from inside one of its own
+  /// tasks (a kernel called from a task runs serially there, so a pool whose threads wait for
+  /// nothing cannot deadlock). Tasks never throw: an exception of a task (std::bad_alloc) is
+  /// kept and rethrown to the kernel's caller after the executor returns. Each task is one
+  /// thread's share of the OpenMP path (the same partition), so results are bit for bit those
+  /// of OpenMP with the same number of threads. Works without OpenMP too (the
+  /// linattn::linattn_serial target, LINATTN_OPENMP=OFF). Empty (the default): OpenMP.
+  ///
+  /// \code
+  /// linattn::ParallelOptions par;
+  /// par.num_threads = pool.size();
+  /// par.executor = [&pool](linattn::Index n, linattn::FunctionRef<void(linattn::Index)> task) {
+  ///   pool.run_and_wait(n, task);  // task(0) ... task(n - 1) on the pool's threads
+  /// };
+  /// auto out = linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}, {}, par);
+  /// \endcode
+  /// examples/thread_pool_executor.cpp has a complete std::thread pool.
+  std::function<void(Index n_tasks, FunctionRef<void(Index task)> task)> executor;
 };
+
+/// The type of ParallelOptions::executor.
+using Executor = std::function<void(Index n_tasks, FunctionRef<void(Index task)> task)>;
 
 namespace detail {
 
+// Whether the calling thread runs a task that the library handed to an executor: a kernel called
+// from there runs serially (the executor's threads are busy with the call that handed it out,
+// as OpenMP's are in a nested region).
+inline bool& in_executor_task() noexcept {
+  static thread_local bool inside = false;
+  return inside;
+}
+
+// Inside a parallel region of the library: an OpenMP team's or an executor task.
+inline bool in_parallel_region() noexcept {
+#ifdef _OPENMP
+  if (omp_in_parallel()) return true;
+#endif
+  return in_executor_task();
+}
+
 inline int resolve_threads(const ParallelOptions& par) {
+  if (par.executor) {
+    if (par.num_threads > 0) return par.num_threads;
+    const unsigned n = std::thread::hardware_concurrency();
+    return n > 0 ? static_cast<int>(std::min<unsigned>(n, 1u << 16)) : 1;
+  }
 #ifdef _OPENMP
   return par.num_threads > 0 ? par.num_threads : omp_get_max_threads();
 #else
@@ -89,6 +179,7 @@ inline int resolve_threads(const ParallelOptions& par) {
 // reduced to floor(work / min_work_per_thread) when that is fewer (at least 1). 1 without
 // OpenMP. The one cost model of every parallel path but the split of one sequence (below).
 inline int threads_for(const ParallelOptions& par, double work) {
+  if (par.executor && in_executor_task()) return 1;
   const int requested = std::max(resolve_threads(par), 1);
   if (requested == 1 || !(par.min_work_per_thread > 0)) return requested;
   const double pays = work / par.min_work_per_thread;  // threads the work pays for
@@ -130,8 +221,10 @@ inline int thread_id() {
 // min_work_per_thread raised above it (cores shared with busy processes) raises it; an explicit
 // min_rows_per_thread is used as it is.
 inline int sequence_split_threads(const ParallelOptions& par, Index rows, Index state_size) {
-#ifdef _OPENMP
-  if (omp_in_parallel()) return 1;
+  if (in_parallel_region()) return 1;
+#ifndef _OPENMP
+  if (!par.executor) return 1;
+#endif
   Index min_rows = par.min_rows_per_thread;
   if (min_rows <= 0) {
     min_rows = std::max<Index>(1024, (Index(1) << 22) / std::max<Index>(state_size, 1));
@@ -142,12 +235,54 @@ inline int sequence_split_threads(const ParallelOptions& par, Index rows, Index 
   }
   const Index by_rows = rows / min_rows;
   return static_cast<int>(std::max<Index>(1, std::min<Index>(resolve_threads(par), by_rows)));
+}
+
+// The executor of `par`, or null for OpenMP.
+inline const Executor* executor_of(const ParallelOptions& par) noexcept {
+  return par.executor ? &par.executor : nullptr;
+}
+
+// Runs body(t, T) for every t in [0, T) and returns T, the threads that ran: on `executor`
+// (one task per t, T = threads) when there is one, else on an OpenMP team of `threads` (T may
+// come out smaller: a runtime can give fewer threads than asked for), else, and inside an
+// executor's task, one after the other on the calling thread (T = threads, the same partition).
+// The first exception of a body is rethrown after every body has returned (none may leave an
+// OpenMP region or reach the caller's pool); the bodies after it are still called, and may test
+// error.failed() through their own FirstError to skip their work.
+template <class Body>
+int run_team(int threads, const Executor* executor, const Body& body) {
+  threads = std::max(threads, 1);
+  FirstError error;
+  int team = threads;
+  if (threads == 1) {
+    body(0, 1);
+    return 1;
+  }
+  if (executor && !in_executor_task()) {
+    const auto task = [&](Index t) {
+      bool& inside = in_executor_task();  // this task's thread's flag
+      const bool was = inside;
+      inside = true;
+      error.run([&] { body(static_cast<int>(t), threads); });
+      inside = was;
+    };
+    (*executor)(Index(threads), FunctionRef<void(Index)>(task));
+  } else if (executor) {
+    for (int t = 0; t < threads; ++t) error.run([&] { body(t, threads); });
+  } else {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+    {
+      const int T = omp_get_num_threads(), t = omp_get_thread_num();
+      if (t == 0) team = T;
+      error.run([&] { body(t, T); });
+    }
 #else
-  (void)par;
-  (void)rows;
-  (void)state_size;
-  return 1;
+    for (int t = 0; t < threads; ++t) error.run([&] { body(t, threads); });
 #endif
+  }
+  error.rethrow_if_failed();
+  return team;
 }
 
 }  // namespace detail

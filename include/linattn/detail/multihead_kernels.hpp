@@ -39,11 +39,25 @@ namespace linattn::detail {
 // escaping an OpenMP region calls std::terminate, so the first one is kept, the remaining tasks
 // are skipped and it is rethrown after the region.
 template <class Scalar, class Fn>
-void run_tasks(Index tasks, int threads, MultiHeadWorkspace<Scalar>& ws, const Fn& fn) {
+void run_tasks(Index tasks, int threads, MultiHeadWorkspace<Scalar>& ws, const Fn& fn,
+               const Executor* executor) {
   threads = static_cast<int>(std::min<Index>(std::max(threads, 1), std::max<Index>(tasks, 1)));
   ws.reserve_threads(threads);
   if (threads <= 1) {
     for (Index t = 0; t < tasks; ++t) fn(t, 0);
+    return;
+  }
+  if (executor) {
+    // One executor task per thread of the OpenMP path, each taking (sequence, head) tasks in
+    // turn as OpenMP's dynamic schedule does; task w uses the workspace of thread w. A task's
+    // result does not depend on which thread runs it.
+    std::atomic<Index> next{0};
+    FirstError error;
+    run_team(threads, executor, [&](int w, int) {
+      for (Index t = next.fetch_add(1); t < tasks; t = next.fetch_add(1))
+        if (!error.failed()) error.run([&] { fn(t, w); });
+    });
+    error.rethrow_if_failed();
     return;
   }
 #ifdef _OPENMP
@@ -62,7 +76,7 @@ void run_tasks(Index tasks, int threads, MultiHeadWorkspace<Scalar>& ws, const F
 template <class Scalar, class Fn>
 void parallel_tasks(Index tasks, double work, const ParallelOptions& par,
                     MultiHeadWorkspace<Scalar>& ws, const Fn& fn) {
-  run_tasks<Scalar>(tasks, threads_for(par, work), ws, fn);
+  run_tasks<Scalar>(tasks, threads_for(par, work), ws, fn, executor_of(par));
 }
 
 // run_tasks() on all the threads asked for, whatever the work: for callers that do not
@@ -70,7 +84,8 @@ void parallel_tasks(Index tasks, double work, const ParallelOptions& par,
 template <class Scalar, class Fn>
 void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<Scalar>& ws,
                     const Fn& fn) {
-  run_tasks<Scalar>(tasks, resolve_threads(par), ws, fn);
+  run_tasks<Scalar>(tasks, par.executor && in_executor_task() ? 1 : resolve_threads(par), ws, fn,
+                    executor_of(par));
 }
 
 // Rows of a sequence that every head of a group takes before the group moves on: measured
@@ -241,7 +256,7 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
                      dst.block(q0 + i0, h * M, r, M), w);
       }
     }
-  });
+  }, executor_of(par));
 }
 
 template <class VQ, class VK, class VV, class Off, class Phi, class Keep, class VOut>
@@ -321,7 +336,7 @@ void batched_causal_views(const char* fn, const VQ& q, const VK& k, const VV& v,
                                      dst.block(r0 + i0, h * M, r, M), w, options);
       }
     }
-  });
+  }, executor_of(par));
 }
 
 }  // namespace linattn::detail

@@ -125,10 +125,18 @@ void scan_parts(const LinearAttentionState<Scalar>* init, SplitScratch<Scalar>& 
 // Runs phase1(t, T), a barrier, then phase2(t, T) on a team of `threads` threads, T being the
 // team's actual size (an OpenMP runtime may give fewer threads than asked for: the phases
 // lay out the work by T, so each thread's share stays one unit and nothing waits on a thread
-// that does not exist). Exceptions cannot leave a parallel region: the first one is kept, the
-// second phase skipped and the exception rethrown after the region. Returns T.
+// that does not exist). With an executor (ParallelOptions::executor) the barrier is the return
+// of its first call: each phase is one call of T = threads tasks. Exceptions cannot leave a
+// parallel region: the first one is kept, the second phase skipped and the exception rethrown
+// after the region. Returns T.
 template <class Phase1, class Phase2>
-int run_two_phases(int threads, const Phase1& phase1, const Phase2& phase2) {
+int run_two_phases(int threads, const Executor* executor, const Phase1& phase1,
+                   const Phase2& phase2) {
+  if (executor) {
+    const int team = run_team(threads, executor, phase1);
+    run_team(team, executor, phase2);
+    return team;
+  }
 #ifdef _OPENMP
   FirstError error;
   int team = 1;
