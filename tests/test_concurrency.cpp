@@ -221,15 +221,15 @@ TEST(Concurrency, ExecutorRunsTheSequenceSplitAsOpenMpDoes) {
       linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}, {}, par);
   EXPECT_EQ(counter.calls.load(), 2);
   EXPECT_EQ(counter.tasks.load(), 6);
-  // Measured 6e-8 against one thread (the summaries' sums in another order).
-  EXPECT_LE(test::max_abs_diff(causal_pool, causal_one), 4e-7);
+  // Measured 7.5e-9 against one thread (the summaries' sums in another order); non-causal 3.7e-9.
+  EXPECT_LE(test::max_abs_diff(causal_pool, causal_one), 4e-8);
   EXPECT_GT(test::max_abs_diff(causal_pool, causal_one), 0.0) << "the split did not run";
 
   const Mat<float> linear_one =
       linattn::linear_attention(Q, K, V, linattn::EluPlusOne{}, serial_options());
   const Mat<float> linear_pool = linattn::linear_attention(Q, K, V, linattn::EluPlusOne{}, par);
   EXPECT_EQ(counter.calls.load(), 4);
-  EXPECT_LE(test::max_abs_diff(linear_pool, linear_one), 4e-7);
+  EXPECT_LE(test::max_abs_diff(linear_pool, linear_one), 2e-8);
   EXPECT_EQ(counter.calls_from_tasks.load(), 0);
 #ifdef _OPENMP
   const Mat<float> causal_omp = linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{},
