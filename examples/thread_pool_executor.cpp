@@ -8,8 +8,9 @@
 // results are bit for bit those of OpenMP with the same number of threads (the same partition),
 // and this program checks it for the calls below when it is built with OpenMP.
 //
-//   thread_pool_executor           8 heads of 64, N = 16384: times the causal forward, the
-//                                  long-sequence split and a batched decode step on the pool
+//   thread_pool_executor           8 heads of 64, N = 16384: times the causal forward and a
+//                                  batched decode step on the pool, on OpenMP with as many
+//                                  threads and on one thread, and the long-sequence split
 //   thread_pool_executor --smoke   small sizes (ctest)
 #include <linattn/linattn.hpp>
 
@@ -161,13 +162,18 @@ int main(int argc, char** argv) {
     linattn::multihead_causal_linear_attention(Q, K, V, H, linattn::EluPlusOne{}, o, ws,
                                                linattn::CausalOptions{}, par);
   };
-  const double t_pool = best_of(smoke ? 1 : 3, [&] { multihead(out, on_pool); });
-  const double t_one = best_of(smoke ? 1 : 3, [&] { multihead(serial, one_thread); });
+  // OpenMP with as many threads, for comparison (one thread without OpenMP).
+  linattn::ParallelOptions on_openmp;
+  on_openmp.num_threads = pool.size();
+  const int repeats = smoke ? 1 : 5;
+  const double t_pool = best_of(repeats, [&] { multihead(out, on_pool); });
+  const double t_omp = best_of(repeats, [&] { multihead(serial, on_openmp); });
+  const double t_one = best_of(repeats, [&] { multihead(serial, one_thread); });
   // Heads are independent: any number of threads gives the one-thread bits.
   const bool heads_same = out == serial;
-  std::printf("causal, %ld heads of %ld, N = %ld: %.1f ms on the pool of %d, %.1f ms on one "
-              "thread; outputs %s\n",
-              long(H), long(D), long(N), 1e3 * t_pool, pool.size(), 1e3 * t_one,
+  std::printf("causal, %ld heads of %ld, N = %ld: %.1f ms on the pool of %d, %.1f ms on OpenMP, "
+              "%.1f ms on one thread; outputs %s\n",
+              long(H), long(D), long(N), 1e3 * t_pool, pool.size(), 1e3 * t_omp, 1e3 * t_one,
               heads_same ? "identical" : "DIFFER");
 
   // One long sequence split over the pool (spec §8): segments summarised, combined, then read.
@@ -206,13 +212,21 @@ int main(int argc, char** argv) {
   const RowMat qs = RowMat::Random(B, H * D), ks = RowMat::Random(B, H * D),
                vs = RowMat::Random(B, H * M);
   RowMat y(B, H * M), y1(B, H * M);
-  const int steps = smoke ? 4 : 100;
-  const double t_step = best_of(1, [&] {
+  const int steps = smoke ? 4 : 200;
+  const double t_step = best_of(repeats, [&] {
     for (int s = 0; s < steps; ++s) decoder.step(qs, ks, vs, y, on_pool);
   }) / steps;
-  for (int s = 0; s < steps; ++s) decoder1.step(qs, ks, vs, y1, one_thread);
-  const bool decode_same = y == y1;
-  std::printf("decode step, %ld sequences x %ld heads: %.1f us on the pool; outputs %s\n",
-              long(B), long(H), 1e6 * t_step, decode_same ? "identical" : "DIFFER");
+  const double t_step1 = best_of(repeats, [&] {
+    for (int s = 0; s < steps; ++s) decoder1.step(qs, ks, vs, y1, one_thread);
+  }) / steps;
+  const bool decode_same = y == y1;  // the same number of steps on both
+  linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> decoder2(B, H, D, M);
+  const double t_step_omp = best_of(repeats, [&] {
+    for (int s = 0; s < steps; ++s) decoder2.step(qs, ks, vs, y1, on_openmp);
+  }) / steps;
+  std::printf("decode step, %ld sequences x %ld heads: %.1f us on the pool, %.1f us on OpenMP, "
+              "%.1f us on one thread; outputs %s\n",
+              long(B), long(H), 1e6 * t_step, 1e6 * t_step_omp, 1e6 * t_step1,
+              decode_same ? "identical" : "DIFFER");
   return heads_same && split_same && decode_same ? 0 : 1;
 }
