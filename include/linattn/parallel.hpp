@@ -56,6 +56,10 @@ class FunctionRef<R(Args...)> {
   R (*call_)(void*, Args...);
 };
 
+/// The type of ParallelOptions::executor: runs task(0) ... task(n_tasks - 1) and returns when
+/// all have returned.
+using Executor = std::function<void(Index n_tasks, FunctionRef<void(Index task)> task)>;
+
 /// \brief How the kernels run in parallel: OpenMP, or the caller's thread pool (`executor`).
 ///
 /// The multi-head and batched kernels run heads and sequences on different threads. The
@@ -137,11 +141,8 @@ struct ParallelOptions {
   /// auto out = linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}, {}, par);
   /// \endcode
   /// examples/thread_pool_executor.cpp has a complete std::thread pool.
-  std::function<void(Index n_tasks, FunctionRef<void(Index task)> task)> executor;
+  Executor executor;
 };
-
-/// The type of ParallelOptions::executor.
-using Executor = std::function<void(Index n_tasks, FunctionRef<void(Index task)> task)>;
 
 namespace detail {
 

@@ -84,8 +84,7 @@ void parallel_tasks(Index tasks, double work, const ParallelOptions& par,
 template <class Scalar, class Fn>
 void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<Scalar>& ws,
                     const Fn& fn) {
-  run_tasks<Scalar>(tasks, par.executor && in_executor_task() ? 1 : resolve_threads(par), ws, fn,
-                    executor_of(par));
+  run_tasks<Scalar>(tasks, resolve_threads(par), ws, fn, executor_of(par));
 }
 
 // Rows of a sequence that every head of a group takes before the group moves on: measured
