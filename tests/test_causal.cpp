@@ -142,20 +142,20 @@ void check_against_reference(const Map& phi) {
 }
 
 TEST(causal, EluPlusOneMatchesReference) {
-  check_against_reference<float>(EluPlusOne{});
-  check_against_reference<double>(EluPlusOne{});
+  IF_FLOAT(check_against_reference<float>(EluPlusOne{}));
+  IF_DOUBLE(check_against_reference<double>(EluPlusOne{}));
 }
 TEST(causal, SoftmaxSplitMatchesReference) {
-  check_against_reference<float>(SoftmaxSplit{});
-  check_against_reference<double>(SoftmaxSplit{});
+  IF_FLOAT(check_against_reference<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_against_reference<double>(SoftmaxSplit{}));
 }
 TEST(causal, NormalizedCosineMatchesReference) {
-  check_against_reference<float>(NormalizedCosine{});
-  check_against_reference<double>(NormalizedCosine{});
+  IF_FLOAT(check_against_reference<float>(NormalizedCosine{}));
+  IF_DOUBLE(check_against_reference<double>(NormalizedCosine{}));
 }
 TEST(causal, UserReluMapMatchesReference) {
-  check_against_reference<float>(Relu{});
-  check_against_reference<double>(Relu{});
+  IF_FLOAT(check_against_reference<float>(Relu{}));
+  IF_DOUBLE(check_against_reference<double>(Relu{}));
 }
 
 // The defaults: EluPlusOne, CausalOptions{} (Auto; the library picks the algorithm), which
@@ -368,12 +368,12 @@ void check_layouts(const Map& phi) {
 }
 
 TEST(causal, LayoutsAndOutputOverload) {
-  check_layouts<float>(EluPlusOne{});
-  check_layouts<double>(EluPlusOne{});
-  check_layouts<float>(SoftmaxSplit{});
-  check_layouts<double>(SoftmaxSplit{});
-  check_layouts<float>(NormalizedCosine{});
-  check_layouts<float>(Relu{});
+  IF_FLOAT(check_layouts<float>(EluPlusOne{}));
+  IF_DOUBLE(check_layouts<double>(EluPlusOne{}));
+  IF_FLOAT(check_layouts<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_layouts<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_layouts<float>(NormalizedCosine{}));
+  IF_FLOAT(check_layouts<float>(Relu{}));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -430,8 +430,8 @@ void softmax_split_magnitude_100() {
 }
 
 TEST(causal, SoftmaxSplitStableAtMagnitude100) {
-  softmax_split_magnitude_100<float>();
-  softmax_split_magnitude_100<double>();
+  IF_FLOAT(softmax_split_magnitude_100<float>());
+  IF_DOUBLE(softmax_split_magnitude_100<double>());
 }
 
 // Keys whose running maximum jumps by 100+ inside a chunk (the chunked kernel redoes such a
@@ -477,8 +477,8 @@ void softmax_split_adversarial() {
 }
 
 TEST(causal, SoftmaxSplitAdversarialKeys) {
-  softmax_split_adversarial<float>();
-  softmax_split_adversarial<double>();
+  IF_FLOAT(softmax_split_adversarial<float>());
+  IF_DOUBLE(softmax_split_adversarial<double>());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -577,13 +577,13 @@ void check_no_malloc_random(const Map& phi) {
 }
 
 TEST(causal_no_malloc, SecondCallOfOutWorkspaceOverloadAllocatesNothing) {
-  check_no_malloc_random<float>(EluPlusOne{});
-  check_no_malloc_random<double>(EluPlusOne{});
-  check_no_malloc_random<float>(SoftmaxSplit{});
-  check_no_malloc_random<double>(SoftmaxSplit{});
-  check_no_malloc_random<float>(NormalizedCosine{});
-  check_no_malloc_random<double>(NormalizedCosine{});
-  check_no_malloc_random<float>(Relu{});
+  IF_FLOAT(check_no_malloc_random<float>(EluPlusOne{}));
+  IF_DOUBLE(check_no_malloc_random<double>(EluPlusOne{}));
+  IF_FLOAT(check_no_malloc_random<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_no_malloc_random<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_no_malloc_random<float>(NormalizedCosine{}));
+  IF_DOUBLE(check_no_malloc_random<double>(NormalizedCosine{}));
+  IF_FLOAT(check_no_malloc_random<float>(Relu{}));
 }
 
 // Keys ramping up by 3 per row: every chunk of causal SoftmaxSplit falls back to the token path.
@@ -606,8 +606,8 @@ TEST(causal_no_malloc, SoftmaxSplitFallbackPathAllocatesNothing) {
   const Mat<float> benign = test::random_matrix<float>(N, D, 99);
   const Mat<float> ramp = ramp_keys<float>(N, D);
   // Warm up on the benign path, then take the fallback path; and the other way round.
-  check_no_malloc<float>(SoftmaxSplit{}, Q, benign, V, Q, ramp, V, "benign then ramp");
-  check_no_malloc<float>(SoftmaxSplit{}, Q, ramp, V, Q, benign, V, "ramp then benign");
+  IF_FLOAT(check_no_malloc<float>(SoftmaxSplit{}, Q, benign, V, Q, ramp, V, "benign then ramp"));
+  IF_FLOAT(check_no_malloc<float>(SoftmaxSplit{}, Q, ramp, V, Q, benign, V, "ramp then benign"));
 }
 
 }  // namespace

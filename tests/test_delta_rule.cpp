@@ -181,21 +181,21 @@ void check_reference(const Phi& phi, const char* map, bool raw, double& worst) {
 }
 
 TEST(delta_forward, MatchesRecurrenceUnitKeys) {
-  double wf = 0, wd = 0;
-  check_reference<float>(SiluL2{}, "L2Normalize<Silu>", false, wf);
-  check_reference<double>(SiluL2{}, "L2Normalize<Silu>", false, wd);
-  check_reference<float>(UnitL2{}, "L2Normalize<Identity>", false, wf);
-  check_reference<double>(UnitL2{}, "L2Normalize<Identity>", false, wd);
-  test::report_error("delta rule vs recurrence, unit keys, float", wf);
-  test::report_error("delta rule vs recurrence, unit keys, double", wd);
+  [[maybe_unused]] double wf = 0, wd = 0;
+  IF_FLOAT(check_reference<float>(SiluL2{}, "L2Normalize<Silu>", false, wf));
+  IF_DOUBLE(check_reference<double>(SiluL2{}, "L2Normalize<Silu>", false, wd));
+  IF_FLOAT(check_reference<float>(UnitL2{}, "L2Normalize<Identity>", false, wf));
+  IF_DOUBLE(check_reference<double>(UnitL2{}, "L2Normalize<Identity>", false, wd));
+  IF_FLOAT(test::report_error("delta rule vs recurrence, unit keys, float", wf));
+  IF_DOUBLE(test::report_error("delta rule vs recurrence, unit keys, double", wd));
 }
 
 TEST(delta_forward, MatchesRecurrenceRawKeys) {
-  double wf = 0, wd = 0;
-  check_reference<float>(Identity{}, "Identity", true, wf);
-  check_reference<double>(Identity{}, "Identity", true, wd);
-  test::report_error("delta rule vs recurrence, raw keys, float", wf);
-  test::report_error("delta rule vs recurrence, raw keys, double", wd);
+  [[maybe_unused]] double wf = 0, wd = 0;
+  IF_FLOAT(check_reference<float>(Identity{}, "Identity", true, wf));
+  IF_DOUBLE(check_reference<double>(Identity{}, "Identity", true, wd));
+  IF_FLOAT(test::report_error("delta rule vs recurrence, raw keys, float", wf));
+  IF_DOUBLE(test::report_error("delta rule vs recurrence, raw keys, double", wd));
 }
 
 template <class S>
@@ -234,15 +234,15 @@ TEST(delta_forward, WidePacketTilesMatchRecurrence) {
           test::max_abs_diff(run<double>(SiluL2{}, c, options(algos()[4])), ref), ref);
       EXPECT_LE(ed, ref_bound<double>(false)) << "Recurrent, M=" << sh.M;
     }
-  test::report_error("wide tiles vs recurrence, float", wf);
+  IF_FLOAT(test::report_error("wide tiles vs recurrence, float", wf));
 }
 
 TEST(delta_forward, ChunkedEqualsRecurrent) {
-  double wf = 0, wd = 0;
-  check_chunked_recurrent<float>(wf);
-  check_chunked_recurrent<double>(wd);
-  test::report_error("chunked vs recurrent, float", wf);
-  test::report_error("chunked vs recurrent, double", wd);
+  [[maybe_unused]] double wf = 0, wd = 0;
+  IF_FLOAT(check_chunked_recurrent<float>(wf));
+  IF_DOUBLE(check_chunked_recurrent<double>(wd));
+  IF_FLOAT(test::report_error("chunked vs recurrent, float", wf));
+  IF_DOUBLE(test::report_error("chunked vs recurrent, double", wd));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -274,8 +274,8 @@ void check_beta_zero() {
 }
 
 TEST(delta_properties, BetaZeroLeavesTheDecayedPast) {
-  check_beta_zero<float>();
-  check_beta_zero<double>();
+  IF_FLOAT(check_beta_zero<float>());
+  IF_DOUBLE(check_beta_zero<double>());
 }
 
 // β = 1 with orthonormal keys: each write replaces the value stored under its key, so a query
@@ -318,8 +318,8 @@ void check_recall(const Algo& a) {
 
 TEST(delta_properties, UnitBetaOrthonormalKeysRecallTheLastValue) {
   for (const Algo& a : algos()) {
-    check_recall<float>(a);
-    check_recall<double>(a);
+    IF_FLOAT(check_recall<float>(a));
+    IF_DOUBLE(check_recall<double>(a));
   }
 }
 
@@ -349,11 +349,11 @@ void check_pieces(double& worst) {
 }
 
 TEST(delta_forward, PiecesEqualOneShot) {
-  double wf = 0, wd = 0;
-  check_pieces<float>(wf);
-  check_pieces<double>(wd);
-  test::report_error("pieces vs one shot, float", wf);
-  test::report_error("pieces vs one shot, double", wd);
+  [[maybe_unused]] double wf = 0, wd = 0;
+  IF_FLOAT(check_pieces<float>(wf));
+  IF_DOUBLE(check_pieces<double>(wd));
+  IF_FLOAT(test::report_error("pieces vs one shot, float", wf));
+  IF_DOUBLE(test::report_error("pieces vs one shot, double", wd));
 }
 
 TEST(delta_forward, ReturningOverloadsAndOutParameter) {
@@ -452,15 +452,15 @@ void check_decoder(const Phi& phi, bool decay, double& worst) {
 }
 
 TEST(delta_recurrent, StepsEqualParallelCall) {
-  double wf = 0, wd = 0;
+  [[maybe_unused]] double wf = 0, wd = 0;
   for (const bool decay : {false, true}) {
-    check_decoder<float>(SiluL2{}, decay, wf);
-    check_decoder<double>(SiluL2{}, decay, wd);
-    check_decoder<float>(Identity{}, decay, wf);
-    check_decoder<double>(Identity{}, decay, wd);
+    IF_FLOAT(check_decoder<float>(SiluL2{}, decay, wf));
+    IF_DOUBLE(check_decoder<double>(SiluL2{}, decay, wd));
+    IF_FLOAT(check_decoder<float>(Identity{}, decay, wf));
+    IF_DOUBLE(check_decoder<double>(Identity{}, decay, wd));
   }
-  test::report_error("RecurrentDeltaRule steps vs parallel, float", wf);
-  test::report_error("RecurrentDeltaRule steps vs parallel, double", wd);
+  IF_FLOAT(test::report_error("RecurrentDeltaRule steps vs parallel, float", wf));
+  IF_DOUBLE(test::report_error("RecurrentDeltaRule steps vs parallel, double", wd));
 }
 
 TEST(delta_recurrent, NoMallocDetectorWorks) { eigen_hook::expect_detector_works(); }
@@ -521,8 +521,8 @@ void check_multihead(bool decay) {
 
 TEST(delta_multihead, EqualsPerHeadSingleCalls) {
   for (const bool decay : {false, true}) {
-    check_multihead<float>(decay);
-    check_multihead<double>(decay);
+    IF_FLOAT(check_multihead<float>(decay));
+    IF_DOUBLE(check_multihead<double>(decay));
   }
 }
 

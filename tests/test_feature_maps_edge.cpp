@@ -92,7 +92,7 @@ void check_tiny_rows(S tiny, double tol) {
 TEST(NormalizedCosineDenormal, RowsOfNorm1em40Float) { check_tiny_rows<float>(1e-40f, 4e-7); }
 TEST(NormalizedCosineDenormal, RowsOfNorm1em45Float) {
   // 1e-45 is one denorm_min (1.4e-45): each tiny row has a single nonzero entry ±denorm_min.
-  check_tiny_rows<float>(1e-45f, 4e-7);
+  IF_FLOAT(check_tiny_rows<float>(1e-45f, 4e-7));
 }
 TEST(NormalizedCosineDenormal, RowsOfNorm1em310Double) { check_tiny_rows<double>(1e-310, 1e-15); }
 
@@ -127,8 +127,8 @@ void check_tiny_backward(S tiny, double g_scale, double rel_tol) {
 }
 
 TEST(NormalizedCosineDenormal, BackwardOfTinyRows) {
-  check_tiny_backward<float>(1e-40f, 1e-5, 1e-6);    // gradients up to ~1e35
-  check_tiny_backward<double>(1e-310, 1e-12, 1e-13);  // gradients up to ~1e298
+  IF_FLOAT(check_tiny_backward<float>(1e-40f, 1e-5, 1e-6));    // gradients up to ~1e35
+  IF_DOUBLE(check_tiny_backward<double>(1e-310, 1e-12, 1e-13));  // gradients up to ~1e298
 }
 
 // One denormal key among normal ones: linear_attention and both causal algorithms must give
@@ -173,11 +173,11 @@ void check_attention_with_tiny_key(S tiny) {
 }
 
 TEST(NormalizedCosineDenormal, AttentionWithOneTinyKeyFloat) {
-  check_attention_with_tiny_key<float>(1e-40f);
-  check_attention_with_tiny_key<float>(1e-45f);
+  IF_FLOAT(check_attention_with_tiny_key<float>(1e-40f));
+  IF_FLOAT(check_attention_with_tiny_key<float>(1e-45f));
 }
 TEST(NormalizedCosineDenormal, AttentionWithOneTinyKeyDouble) {
-  check_attention_with_tiny_key<double>(1e-310);
+  IF_DOUBLE(check_attention_with_tiny_key<double>(1e-310));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -392,47 +392,47 @@ void check_layouts(const Map& phi, bool bitwise) {
 }
 
 TEST(FeatureMapLayouts, EluPlusOneIsBitwiseIdentical) {
-  check_layouts<float>(linattn::EluPlusOne{}, true);
-  check_layouts<double>(linattn::EluPlusOne{}, true);
+  IF_FLOAT(check_layouts<float>(linattn::EluPlusOne{}, true));
+  IF_DOUBLE(check_layouts<double>(linattn::EluPlusOne{}, true));
 }
 TEST(FeatureMapLayouts, SoftmaxSplitAgreesToAFewUlps) {
-  check_layouts<float>(linattn::SoftmaxSplit{}, false);
-  check_layouts<double>(linattn::SoftmaxSplit{}, false);
+  IF_FLOAT(check_layouts<float>(linattn::SoftmaxSplit{}, false));
+  IF_DOUBLE(check_layouts<double>(linattn::SoftmaxSplit{}, false));
 }
 TEST(FeatureMapLayouts, NormalizedCosineAgreesToAFewUlps) {
-  check_layouts<float>(linattn::NormalizedCosine{}, false);
-  check_layouts<double>(linattn::NormalizedCosine{}, false);
+  IF_FLOAT(check_layouts<float>(linattn::NormalizedCosine{}, false));
+  IF_DOUBLE(check_layouts<double>(linattn::NormalizedCosine{}, false));
 }
 TEST(FeatureMapLayouts, IdentityAndSiluAreBitwiseIdentical) {
-  check_layouts<float>(linattn::Identity{}, true);
-  check_layouts<double>(linattn::Identity{}, true);
-  check_layouts<float>(linattn::Silu{}, true);
-  check_layouts<double>(linattn::Silu{}, true);
+  IF_FLOAT(check_layouts<float>(linattn::Identity{}, true));
+  IF_DOUBLE(check_layouts<double>(linattn::Identity{}, true));
+  IF_FLOAT(check_layouts<float>(linattn::Silu{}, true));
+  IF_DOUBLE(check_layouts<double>(linattn::Silu{}, true));
 }
 TEST(FeatureMapLayouts, ReluDpfpAndTaylor2AreBitwiseIdentical) {
   // Issue 26: each feature is one exact or correctly rounded operation on its inputs (Relu a
   // select, Dpfp one product, Taylor2 (x'_a/√2)·x'_b), the same whatever the input's layout.
-  check_layouts<float>(linattn::Relu{}, true);
-  check_layouts<double>(linattn::Relu{}, true);
-  check_layouts<float>(linattn::Dpfp(3), true);
-  check_layouts<double>(linattn::Dpfp(3), true);
-  check_layouts<float>(linattn::Taylor2{}, true);
-  check_layouts<double>(linattn::Taylor2{}, true);
+  IF_FLOAT(check_layouts<float>(linattn::Relu{}, true));
+  IF_DOUBLE(check_layouts<double>(linattn::Relu{}, true));
+  IF_FLOAT(check_layouts<float>(linattn::Dpfp(3), true));
+  IF_DOUBLE(check_layouts<double>(linattn::Dpfp(3), true));
+  IF_FLOAT(check_layouts<float>(linattn::Taylor2{}, true));
+  IF_DOUBLE(check_layouts<double>(linattn::Taylor2{}, true));
 }
 TEST(FeatureMapLayouts, FavorIsBitwiseIdentical) {
   // Issue 26: each row is copied into a contiguous buffer and mapped with the same operations,
   // whatever the input's layout (m = 2D + 3 features).
-  check_layouts_made<float>([](Index D) { return linattn::Favor<float>(D, 2 * D + 3, 7); }, true);
-  check_layouts_made<double>([](Index D) { return linattn::Favor<double>(D, 2 * D + 3, 7); },
-                             true);
+  IF_FLOAT(check_layouts_made<float>([](Index D) { return linattn::Favor<float>(D, 2 * D + 3, 7); }, true));
+  IF_DOUBLE(check_layouts_made<double>([](Index D) { return linattn::Favor<double>(D, 2 * D + 3, 7); },
+                             true));
 }
 TEST(FeatureMapLayouts, L2NormalizeIsBitwiseIdentical) {
   // Each block of rows is mapped by the inner map into the output, then normalised in place
   // column by column: the same operations on the same numbers whatever the input's layout.
-  check_layouts<float>(linattn::L2Normalize<>{}, true);
-  check_layouts<double>(linattn::L2Normalize<>{}, true);
-  check_layouts<float>(linattn::L2Normalize<linattn::Silu>{}, true);
-  check_layouts<double>(linattn::L2Normalize<linattn::Silu>{}, true);
+  IF_FLOAT(check_layouts<float>(linattn::L2Normalize<>{}, true));
+  IF_DOUBLE(check_layouts<double>(linattn::L2Normalize<>{}, true));
+  IF_FLOAT(check_layouts<float>(linattn::L2Normalize<linattn::Silu>{}, true));
+  IF_DOUBLE(check_layouts<double>(linattn::L2Normalize<linattn::Silu>{}, true));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -802,18 +802,18 @@ TEST(NewMapsInKernels, EqualTheNaiveDoubleReference) {
   // Outputs are convex combinations of V (|V| <= 3). Measured at most 6.4e-7 (float) and
   // 1.3e-15 (double); the bounds are about 4.5 times that.
   const auto bound = [](auto tag) { return test::bound<decltype(tag)>(1e-6, 2e-15, 3.0); };
-  EXPECT_LE(kernels_vs_reference<float>(linattn::Identity{}, "Identity"), bound(float()));
-  EXPECT_LE(kernels_vs_reference<double>(linattn::Identity{}, "Identity"), bound(double()));
-  EXPECT_LE(kernels_vs_reference<float>(linattn::Silu{}, "Silu"), bound(float()));
-  EXPECT_LE(kernels_vs_reference<double>(linattn::Silu{}, "Silu"), bound(double()));
-  EXPECT_LE(kernels_vs_reference<float>(linattn::L2Normalize<>{}, "L2Normalize<Identity>"),
-            bound(float()));
-  EXPECT_LE(kernels_vs_reference<double>(linattn::L2Normalize<>{}, "L2Normalize<Identity>"),
-            bound(double()));
-  EXPECT_LE(kernels_vs_reference<float>(linattn::L2Normalize<linattn::Silu>{}, "L2Normalize<Silu>"),
-            bound(float()));
-  EXPECT_LE(kernels_vs_reference<double>(linattn::L2Normalize<linattn::Silu>{}, "L2Normalize<Silu>"),
-            bound(double()));
+  IF_FLOAT(EXPECT_LE(kernels_vs_reference<float>(linattn::Identity{}, "Identity"), bound(float())));
+  IF_DOUBLE(EXPECT_LE(kernels_vs_reference<double>(linattn::Identity{}, "Identity"), bound(double())));
+  IF_FLOAT(EXPECT_LE(kernels_vs_reference<float>(linattn::Silu{}, "Silu"), bound(float())));
+  IF_DOUBLE(EXPECT_LE(kernels_vs_reference<double>(linattn::Silu{}, "Silu"), bound(double())));
+  IF_FLOAT(EXPECT_LE(kernels_vs_reference<float>(linattn::L2Normalize<>{}, "L2Normalize<Identity>"),
+            bound(float())));
+  IF_DOUBLE(EXPECT_LE(kernels_vs_reference<double>(linattn::L2Normalize<>{}, "L2Normalize<Identity>"),
+            bound(double())));
+  IF_FLOAT(EXPECT_LE(kernels_vs_reference<float>(linattn::L2Normalize<linattn::Silu>{}, "L2Normalize<Silu>"),
+            bound(float())));
+  IF_DOUBLE(EXPECT_LE(kernels_vs_reference<double>(linattn::L2Normalize<linattn::Silu>{}, "L2Normalize<Silu>"),
+            bound(double())));
 }
 
 TEST(NewMapsInKernels, GradientsOfL2NormalizeSiluMatchFiniteDifferences) {

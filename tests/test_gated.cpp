@@ -322,7 +322,7 @@ void check_forward(const Phi& phi, const Case& c, const MatD& ref, const gref::S
 
 template <class Phi>
 void check_forward_all(const Phi& phi, bool per_feature) {
-  Worst wf, wd;
+  [[maybe_unused]] Worst wf, wd;
   const bool norm = normalizes(phi);
   for (const Shape3& sh : forward_shapes()) {
     const Case c = make_case(sh.N, sh.D, sh.M, gate_cols(phi, sh.D, per_feature), 11);
@@ -332,16 +332,16 @@ void check_forward_all(const Phi& phi, bool per_feature) {
     const std::string tag = std::string(map_name(phi)) + " " + gate_name(per_feature) +
                             " N=" + std::to_string(sh.N) + " D=" + std::to_string(sh.D) +
                             " M=" + std::to_string(sh.M);
-    check_forward<float>(phi, c, ref, ref_state, tag, wf);
-    check_forward<double>(phi, c, ref, ref_state, tag, wd);
+    IF_FLOAT(check_forward<float>(phi, c, ref, ref_state, tag, wf));
+    IF_DOUBLE(check_forward<double>(phi, c, ref, ref_state, tag, wd));
   }
   const std::string what = std::string(map_name(phi)) + " " + gate_name(per_feature);
-  test::report_error(what + " float vs reference", wf.ref);
-  test::report_error(what + " double vs reference", wd.ref);
-  test::report_error(what + " float chunked vs recurrent", wf.agree);
-  test::report_error(what + " double chunked vs recurrent", wd.agree);
-  test::report_error(what + " float final state", wf.state);
-  test::report_error(what + " double final state", wd.state);
+  IF_FLOAT(test::report_error(what + " float vs reference", wf.ref));
+  IF_DOUBLE(test::report_error(what + " double vs reference", wd.ref));
+  IF_FLOAT(test::report_error(what + " float chunked vs recurrent", wf.agree));
+  IF_DOUBLE(test::report_error(what + " double chunked vs recurrent", wd.agree));
+  IF_FLOAT(test::report_error(what + " float final state", wf.state));
+  IF_DOUBLE(test::report_error(what + " double final state", wd.state));
 }
 
 TEST(gated_forward, ScalarGatesMatchReference) {
@@ -420,21 +420,21 @@ void check_pieces(const Phi& phi, bool per_feature, double& worst_pieces, double
 }
 
 TEST(gated_forward, TwoPiecesEqualOneShot) {
-  double pf = 0, pd = 0, rf = 0, rd = 0;
+  [[maybe_unused]] double pf = 0, pd = 0, rf = 0, rd = 0;
   for (const bool pfg : {false, true}) {
-    check_pieces<float>(Identity{}, pfg, pf, rf);
-    check_pieces<double>(Identity{}, pfg, pd, rd);
-    check_pieces<float>(Silu{}, pfg, pf, rf);
-    check_pieces<double>(Silu{}, pfg, pd, rd);
-    check_pieces<float>(SiluL2{}, pfg, pf, rf);
-    check_pieces<double>(SiluL2{}, pfg, pd, rd);
-    check_pieces<float>(EluPlusOne{}, pfg, pf, rf);
-    check_pieces<double>(EluPlusOne{}, pfg, pd, rd);
+    IF_FLOAT(check_pieces<float>(Identity{}, pfg, pf, rf));
+    IF_DOUBLE(check_pieces<double>(Identity{}, pfg, pd, rd));
+    IF_FLOAT(check_pieces<float>(Silu{}, pfg, pf, rf));
+    IF_DOUBLE(check_pieces<double>(Silu{}, pfg, pd, rd));
+    IF_FLOAT(check_pieces<float>(SiluL2{}, pfg, pf, rf));
+    IF_DOUBLE(check_pieces<double>(SiluL2{}, pfg, pd, rd));
+    IF_FLOAT(check_pieces<float>(EluPlusOne{}, pfg, pf, rf));
+    IF_DOUBLE(check_pieces<double>(EluPlusOne{}, pfg, pd, rd));
   }
-  test::report_error("pieces vs one shot, float", pf);
-  test::report_error("pieces vs one shot, double", pd);
-  test::report_error("continued from a state vs reference, float", rf);
-  test::report_error("continued from a state vs reference, double", rd);
+  IF_FLOAT(test::report_error("pieces vs one shot, float", pf));
+  IF_DOUBLE(test::report_error("pieces vs one shot, double", pd));
+  IF_FLOAT(test::report_error("continued from a state vs reference, float", rf));
+  IF_DOUBLE(test::report_error("continued from a state vs reference, double", rd));
 }
 
 // The returning overloads (without and with a state) equal the out + workspace overload.
@@ -478,13 +478,13 @@ void check_zero_gates(bool per_feature, double& worst) {
 }
 
 TEST(gated_forward, ZeroGatesNormalizedEqualCausalLinearAttention) {
-  double wf = 0, wd = 0;
+  [[maybe_unused]] double wf = 0, wd = 0;
   for (const bool pf : {false, true}) {
-    check_zero_gates<float>(pf, wf);
-    check_zero_gates<double>(pf, wd);
+    IF_FLOAT(check_zero_gates<float>(pf, wf));
+    IF_DOUBLE(check_zero_gates<double>(pf, wd));
   }
-  test::report_error("log_gates = 0, normalize vs causal_linear_attention, float", wf);
-  test::report_error("log_gates = 0, normalize vs causal_linear_attention, double", wd);
+  IF_FLOAT(test::report_error("log_gates = 0, normalize vs causal_linear_attention, float", wf));
+  IF_DOUBLE(test::report_error("log_gates = 0, normalize vs causal_linear_attention, double", wd));
 }
 
 TEST(gated_forward, ScaleOption) {
@@ -619,19 +619,19 @@ void check_decoder(const Phi& phi, bool per_feature, double& worst) {
 }
 
 TEST(gated_recurrent, StepsEqualParallelCall) {
-  double wf = 0, wd = 0;
+  [[maybe_unused]] double wf = 0, wd = 0;
   for (const bool pf : {false, true}) {
-    check_decoder<float>(Identity{}, pf, wf);
-    check_decoder<double>(Identity{}, pf, wd);
-    check_decoder<float>(Silu{}, pf, wf);
-    check_decoder<double>(Silu{}, pf, wd);
-    check_decoder<float>(SiluL2{}, pf, wf);
-    check_decoder<double>(SiluL2{}, pf, wd);
-    check_decoder<float>(EluPlusOne{}, pf, wf);
-    check_decoder<double>(EluPlusOne{}, pf, wd);
+    IF_FLOAT(check_decoder<float>(Identity{}, pf, wf));
+    IF_DOUBLE(check_decoder<double>(Identity{}, pf, wd));
+    IF_FLOAT(check_decoder<float>(Silu{}, pf, wf));
+    IF_DOUBLE(check_decoder<double>(Silu{}, pf, wd));
+    IF_FLOAT(check_decoder<float>(SiluL2{}, pf, wf));
+    IF_DOUBLE(check_decoder<double>(SiluL2{}, pf, wd));
+    IF_FLOAT(check_decoder<float>(EluPlusOne{}, pf, wf));
+    IF_DOUBLE(check_decoder<double>(EluPlusOne{}, pf, wd));
   }
-  test::report_error("RecurrentGatedAttention steps vs parallel, float", wf);
-  test::report_error("RecurrentGatedAttention steps vs parallel, double", wd);
+  IF_FLOAT(test::report_error("RecurrentGatedAttention steps vs parallel, float", wf));
+  IF_DOUBLE(test::report_error("RecurrentGatedAttention steps vs parallel, double", wd));
 }
 
 TEST(gated_recurrent, NoMallocDetectorWorks) { eigen_hook::expect_detector_works(); }
@@ -724,17 +724,17 @@ void check_multihead(const Phi& phi, bool per_feature, double& worst_same, doubl
 }
 
 TEST(gated_multihead, EqualsPerHeadSingleCalls) {
-  double sf = 0, sd = 0, rf = 0, rd = 0;
+  [[maybe_unused]] double sf = 0, sd = 0, rf = 0, rd = 0;
   for (const bool pf : {false, true}) {
-    check_multihead<float>(Identity{}, pf, sf, rf);
-    check_multihead<double>(Identity{}, pf, sd, rd);
-    check_multihead<float>(EluPlusOne{}, pf, sf, rf);
-    check_multihead<double>(EluPlusOne{}, pf, sd, rd);
+    IF_FLOAT(check_multihead<float>(Identity{}, pf, sf, rf));
+    IF_DOUBLE(check_multihead<double>(Identity{}, pf, sd, rd));
+    IF_FLOAT(check_multihead<float>(EluPlusOne{}, pf, sf, rf));
+    IF_DOUBLE(check_multihead<double>(EluPlusOne{}, pf, sd, rd));
   }
-  test::report_error("multihead vs per-head single calls, float", sf);
-  test::report_error("multihead vs per-head single calls, double", sd);
-  test::report_error("multihead vs reference, float", rf);
-  test::report_error("multihead vs reference, double", rd);
+  IF_FLOAT(test::report_error("multihead vs per-head single calls, float", sf));
+  IF_DOUBLE(test::report_error("multihead vs per-head single calls, double", sd));
+  IF_FLOAT(test::report_error("multihead vs reference, float", rf));
+  IF_DOUBLE(test::report_error("multihead vs reference, double", rd));
 }
 
 template <class S, class Phi>
@@ -807,15 +807,15 @@ void check_batched(const Phi& phi, bool per_feature, double& worst) {
 }
 
 TEST(gated_batched, EqualsPerSequenceSingleCalls) {
-  double wf = 0, wd = 0;
+  [[maybe_unused]] double wf = 0, wd = 0;
   for (const bool pf : {false, true}) {
-    check_batched<float>(Identity{}, pf, wf);
-    check_batched<double>(Identity{}, pf, wd);
-    check_batched<float>(EluPlusOne{}, pf, wf);
-    check_batched<double>(EluPlusOne{}, pf, wd);
+    IF_FLOAT(check_batched<float>(Identity{}, pf, wf));
+    IF_DOUBLE(check_batched<double>(Identity{}, pf, wd));
+    IF_FLOAT(check_batched<float>(EluPlusOne{}, pf, wf));
+    IF_DOUBLE(check_batched<double>(EluPlusOne{}, pf, wd));
   }
-  test::report_error("batched vs per-sequence single calls, float", wf);
-  test::report_error("batched vs per-sequence single calls, double", wd);
+  IF_FLOAT(test::report_error("batched vs per-sequence single calls, float", wf));
+  IF_DOUBLE(test::report_error("batched vs per-sequence single calls, double", wd));
 }
 
 // ---------------------------------------------------------------------------------------------

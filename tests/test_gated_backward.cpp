@@ -369,19 +369,19 @@ void check_agreement(const Phi& phi, bool per_feature, double& worst_algo, doubl
 }
 
 TEST(gated_backward, ChunkedEqualsRecurrentAndFloatMatchesDouble) {
-  double af = 0, ad = 0, fd = 0, unused = 0;
+  [[maybe_unused]] double af = 0, ad = 0, fd = 0, unused = 0;
   for (const bool pf : {false, true}) {
-    check_agreement<float>(Identity{}, pf, af, fd);
-    check_agreement<double>(Identity{}, pf, ad, unused);
-    check_agreement<float>(Silu{}, pf, af, fd);
-    check_agreement<double>(Silu{}, pf, ad, unused);
-    check_agreement<float>(SiluL2{}, pf, af, fd);
-    check_agreement<double>(SiluL2{}, pf, ad, unused);
-    check_agreement<float>(EluPlusOne{}, pf, af, fd);
-    check_agreement<double>(EluPlusOne{}, pf, ad, unused);
+    IF_FLOAT(check_agreement<float>(Identity{}, pf, af, fd));
+    IF_DOUBLE(check_agreement<double>(Identity{}, pf, ad, unused));
+    IF_FLOAT(check_agreement<float>(Silu{}, pf, af, fd));
+    IF_DOUBLE(check_agreement<double>(Silu{}, pf, ad, unused));
+    IF_FLOAT(check_agreement<float>(SiluL2{}, pf, af, fd));
+    IF_DOUBLE(check_agreement<double>(SiluL2{}, pf, ad, unused));
+    IF_FLOAT(check_agreement<float>(EluPlusOne{}, pf, af, fd));
+    IF_DOUBLE(check_agreement<double>(EluPlusOne{}, pf, ad, unused));
   }
-  test::report_error("gradients, chunked vs recurrent, float", af);
-  test::report_error("gradients, chunked vs recurrent, double", ad);
+  IF_FLOAT(test::report_error("gradients, chunked vs recurrent, float", af));
+  IF_DOUBLE(test::report_error("gradients, chunked vs recurrent, double", ad));
   test::report_error("gradients, float vs double", fd);
 }
 
@@ -441,17 +441,17 @@ void check_pieces(const Phi& phi, bool per_feature, double& worst) {
 }
 
 TEST(gated_backward, TwoPiecesEqualOneShot) {
-  double wf = 0, wd = 0;
+  [[maybe_unused]] double wf = 0, wd = 0;
   for (const bool pf : {false, true}) {
-    check_pieces<float>(Identity{}, pf, wf);
-    check_pieces<double>(Identity{}, pf, wd);
-    check_pieces<float>(SiluL2{}, pf, wf);
-    check_pieces<double>(SiluL2{}, pf, wd);
-    check_pieces<float>(EluPlusOne{}, pf, wf);
-    check_pieces<double>(EluPlusOne{}, pf, wd);
+    IF_FLOAT(check_pieces<float>(Identity{}, pf, wf));
+    IF_DOUBLE(check_pieces<double>(Identity{}, pf, wd));
+    IF_FLOAT(check_pieces<float>(SiluL2{}, pf, wf));
+    IF_DOUBLE(check_pieces<double>(SiluL2{}, pf, wd));
+    IF_FLOAT(check_pieces<float>(EluPlusOne{}, pf, wf));
+    IF_DOUBLE(check_pieces<double>(EluPlusOne{}, pf, wd));
   }
-  test::report_error("gradients in pieces vs one shot, float", wf);
-  test::report_error("gradients in pieces vs one shot, double", wd);
+  IF_FLOAT(test::report_error("gradients in pieces vs one shot, float", wf));
+  IF_DOUBLE(test::report_error("gradients in pieces vs one shot, double", wd));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -653,14 +653,14 @@ void check_multihead(const Phi& phi, bool per_feature, double& worst) {
 }
 
 TEST(gated_backward, MultiheadEqualsPerHeadCalls) {
-  double wf = 0, wd = 0;
+  [[maybe_unused]] double wf = 0, wd = 0;
   for (const bool pf : {false, true}) {
-    check_multihead<float>(Identity{}, pf, wf);
-    check_multihead<double>(Identity{}, pf, wd);
-    check_multihead<double>(EluPlusOne{}, pf, wd);
+    IF_FLOAT(check_multihead<float>(Identity{}, pf, wf));
+    IF_DOUBLE(check_multihead<double>(Identity{}, pf, wd));
+    IF_DOUBLE(check_multihead<double>(EluPlusOne{}, pf, wd));
   }
-  test::report_error("multihead gradients vs per-head calls, float", wf);
-  test::report_error("multihead gradients vs per-head calls, double", wd);
+  IF_FLOAT(test::report_error("multihead gradients vs per-head calls, float", wf));
+  IF_DOUBLE(test::report_error("multihead gradients vs per-head calls, double", wd));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -259,12 +259,12 @@ void check_multihead_linear(const Map& phi) {
 }
 
 TEST(MultiHead, LinearEqualsPerHeadCallsAndReference) {
-  check_multihead_linear<float>(EluPlusOne{});
-  check_multihead_linear<double>(EluPlusOne{});
-  check_multihead_linear<float>(SoftmaxSplit{});
-  check_multihead_linear<double>(SoftmaxSplit{});
-  check_multihead_linear<float>(NormalizedCosine{});
-  check_multihead_linear<double>(NormalizedCosine{});
+  IF_FLOAT(check_multihead_linear<float>(EluPlusOne{}));
+  IF_DOUBLE(check_multihead_linear<double>(EluPlusOne{}));
+  IF_FLOAT(check_multihead_linear<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_multihead_linear<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_multihead_linear<float>(NormalizedCosine{}));
+  IF_DOUBLE(check_multihead_linear<double>(NormalizedCosine{}));
 }
 
 // The default feature map of the returning overload is EluPlusOne.
@@ -324,12 +324,12 @@ void check_multihead_causal(const Map& phi) {
 }
 
 TEST(MultiHead, CausalLinearEqualsPerHeadCallsAndReference) {
-  check_multihead_causal<float>(EluPlusOne{});
-  check_multihead_causal<double>(EluPlusOne{});
-  check_multihead_causal<float>(SoftmaxSplit{});
-  check_multihead_causal<double>(SoftmaxSplit{});
-  check_multihead_causal<float>(NormalizedCosine{});
-  check_multihead_causal<double>(NormalizedCosine{});
+  IF_FLOAT(check_multihead_causal<float>(EluPlusOne{}));
+  IF_DOUBLE(check_multihead_causal<double>(EluPlusOne{}));
+  IF_FLOAT(check_multihead_causal<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_multihead_causal<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_multihead_causal<float>(NormalizedCosine{}));
+  IF_DOUBLE(check_multihead_causal<double>(NormalizedCosine{}));
 }
 
 template <class S>
@@ -376,13 +376,13 @@ void check_multihead_softmax(bool causal) {
 }
 
 TEST(MultiHead, SoftmaxEqualsPerHeadCallsAndReference) {
-  check_multihead_softmax<float>(false);
-  check_multihead_softmax<double>(false);
+  IF_FLOAT(check_multihead_softmax<float>(false));
+  IF_DOUBLE(check_multihead_softmax<double>(false));
 }
 
 TEST(MultiHead, CausalSoftmaxEqualsPerHeadCallsAndReference) {
-  check_multihead_softmax<float>(true);
-  check_multihead_softmax<double>(true);
+  IF_FLOAT(check_multihead_softmax<float>(true));
+  IF_DOUBLE(check_multihead_softmax<double>(true));
 }
 
 // A head must see only its own columns: changing head 1's inputs leaves the other heads'
@@ -500,8 +500,8 @@ TEST(MultiHeadThreads, ThreadCountsGiveBitwiseIdenticalResults) {
 #else
   std::cout << "[ info     ] OpenMP off: every thread count runs serially" << std::endl;
 #endif
-  check_thread_counts<float>(EluPlusOne{});
-  check_thread_counts<double>(SoftmaxSplit{});
+  IF_FLOAT(check_thread_counts<float>(EluPlusOne{}));
+  IF_DOUBLE(check_thread_counts<double>(SoftmaxSplit{}));
 }
 
 using linattn_test::TeamRecordingMap;
@@ -670,8 +670,8 @@ void check_layouts(const Map& phi) {
 }
 
 TEST(MultiHeadLayouts, MapsRowMajorAndBlocks) {
-  check_layouts<float>(EluPlusOne{});
-  check_layouts<double>(SoftmaxSplit{});
+  IF_FLOAT(check_layouts<float>(EluPlusOne{}));
+  IF_DOUBLE(check_layouts<double>(SoftmaxSplit{}));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -724,12 +724,12 @@ void check_batched_linear(const Map& phi) {
 }
 
 TEST(MultiHeadBatched, LinearEqualsPerSequencePerHeadCalls) {
-  check_batched_linear<float>(EluPlusOne{});
-  check_batched_linear<double>(EluPlusOne{});
-  check_batched_linear<float>(SoftmaxSplit{});
-  check_batched_linear<double>(SoftmaxSplit{});
-  check_batched_linear<float>(NormalizedCosine{});
-  check_batched_linear<double>(NormalizedCosine{});
+  IF_FLOAT(check_batched_linear<float>(EluPlusOne{}));
+  IF_DOUBLE(check_batched_linear<double>(EluPlusOne{}));
+  IF_FLOAT(check_batched_linear<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_batched_linear<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_batched_linear<float>(NormalizedCosine{}));
+  IF_DOUBLE(check_batched_linear<double>(NormalizedCosine{}));
 }
 
 template <class S, class Map>
@@ -776,12 +776,12 @@ void check_batched_causal(const Map& phi) {
 }
 
 TEST(MultiHeadBatched, CausalEqualsPerSequencePerHeadCalls) {
-  check_batched_causal<float>(EluPlusOne{});
-  check_batched_causal<double>(EluPlusOne{});
-  check_batched_causal<float>(SoftmaxSplit{});
-  check_batched_causal<double>(SoftmaxSplit{});
-  check_batched_causal<float>(NormalizedCosine{});
-  check_batched_causal<double>(NormalizedCosine{});
+  IF_FLOAT(check_batched_causal<float>(EluPlusOne{}));
+  IF_DOUBLE(check_batched_causal<double>(EluPlusOne{}));
+  IF_FLOAT(check_batched_causal<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_batched_causal<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_batched_causal<float>(NormalizedCosine{}));
+  IF_DOUBLE(check_batched_causal<double>(NormalizedCosine{}));
 }
 
 // One sequence spanning every row is the multi-head kernel; no sequence at all (offsets {0},
@@ -903,12 +903,12 @@ void check_recurrent(const Map& phi) {
 }
 
 TEST(MultiHeadRecurrent, StepsEqualParallelAndSingleHeads) {
-  check_recurrent<float>(EluPlusOne{});
-  check_recurrent<double>(EluPlusOne{});
-  check_recurrent<float>(SoftmaxSplit{});
-  check_recurrent<double>(SoftmaxSplit{});
-  check_recurrent<float>(NormalizedCosine{});
-  check_recurrent<double>(NormalizedCosine{});
+  IF_FLOAT(check_recurrent<float>(EluPlusOne{}));
+  IF_DOUBLE(check_recurrent<double>(EluPlusOne{}));
+  IF_FLOAT(check_recurrent<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_recurrent<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_recurrent<float>(NormalizedCosine{}));
+  IF_DOUBLE(check_recurrent<double>(NormalizedCosine{}));
 }
 
 using test::allocations_in;
@@ -957,10 +957,10 @@ void check_step_no_alloc(const Map& phi) {
 }
 
 TEST(MultiHeadRecurrent, StepAllocatesNothing) {
-  check_step_no_alloc<float>(EluPlusOne{});
-  check_step_no_alloc<double>(EluPlusOne{});
-  check_step_no_alloc<float>(SoftmaxSplit{});
-  check_step_no_alloc<float>(NormalizedCosine{});
+  IF_FLOAT(check_step_no_alloc<float>(EluPlusOne{}));
+  IF_DOUBLE(check_step_no_alloc<double>(EluPlusOne{}));
+  IF_FLOAT(check_step_no_alloc<float>(SoftmaxSplit{}));
+  IF_FLOAT(check_step_no_alloc<float>(NormalizedCosine{}));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1019,8 +1019,8 @@ void check_softmax_no_alloc() {
 }
 
 TEST(MultiHeadNoAlloc, SoftmaxSecondCallAllocatesNothing) {
-  check_softmax_no_alloc<float>();
-  check_softmax_no_alloc<double>();
+  IF_FLOAT(check_softmax_no_alloc<float>());
+  IF_DOUBLE(check_softmax_no_alloc<double>());
 }
 
 template <class S, class Map>
@@ -1067,12 +1067,12 @@ void check_linear_no_alloc(const Map& phi) {
 // batched_linear_attention with two temporary std::vector<Index> offsets, {0, Q.rows()} and
 // {0, K.rows()}: 2 operator new calls on every call, reused workspace or not.
 TEST(MultiHeadNoAlloc, LinearSecondCallAllocatesNothing) {
-  check_linear_no_alloc<float>(EluPlusOne{});
-  check_linear_no_alloc<double>(EluPlusOne{});
-  check_linear_no_alloc<float>(SoftmaxSplit{});
-  check_linear_no_alloc<double>(SoftmaxSplit{});
-  check_linear_no_alloc<float>(NormalizedCosine{});
-  check_linear_no_alloc<double>(NormalizedCosine{});
+  IF_FLOAT(check_linear_no_alloc<float>(EluPlusOne{}));
+  IF_DOUBLE(check_linear_no_alloc<double>(EluPlusOne{}));
+  IF_FLOAT(check_linear_no_alloc<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_linear_no_alloc<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_linear_no_alloc<float>(NormalizedCosine{}));
+  IF_DOUBLE(check_linear_no_alloc<double>(NormalizedCosine{}));
 }
 
 template <class S, class Map>
@@ -1125,11 +1125,11 @@ void check_causal_no_alloc(const Map& phi) {
 // maxima m) on every call, e.g. 6 for H = 3; multihead_causal_linear_attention also made 1
 // operator new call (a temporary std::vector {0, Q.rows()} of offsets).
 TEST(MultiHeadNoAlloc, CausalLinearSecondCallAllocatesNothing) {
-  check_causal_no_alloc<float>(EluPlusOne{});
-  check_causal_no_alloc<double>(EluPlusOne{});
-  check_causal_no_alloc<float>(SoftmaxSplit{});
-  check_causal_no_alloc<double>(SoftmaxSplit{});
-  check_causal_no_alloc<float>(NormalizedCosine{});
+  IF_FLOAT(check_causal_no_alloc<float>(EluPlusOne{}));
+  IF_DOUBLE(check_causal_no_alloc<double>(EluPlusOne{}));
+  IF_FLOAT(check_causal_no_alloc<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_causal_no_alloc<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_causal_no_alloc<float>(NormalizedCosine{}));
 }
 
 TEST(MultiHeadNoAlloc, WorkspaceBytesAndThreads) {
@@ -1523,8 +1523,8 @@ void check_lazy_inputs_evaluated_once(const Map& phi) {
 }
 
 TEST(MultiHeadLazyInputs, EachInputIsEvaluatedOnce) {
-  check_lazy_inputs_evaluated_once<float>(EluPlusOne{});
-  check_lazy_inputs_evaluated_once<double>(SoftmaxSplit{});
+  IF_FLOAT(check_lazy_inputs_evaluated_once<float>(EluPlusOne{}));
+  IF_DOUBLE(check_lazy_inputs_evaluated_once<double>(SoftmaxSplit{}));
 }
 
 TEST(MultiHeadLazyInputs, RecurrentStepEvaluatesEachTokenOnce) {

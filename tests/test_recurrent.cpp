@@ -121,14 +121,14 @@ void check_steps(const Map& phi) {
 }
 
 TEST(recurrent, StepsMatchCausalReference) {
-  check_steps<float>(EluPlusOne{});
-  check_steps<double>(EluPlusOne{});
-  check_steps<float>(SoftmaxSplit{});
-  check_steps<double>(SoftmaxSplit{});
-  check_steps<float>(NormalizedCosine{});
-  check_steps<double>(NormalizedCosine{});
-  check_steps<float>(Relu{});
-  check_steps<double>(Relu{});
+  IF_FLOAT(check_steps<float>(EluPlusOne{}));
+  IF_DOUBLE(check_steps<double>(EluPlusOne{}));
+  IF_FLOAT(check_steps<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_steps<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_steps<float>(NormalizedCosine{}));
+  IF_DOUBLE(check_steps<double>(NormalizedCosine{}));
+  IF_FLOAT(check_steps<float>(Relu{}));
+  IF_DOUBLE(check_steps<double>(Relu{}));
 }
 
 // Causal SoftmaxSplit stepping through keys of magnitude 100 whose maxima jump.
@@ -220,14 +220,14 @@ void check_step_no_malloc(const Map& phi) {
 }
 
 TEST(recurrent, StepWithOutputAllocatesNothing) {
-  check_step_no_malloc<float>(EluPlusOne{});
-  check_step_no_malloc<double>(EluPlusOne{});
-  check_step_no_malloc<float>(SoftmaxSplit{});
-  check_step_no_malloc<double>(SoftmaxSplit{});
-  check_step_no_malloc<float>(NormalizedCosine{});
-  check_step_no_malloc<double>(NormalizedCosine{});
-  check_step_no_malloc<float>(Relu{});
-  check_step_no_malloc<double>(Relu{});
+  IF_FLOAT(check_step_no_malloc<float>(EluPlusOne{}));
+  IF_DOUBLE(check_step_no_malloc<double>(EluPlusOne{}));
+  IF_FLOAT(check_step_no_malloc<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_step_no_malloc<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_step_no_malloc<float>(NormalizedCosine{}));
+  IF_DOUBLE(check_step_no_malloc<double>(NormalizedCosine{}));
+  IF_FLOAT(check_step_no_malloc<float>(Relu{}));
+  IF_DOUBLE(check_step_no_malloc<double>(Relu{}));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -275,12 +275,12 @@ void check_reset_and_state(const Map& phi) {
 }
 
 TEST(recurrent, ResetAndStateAccess) {
-  check_reset_and_state<float>(EluPlusOne{});
-  check_reset_and_state<double>(EluPlusOne{});
-  check_reset_and_state<float>(SoftmaxSplit{});
-  check_reset_and_state<double>(SoftmaxSplit{});
-  check_reset_and_state<float>(NormalizedCosine{});
-  check_reset_and_state<float>(Relu{});
+  IF_FLOAT(check_reset_and_state<float>(EluPlusOne{}));
+  IF_DOUBLE(check_reset_and_state<double>(EluPlusOne{}));
+  IF_FLOAT(check_reset_and_state<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_reset_and_state<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_reset_and_state<float>(NormalizedCosine{}));
+  IF_FLOAT(check_reset_and_state<float>(Relu{}));
 }
 
 // Copy mid-sequence (beam search): both copies continue with their own tokens and each equals
@@ -320,12 +320,12 @@ void check_fork(const Map& phi) {
 }
 
 TEST(recurrent, CopyForksTheSequence) {
-  check_fork<float>(EluPlusOne{});
-  check_fork<double>(EluPlusOne{});
-  check_fork<float>(SoftmaxSplit{});
-  check_fork<double>(SoftmaxSplit{});
-  check_fork<float>(NormalizedCosine{});
-  check_fork<float>(Relu{});
+  IF_FLOAT(check_fork<float>(EluPlusOne{}));
+  IF_DOUBLE(check_fork<double>(EluPlusOne{}));
+  IF_FLOAT(check_fork<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_fork<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_fork<float>(NormalizedCosine{}));
+  IF_FLOAT(check_fork<float>(Relu{}));
 }
 
 // Prefill in parallel, hand the state over, then step == one shot; and the other way round.
@@ -378,14 +378,14 @@ void check_handover(const Map& phi) {
 }
 
 TEST(recurrent, PrefillThenStepAndBack) {
-  check_handover<float>(EluPlusOne{});
-  check_handover<double>(EluPlusOne{});
-  check_handover<float>(SoftmaxSplit{});
-  check_handover<double>(SoftmaxSplit{});
-  check_handover<float>(NormalizedCosine{});
-  check_handover<double>(NormalizedCosine{});
-  check_handover<float>(Relu{});
-  check_handover<double>(Relu{});
+  IF_FLOAT(check_handover<float>(EluPlusOne{}));
+  IF_DOUBLE(check_handover<double>(EluPlusOne{}));
+  IF_FLOAT(check_handover<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_handover<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_handover<float>(NormalizedCosine{}));
+  IF_DOUBLE(check_handover<double>(NormalizedCosine{}));
+  IF_FLOAT(check_handover<float>(Relu{}));
+  IF_DOUBLE(check_handover<double>(Relu{}));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -488,14 +488,14 @@ void check_cross(const Map& phi) {
 }
 
 TEST(recurrent_cross_attention, QueryEqualsLinearAttention) {
-  check_cross<float>(EluPlusOne{});
-  check_cross<double>(EluPlusOne{});
-  check_cross<float>(SoftmaxSplit{});
-  check_cross<double>(SoftmaxSplit{});
-  check_cross<float>(NormalizedCosine{});
-  check_cross<double>(NormalizedCosine{});
-  check_cross<float>(Relu{});
-  check_cross<double>(Relu{});
+  IF_FLOAT(check_cross<float>(EluPlusOne{}));
+  IF_DOUBLE(check_cross<double>(EluPlusOne{}));
+  IF_FLOAT(check_cross<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_cross<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_cross<float>(NormalizedCosine{}));
+  IF_DOUBLE(check_cross<double>(NormalizedCosine{}));
+  IF_FLOAT(check_cross<float>(Relu{}));
+  IF_DOUBLE(check_cross<double>(Relu{}));
 }
 
 template <class S, class Map>
@@ -532,12 +532,12 @@ void check_cross_empty_and_no_malloc(const Map& phi) {
 }
 
 TEST(recurrent_cross_attention, EmptyMemoryGivesZerosAndQueryAllocatesNothing) {
-  check_cross_empty_and_no_malloc<float>(EluPlusOne{});
-  check_cross_empty_and_no_malloc<double>(EluPlusOne{});
-  check_cross_empty_and_no_malloc<float>(SoftmaxSplit{});
-  check_cross_empty_and_no_malloc<double>(SoftmaxSplit{});
-  check_cross_empty_and_no_malloc<float>(NormalizedCosine{});
-  check_cross_empty_and_no_malloc<float>(Relu{});
+  IF_FLOAT(check_cross_empty_and_no_malloc<float>(EluPlusOne{}));
+  IF_DOUBLE(check_cross_empty_and_no_malloc<double>(EluPlusOne{}));
+  IF_FLOAT(check_cross_empty_and_no_malloc<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_cross_empty_and_no_malloc<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_cross_empty_and_no_malloc<float>(NormalizedCosine{}));
+  IF_FLOAT(check_cross_empty_and_no_malloc<float>(Relu{}));
 }
 
 TEST(recurrent_cross_attention, WrongSizesThrow) {
@@ -634,10 +634,10 @@ void check_failed_memory_calls_change_nothing(const Map& phi) {
 }
 
 TEST(recurrent_cross_attention, RejectedMemoryCallsLeaveTheMemory) {
-  check_failed_memory_calls_change_nothing<float>(EluPlusOne{});
-  check_failed_memory_calls_change_nothing<double>(EluPlusOne{});
-  check_failed_memory_calls_change_nothing<float>(SoftmaxSplit{});
-  check_failed_memory_calls_change_nothing<double>(NormalizedCosine{});
+  IF_FLOAT(check_failed_memory_calls_change_nothing<float>(EluPlusOne{}));
+  IF_DOUBLE(check_failed_memory_calls_change_nothing<double>(EluPlusOne{}));
+  IF_FLOAT(check_failed_memory_calls_change_nothing<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_failed_memory_calls_change_nothing<double>(NormalizedCosine{}));
 }
 
 // The messages name the function called and give both shapes (set_memory's used to name
@@ -725,10 +725,10 @@ void check_concurrent_queries(const Map& phi, Index D, Index M) {
 }
 
 TEST(recurrent_cross_attention, ConcurrentQueriesEqualSerialOnes) {
-  check_concurrent_queries<float>(EluPlusOne{}, 64, 64);
-  check_concurrent_queries<double>(SoftmaxSplit{}, 16, 8);
-  check_concurrent_queries<float>(NormalizedCosine{}, 33, 17);
-  check_concurrent_queries<float>(EluPlusOne{}, 300, 7);  // beyond the stack bound: heap path
+  IF_FLOAT(check_concurrent_queries<float>(EluPlusOne{}, 64, 64));
+  IF_DOUBLE(check_concurrent_queries<double>(SoftmaxSplit{}, 16, 8));
+  IF_FLOAT(check_concurrent_queries<float>(NormalizedCosine{}, 33, 17));
+  IF_FLOAT(check_concurrent_queries<float>(EluPlusOne{}, 300, 7));  // beyond the stack bound: heap path
 }
 
 // n queries at once (one GEMM) equal n single queries to rounding, in every form: out
@@ -785,12 +785,12 @@ void check_matrix_queries(const Map& phi) {
 }
 
 TEST(recurrent_cross_attention, MatrixQueriesEqualSingleQueries) {
-  check_matrix_queries<float>(EluPlusOne{});
-  check_matrix_queries<double>(EluPlusOne{});
-  check_matrix_queries<float>(SoftmaxSplit{});
-  check_matrix_queries<double>(SoftmaxSplit{});
-  check_matrix_queries<float>(NormalizedCosine{});
-  check_matrix_queries<double>(Relu{});
+  IF_FLOAT(check_matrix_queries<float>(EluPlusOne{}));
+  IF_DOUBLE(check_matrix_queries<double>(EluPlusOne{}));
+  IF_FLOAT(check_matrix_queries<float>(SoftmaxSplit{}));
+  IF_DOUBLE(check_matrix_queries<double>(SoftmaxSplit{}));
+  IF_FLOAT(check_matrix_queries<float>(NormalizedCosine{}));
+  IF_DOUBLE(check_matrix_queries<double>(Relu{}));
 }
 
 TEST(recurrent_cross_attention, MatrixQueriesWithWorkspaceAllocateNothing) {

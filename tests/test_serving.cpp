@@ -168,12 +168,12 @@ void check_decode_bitwise(Index B, Index H, Index D, Index M, Index T) {
 
 TEST(ServingDecode, StepEqualsSeparateRecurrentHeadsBitForBit) {
   // 300 steps: two folds of the compensated sums (every 128 steps) and a partial period.
-  check_decode_bitwise<float, EluPlusOne>(5, 3, 5, 7, 300);
-  check_decode_bitwise<double, EluPlusOne>(5, 3, 5, 7, 300);
-  check_decode_bitwise<float, SoftmaxSplit>(5, 3, 5, 7, 300);
-  check_decode_bitwise<double, SoftmaxSplit>(5, 3, 5, 7, 300);
-  check_decode_bitwise<float, EluPlusOne>(1, 1, 3, 2, 130);  // one sequence of one head
-  check_decode_bitwise<float, EluPlusOne>(3, 8, 64, 64, 20);  // the packet paths of M = 64
+  IF_FLOAT(check_decode_bitwise<float, EluPlusOne>(5, 3, 5, 7, 300));
+  IF_DOUBLE(check_decode_bitwise<double, EluPlusOne>(5, 3, 5, 7, 300));
+  IF_FLOAT(check_decode_bitwise<float, SoftmaxSplit>(5, 3, 5, 7, 300));
+  IF_DOUBLE(check_decode_bitwise<double, SoftmaxSplit>(5, 3, 5, 7, 300));
+  IF_FLOAT(check_decode_bitwise<float, EluPlusOne>(1, 1, 3, 2, 130));  // one sequence of one head
+  IF_FLOAT(check_decode_bitwise<float, EluPlusOne>(3, 8, 64, 64, 20));  // the packet paths of M = 64
 }
 
 // Column-major inputs, blocks of larger matrices and a lazy product: the same results as
@@ -324,10 +324,10 @@ void check_decode_no_alloc() {
 
 TEST(ServingDecode, StepAllocatesNothing) {
   eigen_hook::expect_detector_works();
-  check_decode_no_alloc<float, EluPlusOne>();
-  check_decode_no_alloc<double, EluPlusOne>();
-  check_decode_no_alloc<float, SoftmaxSplit>();
-  check_decode_no_alloc<double, SoftmaxSplit>();
+  IF_FLOAT(check_decode_no_alloc<float, EluPlusOne>());
+  IF_DOUBLE(check_decode_no_alloc<double, EluPlusOne>());
+  IF_FLOAT(check_decode_no_alloc<float, SoftmaxSplit>());
+  IF_DOUBLE(check_decode_no_alloc<double, SoftmaxSplit>());
 }
 
 TEST(ServingErrors, DecodeMessages) {
@@ -478,12 +478,12 @@ TEST(ServingPrefill, StatesEqualSingleHeadStatesBitForBit) {
   // Lengths: an empty sequence, N = 1, not multiples of 7, 48 or 128, longer than a 1024-row
   // piece of the multi-head kernel.
   const std::vector<Index> lengths = {130, 0, 1, 257, 1100};
-  check_states_bitwise<float, EluPlusOne>(lengths, 3, 5, 7);
-  check_states_bitwise<double, EluPlusOne>(lengths, 3, 5, 7);
-  check_states_bitwise<float, SoftmaxSplit>(lengths, 2, 6, 4);
-  check_states_bitwise<double, SoftmaxSplit>(lengths, 2, 6, 4);
-  check_states_bitwise<float, EluPlusOne>({1}, 2, 3, 2);    // N = 1, one sequence
-  check_states_bitwise<double, SoftmaxSplit>({300}, 3, 4, 9);  // one sequence
+  IF_FLOAT(check_states_bitwise<float, EluPlusOne>(lengths, 3, 5, 7));
+  IF_DOUBLE(check_states_bitwise<double, EluPlusOne>(lengths, 3, 5, 7));
+  IF_FLOAT(check_states_bitwise<float, SoftmaxSplit>(lengths, 2, 6, 4));
+  IF_DOUBLE(check_states_bitwise<double, SoftmaxSplit>(lengths, 2, 6, 4));
+  IF_FLOAT(check_states_bitwise<float, EluPlusOne>({1}, 2, 3, 2));    // N = 1, one sequence
+  IF_DOUBLE(check_states_bitwise<double, SoftmaxSplit>({300}, 3, 4, 9));  // one sequence
 }
 
 // The server's path: a batched prefill of B prompts carries out B·H states, a
@@ -556,10 +556,10 @@ void check_prefill_then_decode() {
 }
 
 TEST(ServingPrefill, PrefillThenDecodeEqualsOneShot) {
-  check_prefill_then_decode<float, EluPlusOne>();
-  check_prefill_then_decode<double, EluPlusOne>();
-  check_prefill_then_decode<float, SoftmaxSplit>();
-  check_prefill_then_decode<double, SoftmaxSplit>();
+  IF_FLOAT(check_prefill_then_decode<float, EluPlusOne>());
+  IF_DOUBLE(check_prefill_then_decode<double, EluPlusOne>());
+  IF_FLOAT(check_prefill_then_decode<float, SoftmaxSplit>());
+  IF_DOUBLE(check_prefill_then_decode<double, SoftmaxSplit>());
 }
 
 // Prefill in two calls (cut anywhere) == one call, to rounding; the second call reuses the
@@ -814,11 +814,11 @@ void check_masked(Index H, Index D, Index M) {
 }
 
 TEST(ServingMasks, EqualPerHeadMaskedSingleHeadCalls) {
-  check_masked<float, EluPlusOne, RowMat<float>>(3, 5, 7);
-  check_masked<double, EluPlusOne, RowMat<double>>(3, 5, 7);
-  check_masked<float, EluPlusOne, Mat<float>>(2, 4, 4);
-  check_masked<float, SoftmaxSplit, RowMat<float>>(2, 6, 3);
-  check_masked<double, SoftmaxSplit, Mat<double>>(2, 6, 3);
+  IF_FLOAT(check_masked<float, EluPlusOne, RowMat<float>>(3, 5, 7));
+  IF_DOUBLE(check_masked<double, EluPlusOne, RowMat<double>>(3, 5, 7));
+  IF_FLOAT(check_masked<float, EluPlusOne, Mat<float>>(2, 4, 4));
+  IF_FLOAT(check_masked<float, SoftmaxSplit, RowMat<float>>(2, 6, 3));
+  IF_DOUBLE(check_masked<double, SoftmaxSplit, Mat<double>>(2, 6, 3));
 }
 
 // A mask of all true is the unmasked call; masked calls reuse a workspace without allocating.
