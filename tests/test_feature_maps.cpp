@@ -1363,13 +1363,13 @@ TEST(Favor, InputsOfMagnitude100StayFiniteThroughTheCausalKernel) {
 #if defined(LINATTN_TEST_DOUBLE_CASES) && defined(LINATTN_TEST_DOUBLE)
 // ---------------------------------------------------------------------------------------------
 // Issue 26: Relu, Dpfp (ν = 1, 3) and Taylor2 through every kernel family, in double only (one
-// instantiation per map and kernel; so only in builds that compile the double checks: .ci/test's
-// portable stage; compiled on its own under clang ASan+UBSan it took 132 s of CPU), against the naive O(N²) references: causal chunked (chunk
+// instantiation per map and kernel), against the naive O(N²) references: causal chunked (chunk
 // sizes 16 and the default) and recurrent, the decode step, masks, multi-head, the gradients
 // and the gated kernel (normalised and not). N = 37, 130 and 300 are multiples of no block
 // size; D ≠ M and odd D. Inputs uniform in [−1, 1]: with D = 3 a query has no positive entry
 // with probability 1/8, so Relu and Dpfp zero rows (guarded denominators of 0) occur and must
-// match the reference's zero rows.
+// match the reference's zero rows. Compiled only in builds of the double checks (.ci/test's
+// portable stage): on its own, under clang ASan+UBSan, this section took 132 s of compile CPU.
 // ---------------------------------------------------------------------------------------------
 
 struct KernelShape {
