@@ -15,6 +15,7 @@
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/blocking.hpp"
+#include "detail/erased_map.hpp"
 #include "detail/result.hpp"
 #include "detail/fast_exp.hpp"
 #include "detail/products.hpp"
@@ -451,9 +452,10 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
   const int threads = sequence_split_threads(par, N, F * M);
   check_output(function, out, N, M);
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
+  const auto map = erase_map<typename DQ::Scalar>(phi);
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-               causal_linear_attention_views(function, q, k, v, phi, keep, st, dst, ws, opts,
+               causal_linear_attention_views(function, q, k, v, map, keep, st, dst, ws, opts,
                                              threads, executor_of(par));
              });
 }

@@ -18,6 +18,7 @@
 
 #include "checks.hpp"
 #include "common.hpp"
+#include "detail/erased_map.hpp"
 #include "delta_options.hpp"
 #include "detail/delta_forward.hpp"
 #include "detail/gated_forward.hpp"
@@ -152,9 +153,10 @@ void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   prepare_state(fn, st, phi, D, M);
   delta_absorb_low(st);
   const auto params = delta_head_params(beta.derived(), log_a.derived(), 0, N, 0, ws);
+  const auto map = erase_map<Scalar>(phi);
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& o) {
-               delta_run(phi, q, k, v, params.first, params.second, st, o, ws, opts);
+               delta_run(map, q, k, v, params.first, params.second, st, o, ws, opts);
              });
 }
 
@@ -186,6 +188,7 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
     check_states(fn, *states, B, heads, phi, D, M);
     for (auto& st : *states) delta_absorb_low(st);
   }
+  const auto map = erase_map<Scalar>(phi);
   const auto run = [&](const auto& q, const auto& k, const auto& v, auto& o) {
     // The delta rule reads the state before each write: about twice a causal head's work.
     const double work = 2.0 * double(heads) * causal_head_work(Q.rows(), F, M);
@@ -197,7 +200,7 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
       Workspace<Scalar>& tws = ws.for_thread(thread);
       const auto params = delta_head_params(beta.derived(), log_a.derived(), r0, n, h, tws);
       auto os = sub_view(o, r0, h * M, n, M);
-      delta_run(phi, sub_view(q, r0, h * D, n, D), sub_view(k, r0, h * D, n, D),
+      delta_run(map, sub_view(q, r0, h * D, n, D), sub_view(k, r0, h * D, n, D),
                 sub_view(v, r0, h * M, n, M), params.first, params.second, *st, os, tws, opts);
     });
   };

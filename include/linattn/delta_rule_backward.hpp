@@ -11,6 +11,7 @@
 
 #include "checks.hpp"
 #include "common.hpp"
+#include "detail/erased_map.hpp"
 #include "delta_options.hpp"
 #include "delta_rule.hpp"
 #include "detail/delta_backward.hpp"
@@ -165,12 +166,13 @@ void delta_rule_attention_backward(
   detail::check_delta_states(fn, initial, d_final, phi.feature_dim(Q.cols()), V.cols());
   auto& gb = detail::writable(dbeta);
   auto& ga = detail::writable(dlog_a);
+  const auto map = detail::erase_map_with_backward<typename DQ::Scalar>(phi);
   detail::with_backward_views(
       Q.derived(), K.derived(), V.derived(), dOut.derived(), detail::writable(dQ),
       detail::writable(dK), detail::writable(dV),
       [&](const auto& q, const auto& k, const auto& v, const auto& go, auto& dq, auto& dk,
           auto& dv) {
-        detail::delta_backward_head(phi, q, k, v, go, beta.derived(), log_a.derived(), 0,
+        detail::delta_backward_head(map, q, k, v, go, beta.derived(), log_a.derived(), 0,
                                     &initial, &d_final, dq, dk, dv, gb, ga, &d_initial, ws,
                                     options);
       });
@@ -232,6 +234,7 @@ void multihead_delta_rule_attention_backward(
   const Index N = Q.rows();
   auto& gb = detail::writable(dbeta);
   auto& ga = detail::writable(dlog_a);
+  const auto map = detail::erase_map_with_backward<typename DQ::Scalar>(phi);
   const auto run = [&](const auto& q, const auto& k, const auto& v, const auto& go, auto& dq,
                        auto& dk, auto& dv) {
     const double work =
@@ -241,7 +244,7 @@ void multihead_delta_rule_attention_backward(
       auto dks = detail::sub_view(dk, 0, h * D, N, D);
       auto dvs = detail::sub_view(dv, 0, h * M, N, M);
       detail::delta_backward_head(
-          phi, detail::sub_view(q, 0, h * D, N, D), detail::sub_view(k, 0, h * D, N, D),
+          map, detail::sub_view(q, 0, h * D, N, D), detail::sub_view(k, 0, h * D, N, D),
           detail::sub_view(v, 0, h * M, N, M), detail::sub_view(go, 0, h * M, N, M),
           beta.derived(), log_a.derived(), h,
           static_cast<const LinearAttentionState<Scalar>*>(nullptr),

@@ -74,6 +74,14 @@
 /// };
 /// auto out = linattn::linear_attention(Q, K, V, Squared{});
 /// \endcode
+///
+/// How the kernels call a map: every entry point hands its kernels the map behind a table of
+/// function pointers (detail::ErasedMap, detail/erased_map.hpp), one indirect call per block of
+/// rows. The kernels are then compiled once per kind of map (plain, `nonnegative_features`,
+/// `normalizes_keys_per_feature`), not once per map a program uses, and a map's `map` and
+/// `backward` are compiled for two input types: column- and row-major memory with an outer
+/// stride (`Eigen::Map<const Eigen::Matrix<...>, 0, Eigen::OuterStride<>>`). A map must
+/// therefore accept any `MatrixBase` input, as the concept says, and not rely on one type.
 #pragma once
 
 #include <Eigen/Core>
@@ -198,6 +206,16 @@ inline constexpr bool has_any_side_map_v = has_side_map<Phi, Scalar, QuerySide>:
 
 template <class T>
 inline constexpr bool dependent_false_v = false;
+
+// The kernels' view of a map (detail/erased_map.hpp): one of three kinds, whose kernels differ
+// at compile time.
+enum class ErasedKind { may_cancel, nonnegative, per_feature };
+template <class Scalar, ErasedKind Kind>
+class ErasedMap;
+template <class Phi>
+struct is_erased_map : std::false_type {};
+template <class Scalar, ErasedKind Kind>
+struct is_erased_map<ErasedMap<Scalar, Kind>> : std::true_type {};
 
 // The side dispatch: every kernel's call of a map on query or key rows goes through map_side
 // (or map_queries / map_keys), every call of its backward through backward_side. `out` is
@@ -325,6 +343,16 @@ inline constexpr bool maps_token_major_v =
     !has_any_side_map_v<Phi, typename std::decay_t<Derived>::Scalar> &&
     is_row_major_memory_v<Derived>;
 
+// An erased map that maps row-major x (n x D) by mapping x^T into a token-major buffer:
+// maps_token_major_v for an erased map, decided at run time.
+template <class Phi, class Derived>
+bool erased_token_major(const Phi& phi) {
+  if constexpr (is_erased_map<Phi>::value && is_row_major_memory_v<Derived>)
+    return phi.token_major();
+  else
+    return (void)phi, false;
+}
+
 // φ of the rows of x (n x D) into pt (F x n, column-major: column i holds token i's features),
 // the token-major layout of the recurrent kernel and of the row-major paths. An elementwise map
 // of row-major x maps x^T straight into pt; otherwise the rows are mapped into `scratch` (any
@@ -336,6 +364,12 @@ void map_token_major(const Phi& phi, const Eigen::MatrixBase<Derived>& x, Pt& pt
     (void)scratch, (void)side;
     phi.map(x.transpose(), pt);
   } else {
+    if constexpr (is_erased_map<Phi>::value && is_row_major_memory_v<Derived>) {
+      if (phi.token_major()) {
+        phi.map(x.transpose(), pt);
+        return;
+      }
+    }
     map_side(phi, x, scratch, side);
     copy_to_row_major(scratch, pt.data());
   }
@@ -348,13 +382,20 @@ void map_token_major(const Phi& phi, const Eigen::MatrixBase<Derived>& x, Pt& pt
 template <class Phi, class Derived, class P, class Scratch, class Side>
 void map_column_major(const Phi& phi, const Eigen::MatrixBase<Derived>& x, P& p,
                       Scratch&& scratch, Side side) {
-  if constexpr (maps_token_major_v<Phi, Derived>) {
-    (void)side;
+  const auto token_major = [&] {
     phi.map(x.transpose(), scratch);
     transpose_copy(scratch.data(), scratch.outerStride(), scratch.rows(), scratch.cols(),
                    p.data(), p.outerStride());
+  };
+  if constexpr (maps_token_major_v<Phi, Derived>) {
+    (void)side;
+    token_major();
+  } else if constexpr (is_erased_map<Phi>::value && is_row_major_memory_v<Derived>) {
+    if (phi.token_major())
+      token_major();
+    else
+      map_side(phi, x, p, side);
   } else {
-    (void)scratch;
     map_side(phi, x, p, side);
   }
 }
@@ -422,8 +463,9 @@ struct TokenFeatures {
 
   template <class Phi, class X, class Side>
   void map(const Phi& phi, const Eigen::MatrixBase<X>& x, Vector<Scalar>& out, Side side) {
-    if constexpr (declares_elementwise<Phi>::value && !has_any_side_map_v<Phi, Scalar>) {
-      (void)side;
+    bool column_major = declares_elementwise<Phi>::value && !has_any_side_map_v<Phi, Scalar>;
+    if constexpr (is_erased_map<Phi>::value) column_major = phi.token_major();
+    if (column_major) {
       column = x.reshaped();
       using ColMap = Eigen::Map<Matrix<Scalar>>;
       phi.map(ColMap(column.data(), column.size(), 1), ColMap(out.data(), out.size(), 1));

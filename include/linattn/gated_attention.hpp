@@ -19,6 +19,7 @@
 
 #include "checks.hpp"
 #include "common.hpp"
+#include "detail/erased_map.hpp"
 #include "detail/gated_forward.hpp"
 #include "detail/views.hpp"
 #include "detail/result.hpp"
@@ -75,9 +76,10 @@ void gated_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   const Viewed<DK> k(K.derived());
   const Viewed<DV> v(V.derived());
   const Viewed<DG> g(log_gates.derived());
+  const auto map = erase_map<Scalar>(phi);
   with_output_view(writable(out), [&](auto& dst) {
     auto os = row_segment(dst, 0, N);
-    gated_run(phi, row_segment(q.view, 0, N), row_segment(k.view, 0, N),
+    gated_run(map, row_segment(q.view, 0, N), row_segment(k.view, 0, N),
               row_segment(v.view, 0, N), row_segment(g.view, 0, N), st, os, ws, opts);
   });
 }
@@ -125,6 +127,7 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
   const Viewed<DK> k(K.derived());
   const Viewed<DV> v(V.derived());
   const Viewed<DG> g(log_gates.derived());
+  const auto map = erase_map<Scalar>(phi);
   with_output_view(writable(out), [&](auto& dst) {
     // Every row of every sequence once per head (threads_for(), parallel.hpp).
     const double work = double(heads) * causal_head_work(Q.rows(), F, M);
@@ -134,7 +137,7 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
       const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
       LinearAttentionState<Scalar>* st = &task_state(states, t, ws, thread, F, M, gw);
       auto os = dst.block(r0, h * M, n, M);
-      gated_run(phi, q.view.block(r0, h * D, n, D), k.view.block(r0, h * D, n, D),
+      gated_run(map, q.view.block(r0, h * D, n, D), k.view.block(r0, h * D, n, D),
                 v.view.block(r0, h * M, n, M), g.view.block(r0, h * gw, n, gw), *st, os,
                 ws.for_thread(thread), opts);
     });

@@ -10,6 +10,7 @@
 
 #include "checks.hpp"
 #include "common.hpp"
+#include "detail/erased_map.hpp"
 #include "detail/gated_backward.hpp"
 #include "detail/gated_forward.hpp"
 #include "detail/views.hpp"
@@ -172,6 +173,7 @@ void gated_linear_attention_backward(
   const detail::Viewed<DV> v(V.derived());
   const detail::Viewed<DG> g(log_gates.derived());
   const detail::Viewed<DO> go(dOut.derived());
+  const auto map = detail::erase_map_with_backward<typename DQ::Scalar>(phi);
   detail::with_output_view(detail::writable(dlog_gates), [&](auto& gg) {
     detail::with_output_views(
         detail::writable(dQ), detail::writable(dK), detail::writable(dV),
@@ -181,7 +183,7 @@ void gated_linear_attention_backward(
           auto dvs = detail::row_segment(gv, 0, N);
           auto dgs = detail::row_segment(gg, 0, N);
           detail::gated_backward_run(
-              phi, detail::row_segment(q.view, 0, N), detail::row_segment(k.view, 0, N),
+              map, detail::row_segment(q.view, 0, N), detail::row_segment(k.view, 0, N),
               detail::row_segment(v.view, 0, N), detail::row_segment(g.view, 0, N),
               detail::row_segment(go.view, 0, N), initial, d_final, dqs, dks, dvs, dgs,
               &d_initial, ws, options);
@@ -238,6 +240,7 @@ void multihead_gated_linear_attention_backward(
   const detail::Viewed<DO> go(dOut.derived());
   const LinearAttentionState<Scalar> zero;
   const StateGradient<Scalar> none;
+  const auto map = detail::erase_map_with_backward<typename DQ::Scalar>(phi);
   detail::with_output_view(detail::writable(dlog_gates), [&](auto& gg) {
     detail::with_output_views(
         detail::writable(dQ), detail::writable(dK), detail::writable(dV),
@@ -250,7 +253,7 @@ void multihead_gated_linear_attention_backward(
             auto dvs = gv.block(0, h * M, N, M);
             auto dgs = gg.block(0, h * gw, N, gw);
             detail::gated_backward_run(
-                phi, q.view.block(0, h * D, N, D), k.view.block(0, h * D, N, D),
+                map, q.view.block(0, h * D, N, D), k.view.block(0, h * D, N, D),
                 v.view.block(0, h * M, N, M), g.view.block(0, h * gw, N, gw),
                 go.view.block(0, h * M, N, M), zero, none, dqs, dks, dvs, dgs,
                 static_cast<StateGradient<Scalar>*>(nullptr), ws.for_thread(thread), options);

@@ -13,6 +13,7 @@
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/blocking.hpp"
+#include "detail/erased_map.hpp"
 #include "detail/result.hpp"
 #include "detail/sequence_split.hpp"
 #include "detail/views.hpp"
@@ -124,9 +125,10 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
   const int threads = sequence_split_threads(par, (N + L) / 2, F * M);
   check_output(function, out, N, M);
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
+  const auto map = erase_map<typename DQ::Scalar>(phi);
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-               linear_attention_views(function, q, k, v, phi, keep, dst, ws, threads,
+               linear_attention_views(function, q, k, v, map, keep, dst, ws, threads,
                                       executor_of(par));
              });
 }

@@ -13,6 +13,7 @@
 #include "common.hpp"
 #include "detail/blocking.hpp"
 #include "detail/causal_backward.hpp"
+#include "detail/erased_map.hpp"
 #include "detail/linear_backward.hpp"
 #include "detail/views.hpp"
 #include "elu_plus_one.hpp"
@@ -114,6 +115,7 @@ void causal_linear_attention_backward_impl(
   const Viewed<DG> g(dOut.derived());
   const Index C = opts.chunk_size > 0 ? opts.chunk_size : kDefaultChunk;
   const Index N = Q.rows();
+  const auto map = erase_map_with_backward<typename DQ::Scalar>(phi);
   with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
     const auto qs = row_segment(q.view, 0, N);
     const auto ks = row_segment(k.view, 0, N);
@@ -123,13 +125,13 @@ void causal_linear_attention_backward_impl(
     auto dks = row_segment(gk, 0, N);
     auto dvs = row_segment(gv, 0, N);
     if constexpr (normalizes_keys_per_feature_v<Phi>)
-      causal_backward_per_feature(phi, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
+      causal_backward_per_feature(map, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
                                   d_initial, ws);
     else if (backward_is_recurrent(opts, F, M))
-      causal_backward_recurrent(phi, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
+      causal_backward_recurrent(map, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
                                 d_initial, ws);
     else
-      causal_backward_product(phi, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
+      causal_backward_product(map, qs, ks, vs, gs, keep, initial, d_final, dqs, dks, dvs,
                               d_initial, C, ws);
   });
 }
@@ -153,6 +155,7 @@ void linear_attention_backward_impl(const char* function, const Eigen::MatrixBas
   const Viewed<DV> v(V.derived());
   const Viewed<DG> g(dOut.derived());
   const Index N = Q.rows(), L = K.rows();
+  const auto map = erase_map_with_backward<typename DQ::Scalar>(phi);
   with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
     const auto qs = row_segment(q.view, 0, N);
     const auto ks = row_segment(k.view, 0, L);
@@ -162,9 +165,9 @@ void linear_attention_backward_impl(const char* function, const Eigen::MatrixBas
     auto dks = row_segment(gk, 0, L);
     auto dvs = row_segment(gv, 0, L);
     if constexpr (normalizes_keys_per_feature_v<Phi>)
-      linear_backward_per_feature(phi, qs, ks, vs, gs, keep, dqs, dks, dvs, ws);
+      linear_backward_per_feature(map, qs, ks, vs, gs, keep, dqs, dks, dvs, ws);
     else
-      linear_backward_product(phi, qs, ks, vs, gs, keep, dqs, dks, dvs, ws);
+      linear_backward_product(map, qs, ks, vs, gs, keep, dqs, dks, dvs, ws);
   });
 }
 

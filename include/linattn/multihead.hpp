@@ -19,6 +19,7 @@
 #include "causal_linear_attention.hpp"
 #include "checks.hpp"
 #include "common.hpp"
+#include "detail/erased_map.hpp"
 #include "detail/multihead_kernels.hpp"
 #include "detail/result.hpp"
 #include "detail/views.hpp"
@@ -178,9 +179,10 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   // Once, here: every task takes a block of each input, and a block of a lazy expression
   // (X * Wq) would evaluate the whole expression again for each (sequence, head). As views
   // (detail/views.hpp), the kernels below are compiled once per storage order.
+  const auto map = erase_map<typename DQ::Scalar>(phi);
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-               batched_linear_views(fn, q, k, v, q_offsets, k_offsets, heads, phi, keep, dst, ws,
+               batched_linear_views(fn, q, k, v, q_offsets, k_offsets, heads, map, keep, dst, ws,
                                     par, D, M);
              });
 }
@@ -209,9 +211,10 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Index B = static_cast<Index>(offsets.size()) - 1;
   if (states) check_states(fn, *states, B, heads, phi, D, M);
   // Viewed once, not per (sequence, head): see batched_linear.
+  const auto map = erase_map<Scalar>(phi);
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-               batched_causal_views(fn, q, k, v, offsets, heads, phi, keep, states, dst, ws,
+               batched_causal_views(fn, q, k, v, offsets, heads, map, keep, states, dst, ws,
                                     options, par, D, M);
              });
 }

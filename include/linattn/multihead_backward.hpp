@@ -10,6 +10,7 @@
 
 #include "checks.hpp"
 #include "common.hpp"
+#include "detail/erased_map.hpp"
 #include "elu_plus_one.hpp"
 #include "linear_attention_backward.hpp"
 #include "multihead.hpp"
@@ -44,6 +45,7 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Viewed<DV> v(V.derived());
   const Viewed<DG> g(dOut.derived());
   const Index C = options.chunk_size > 0 ? options.chunk_size : kDefaultChunk;
+  const auto map = erase_map_with_backward<Scalar>(phi);
   with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
     // A gradient costs about twice its forward (threads_for(), parallel.hpp).
     const double work = 2.0 * double(heads) *
@@ -59,20 +61,20 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
       auto dvh = gv.block(0, h * M, gv.rows(), M);
       Workspace<Scalar>& w = ws.for_thread(thread);
       if constexpr (Causal && normalizes_keys_per_feature_v<Phi>)
-        causal_backward_per_feature(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh,
+        causal_backward_per_feature(map, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh,
                                     dvh, nullptr, w);
       else if constexpr (Causal) {
         if (backward_is_recurrent(options, F, M))
-          causal_backward_recurrent(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh,
+          causal_backward_recurrent(map, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh,
                                     dvh, nullptr, w);
         else
-          causal_backward_product(phi, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh,
+          causal_backward_product(map, qh, kh, vh, gh, NoMask{}, nullptr, nullptr, dqh, dkh,
                                   dvh, nullptr, C, w);
       }
       else if constexpr (normalizes_keys_per_feature_v<Phi>)
-        linear_backward_per_feature(phi, qh, kh, vh, gh, NoMask{}, dqh, dkh, dvh, w);
+        linear_backward_per_feature(map, qh, kh, vh, gh, NoMask{}, dqh, dkh, dvh, w);
       else
-        linear_backward_product(phi, qh, kh, vh, gh, NoMask{}, dqh, dkh, dvh, w);
+        linear_backward_product(map, qh, kh, vh, gh, NoMask{}, dqh, dkh, dvh, w);
     });
   });
 }

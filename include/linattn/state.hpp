@@ -284,12 +284,16 @@ void recurrent_update_and_read(LinearAttentionState<Scalar>& st, const PQ& pq, P
 template <class Phi, class X, class Scalar, class Fn, class Side>
 void with_mapped_rows(const Phi& phi, const X& x, Index F, int slot, Workspace<Scalar>& ws,
                       Fn&& fn, Side side) {
-  if constexpr (maps_token_major_v<Phi, X>) {
-    (void)side;
-    auto pt = ws.matrix(slot, F, x.rows());
-    phi.map(x.transpose(), pt);
-    fn(pt.transpose());
-  } else {
+  if constexpr (maps_token_major_v<Phi, X> ||
+                (is_erased_map<Phi>::value && is_row_major_memory_v<X>)) {
+    if (maps_token_major_v<Phi, X> || erased_token_major<Phi, X>(phi)) {
+      auto pt = ws.matrix(slot, F, x.rows());
+      phi.map(x.transpose(), pt);
+      fn(pt.transpose());
+      return;
+    }
+  }
+  {
     auto p = ws.matrix(slot, x.rows(), F);
     map_side(phi, x, p, side);
     fn(p);

@@ -207,7 +207,7 @@ inline bool backward_is_recurrent(const CausalOptions& opts, Index F, Index M) {
 // layout. φ(Q), φ(K), the outputs and the backward sweep's Ĝ are token-major; V and G are only
 // broadcast, so they are copied in their own storage order (no transpose), and Ĝ goes into dV
 // the same way. For EluPlusOne the map's derivative comes from the features
-// (derivative_from_features_v) and the gradients go from the token-major buffers straight into
+// (derivative_from_features()) and the gradients go from the token-major buffers straight into
 // dQ and dK: one packet transpose each for column-major outputs, none for row-major ones.
 template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class OQ, class OK,
           class OV>
@@ -219,7 +219,7 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
                                Workspace<typename DQ::Scalar>& ws) {
   using Scalar = typename DQ::Scalar;
   constexpr bool masked = !std::is_same_v<Keep, NoMask>;
-  constexpr bool from_features = derivative_from_features_v<Phi>;
+  const bool from_features = derivative_from_features(phi);
   using GBuf = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic,
                              bool(std::decay_t<DG>::IsRowMajor) ? Eigen::RowMajor
                                                                 : Eigen::ColMajor>;
@@ -278,7 +278,7 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
       c(t) = -inv(t) * at.col(t).dot(P.col(t));
       P.col(t) += c(t) * zt.col(t);  // ∇a_t
     }
-    if constexpr (from_features) {
+    if (from_features) {
       elu_backward_from_features(P.data(), at.data(), F, b, F, 1, Q.middleRows(r0, b));
       scatter_token_major(P.data(), r0, b, dQ, ws.matrix(kSlotBackwardX, b, F).data());
     } else {
@@ -364,7 +364,7 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
           std::fill(dv + t * M, dv + (t + 1) * M, Scalar(0));
         }
     scatter_token_major(dv, r0, b, dV, ws.matrix(kSlotBackwardX, b, M).data());
-    if constexpr (from_features) {
+    if (from_features) {
       elu_backward_from_features(gkt.data(), kt.data(), F, b, F, 1, K.middleRows(r0, b));
       scatter_token_major(gkt.data(), r0, b, dK, ws.matrix(kSlotBackwardX, b, F).data());
     } else {

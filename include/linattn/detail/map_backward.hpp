@@ -66,8 +66,14 @@ void map_backward_into(const Phi& phi, const X& x, const GPhi& grad_phi, Out&& o
 // `backward` on the inputs again: EluPlusOne, whose φ'(x) = e^{min(x, 0)} is min(φ(x), 1)
 // (φ = e^x ≤ 1 for x ≤ 0, x + 1 > 1 above), so that the gradient is formed on the feature
 // buffers the kernels already hold, with no exponential and no second read of Q or K.
+// An erased map (detail/erased_map.hpp) says so at run time.
 template <class Phi>
-inline constexpr bool derivative_from_features_v = std::is_same_v<Phi, EluPlusOne>;
+bool derivative_from_features(const Phi& phi) {
+  if constexpr (is_erased_map<Phi>::value)
+    return phi.is_elu_plus_one();
+  else
+    return (void)phi, std::is_same_v<Phi, EluPlusOne>;
+}
 
 // gt *= φ'(x) for EluPlusOne, with gt and the features pt contiguous F·b values in the same
 // layout, entry (t, d) at t·ts + d·fs (token-major F x b: ts = F, fs = 1; column-major b x F:
@@ -123,7 +129,7 @@ void elu_backward_from_features(Scalar* gt, const Scalar* pt, Index F, Index b, 
 template <class Phi, class X, class Feat, class GPhi, class Out, class Side>
 void features_backward_into(const Phi& phi, const X& x, const Feat& features, GPhi& grad_phi,
                             Out&& out, Workspace<typename X::Scalar>& ws, Side side) {
-  if constexpr (derivative_from_features_v<Phi>) {
+  if (derivative_from_features(phi)) {
     assert(features.outerStride() == features.rows() && grad_phi.outerStride() == grad_phi.rows());
     const Index b = grad_phi.rows();
     elu_backward_from_features(grad_phi.data(), features.data(), grad_phi.cols(), b, 1, b, x);

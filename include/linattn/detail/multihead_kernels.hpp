@@ -207,7 +207,8 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
     // buffer: the same products on the same values, bit for bit.
     using KRows = decltype(k.block(0, 0, 1, 1));
     using QRows = decltype(q.block(0, 0, 1, 1));
-    if constexpr (maps_token_major_v<Phi, KRows> && maps_token_major_v<Phi, QRows>) {
+    constexpr bool by_type = maps_token_major_v<Phi, KRows> && maps_token_major_v<Phi, QRows>;
+    if (by_type || (erased_token_major<Phi, KRows>(phi) && erased_token_major<Phi, QRows>(phi))) {
       assert(F == D);  // an elementwise map
       for (Index j0 = 0; j0 < l; j0 += kLinearRowBlock) {
         const Index r = std::min(kLinearRowBlock, l - j0);
