@@ -379,8 +379,8 @@ class BatchedRecurrentLinearAttention {
         s.pkv = s.pk.reshaped();
       }
       s.v = ve.row(r).segment(h * M, M).transpose();
-      detail::recurrent_update_and_read<FeatureMap>(states_[i], s.pq.reshaped(), s.pkv, s.w,
-                                                    s.k.reshaped(), s.v, s.o);
+      detail::recurrent_update_and_read(phi_, states_[i], s.pq.reshaped(), s.pkv, s.w,
+                                        s.k.reshaped(), s.v, s.o);
       dst.row(r).segment(h * M, M) = s.o.transpose();
       if (++unfolded_[i] == kFoldTokens) {
         states_[i].fold();

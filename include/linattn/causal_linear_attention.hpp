@@ -90,10 +90,10 @@ void causal_rows_per_token(const Phi& phi, const DQ& Q, const DK& K, const DV& V
     if (!keep(r0 + i)) {  // a masked key adds nothing; the query still reads the state
       fold_state(st.S, st.S_lo, st.z, st.z_lo);  // read_state reads the high parts
       auto pqi = pq.middleRows(i, 1);
-      read_state<Phi>(st.S, st.z, pqi, den, ob.row(i));
+      read_state(phi, st.S, st.z, pqi, den, ob.row(i));
       continue;
     }
-    recurrent_update_and_read<Phi>(st, pqt.col(i), pkv, w, kt.col(i), vb.row(i), ob.row(i));
+    recurrent_update_and_read(phi, st, pqt.col(i), pkv, w, kt.col(i), vb.row(i), ob.row(i));
   }
   fold_state(st.S, st.S_lo, st.z, st.z_lo);
   copy_from_row_major(ob.data(), b, M, dst.middleRows(r0, b));
@@ -132,8 +132,10 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
         }
       }
     }
-    prefix_normalize_tokens<may_cancel_v<Phi>>(st.z.data(), st.z_lo.data(), F, pqt.data(),
-                                               pkt.data(), F, b);
+    if (may_cancel(phi))
+      prefix_normalize_tokens<true>(st.z.data(), st.z_lo.data(), F, pqt.data(), pkt.data(), F, b);
+    else
+      prefix_normalize_tokens<false>(st.z.data(), st.z_lo.data(), F, pqt.data(), pkt.data(), F, b);
 
     const auto vr = V.middleRows(r0, b);
     const Scalar* v = nullptr;
@@ -216,7 +218,7 @@ void causal_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r
   den.setZero();
   for (Index j = 0; j < b; ++j) den.tail(b - j) += A.col(j).tail(b - j);
   den.noalias() += pq * st.z;
-  if constexpr (may_cancel_v<Phi>) {
+  if (may_cancel(phi)) {
     // Is den_i rounding noise against |φq_i|·|z_i| (z_i: the prefix sum of φk up to row i),
     // the same test as the recurrent form's? z_i from prefix sums down the chunk: O(b·F).
     auto zi = ws.matrix(kSlotPrefix, b, F);

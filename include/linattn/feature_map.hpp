@@ -207,15 +207,25 @@ inline constexpr bool has_any_side_map_v = has_side_map<Phi, Scalar, QuerySide>:
 template <class T>
 inline constexpr bool dependent_false_v = false;
 
-// The kernels' view of a map (detail/erased_map.hpp): one of three kinds, whose kernels differ
-// at compile time.
-enum class ErasedKind { may_cancel, nonnegative, per_feature };
+// The kernels' view of a map (detail/erased_map.hpp): one of two kinds, whose kernels differ
+// at compile time: a product map (sim = φ(q)·φ(k)) or a per-feature key softmax.
+enum class ErasedKind { product, per_feature };
 template <class Scalar, ErasedKind Kind>
 class ErasedMap;
 template <class Phi>
 struct is_erased_map : std::false_type {};
 template <class Scalar, ErasedKind Kind>
 struct is_erased_map<ErasedMap<Scalar, Kind>> : std::true_type {};
+
+// may_cancel_v of a map, which an erased map knows at run time: whether the kernels test a
+// denominator for cancellation (an O(F) test per row, skipped for nonnegative features).
+template <class Phi>
+bool may_cancel(const Phi& phi) {
+  if constexpr (is_erased_map<Phi>::value)
+    return phi.may_cancel();
+  else
+    return (void)phi, may_cancel_v<Phi>;
+}
 
 // The side dispatch: every kernel's call of a map on query or key rows goes through map_side
 // (or map_queries / map_keys), every call of its backward through backward_side. `out` is

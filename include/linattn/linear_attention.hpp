@@ -37,7 +37,7 @@ void read_queries(const Phi& phi, const DQ& q, const SMat& S, const ZVec& z, Out
     auto den = ws.vector(kSlotRowA, b);
     prefetch_rows(q, i0 + b, std::min(kLinearRowBlock, N - i0 - b));  // the next block
     with_mapped_rows(phi, q.middleRows(i0, b), F, kSlotPhiQ, ws,
-                     [&](auto&& pq) { read_state<Phi>(S, z, pq, den, dst.middleRows(i0, b), ws); },
+                     [&](auto&& pq) { read_state(phi, S, z, pq, den, dst.middleRows(i0, b), ws); },
                      QuerySide{true});
   }
 }

@@ -110,8 +110,8 @@ class RecurrentLinearAttention {
       pkv_ = pk_.reshaped();
     }
     v_ = v.reshaped();
-    detail::recurrent_update_and_read<FeatureMap>(state_, pq_.reshaped(), pkv_, w_,
-                                                  k_.reshaped(), v_, o_);
+    detail::recurrent_update_and_read(phi_, state_, pq_.reshaped(), pkv_, w_, k_.reshaped(), v_,
+                                      o_);
     detail::writable(out).reshaped() = o_;
     ++position_;
     // The step adds the token to the low parts of the state; folding them into the high parts
@@ -355,7 +355,7 @@ class LinearCrossAttention {
   template <class X, class PQ, class Den, class Out>
   void read(const X& x, PQ& pq, Den& den, Out&& out) const {
     detail::map_queries(phi_, x, pq, true);
-    detail::read_state<FeatureMap>(state_.S, state_.z, pq, den, std::forward<Out>(out));
+    detail::read_state(phi_, state_.S, state_.z, pq, den, std::forward<Out>(out));
   }
 
   template <class DQ, class DOut>

@@ -256,9 +256,10 @@ void fused_rank1_update_read(const Scalar* hi, Scalar* lo, Index ld, Index F, In
 // contiguous M-vectors. The token goes into the low parts S_lo, z_lo (the caller folds them).
 template <class Phi, class Scalar, class PQ, class PK, class W, class KVec, class VVec,
           class OVec>
-void recurrent_update_and_read(LinearAttentionState<Scalar>& st, const PQ& pq, PK& pk, W& w,
-                               const KVec& k, const VVec& v, OVec&& o) {
+void recurrent_update_and_read(const Phi& phi, LinearAttentionState<Scalar>& st, const PQ& pq,
+                               PK& pk, W& w, const KVec& k, const VVec& v, OVec&& o) {
   if constexpr (normalizes_keys_per_feature_v<Phi>) {
+    (void)phi;
     raise_maxima(st.S, st.S_lo, st.z, st.z_lo, st.m, k);
     pk = (k.array() - st.m.array()).exp().matrix();
     st.z_lo.noalias() += pk;
@@ -267,7 +268,7 @@ void recurrent_update_and_read(LinearAttentionState<Scalar>& st, const PQ& pq, P
   } else {
     st.z_lo.noalias() += pk;
     Scalar den = pq.dot(st.z) + pq.dot(st.z_lo);
-    if constexpr (may_cancel_v<Phi>) {
+    if (may_cancel(phi)) {
       const Scalar scale = pq.cwiseAbs().dot((st.z + st.z_lo).cwiseAbs());
       if (!(den > cancellation_threshold<Scalar>(st.z.size()) * scale)) den = 0;
     }
@@ -304,13 +305,14 @@ void with_mapped_rows(const Phi& phi, const X& x, Index F, int slot, Workspace<S
 // entries), guarded, or for per-feature key softmax each feature by its z: then pq S is the
 // output.
 template <class Phi, class ZVec, class PQ, class Den>
-void normalize_queries(const ZVec& z, PQ& pq, Den& den) {
+void normalize_queries(const Phi& phi, const ZVec& z, PQ& pq, Den& den) {
   if constexpr (normalizes_keys_per_feature_v<Phi>) {
+    (void)phi;
     // z(d) == 0 only before any key: that feature then contributes nothing.
     for (Index d = 0; d < z.size(); ++d) pq.col(d) *= guarded_inverse(z(d));
   } else {
     den.noalias() = pq * z;
-    if constexpr (may_cancel_v<Phi>) {
+    if (may_cancel(phi)) {
       using Scalar = typename ZVec::Scalar;
       const Scalar t = cancellation_threshold<Scalar>(z.size());
       for (Index i = 0; i < den.size(); ++i)
@@ -325,8 +327,8 @@ void normalize_queries(const ZVec& z, PQ& pq, Den& den) {
 // already-mapped query rows pq (n x F, overwritten): out = pq S · guarded_inverse(pq z), or for
 // per-feature key softmax out = (pq ./ z) S. One row at a time (the recurrent step's read).
 template <class Phi, class SMat, class ZVec, class PQ, class Den, class Out>
-void read_state(const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out) {
-  normalize_queries<Phi>(z, pq, den);
+void read_state(const Phi& phi, const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out) {
+  normalize_queries(phi, z, pq, den);
   out.noalias() = pq * S;
 }
 
@@ -334,9 +336,9 @@ void read_state(const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out) {
 // column-major buffer or the transposed view of a token-major one), S memory of either storage
 // order (a workspace buffer, a LinearAttentionState's row-major sums).
 template <class Phi, class SMat, class ZVec, class PQ, class Den, class Out, class Scalar>
-void read_state(const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out,
+void read_state(const Phi& phi, const SMat& S, const ZVec& z, PQ& pq, Den& den, Out&& out,
                 Workspace<Scalar>& ws) {
-  normalize_queries<Phi>(z, pq, den);
+  normalize_queries(phi, z, pq, den);
   read_product(strided_of(pq), pq.rows(), pq.cols(), S, std::forward<Out>(out), ws);
 }
 

@@ -96,7 +96,7 @@ void causal_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV&
       for (Index i = 0; i < b; ++i) zi(i, d) = running += kt(i, d);
     }
     inv = a.cwiseProduct(zi).rowwise().sum();
-    if constexpr (may_cancel_v<Phi>) {  // the forward's test (causal_chunk)
+    if (may_cancel(phi)) {  // the forward's test (causal_chunk)
       const Scalar t = cancellation_threshold<Scalar>(F);
       for (Index i = 0; i < b; ++i)
         if (!(inv(i) > t * a.row(i).cwiseAbs().dot(zi.row(i).cwiseAbs()))) inv(i) = 0;
@@ -248,6 +248,7 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
   S_lo.setZero();
   z_lo.setZero();
   const Scalar threshold = cancellation_threshold<Scalar>(F);
+  const bool cancel = may_cancel(phi);
   for (Index r0 = 0; r0 < N; r0 += kLinearRowBlock) {
     const Index b = std::min(kLinearRowBlock, N - r0);
     const std::pair<Index, Index> vs = map_block(r0, b);
@@ -261,7 +262,7 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
       z_lo += kt.col(t);
       zt.col(t) = z + z_lo;
       inv(t) = at.col(t).dot(zt.col(t));
-      if constexpr (may_cancel_v<Phi>)
+      if (cancel)
         if (!(inv(t) > threshold * at.col(t).cwiseAbs().dot(zt.col(t).cwiseAbs()))) inv(t) = 0;
     }
     invert_guarded(inv);

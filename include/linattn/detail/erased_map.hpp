@@ -77,6 +77,7 @@ struct ErasedMapOps {
   void (*map_row)(const void*, const Row&, MatrixRef<Scalar>, MapCall, bool);
   bool token_major;  // elementwise, without sides: map(x.transpose(), buffer) is φ(x)ᵀ
   bool elu;          // EluPlusOne: the gradients take φ' from the features (map_backward.hpp)
+  bool may_cancel;   // may_cancel_v
 };
 
 template <class Phi, class Scalar>
@@ -120,7 +121,7 @@ struct ErasedOpsOf {
       &erased_feature_dim<Phi, Scalar>, &erased_map_call<Phi, Col>, &erased_map_call<Phi, Row>,
       declares_elementwise<Phi>::value && !normalizes_keys_per_feature_v<Phi> &&
           !has_any_side_map_v<Phi, Scalar>,
-      std::is_same_v<Phi, EluPlusOne>};
+      std::is_same_v<Phi, EluPlusOne>, may_cancel_v<Phi>};
 };
 
 // Instantiated only by the entry points of the gradients: a forward call compiles no backward.
@@ -135,9 +136,7 @@ struct ErasedBackwardOpsOf {
 
 template <class Phi>
 inline constexpr ErasedKind erased_kind_v =
-    normalizes_keys_per_feature_v<Phi> ? ErasedKind::per_feature
-    : declares_nonnegative<Phi>::value ? ErasedKind::nonnegative
-                                       : ErasedKind::may_cancel;
+    normalizes_keys_per_feature_v<Phi> ? ErasedKind::per_feature : ErasedKind::product;
 
 // A reference to a map (which must outlive it) as a FeatureMap with side overloads. It declares
 // what the kernels select algorithms by (nonnegative_features, normalizes_keys_per_feature) and
@@ -145,7 +144,6 @@ inline constexpr ErasedKind erased_kind_v =
 template <class Scalar, ErasedKind Kind>
 class ErasedMap {
  public:
-  static constexpr bool nonnegative_features = Kind == ErasedKind::nonnegative;
   static constexpr bool normalizes_keys_per_feature = Kind == ErasedKind::per_feature;
 
   template <class Phi>
@@ -157,6 +155,7 @@ class ErasedMap {
   Index feature_dim(Index d) const { return ops_->feature_dim(map_, d); }
   bool token_major() const { return ops_->token_major; }
   bool is_elu_plus_one() const { return ops_->elu; }
+  bool may_cancel() const { return ops_->may_cancel; }
 
   template <class X>
   void map(const Eigen::MatrixBase<X>& x, MatrixRef<Scalar> out) const {

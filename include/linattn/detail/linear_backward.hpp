@@ -63,7 +63,7 @@ void linear_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV&
     const auto qb = Q.middleRows(i0, b);
     map_queries(phi, qb, a, true);
     inv.noalias() = a * z;
-    guarded_row_inverses<Phi>(a, z, inv);
+    guarded_row_inverses(phi, a, z, inv);
     copy_rows(G.middleRows(i0, b), gh);
     gh.array().colwise() *= inv.array();
     product<Scalar>(b, F, M, {gh.data(), 1, b}, s_t, ga.data(), 1, b, false, ws, kSlotProductA);

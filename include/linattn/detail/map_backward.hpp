@@ -25,9 +25,9 @@ namespace detail {
 // denominator_epsilon(), or for maps that may cancel, rounding noise against |φq|·|z|): the
 // output of such a row is the constant 0, and so is its gradient.
 template <class Phi, class PQ, class ZVec, class Den>
-void guarded_row_inverses(const PQ& pq, const ZVec& z, Den& den) {
+void guarded_row_inverses(const Phi& phi, const PQ& pq, const ZVec& z, Den& den) {
   using Scalar = typename ZVec::Scalar;
-  if constexpr (may_cancel_v<Phi>) {
+  if (may_cancel(phi)) {
     const Scalar t = cancellation_threshold<Scalar>(z.size());
     for (Index i = 0; i < den.size(); ++i)
       if (!(den(i) > t * pq.row(i).cwiseAbs().dot(z.cwiseAbs()))) den(i) = 0;

@@ -234,7 +234,7 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
         auto den = w.vector(kSlotRowA, r);
         for (Index i = 0; i < hr.count; ++i) {
           auto pq = pt.middleRows(i * D, D).transpose();
-          read_state<Phi>(S(i), z(i), pq, den, dst.block(q0 + i0, (hr.first + i) * M, r, M), w);
+          read_state(phi, S(i), z(i), pq, den, dst.block(q0 + i0, (hr.first + i) * M, r, M), w);
         }
       }
       return;
