@@ -77,7 +77,7 @@
 ///
 /// How the kernels call a map: every entry point hands its kernels the map behind a table of
 /// function pointers (detail::ErasedMap, detail/erased_map.hpp), one indirect call per block of
-/// rows. The kernels are then compiled once per kind of map (plain, `nonnegative_features`,
+/// rows. The kernels are then compiled once per kind of map (a product map, or one with
 /// `normalizes_keys_per_feature`), not once per map a program uses, and a map's `map` and
 /// `backward` are compiled for two input types: column- and row-major memory with an outer
 /// stride (`Eigen::Map<const Eigen::Matrix<...>, 0, Eigen::OuterStride<>>`). A map must

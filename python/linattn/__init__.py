@@ -66,8 +66,12 @@ __version__: str = _ext.__version__
 
 #: The feature maps by name: elu (elu(x) + 1, the paper's), softmax_split (softmax over a
 #: query's features, over the keys per feature), cosine (1 + cos(q, k): [1, x/|x|]), silu
-#: (x·σ(x)) and identity (φ(x) = x). See docs/SPEC.md of the C++ library.
-FEATURE_MAPS = ("elu", "softmax_split", "cosine", "silu", "identity")
+#: (x·σ(x)), identity (φ(x) = x), relu (max(x, 0)), dpfp / dpfp2 / dpfp3 (DPFP with ν = 1, 2, 3:
+#: F = 2·D·ν products of ReLU pairs) and taylor2 (Based's second-order Taylor map,
+#: F = 1 + D + D²). See docs/SPEC.md of the C++ library. The C++ library's FAVOR+ map (random
+#: features, with a seed and a feature count) has no name here.
+FEATURE_MAPS = ("elu", "softmax_split", "cosine", "silu", "identity", "relu", "dpfp", "dpfp2",
+                "dpfp3", "taylor2")
 #: The maps of the gated kernels (identity: RetNet, Mamba-2, GLA; elu) and of the delta rule
 #: (identity for keys the caller normalised, l2norm = x/|x|, l2norm_silu = silu(x)/|silu(x)|:
 #: Gated DeltaNet's, Qwen3-Next).

@@ -2,14 +2,17 @@
 // by linear_f32.cpp and linear_f64.cpp, so that the two scalar types compile in parallel.
 #pragma once
 
+#include <linattn/dpfp.hpp>
 #include <linattn/elu_plus_one.hpp>
 #include <linattn/identity.hpp>
 #include <linattn/linear_attention_backward.hpp>
 #include <linattn/multihead.hpp>
 #include <linattn/multihead_backward.hpp>
 #include <linattn/normalized_cosine.hpp>
+#include <linattn/relu.hpp>
 #include <linattn/silu.hpp>
 #include <linattn/softmax_split.hpp>
+#include <linattn/taylor2.hpp>
 
 #include <optional>
 
@@ -17,7 +20,9 @@
 
 namespace linattn_python {
 
-// fn(phi) with the feature map named `name` (the names of linattn.FEATURE_MAPS).
+// fn(phi) with the feature map named `name` (the names of linattn.FEATURE_MAPS). Each map costs
+// the module little compile time: the kernels see every map through the library's erased map
+// (linattn/detail/erased_map.hpp) and are compiled once for all product maps.
 template <class Fn>
 void with_feature_map(const char* fn, const std::string& name, Fn&& f) {
   if (name == "elu") return f(linattn::EluPlusOne{});
@@ -25,8 +30,14 @@ void with_feature_map(const char* fn, const std::string& name, Fn&& f) {
   if (name == "cosine") return f(linattn::NormalizedCosine{});
   if (name == "silu") return f(linattn::Silu{});
   if (name == "identity") return f(linattn::Identity{});
+  if (name == "relu") return f(linattn::Relu{});
+  if (name == "dpfp") return f(linattn::Dpfp(1));
+  if (name == "dpfp2") return f(linattn::Dpfp(2));
+  if (name == "dpfp3") return f(linattn::Dpfp(3));
+  if (name == "taylor2") return f(linattn::Taylor2{});
   throw std::invalid_argument(std::string(fn) + ": unknown feature_map '" + name +
-                              "' (one of: elu, softmax_split, cosine, silu, identity)");
+                              "' (one of: elu, softmax_split, cosine, silu, identity, relu, dpfp, "
+                              "dpfp2, dpfp3, taylor2)");
 }
 
 // Packed rows N x (H·D) of B sequences (offsets: B + 1 entries; none: one sequence of all rows).

@@ -28,6 +28,17 @@ def phi_np(name, x):
         n = np.linalg.norm(x, axis=-1, keepdims=True)
         xhat = np.where(n > 0, x / np.where(n > 0, n, 1), 0)
         return np.concatenate([np.ones(x.shape[:-1] + (1,)), xhat], axis=-1)
+    if name == "relu":
+        return np.maximum(x, 0)
+    if name.startswith("dpfp"):  # block j (1-based) of 2D features: r_i r_{(i + j) mod 2D}
+        nu = int(name[4:] or 1)
+        r = np.concatenate([np.maximum(x, 0), np.maximum(-x, 0)], axis=-1)
+        return np.concatenate([r * np.roll(r, -j, axis=-1) for j in range(1, nu + 1)], axis=-1)
+    if name == "taylor2":  # [1, x', vec(x' x'^T) / sqrt(2)], x' = x / D^(1/4)
+        D = x.shape[-1]
+        xp = x / D ** 0.25
+        quad = (xp[..., :, None] * xp[..., None, :]).reshape(x.shape[:-1] + (D * D,)) / np.sqrt(2)
+        return np.concatenate([np.ones(x.shape[:-1] + (1,)), xp, quad], axis=-1)
     raise ValueError(name)
 
 

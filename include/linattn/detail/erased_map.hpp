@@ -1,19 +1,21 @@
 /// \file detail/erased_map.hpp
 /// \brief A feature map behind a table of function pointers (internal): the kernels are
-/// compiled once per class of maps, not once per map.
+/// compiled once per kind of map, not once per map.
 ///
 /// Every entry point hands its kernels `erase_map<Scalar>(phi)` instead of `phi`. The map's own
-/// code is compiled once per call shape (query, key or plain map of column- or row-major
-/// rows; the same for its vector–Jacobian product), and reached through one indirect call per
-/// block of rows; the kernels, where a translation unit spends its compile time, are compiled
-/// for the three kinds of map whose algorithms differ at compile time (ErasedKind) instead of
-/// once for every map a program uses. A test or a program that runs ten maps through a kernel
-/// compiles that kernel three times instead of ten.
+/// code is compiled once per input storage order (its query side, key side and plain map of
+/// column- or row-major rows; the same for its vector–Jacobian product) and reached by one
+/// indirect call per block of rows; the kernels, where a translation unit spends its compile
+/// time, are compiled for the two kinds of map whose algorithms differ at compile time
+/// (ErasedKind: a product map, or a per-feature key softmax) instead of once for every map a
+/// program uses. Eight maps through the causal kernel, both storage orders, float, g++ -O1:
+/// 19.1 s to compile before, 14.0 s with erased maps (Eigen and the headers alone: 2–3 s).
 ///
-/// What the kernels decided at compile time from a map's declarations stays a compile-time
-/// property of the erased map where it selects an algorithm (the per-feature key softmax) or
-/// a per-row test (nonnegative features); `elementwise` (a mapping without transposes for
-/// row-major inputs) becomes a run-time property: token_major().
+/// What the kernels read off a map's declarations at compile time and only selects a path,
+/// not an algorithm, is a run-time property of the erased map: whether a denominator may
+/// cancel (may_cancel(), an O(F) test per row), whether row-major inputs map token-major
+/// without transposes (token_major(), `elementwise` maps), and whether the gradients take φ'
+/// from the features (is_elu_plus_one()). The results are those of the map itself, bit for bit.
 #pragma once
 
 #include <Eigen/Core>
@@ -34,27 +36,34 @@ enum class MapCall : unsigned char { plain, query, key };
 
 // Rows as one of the two view types, in place when they are memory with a unit stride along
 // one dimension (a block, a Map, the transpose of row-major memory, one row of a column-major
-// matrix), else evaluated into `copy`. fn(view) is compiled for both view types.
+// matrix), else evaluated into a copy. What the kernels pass (blocks of views, token buffers
+// and their transposes) has a unit inner stride at compile time: fn is then compiled for the
+// one view type of X's storage order, and no copy is compiled.
 template <class X, class Fn>
 void with_rows_view(const Eigen::MatrixBase<X>& x, Fn&& fn) {
   using S = typename X::Scalar;
-  if constexpr ((int(X::Flags) & Eigen::DirectAccessBit) != 0) {
-    const Index r = x.rows(), c = x.cols();
-    if (r <= 1 || x.rowStride() == 1) {
-      const Index ld = c <= 1 ? std::max<Index>(r, 1) : x.colStride();
-      fn(ConstView<S, false>(x.derived().data(), r, c, Eigen::OuterStride<>(ld)));
-      return;
+  constexpr bool direct = (int(X::Flags) & Eigen::DirectAccessBit) != 0;
+  if constexpr (direct && X::InnerStrideAtCompileTime == 1) {
+    fn(ConstView<S, bool(X::IsRowMajor)>(x.derived().data(), x.rows(), x.cols(),
+                                         Eigen::OuterStride<>(x.outerStride())));
+  } else {
+    if constexpr (direct) {
+      const Index r = x.rows(), c = x.cols();
+      if (r <= 1 || x.rowStride() == 1) {
+        const Index ld = c <= 1 ? std::max<Index>(r, 1) : x.colStride();
+        fn(ConstView<S, false>(x.derived().data(), r, c, Eigen::OuterStride<>(ld)));
+        return;
+      }
+      if (c <= 1 || x.colStride() == 1) {
+        fn(ConstView<S, true>(x.derived().data(), r, c, Eigen::OuterStride<>(x.rowStride())));
+        return;
+      }
     }
-    if (c <= 1 || x.colStride() == 1) {
-      fn(ConstView<S, true>(x.derived().data(), r, c, Eigen::OuterStride<>(x.rowStride())));
-      return;
-    }
+    // An expression, or memory strided both ways.
+    const PlainOf<S, false> copy = x;
+    fn(ConstView<S, false>(copy.data(), copy.rows(), copy.cols(),
+                           Eigen::OuterStride<>(std::max<Index>(copy.rows(), 1))));
   }
-  // An expression or a Map strided both ways: no kernel passes one (they map blocks of views
-  // and the token buffers), but a correct fallback costs nothing to keep.
-  const PlainOf<S, false> copy = x;
-  fn(ConstView<S, false>(copy.data(), copy.rows(), copy.cols(),
-                         Eigen::OuterStride<>(std::max<Index>(copy.rows(), 1))));
 }
 
 template <class Scalar>
