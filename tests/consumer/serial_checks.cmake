@@ -22,7 +22,13 @@ set(_openmp_off_args
   "-DLINATTN_CONSUMER_MODE=${LINATTN_CONSUMER_MODE}"
   "-DCMAKE_CXX_COMPILER=${CMAKE_CXX_COMPILER}"
   "-DCMAKE_BUILD_TYPE=${CMAKE_BUILD_TYPE}"
+  "-DCMAKE_CXX_FLAGS=${CMAKE_CXX_FLAGS}"
   "-DEigen3_DIR=${Eigen3_DIR}")
+if(CMAKE_BUILD_TYPE)
+  string(TOUPPER "${CMAKE_BUILD_TYPE}" _openmp_off_config)
+  list(APPEND _openmp_off_args
+    "-DCMAKE_CXX_FLAGS_${_openmp_off_config}=${CMAKE_CXX_FLAGS_${_openmp_off_config}}")
+endif()
 if(LINATTN_CONSUMER_MODE STREQUAL "find_package")
   list(APPEND _openmp_off_args "-DCMAKE_PREFIX_PATH=${CMAKE_PREFIX_PATH}"
     "-DCMAKE_FIND_USE_PACKAGE_REGISTRY=${CMAKE_FIND_USE_PACKAGE_REGISTRY}")
