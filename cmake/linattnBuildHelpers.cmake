@@ -67,14 +67,18 @@ function(linattn_target_warnings target)
   endif()
 endfunction()
 
-# ASan + UBSan (LINATTN_SANITIZE=ON) or TSan (LINATTN_TSAN=ON) on a target's compile and link
-# step.
+# ASan + UBSan (LINATTN_SANITIZE=ON; the UBSan checks from LINATTN_SANITIZE_UNDEFINED) or TSan
+# (LINATTN_TSAN=ON) on a target's compile and link step.
 function(linattn_target_sanitizers target)
   if(NOT CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
     return()
   endif()
   if(LINATTN_SANITIZE)
-    set(_flags -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all)
+    set(_checks address)
+    if(NOT LINATTN_SANITIZE_UNDEFINED STREQUAL "")
+      string(APPEND _checks ",${LINATTN_SANITIZE_UNDEFINED}")
+    endif()
+    set(_flags -fsanitize=${_checks} -fno-omit-frame-pointer -fno-sanitize-recover=all)
   elseif(LINATTN_TSAN)
     set(_flags -fsanitize=thread -fno-omit-frame-pointer)
   else()

@@ -161,14 +161,15 @@ struct ScalarTag {
   using type = S;
 };
 
-/// Calls f(Map{}, ScalarTag<S>{}) for every Map of the list and S in {float, double}:
+/// Calls f(Map{}, ScalarTag<S>{}) for every Map of the list and S in the build's scalar types
+/// (float, double, or both: LINATTN_TEST_SCALARS):
 ///   test::for_each_map_scalar<EluPlusOne, SoftmaxSplit>([](auto phi, auto s) {
 ///     check<typename decltype(s)::type>(phi);
 ///   });
 template <class... Maps, class F>
-void for_each_map_scalar(F&& f) {
-  (f(Maps{}, ScalarTag<float>{}), ...);
-  (f(Maps{}, ScalarTag<double>{}), ...);
+void for_each_map_scalar([[maybe_unused]] F&& f) {
+  IF_FLOAT((f(Maps{}, ScalarTag<float>{}), ...));
+  IF_DOUBLE((f(Maps{}, ScalarTag<double>{}), ...));
 }
 
 // ---------------------------------------------------------------------------------------------
