@@ -395,7 +395,7 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
   LinearAttentionLayer(Index d_model, Index num_heads, Index key_dim, Index value_dim,
                        const Phi& phi = Phi{})
       : Base("LinearAttentionLayer", d_model, num_heads, key_dim, value_dim), phi_(phi) {
-    detail::static_check_feature_map<Phi, Scalar>();
+    detail::static_check_feature_map<Phi, compute_scalar_t<Scalar>>();
     detail::check_feature_map("LinearAttentionLayer", phi_, key_dim);
   }
 
@@ -422,7 +422,7 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
     Matrix<Scalar> A(X.rows(), H * M);
     std::vector<LinearAttentionState<Scalar>> next;
     next.reserve(static_cast<std::size_t>(H));
-    Workspace<Scalar> ws;
+    Workspace<compute_scalar_t<Scalar>> ws;
     for (Index h = 0; h < H; ++h) {
       next.push_back(state.rnn_.head(h).state());
       causal_linear_attention(Q.middleCols(h * D, D), K.middleCols(h * D, D),

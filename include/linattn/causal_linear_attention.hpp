@@ -335,9 +335,9 @@ template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
 void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
                                   const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                                   const Phi& phi, const Keep& keep,
-                                  LinearAttentionState<typename DQ::Scalar>& st,
+                                  LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& st,
                                   const Eigen::MatrixBase<DOut>& out,
-                                  Workspace<typename DQ::Scalar>& ws, const CausalOptions& opts) {
+                                  Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const CausalOptions& opts) {
   // The callers checked the operands on their own types (causal_linear_attention_split(),
   // the multi-head entry points): checking them again here would only instantiate the checks
   // once more for the views.
@@ -443,18 +443,18 @@ template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
 void causal_linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q,
                                    const Eigen::MatrixBase<DK>& K,
                                    const Eigen::MatrixBase<DV>& V, const Phi& phi,
-                                   const Keep& keep, LinearAttentionState<typename DQ::Scalar>& st,
+                                   const Keep& keep, LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& st,
                                    const Eigen::MatrixBase<DOut>& out,
-                                   Workspace<typename DQ::Scalar>& ws, const CausalOptions& opts,
+                                   Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const CausalOptions& opts,
                                    const ParallelOptions& par) {
-  static_check_feature_map<Phi, typename DQ::Scalar>();
+  static_check_feature_map<Phi, compute_scalar_t<typename DQ::Scalar>>();
   check_qkv(function, Q, K, V, /*causal=*/true);
   check_feature_map(function, phi, Q.cols());
   const Index F = phi.feature_dim(Q.cols()), M = V.cols(), N = Q.rows();
   const int threads = sequence_split_threads(par, N, F * M);
   check_output(function, out, N, M);
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
-  const auto map = erase_map<typename DQ::Scalar>(phi);
+  const auto map = erase_map<compute_scalar_t<typename DQ::Scalar>>(phi);
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
                causal_linear_attention_views(function, q, k, v, map, keep, st, dst, ws, opts,
@@ -505,8 +505,8 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                              const Eigen::MatrixBase<DV>& V, const Phi& phi,
-                             LinearAttentionState<typename DQ::Scalar>& state,
-                             const Eigen::MatrixBase<DOut>& out, Workspace<typename DQ::Scalar>& ws,
+                             LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
+                             const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                              const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   detail::causal_linear_attention_split("causal_linear_attention", Q, K, V, phi, detail::NoMask{},
                                         state, out, ws, options, par);
@@ -518,11 +518,11 @@ template <class DQ, class DK, class DV, class Phi>
 Matrix<typename DQ::Scalar> causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Phi& phi,
-    LinearAttentionState<typename DQ::Scalar>& state, const CausalOptions& options = {},
+    LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state, const CausalOptions& options = {},
     const ParallelOptions& par = {}) {
   detail::check_qkv("causal_linear_attention", Q, K, V, /*causal=*/true);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  Workspace<typename DQ::Scalar> ws;
+  Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
   causal_linear_attention(Q, K, V, phi, state, out, ws, options, par);
   return out;
 }
@@ -541,7 +541,7 @@ Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>&
                                                     const Phi& phi = Phi{},
                                                     const CausalOptions& options = {},
                                                     const ParallelOptions& par = {}) {
-  LinearAttentionState<typename DQ::Scalar> state;
+  LinearAttentionState<compute_scalar_t<typename DQ::Scalar>> state;
   return causal_linear_attention(Q, K, V, phi, state, options, par);
 }
 
@@ -556,9 +556,9 @@ void masked_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                     const Eigen::MatrixBase<DK>& K,
                                     const Eigen::MatrixBase<DV>& V,
                                     const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
-                                    LinearAttentionState<typename DQ::Scalar>& state,
+                                    LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
                                     const Eigen::MatrixBase<DOut>& out,
-                                    Workspace<typename DQ::Scalar>& ws,
+                                    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                     const CausalOptions& options = {},
                                     const ParallelOptions& par = {}) {
   detail::check_key_mask("masked_causal_linear_attention", key_mask, K.rows());
@@ -577,8 +577,8 @@ Matrix<typename DQ::Scalar> masked_causal_linear_attention(
     const Phi& phi = Phi{}, const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   detail::check_qkv("masked_causal_linear_attention", Q, K, V, /*causal=*/true);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  Workspace<typename DQ::Scalar> ws;
-  LinearAttentionState<typename DQ::Scalar> state;
+  Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
+  LinearAttentionState<compute_scalar_t<typename DQ::Scalar>> state;
   masked_causal_linear_attention(Q, K, V, key_mask, phi, state, out, ws, options, par);
   return out;
 }

@@ -37,7 +37,8 @@ constexpr void static_check_scalars() {
   using S = typename DQ::Scalar;
   static_assert(std::is_same_v<S, typename DK::Scalar> && std::is_same_v<S, typename DV::Scalar>,
                 "linattn: Q, K and V must have the same scalar type (cast one with .cast<T>())");
-  static_assert(is_supported_scalar_v<S>, "linattn: the scalar type must be float or double");
+  static_assert(is_storage_scalar_v<S>,
+                "linattn: the scalar type must be float, double, Eigen::bfloat16 or Eigen::half");
 }
 
 // Q is N x D, K is L x D, V is L x M; causal attention also needs N == L; D must be positive.

@@ -51,13 +51,42 @@ inline Scalar guarded_inverse(Scalar den) noexcept {
   return den >= denominator_epsilon<Scalar>() ? Scalar(1) / den : Scalar(0);
 }
 
+/// \brief The scalar a kernel computes in for operands stored as `Storage`: float for
+/// `Eigen::bfloat16` and `Eigen::half` (storage only: the feature maps, the states and every
+/// accumulation run in float, as ggml and flash-linear-attention do), `Storage` itself for
+/// float and double. States, workspaces and feature-map scalars of a call on bf16 or half
+/// operands are float: `LinearAttentionState<linattn::compute_scalar_t<Eigen::bfloat16>>`.
+template <class Storage>
+struct compute_scalar {
+  using type = Storage;
+};
+template <>
+struct compute_scalar<Eigen::bfloat16> {
+  using type = float;
+};
+template <>
+struct compute_scalar<Eigen::half> {
+  using type = float;
+};
+template <class Storage>
+using compute_scalar_t = typename compute_scalar<Storage>::type;
+
 namespace detail {
+
+// bf16 and half: storage types of operands, never computed in (detail/low_precision.hpp).
+template <class Scalar>
+constexpr bool is_low_precision_v =
+    std::is_same_v<Scalar, Eigen::bfloat16> || std::is_same_v<Scalar, Eigen::half>;
 
 // float and double only, as the static_assert messages say: long double has no packet
 // math in Eigen, and the tolerances, ε and the fast exp paths are tuned for the two.
 template <class Scalar>
 constexpr bool is_supported_scalar_v =
     std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>;
+
+// What an operand may hold: a compute scalar, or bf16 / half computed in float.
+template <class Scalar>
+constexpr bool is_storage_scalar_v = is_supported_scalar_v<Scalar> || is_low_precision_v<Scalar>;
 
 // Evaluates an operand once when re-reading it would cost more than a copy (a product, an
 // expensive coefficient-wise expression); plain matrices, Maps and Blocks are used in place.

@@ -117,7 +117,7 @@ void delta_absorb_low(LinearAttentionState<Scalar>& st) {
 
 template <class Phi, class Scalar>
 constexpr void static_check_delta() {
-  static_check_feature_map<Phi, Scalar>();
+  static_check_feature_map<Phi, compute_scalar_t<Scalar>>();
   static_assert(!normalizes_keys_per_feature_v<Phi>,
                 "linattn: the delta rule needs a product feature map (sim = φ(q)·φ(k)); a map "
                 "with a per-feature key softmax (SoftmaxSplit) has no delta-rule form");
@@ -135,8 +135,8 @@ template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOu
 void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
                   const Eigen::MatrixBase<DA>& log_a, const Phi& phi,
-                  LinearAttentionState<typename DQ::Scalar>& st,
-                  const Eigen::MatrixBase<DOut>& out, Workspace<typename DQ::Scalar>& ws,
+                  LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& st,
+                  const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                   const DeltaOptions& opts) {
   using Scalar = typename DQ::Scalar;
   static_check_delta<Phi, Scalar>();
@@ -153,7 +153,7 @@ void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   prepare_state(fn, st, phi, D, M);
   delta_absorb_low(st);
   const auto params = delta_head_params(beta.derived(), log_a.derived(), 0, N, 0, ws);
-  const auto map = erase_map<Scalar>(phi);
+  const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& o) {
                delta_run(map, q, k, v, params.first, params.second, st, o, ws, opts);
@@ -166,8 +166,8 @@ template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOu
 void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
                    const Eigen::MatrixBase<DA>& log_a, const OffsetsRef& offsets, Index heads,
-                   const Phi& phi, std::vector<LinearAttentionState<typename DQ::Scalar>>* states,
-                   const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                   const Phi& phi, std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>* states,
+                   const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                    const DeltaOptions& opts, const ParallelOptions& par) {
   using Scalar = typename DQ::Scalar;
   static_check_delta<Phi, Scalar>();
@@ -188,7 +188,7 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
     check_states(fn, *states, B, heads, phi, D, M);
     for (auto& st : *states) delta_absorb_low(st);
   }
-  const auto map = erase_map<Scalar>(phi);
+  const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
   const auto run = [&](const auto& q, const auto& k, const auto& v, auto& o) {
     // The delta rule reads the state before each write: about twice a causal head's work.
     const double work = 2.0 * double(heads) * causal_head_work(Q.rows(), F, M);
@@ -256,8 +256,8 @@ template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOu
 void delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                           const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
                           const Eigen::MatrixBase<DA>& log_a, const Phi& phi,
-                          LinearAttentionState<typename DQ::Scalar>& state,
-                          const Eigen::MatrixBase<DOut>& out, Workspace<typename DQ::Scalar>& ws,
+                          LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
+                          const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                           const DeltaOptions& options = {}) {
   detail::delta_single("delta_rule_attention", Q, K, V, beta, log_a, phi, state, out, ws,
                        options);
@@ -270,10 +270,10 @@ Matrix<typename DQ::Scalar> delta_rule_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
     const Eigen::MatrixBase<DA>& log_a, const Phi& phi,
-    LinearAttentionState<typename DQ::Scalar>& state, const DeltaOptions& options = {}) {
+    LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state, const DeltaOptions& options = {}) {
   detail::check_qkv("delta_rule_attention", Q, K, V, /*causal=*/true);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  Workspace<typename DQ::Scalar> ws;
+  Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
   delta_rule_attention(Q, K, V, beta, log_a, phi, state, out, ws, options);
   return out;
 }
@@ -293,7 +293,7 @@ Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
                                                  const Eigen::MatrixBase<DA>& log_a,
                                                  const Phi& phi = Phi{},
                                                  const DeltaOptions& options = {}) {
-  LinearAttentionState<typename DQ::Scalar> state;
+  LinearAttentionState<compute_scalar_t<typename DQ::Scalar>> state;
   return delta_rule_attention(Q, K, V, beta, log_a, phi, state, options);
 }
 
@@ -313,7 +313,7 @@ void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
                                     const Eigen::MatrixBase<DB>& beta,
                                     const Eigen::MatrixBase<DA>& log_a, Index heads,
                                     const Phi& phi, const Eigen::MatrixBase<DOut>& out,
-                                    MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                     const DeltaOptions& options = {},
                                     const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
@@ -329,8 +329,8 @@ void multihead_delta_rule_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
     const Eigen::MatrixBase<DA>& log_a, Index heads, const Phi& phi,
-    std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
   detail::batched_delta("multihead_delta_rule_attention", Q, K, V, beta, log_a,
@@ -349,7 +349,7 @@ Matrix<typename DQ::Scalar> multihead_delta_rule_attention(
     const Eigen::MatrixBase<DA>& log_a, Index heads, const Phi& phi = Phi{},
     const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   multihead_delta_rule_attention(Q, K, V, beta, log_a, heads, phi, out, ws, options, par);
   return out;
 }
@@ -371,7 +371,7 @@ void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
                                   const Eigen::MatrixBase<DA>& log_a, const Off& offsets,
                                   Index heads, const Phi& phi,
                                   const Eigen::MatrixBase<DOut>& out,
-                                  MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                   const DeltaOptions& options = {},
                                   const ParallelOptions& par = {}) {
   const char* fn = "batched_delta_rule_attention";
@@ -387,8 +387,8 @@ void batched_delta_rule_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
     const Eigen::MatrixBase<DA>& log_a, const Off& offsets, Index heads, const Phi& phi,
-    std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
   const char* fn = "batched_delta_rule_attention";
   detail::batched_delta(fn, Q, K, V, beta, log_a, detail::offsets_of(fn, "offsets", offsets),

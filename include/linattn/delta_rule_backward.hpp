@@ -46,7 +46,7 @@ void check_delta_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                           const Eigen::MatrixBase<DdA>& dlog_a, Index heads,
                           const DeltaOptions& opts) {
   using Scalar = typename DQ::Scalar;
-  static_check_backward<Phi, Scalar>();
+  static_check_backward<Phi, compute_scalar_t<Scalar>>();
   static_check_delta<Phi, Scalar>();
   static_assert(std::is_same_v<Scalar, typename DB::Scalar> &&
                     std::is_same_v<Scalar, typename DA::Scalar> &&
@@ -154,11 +154,11 @@ void delta_rule_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
     const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
-    const LinearAttentionState<typename DQ::Scalar>& initial,
-    const StateGradient<typename DQ::Scalar>& d_final, const Eigen::MatrixBase<DdQ>& dQ,
+    const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& initial,
+    const StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_final, const Eigen::MatrixBase<DdQ>& dQ,
     const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
     const Eigen::MatrixBase<DdB>& dbeta, const Eigen::MatrixBase<DdA>& dlog_a,
-    StateGradient<typename DQ::Scalar>& d_initial, Workspace<typename DQ::Scalar>& ws,
+    StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_initial, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const DeltaOptions& options = {}) {
   const char* fn = "delta_rule_attention_backward";
   detail::check_delta_backward(fn, Q, K, V, beta, log_a, dOut, phi, dQ, dK, dV, dbeta, dlog_a,
@@ -166,7 +166,7 @@ void delta_rule_attention_backward(
   detail::check_delta_states(fn, initial, d_final, phi.feature_dim(Q.cols()), V.cols());
   auto& gb = detail::writable(dbeta);
   auto& ga = detail::writable(dlog_a);
-  const auto map = detail::erase_map_with_backward<typename DQ::Scalar>(phi);
+  const auto map = detail::erase_map_with_backward<compute_scalar_t<typename DQ::Scalar>>(phi);
   detail::with_backward_views(
       Q.derived(), K.derived(), V.derived(), dOut.derived(), detail::writable(dQ),
       detail::writable(dK), detail::writable(dV),
@@ -185,12 +185,12 @@ DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
     const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
-    const LinearAttentionState<typename DQ::Scalar>& initial, const DeltaOptions& options = {}) {
+    const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& initial, const DeltaOptions& options = {}) {
   using Scalar = typename DQ::Scalar;
   detail::check_qkv("delta_rule_attention_backward", Q, K, V, /*causal=*/true);
   auto g = detail::delta_gradients_like<Scalar>(Q, K, V, beta, log_a);
   StateGradient<Scalar> none, d_initial;
-  Workspace<Scalar> ws;
+  Workspace<compute_scalar_t<Scalar>> ws;
   delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, phi, initial, none, g.dQ, g.dK, g.dV,
                                 g.dbeta, g.dlog_a, d_initial, ws, options);
   return g;
@@ -208,7 +208,7 @@ DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
     const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut,
     const Phi& phi = Phi{}, const DeltaOptions& options = {}) {
-  const LinearAttentionState<typename DQ::Scalar> zero;
+  const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>> zero;
   return delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, phi, zero, options);
 }
 
@@ -223,7 +223,7 @@ void multihead_delta_rule_attention_backward(
     const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut, Index heads,
     const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
     const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdB>& dbeta,
-    const Eigen::MatrixBase<DdA>& dlog_a, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const Eigen::MatrixBase<DdA>& dlog_a, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
   using Scalar = typename DQ::Scalar;
   const char* fn = "multihead_delta_rule_attention_backward";
@@ -234,7 +234,7 @@ void multihead_delta_rule_attention_backward(
   const Index N = Q.rows();
   auto& gb = detail::writable(dbeta);
   auto& ga = detail::writable(dlog_a);
-  const auto map = detail::erase_map_with_backward<typename DQ::Scalar>(phi);
+  const auto map = detail::erase_map_with_backward<compute_scalar_t<typename DQ::Scalar>>(phi);
   const auto run = [&](const auto& q, const auto& k, const auto& v, const auto& go, auto& dq,
                        auto& dk, auto& dv) {
     const double work =
@@ -269,7 +269,7 @@ DeltaGradients<typename DQ::Scalar> multihead_delta_rule_attention_backward(
     const Phi& phi = Phi{}, const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
   using Scalar = typename DQ::Scalar;
   auto g = detail::delta_gradients_like<Scalar>(Q, K, V, beta, log_a);
-  MultiHeadWorkspace<Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<Scalar>> ws;
   multihead_delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, heads, phi, g.dQ, g.dK,
                                           g.dV, g.dbeta, g.dlog_a, ws, options, par);
   return g;

@@ -37,7 +37,7 @@ namespace detail {
 
 template <class Phi, class Scalar>
 constexpr void static_check_gated() {
-  static_check_feature_map<Phi, Scalar>();
+  static_check_feature_map<Phi, compute_scalar_t<Scalar>>();
   static_assert(!normalizes_keys_per_feature_v<Phi>,
                 "linattn: the gated kernels need a product feature map (sim = φ(q)·φ(k)); a map "
                 "with a per-feature key softmax (SoftmaxSplit) has no decayed form");
@@ -52,8 +52,8 @@ inline void check_chunk_size(const char* function, const GatedOptions& opts) {
 template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void gated_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,
-                  const Phi& phi, LinearAttentionState<typename DQ::Scalar>& st,
-                  const Eigen::MatrixBase<DOut>& out, Workspace<typename DQ::Scalar>& ws,
+                  const Phi& phi, LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& st,
+                  const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                   const GatedOptions& opts) {
   using Scalar = typename DQ::Scalar;
   static_check_gated<Phi, Scalar>();
@@ -76,7 +76,7 @@ void gated_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   const Viewed<DK> k(K.derived());
   const Viewed<DV> v(V.derived());
   const Viewed<DG> g(log_gates.derived());
-  const auto map = erase_map<Scalar>(phi);
+  const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
   with_output_view(writable(out), [&](auto& dst) {
     auto os = row_segment(dst, 0, N);
     gated_run(map, row_segment(q.view, 0, N), row_segment(k.view, 0, N),
@@ -90,8 +90,8 @@ template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,
                    const OffsetsRef& offsets, Index heads, const Phi& phi,
-                   std::vector<LinearAttentionState<typename DQ::Scalar>>* states,
-                   const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                   std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>* states,
+                   const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                    const GatedOptions& opts, const ParallelOptions& par) {
   using Scalar = typename DQ::Scalar;
   static_check_gated<Phi, Scalar>();
@@ -127,7 +127,7 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
   const Viewed<DK> k(K.derived());
   const Viewed<DV> v(V.derived());
   const Viewed<DG> g(log_gates.derived());
-  const auto map = erase_map<Scalar>(phi);
+  const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
   with_output_view(writable(out), [&](auto& dst) {
     // Every row of every sequence once per head (threads_for(), parallel.hpp).
     const double work = double(heads) * causal_head_work(Q.rows(), F, M);
@@ -193,8 +193,8 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                             const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,
-                            const Phi& phi, LinearAttentionState<typename DQ::Scalar>& state,
-                            const Eigen::MatrixBase<DOut>& out, Workspace<typename DQ::Scalar>& ws,
+                            const Phi& phi, LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
+                            const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                             const GatedOptions& options = {}) {
   detail::gated_single("gated_linear_attention", Q, K, V, log_gates, phi, state, out, ws,
                        options);
@@ -206,10 +206,10 @@ template <class DQ, class DK, class DV, class DG, class Phi>
 Matrix<typename DQ::Scalar> gated_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, const Phi& phi,
-    LinearAttentionState<typename DQ::Scalar>& state, const GatedOptions& options = {}) {
+    LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state, const GatedOptions& options = {}) {
   detail::check_qkv("gated_linear_attention", Q, K, V, /*causal=*/true);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  Workspace<typename DQ::Scalar> ws;
+  Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
   gated_linear_attention(Q, K, V, log_gates, phi, state, out, ws, options);
   return out;
 }
@@ -227,7 +227,7 @@ Matrix<typename DQ::Scalar> gated_linear_attention(const Eigen::MatrixBase<DQ>& 
                                                    const Eigen::MatrixBase<DG>& log_gates,
                                                    const Phi& phi = Phi{},
                                                    const GatedOptions& options = {}) {
-  LinearAttentionState<typename DQ::Scalar> state;
+  LinearAttentionState<compute_scalar_t<typename DQ::Scalar>> state;
   return gated_linear_attention(Q, K, V, log_gates, phi, state, options);
 }
 
@@ -246,7 +246,7 @@ void multihead_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                       const Eigen::MatrixBase<DV>& V,
                                       const Eigen::MatrixBase<DG>& log_gates, Index heads,
                                       const Phi& phi, const Eigen::MatrixBase<DOut>& out,
-                                      MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                      MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                       const GatedOptions& options = {},
                                       const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
@@ -262,8 +262,8 @@ template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void multihead_gated_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, Index heads,
-    const Phi& phi, std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const Phi& phi, std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const GatedOptions& options = {}, const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
   detail::batched_gated("multihead_gated_linear_attention", Q, K, V, log_gates,
@@ -281,7 +281,7 @@ Matrix<typename DQ::Scalar> multihead_gated_linear_attention(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, Index heads,
     const Phi& phi = Phi{}, const GatedOptions& options = {}, const ParallelOptions& par = {}) {
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   multihead_gated_linear_attention(Q, K, V, log_gates, heads, phi, out, ws, options, par);
   return out;
 }
@@ -302,7 +302,7 @@ void batched_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                     const Eigen::MatrixBase<DG>& log_gates, const Off& offsets,
                                     Index heads, const Phi& phi,
                                     const Eigen::MatrixBase<DOut>& out,
-                                    MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                     const GatedOptions& options = {},
                                     const ParallelOptions& par = {}) {
   const char* fn = "batched_gated_linear_attention";
@@ -317,8 +317,8 @@ template <class DQ, class DK, class DV, class DG, class Off, class Phi, class DO
 void batched_gated_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, const Off& offsets,
-    Index heads, const Phi& phi, std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    Index heads, const Phi& phi, std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const GatedOptions& options = {}, const ParallelOptions& par = {}) {
   const char* fn = "batched_gated_linear_attention";
   detail::batched_gated(fn, Q, K, V, log_gates, detail::offsets_of(fn, "offsets", offsets),

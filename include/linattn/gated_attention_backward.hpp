@@ -37,7 +37,7 @@ void check_gated_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                           const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdG>& dG,
                           Index heads, const GatedOptions& opts) {
   using Scalar = typename DQ::Scalar;
-  static_check_backward<Phi, Scalar>();
+  static_check_backward<Phi, compute_scalar_t<Scalar>>();
   static_check_gated<Phi, Scalar>();
   static_assert(std::is_same_v<Scalar, typename DG::Scalar>,
                 "linattn: log_gates must have the scalar type of Q, K and V");
@@ -157,11 +157,11 @@ void gated_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,
     const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
-    const LinearAttentionState<typename DQ::Scalar>& initial,
-    const StateGradient<typename DQ::Scalar>& d_final, const Eigen::MatrixBase<DdQ>& dQ,
+    const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& initial,
+    const StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_final, const Eigen::MatrixBase<DdQ>& dQ,
     const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
-    const Eigen::MatrixBase<DdG>& dlog_gates, StateGradient<typename DQ::Scalar>& d_initial,
-    Workspace<typename DQ::Scalar>& ws, const GatedOptions& options = {}) {
+    const Eigen::MatrixBase<DdG>& dlog_gates, StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_initial,
+    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const GatedOptions& options = {}) {
   const char* fn = "gated_linear_attention_backward";
   detail::check_gated_backward(fn, Q, K, V, log_gates, dOut, phi, dQ, dK, dV, dlog_gates, 1,
                                options);
@@ -173,7 +173,7 @@ void gated_linear_attention_backward(
   const detail::Viewed<DV> v(V.derived());
   const detail::Viewed<DG> g(log_gates.derived());
   const detail::Viewed<DO> go(dOut.derived());
-  const auto map = detail::erase_map_with_backward<typename DQ::Scalar>(phi);
+  const auto map = detail::erase_map_with_backward<compute_scalar_t<typename DQ::Scalar>>(phi);
   detail::with_output_view(detail::writable(dlog_gates), [&](auto& gg) {
     detail::with_output_views(
         detail::writable(dQ), detail::writable(dK), detail::writable(dV),
@@ -207,7 +207,7 @@ GatedGradients<typename DQ::Scalar> gated_linear_attention_backward(
   auto g = detail::gated_gradients_like<Scalar>(Q, K, V, log_gates);
   LinearAttentionState<Scalar> initial;
   StateGradient<Scalar> none, d_initial;
-  Workspace<Scalar> ws;
+  Workspace<compute_scalar_t<Scalar>> ws;
   gated_linear_attention_backward(Q, K, V, log_gates, dOut, phi, initial, none, g.dQ, g.dK, g.dV,
                                   g.dlog_gates, d_initial, ws, options);
   return g;
@@ -224,7 +224,7 @@ void multihead_gated_linear_attention_backward(
     const Eigen::MatrixBase<DO>& dOut, Index heads, const Phi& phi,
     const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
     const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdG>& dlog_gates,
-    MultiHeadWorkspace<typename DQ::Scalar>& ws, const GatedOptions& options = {},
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const GatedOptions& options = {},
     const ParallelOptions& par = {}) {
   using Scalar = typename DQ::Scalar;
   const char* fn = "multihead_gated_linear_attention_backward";
@@ -240,7 +240,7 @@ void multihead_gated_linear_attention_backward(
   const detail::Viewed<DO> go(dOut.derived());
   const LinearAttentionState<Scalar> zero;
   const StateGradient<Scalar> none;
-  const auto map = detail::erase_map_with_backward<typename DQ::Scalar>(phi);
+  const auto map = detail::erase_map_with_backward<compute_scalar_t<typename DQ::Scalar>>(phi);
   detail::with_output_view(detail::writable(dlog_gates), [&](auto& gg) {
     detail::with_output_views(
         detail::writable(dQ), detail::writable(dK), detail::writable(dV),
@@ -274,7 +274,7 @@ GatedGradients<typename DQ::Scalar> multihead_gated_linear_attention_backward(
     const GatedOptions& options = {}, const ParallelOptions& par = {}) {
   using Scalar = typename DQ::Scalar;
   auto g = detail::gated_gradients_like<Scalar>(Q, K, V, log_gates);
-  MultiHeadWorkspace<Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<Scalar>> ws;
   multihead_gated_linear_attention_backward(Q, K, V, log_gates, dOut, heads, phi, g.dQ, g.dK,
                                             g.dV, g.dlog_gates, ws, options, par);
   return g;

@@ -30,7 +30,7 @@ namespace detail {
 // of non-causal attention, after absorb_keys).
 template <class Phi, class DQ, class SMat, class ZVec, class Out>
 void read_queries(const Phi& phi, const DQ& q, const SMat& S, const ZVec& z, Out&& dst,
-                  Workspace<typename DQ::Scalar>& ws) {
+                  Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   const Index N = q.rows(), F = S.rows();
   for (Index i0 = 0; i0 < N; i0 += kLinearRowBlock) {
     const Index b = std::min(kLinearRowBlock, N - i0);
@@ -46,7 +46,7 @@ template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
 void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
                            const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                            const Phi& phi, const Keep& keep, const Eigen::MatrixBase<DOut>& out,
-                           Workspace<typename DQ::Scalar>& ws) {
+                           Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
   // The caller checked the operands (linear_attention_split()) on its own types: checking
   // them again here would only instantiate the checks once more for the views.
@@ -116,8 +116,8 @@ template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
 void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q,
                             const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                             const Phi& phi, const Keep& keep, const Eigen::MatrixBase<DOut>& out,
-                            Workspace<typename DQ::Scalar>& ws, const ParallelOptions& par) {
-  static_check_feature_map<Phi, typename DQ::Scalar>();
+                            Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const ParallelOptions& par) {
+  static_check_feature_map<Phi, compute_scalar_t<typename DQ::Scalar>>();
   check_qkv(function, Q, K, V, /*causal=*/false);
   check_feature_map(function, phi, Q.cols());
   const Index F = phi.feature_dim(Q.cols()), M = V.cols(), N = Q.rows(), L = K.rows();
@@ -125,7 +125,7 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
   const int threads = sequence_split_threads(par, (N + L) / 2, F * M);
   check_output(function, out, N, M);
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
-  const auto map = erase_map<typename DQ::Scalar>(phi);
+  const auto map = erase_map<compute_scalar_t<typename DQ::Scalar>>(phi);
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
                linear_attention_views(function, q, k, v, map, keep, dst, ws, threads,
@@ -175,7 +175,7 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                       const Eigen::MatrixBase<DV>& V, const Phi& phi,
-                      const Eigen::MatrixBase<DOut>& out, Workspace<typename DQ::Scalar>& ws,
+                      const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                       const ParallelOptions& par = {}) {
   detail::linear_attention_split("linear_attention", Q, K, V, phi, detail::NoMask{}, out, ws, par);
 }
@@ -195,7 +195,7 @@ Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                              const ParallelOptions& par = {}) {
   detail::check_qkv("linear_attention", Q, K, V, /*causal=*/false);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  Workspace<typename DQ::Scalar> ws;
+  Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
   linear_attention(Q, K, V, phi, out, ws, par);
   return out;
 }
@@ -219,7 +219,7 @@ void masked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matrix
                              const Eigen::MatrixBase<DV>& V,
                              const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
                              const Eigen::MatrixBase<DOut>& out,
-                             Workspace<typename DQ::Scalar>& ws,
+                             Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                              const ParallelOptions& par = {}) {
   detail::check_key_mask("masked_linear_attention", key_mask, K.rows());
   detail::check_no_overlap("masked_linear_attention", out, "the key mask", key_mask);
@@ -238,7 +238,7 @@ Matrix<typename DQ::Scalar> masked_linear_attention(const Eigen::MatrixBase<DQ>&
                                                     const ParallelOptions& par = {}) {
   detail::check_qkv("masked_linear_attention", Q, K, V, /*causal=*/false);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  Workspace<typename DQ::Scalar> ws;
+  Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
   masked_linear_attention(Q, K, V, key_mask, phi, out, ws, par);
   return out;
 }

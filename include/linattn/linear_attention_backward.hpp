@@ -33,7 +33,7 @@ AttentionGradients<Scalar> gradients_like(Index N, Index L, Index QD, Index VM) 
 
 template <class Phi, class Scalar>
 constexpr void static_check_backward() {
-  static_check_feature_map<Phi, Scalar>();
+  static_check_feature_map<Phi, compute_scalar_t<Scalar>>();
   static_assert(has_backward_v<Phi, Scalar> || normalizes_keys_per_feature_v<Phi>,
                 "linattn: the gradient of attention with this feature map needs its "
                 "vector-Jacobian product: add `template <class DX, class DG> void backward(const "
@@ -77,13 +77,13 @@ template <class DQ, class DK, class DV, class DG, class Phi, class Keep, class D
 void causal_linear_attention_backward_impl(
     const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, const Phi& phi,
-    const Keep& keep, const LinearAttentionState<typename DQ::Scalar>* initial,
-    const StateGradient<typename DQ::Scalar>* d_final, const Eigen::MatrixBase<DdQ>& dQ,
+    const Keep& keep, const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>* initial,
+    const StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_final, const Eigen::MatrixBase<DdQ>& dQ,
     const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
-    StateGradient<typename DQ::Scalar>* d_initial, Workspace<typename DQ::Scalar>& ws,
+    StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_initial, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const CausalOptions& opts) {
   using Scalar = typename DQ::Scalar;
-  static_check_backward<Phi, Scalar>();
+  static_check_backward<Phi, compute_scalar_t<Scalar>>();
   check_backward(function, Q, K, V, dOut, dQ, dK, dV, /*causal=*/true);
   check_feature_map(function, phi, Q.cols());
   if (opts.chunk_size < 0)
@@ -115,7 +115,7 @@ void causal_linear_attention_backward_impl(
   const Viewed<DG> g(dOut.derived());
   const Index C = opts.chunk_size > 0 ? opts.chunk_size : kDefaultChunk;
   const Index N = Q.rows();
-  const auto map = erase_map_with_backward<typename DQ::Scalar>(phi);
+  const auto map = erase_map_with_backward<compute_scalar_t<typename DQ::Scalar>>(phi);
   with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
     const auto qs = row_segment(q.view, 0, N);
     const auto ks = row_segment(k.view, 0, N);
@@ -144,9 +144,9 @@ void linear_attention_backward_impl(const char* function, const Eigen::MatrixBas
                                     const Keep& keep, const Eigen::MatrixBase<DdQ>& dQ,
                                     const Eigen::MatrixBase<DdK>& dK,
                                     const Eigen::MatrixBase<DdV>& dV,
-                                    Workspace<typename DQ::Scalar>& ws) {
+                                    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
-  static_check_backward<Phi, Scalar>();
+  static_check_backward<Phi, compute_scalar_t<Scalar>>();
   check_backward(function, Q, K, V, dOut, dQ, dK, dV, /*causal=*/false);
   check_feature_map(function, phi, Q.cols());
   // As views, one row segment each: the multi-head kernels' types (see the causal form above).
@@ -155,7 +155,7 @@ void linear_attention_backward_impl(const char* function, const Eigen::MatrixBas
   const Viewed<DV> v(V.derived());
   const Viewed<DG> g(dOut.derived());
   const Index N = Q.rows(), L = K.rows();
-  const auto map = erase_map_with_backward<typename DQ::Scalar>(phi);
+  const auto map = erase_map_with_backward<compute_scalar_t<typename DQ::Scalar>>(phi);
   with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
     const auto qs = row_segment(q.view, 0, N);
     const auto ks = row_segment(k.view, 0, L);
@@ -200,7 +200,7 @@ void linear_attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matr
                                const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut,
                                const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ,
                                const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
-                               Workspace<typename DQ::Scalar>& ws) {
+                               Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   detail::linear_attention_backward_impl("linear_attention_backward", Q, K, V, dOut, phi,
                                          detail::NoMask{}, dQ, dK, dV, ws);
 }
@@ -212,7 +212,7 @@ AttentionGradients<typename DQ::Scalar> linear_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, const Phi& phi = Phi{}) {
   using Scalar = typename DQ::Scalar;
   auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
-  Workspace<Scalar> ws;
+  Workspace<compute_scalar_t<Scalar>> ws;
   linear_attention_backward(Q, K, V, dOut, phi, g.dQ, g.dK, g.dV, ws);
   return g;
 }
@@ -228,7 +228,7 @@ void masked_linear_attention_backward(const Eigen::MatrixBase<DQ>& Q,
                                       const Eigen::MatrixBase<DdQ>& dQ,
                                       const Eigen::MatrixBase<DdK>& dK,
                                       const Eigen::MatrixBase<DdV>& dV,
-                                      Workspace<typename DQ::Scalar>& ws) {
+                                      Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   constexpr const char* fn = "masked_linear_attention_backward";
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, dQ, "the key mask", key_mask);
@@ -247,7 +247,7 @@ AttentionGradients<typename DQ::Scalar> masked_linear_attention_backward(
     const Eigen::DenseBase<DMask>& key_mask, const Phi& phi = Phi{}) {
   using Scalar = typename DQ::Scalar;
   auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
-  Workspace<Scalar> ws;
+  Workspace<compute_scalar_t<Scalar>> ws;
   masked_linear_attention_backward(Q, K, V, dOut, key_mask, phi, g.dQ, g.dK, g.dV, ws);
   return g;
 }
@@ -293,10 +293,10 @@ template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class Dd
 void causal_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, const Phi& phi,
-    const LinearAttentionState<typename DQ::Scalar>& initial,
-    const StateGradient<typename DQ::Scalar>& d_final, const Eigen::MatrixBase<DdQ>& dQ,
+    const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& initial,
+    const StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_final, const Eigen::MatrixBase<DdQ>& dQ,
     const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
-    StateGradient<typename DQ::Scalar>& d_initial, Workspace<typename DQ::Scalar>& ws,
+    StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_initial, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const CausalOptions& options = {}) {
   detail::causal_linear_attention_backward_impl("causal_linear_attention_backward", Q, K, V,
                                                 dOut, phi, detail::NoMask{}, &initial, &d_final,
@@ -312,7 +312,7 @@ void causal_linear_attention_backward(const Eigen::MatrixBase<DQ>& Q,
                                       const Eigen::MatrixBase<DdQ>& dQ,
                                       const Eigen::MatrixBase<DdK>& dK,
                                       const Eigen::MatrixBase<DdV>& dV,
-                                      Workspace<typename DQ::Scalar>& ws,
+                                      Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                       const CausalOptions& options = {}) {
   detail::causal_linear_attention_backward_impl("causal_linear_attention_backward", Q, K, V,
                                                 dOut, phi, detail::NoMask{}, nullptr, nullptr,
@@ -330,7 +330,7 @@ AttentionGradients<typename DQ::Scalar> causal_linear_attention_backward(
     const CausalOptions& options = {}) {
   using Scalar = typename DQ::Scalar;
   auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
-  Workspace<Scalar> ws;
+  Workspace<compute_scalar_t<Scalar>> ws;
   causal_linear_attention_backward(Q, K, V, dOut, phi, g.dQ, g.dK, g.dV, ws, options);
   return g;
 }
@@ -344,7 +344,7 @@ void masked_causal_linear_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut,
     const Eigen::DenseBase<DMask>& key_mask, const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ,
     const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
-    Workspace<typename DQ::Scalar>& ws, const CausalOptions& options = {}) {
+    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const CausalOptions& options = {}) {
   constexpr const char* fn = "masked_causal_linear_attention_backward";
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, dQ, "the key mask", key_mask);
@@ -365,7 +365,7 @@ AttentionGradients<typename DQ::Scalar> masked_causal_linear_attention_backward(
     const CausalOptions& options = {}) {
   using Scalar = typename DQ::Scalar;
   auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
-  Workspace<Scalar> ws;
+  Workspace<compute_scalar_t<Scalar>> ws;
   masked_causal_linear_attention_backward(Q, K, V, dOut, key_mask, phi, g.dQ, g.dK, g.dV, ws,
                                           options);
   return g;

@@ -182,7 +182,7 @@ template <class DQ, class DK, class DV, class DE, class DF, class DOut>
 void linformer_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                          const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DE>& E,
                          const Eigen::MatrixBase<DF>& F, const Eigen::MatrixBase<DOut>& out,
-                         LinformerWorkspace<typename DQ::Scalar>& ws) {
+                         LinformerWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
   constexpr const char* function = "linformer_attention";
   detail::check_linformer(function, Q, K, V, E, F);
@@ -228,7 +228,7 @@ Matrix<typename DQ::Scalar> linformer_attention(const Eigen::MatrixBase<DQ>& Q,
                                                 const Eigen::MatrixBase<DF>& F) {
   detail::check_linformer("linformer_attention", Q, K, V, E, F);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  LinformerWorkspace<typename DQ::Scalar> ws;
+  LinformerWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   linformer_attention(Q, K, V, E, F, out, ws);
   return out;
 }

@@ -162,9 +162,9 @@ template <class DQ, class DK, class DV, class QOff, class KOff, class Phi, class
 void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                     const Eigen::MatrixBase<DV>& V, const QOff& q_offsets, const KOff& k_offsets,
                     Index heads, const Phi& phi, const Keep& keep,
-                    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                     const ParallelOptions& par) {
-  static_check_feature_map<Phi, typename DQ::Scalar>();
+  static_check_feature_map<Phi, compute_scalar_t<typename DQ::Scalar>>();
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, false);
   const Index D = dims.first, M = dims.second;
   check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
@@ -179,7 +179,7 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   // Once, here: every task takes a block of each input, and a block of a lazy expression
   // (X * Wq) would evaluate the whole expression again for each (sequence, head). As views
   // (detail/views.hpp), the kernels below are compiled once per storage order.
-  const auto map = erase_map<typename DQ::Scalar>(phi);
+  const auto map = erase_map<compute_scalar_t<typename DQ::Scalar>>(phi);
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
                batched_linear_views(fn, q, k, v, q_offsets, k_offsets, heads, map, keep, dst, ws,
@@ -193,12 +193,12 @@ template <class DQ, class DK, class DV, class Off, class Phi, class Keep, class 
 void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                            const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                            const Off& offsets, Index heads, const Phi& phi, const Keep& keep,
-                           std::vector<LinearAttentionState<typename DQ::Scalar>>* states,
+                           std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>* states,
                            const Eigen::MatrixBase<DOut>& out,
-                           MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                           MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                            const CausalOptions& options, const ParallelOptions& par) {
   using Scalar = typename DQ::Scalar;
-  static_check_feature_map<Phi, Scalar>();
+  static_check_feature_map<Phi, compute_scalar_t<Scalar>>();
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
   const Index D = dims.first, M = dims.second;
   check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
@@ -211,7 +211,7 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Index B = static_cast<Index>(offsets.size()) - 1;
   if (states) check_states(fn, *states, B, heads, phi, D, M);
   // Viewed once, not per (sequence, head): see batched_linear.
-  const auto map = erase_map<Scalar>(phi);
+  const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
                batched_causal_views(fn, q, k, v, offsets, heads, map, keep, states, dst, ws,
@@ -246,7 +246,7 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
                               const Eigen::MatrixBase<DV>& V, const std::vector<Index>& q_offsets,
                               const std::vector<Index>& k_offsets, Index heads, const Phi& phi,
                               const Eigen::MatrixBase<DOut>& out,
-                              MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                              MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                               const ParallelOptions& par = {}) {
   const char* fn = "batched_linear_attention";
   detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
@@ -283,7 +283,7 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
                               const Eigen::MatrixBase<DV>& V, const QOff& q_offsets,
                               const KOff& k_offsets, Index heads, const Phi& phi,
                               const Eigen::MatrixBase<DOut>& out,
-                              MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                              MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                               const ParallelOptions& par = {}) {
   const char* fn = "batched_linear_attention";
   detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
@@ -309,7 +309,7 @@ void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                      const KOff& k_offsets,
                                      const Eigen::DenseBase<DMask>& key_mask, Index heads,
                                      const Phi& phi, const Eigen::MatrixBase<DOut>& out,
-                                     MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                      const ParallelOptions& par = {}) {
   const char* fn = "masked_batched_linear_attention";
   detail::check_key_mask(fn, key_mask, K.rows());
@@ -332,7 +332,7 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                      const Eigen::MatrixBase<DV>& V,
                                      const std::vector<Index>& offsets, Index heads,
                                      const Phi& phi, const Eigen::MatrixBase<DOut>& out,
-                                     MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                      const CausalOptions& options = {},
                                      const ParallelOptions& par = {}) {
   const char* fn = "batched_causal_linear_attention";
@@ -353,7 +353,7 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                      const Eigen::MatrixBase<DV>& V, const Off& offsets,
                                      Index heads, const Phi& phi,
                                      const Eigen::MatrixBase<DOut>& out,
-                                     MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                      const CausalOptions& options = {},
                                      const ParallelOptions& par = {}) {
   const char* fn = "batched_causal_linear_attention";
@@ -387,9 +387,9 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                      const Eigen::MatrixBase<DK>& K,
                                      const Eigen::MatrixBase<DV>& V, const Off& offsets,
                                      Index heads, const Phi& phi,
-                                     std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
+                                     std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
                                      const Eigen::MatrixBase<DOut>& out,
-                                     MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                      const CausalOptions& options = {},
                                      const ParallelOptions& par = {}) {
   const char* fn = "batched_causal_linear_attention";
@@ -412,7 +412,7 @@ void masked_batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                             const Eigen::MatrixBase<DV>& V, const Off& offsets,
                                             const Eigen::DenseBase<DMask>& key_mask, Index heads,
                                             const Phi& phi, const Eigen::MatrixBase<DOut>& out,
-                                            MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                            MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                             const CausalOptions& options = {},
                                             const ParallelOptions& par = {}) {
   const char* fn = "masked_batched_causal_linear_attention";
@@ -435,8 +435,8 @@ template <class DQ, class DK, class DV, class Off, class DMask, class Phi, class
 void masked_batched_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Off& offsets, const Eigen::DenseBase<DMask>& key_mask,
-    Index heads, const Phi& phi, std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    Index heads, const Phi& phi, std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   const char* fn = "masked_batched_causal_linear_attention";
   detail::check_key_mask(fn, key_mask, K.rows());
@@ -461,7 +461,7 @@ template <class DQ, class DK, class DV, class Phi, class DOut>
 void multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                 const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi,
                                 const Eigen::MatrixBase<DOut>& out,
-                                MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                 const ParallelOptions& par = {}) {
   const Index q_offsets[2] = {0, Q.rows()}, k_offsets[2] = {0, K.rows()};
   detail::batched_linear("multihead_linear_attention", Q, K, V,
@@ -478,7 +478,7 @@ Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<D
                                                        Index heads, const Phi& phi = Phi{},
                                                        const ParallelOptions& par = {}) {
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   multihead_linear_attention(Q, K, V, heads, phi, out, ws, par);
   return out;
 }
@@ -494,7 +494,7 @@ void masked_multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                        const Eigen::MatrixBase<DV>& V,
                                        const Eigen::DenseBase<DMask>& key_mask, Index heads,
                                        const Phi& phi, const Eigen::MatrixBase<DOut>& out,
-                                       MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                       MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                        const ParallelOptions& par = {}) {
   const char* fn = "masked_multihead_linear_attention";
   detail::check_key_mask(fn, key_mask, K.rows());
@@ -514,7 +514,7 @@ Matrix<typename DQ::Scalar> masked_multihead_linear_attention(
     const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask, Index heads,
     const Phi& phi = Phi{}, const ParallelOptions& par = {}) {
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   masked_multihead_linear_attention(Q, K, V, key_mask, heads, phi, out, ws, par);
   return out;
 }
@@ -528,7 +528,7 @@ void multihead_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                        const Eigen::MatrixBase<DK>& K,
                                        const Eigen::MatrixBase<DV>& V, Index heads,
                                        const Phi& phi, const Eigen::MatrixBase<DOut>& out,
-                                       MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                       MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                        const CausalOptions& options = {},
                                        const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
@@ -553,8 +553,8 @@ template <class DQ, class DK, class DV, class Phi, class DOut>
 void multihead_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi,
-    std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
   detail::batched_causal_linear("multihead_causal_linear_attention", Q, K, V,
@@ -568,10 +568,10 @@ template <class DQ, class DK, class DV, class Phi>
 Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi,
-    std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   multihead_causal_linear_attention(Q, K, V, heads, phi, states, out, ws, options, par);
   return out;
 }
@@ -586,7 +586,7 @@ Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
     const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi = Phi{},
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   multihead_causal_linear_attention(Q, K, V, heads, phi, out, ws, options, par);
   return out;
 }
@@ -602,7 +602,7 @@ template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_multihead_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask, Index heads,
-    const Phi& phi, const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const Phi& phi, const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   const char* fn = "masked_multihead_causal_linear_attention";
   detail::check_key_mask(fn, key_mask, K.rows());
@@ -625,8 +625,8 @@ template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_multihead_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask, Index heads,
-    const Phi& phi, std::vector<LinearAttentionState<typename DQ::Scalar>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const Phi& phi, std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   const char* fn = "masked_multihead_causal_linear_attention";
   detail::check_key_mask(fn, key_mask, K.rows());
@@ -645,7 +645,7 @@ Matrix<typename DQ::Scalar> masked_multihead_causal_linear_attention(
     const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask, Index heads,
     const Phi& phi = Phi{}, const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   masked_multihead_causal_linear_attention(Q, K, V, key_mask, heads, phi, out, ws, options, par);
   return out;
 }
@@ -656,7 +656,7 @@ template <class DQ, class DK, class DV, class DOut>
 void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                        const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                        Index heads, const Eigen::MatrixBase<DOut>& out,
-                       MultiHeadWorkspace<typename DQ::Scalar>& ws, SoftmaxAlgorithm algorithm,
+                       MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, SoftmaxAlgorithm algorithm,
                        bool causal, const ParallelOptions& par) {
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, causal);
   const Index D = dims.first, M = dims.second;
@@ -667,7 +667,7 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
                const double work = double(heads) * softmax_head_work(N, L, D, M, causal);
-               parallel_tasks<typename DQ::Scalar>(heads, work, par, ws, [&](Index h, int thread) {
+               parallel_tasks<compute_scalar_t<typename DQ::Scalar>>(heads, work, par, ws, [&](Index h, int thread) {
                  auto dh = sub_view(dst, 0, h * M, N, M);
                  softmax_views(sub_view(q, 0, h * D, N, D), sub_view(k, 0, h * D, L, D),
                                sub_view(v, 0, h * M, L, M), dh, algorithm, causal,
@@ -686,7 +686,7 @@ template <class DQ, class DK, class DV, class DOut>
 void multihead_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                  const Eigen::MatrixBase<DV>& V, Index heads,
                                  const Eigen::MatrixBase<DOut>& out,
-                                 MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                 MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                  SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled,
                                  const ParallelOptions& par = {}) {
   detail::multihead_softmax("multihead_softmax_attention", Q, K, V, heads, out, ws, algorithm,
@@ -700,7 +700,7 @@ Matrix<typename DQ::Scalar> multihead_softmax_attention(
     const Eigen::MatrixBase<DV>& V, Index heads,
     SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled, const ParallelOptions& par = {}) {
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   multihead_softmax_attention(Q, K, V, heads, out, ws, algorithm, par);
   return out;
 }
@@ -714,7 +714,7 @@ void multihead_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q,
                                         const Eigen::MatrixBase<DK>& K,
                                         const Eigen::MatrixBase<DV>& V, Index heads,
                                         const Eigen::MatrixBase<DOut>& out,
-                                        MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                                        MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                         SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled,
                                         const ParallelOptions& par = {}) {
   detail::multihead_softmax("multihead_causal_softmax_attention", Q, K, V, heads, out, ws,
@@ -728,7 +728,7 @@ Matrix<typename DQ::Scalar> multihead_causal_softmax_attention(
     const Eigen::MatrixBase<DV>& V, Index heads,
     SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled, const ParallelOptions& par = {}) {
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   multihead_causal_softmax_attention(Q, K, V, heads, out, ws, algorithm, par);
   return out;
 }

@@ -25,10 +25,10 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                                const Eigen::MatrixBase<DG>& dOut, Index heads, const Phi& phi,
                                const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
                                const Eigen::MatrixBase<DdV>& dV,
-                               MultiHeadWorkspace<typename DQ::Scalar>& ws,
+                               MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                const CausalOptions& options, const ParallelOptions& par) {
   using Scalar = typename DQ::Scalar;
-  static_check_backward<Phi, Scalar>();
+  static_check_backward<Phi, compute_scalar_t<Scalar>>();
   // Every check before the parallel region, where nothing may throw.
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, Causal);
   const Index D = dims.first, M = dims.second;
@@ -45,7 +45,7 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Viewed<DV> v(V.derived());
   const Viewed<DG> g(dOut.derived());
   const Index C = options.chunk_size > 0 ? options.chunk_size : kDefaultChunk;
-  const auto map = erase_map_with_backward<Scalar>(phi);
+  const auto map = erase_map_with_backward<compute_scalar_t<Scalar>>(phi);
   with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
     // A gradient costs about twice its forward (threads_for(), parallel.hpp).
     const double work = 2.0 * double(heads) *
@@ -99,7 +99,7 @@ void multihead_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
     const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
-    const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const ParallelOptions& par = {}) {
   detail::multihead_linear_backward<false>("multihead_linear_attention_backward", Q, K, V, dOut,
                                            heads, phi, dQ, dK, dV, ws, CausalOptions{}, par);
@@ -112,7 +112,7 @@ AttentionGradients<typename DQ::Scalar> multihead_linear_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
     const Phi& phi = Phi{}, const ParallelOptions& par = {}) {
   auto g = detail::gradients_like<typename DQ::Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
-  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   multihead_linear_attention_backward(Q, K, V, dOut, heads, phi, g.dQ, g.dK, g.dV, ws, par);
   return g;
 }
@@ -126,7 +126,7 @@ void multihead_causal_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
     const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
-    const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   detail::multihead_linear_backward<true>("multihead_causal_linear_attention_backward", Q, K, V,
                                           dOut, heads, phi, dQ, dK, dV, ws, options, par);
@@ -142,7 +142,7 @@ AttentionGradients<typename DQ::Scalar> multihead_causal_linear_attention_backwa
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
     const Phi& phi = Phi{}, const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   auto g = detail::gradients_like<typename DQ::Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
-  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   multihead_causal_linear_attention_backward(Q, K, V, dOut, heads, phi, g.dQ, g.dK, g.dV, ws,
                                              options, par);
   return g;

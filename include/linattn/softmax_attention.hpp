@@ -75,7 +75,7 @@ void mask_above_diagonal(Scores& scores, Index row0, Index col0) {
 // instantiated a GEMM of its own in every program that calls softmax attention.
 template <class DQ, class DK, class DV, class Acc, class Max, class Sum>
 void softmax_rows_tiled(const DQ& Q, const DK& K, const DV& V, Index i0, Index bq, bool causal,
-                        Acc& acc_all, Max& m_all, Sum& l_all, Workspace<typename DQ::Scalar>& ws,
+                        Acc& acc_all, Max& m_all, Sum& l_all, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                         Index key_tile = 0) {
   using Scalar = typename DQ::Scalar;
   const Index L = K.rows(), D = Q.cols(), M = V.cols();
@@ -143,7 +143,7 @@ void softmax_rows_tiled(const DQ& Q, const DK& K, const DV& V, Index i0, Index b
 // maximum and sum are then those of the whole row).
 template <class DQ, class DK, class DV, class Out>
 void softmax_attention_naive(const DQ& Q, const DK& K, const DV& V, Out& out, bool causal,
-                             Workspace<typename DQ::Scalar>& ws) {
+                             Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   const Index N = Q.rows();
   auto m = ws.vector(kSlotRowA, N);
   auto l = ws.vector(kSlotRowB, N);
@@ -156,10 +156,10 @@ void softmax_attention_naive(const DQ& Q, const DK& K, const DV& V, Out& out, bo
 // ℓ_i = m_i + log l_i, which the backward recomputes the probabilities from.
 template <class DQ, class DK, class DV, class Out, class Lse = Vector<typename DQ::Scalar>>
 void softmax_attention_tiled(const DQ& Q, const DK& K, const DV& V, Out& out, bool causal,
-                             Workspace<typename DQ::Scalar>& ws, Lse* lse = nullptr) {
+                             Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, Lse* lse = nullptr) {
   const Index N = Q.rows();
-  for (Index i0 = 0; i0 < N; i0 += kSoftmaxQueryTile<typename DQ::Scalar>) {
-    const Index bq = std::min(kSoftmaxQueryTile<typename DQ::Scalar>, N - i0);
+  for (Index i0 = 0; i0 < N; i0 += kSoftmaxQueryTile<compute_scalar_t<typename DQ::Scalar>>) {
+    const Index bq = std::min(kSoftmaxQueryTile<compute_scalar_t<typename DQ::Scalar>>, N - i0);
     auto acc = out.middleRows(i0, bq);
     auto m = ws.vector(kSlotRowA, bq);
     auto l = ws.vector(kSlotRowB, bq);
@@ -189,7 +189,7 @@ template <class DQ, class DK, class DV, class DOut>
 void softmax_dispatch(const char* function, const Eigen::MatrixBase<DQ>& Q,
                       const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                       const Eigen::MatrixBase<DOut>& out, SoftmaxAlgorithm algorithm,
-                      bool causal, Workspace<typename DQ::Scalar>& ws) {
+                      bool causal, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   check_qkv(function, Q, K, V, causal);
   check_output(function, out, Q.rows(), V.cols());
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
@@ -204,11 +204,11 @@ template <class DQ, class DK, class DV, class DOut, class DL>
 void softmax_dispatch_lse(const char* function, const Eigen::MatrixBase<DQ>& Q,
                           const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                           const Eigen::MatrixBase<DOut>& out, const Eigen::MatrixBase<DL>& lse,
-                          bool causal, Workspace<typename DQ::Scalar>& ws) {
+                          bool causal, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   static_assert(DL::IsVectorAtCompileTime,
                 "linattn: lse must be a vector type (e.g. Eigen::VectorXf or a Map of one)");
-  static_assert(std::is_same_v<typename DL::Scalar, typename DQ::Scalar>,
-                "linattn: lse must have the scalar type of Q, K and V");
+  static_assert(std::is_same_v<typename DL::Scalar, compute_scalar_t<typename DQ::Scalar>>,
+                "linattn: lse must have the scalar type of Q, K and V (float for bf16 and half)");
   check_qkv(function, Q, K, V, causal);
   check_output(function, out, Q.rows(), V.cols());
   if (lse.size() != Q.rows())
@@ -221,7 +221,7 @@ void softmax_dispatch_lse(const char* function, const Eigen::MatrixBase<DQ>& Q,
   auto& l = writable(lse);
   if (K.rows() == 0) {  // no keys: a zero output, and log Σ over no terms
     dst.setZero();
-    l.setConstant(-std::numeric_limits<typename DQ::Scalar>::infinity());
+    l.setConstant(-std::numeric_limits<compute_scalar_t<typename DQ::Scalar>>::infinity());
     return;
   }
   const Viewed<DQ> q(Q.derived());
@@ -252,7 +252,7 @@ void softmax_dispatch_lse(const char* function, const Eigen::MatrixBase<DQ>& Q,
 template <class DQ, class DK, class DV, class DOut>
 void softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                        const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
-                       Workspace<typename DQ::Scalar>& ws,
+                       Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                        SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled) {
   detail::softmax_dispatch("softmax_attention", Q, K, V, out, algorithm, false, ws);
 }
@@ -270,7 +270,7 @@ Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& Q,
                                               SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled) {
   detail::check_qkv("softmax_attention", Q, K, V, false);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  Workspace<typename DQ::Scalar> ws;
+  Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
   softmax_attention(Q, K, V, out, ws, algorithm);
   return out;
 }
@@ -282,7 +282,7 @@ Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& Q,
 template <class DQ, class DK, class DV, class DOut>
 void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
-                              Workspace<typename DQ::Scalar>& ws,
+                              Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                               SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled) {
   detail::softmax_dispatch("causal_softmax_attention", Q, K, V, out, algorithm, true, ws);
 }
@@ -297,7 +297,7 @@ Matrix<typename DQ::Scalar> causal_softmax_attention(
     const Eigen::MatrixBase<DV>& V, SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled) {
   detail::check_qkv("causal_softmax_attention", Q, K, V, true);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
-  Workspace<typename DQ::Scalar> ws;
+  Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
   causal_softmax_attention(Q, K, V, out, ws, algorithm);
   return out;
 }
@@ -319,7 +319,7 @@ Matrix<typename DQ::Scalar> causal_softmax_attention(
 template <class DQ, class DK, class DV, class DOut, class DL>
 void softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                        const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
-                       const Eigen::MatrixBase<DL>& lse, Workspace<typename DQ::Scalar>& ws) {
+                       const Eigen::MatrixBase<DL>& lse, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   detail::softmax_dispatch_lse("softmax_attention", Q, K, V, out, lse, false, ws);
 }
 
@@ -329,7 +329,7 @@ template <class DQ, class DK, class DV, class DOut, class DL>
 void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
                               const Eigen::MatrixBase<DL>& lse,
-                              Workspace<typename DQ::Scalar>& ws) {
+                              Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   detail::softmax_dispatch_lse("causal_softmax_attention", Q, K, V, out, lse, true, ws);
 }
 

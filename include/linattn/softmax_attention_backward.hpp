@@ -38,10 +38,10 @@ inline constexpr Index kSoftmaxBackwardQueryTile = sizeof(Scalar) <= 4 ? 128 : 6
 // lives in kSlotPrefix, never the whole N x M output).
 template <class DQ, class DK, class DV, class DG, class Lse, class Dot>
 void softmax_forward_stats(const DQ& Q, const DK& K, const DV& V, const DG& G, bool causal,
-                           Lse& lse, Dot& dot, Workspace<typename DQ::Scalar>& ws) {
+                           Lse& lse, Dot& dot, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   const Index N = Q.rows(), M = V.cols();
-  for (Index i0 = 0; i0 < N; i0 += kSoftmaxQueryTile<typename DQ::Scalar>) {
-    const Index bq = std::min(kSoftmaxQueryTile<typename DQ::Scalar>, N - i0);
+  for (Index i0 = 0; i0 < N; i0 += kSoftmaxQueryTile<compute_scalar_t<typename DQ::Scalar>>) {
+    const Index bq = std::min(kSoftmaxQueryTile<compute_scalar_t<typename DQ::Scalar>>, N - i0);
     auto acc = ws.matrix(kSlotPrefix, bq, M);
     auto m = ws.vector(kSlotRowA, bq);
     auto l = ws.vector(kSlotRowB, bq);
@@ -62,7 +62,7 @@ template <class DQ, class DK, class DV, class DG, class Lse, class Dot, class OQ
           class OV>
 void softmax_backward_tiled(const DQ& Q, const DK& K, const DV& V, const DG& G, const Lse& lse,
                             const Dot& dot, bool causal, OQ& dQ, OK& dK, OV& dV,
-                            Workspace<typename DQ::Scalar>& ws) {
+                            Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
   const Index N = Q.rows(), L = K.rows(), D = Q.cols(), M = V.cols();
   const Scalar scale = Scalar(1) / std::sqrt(Scalar(D));
@@ -135,7 +135,7 @@ void softmax_backward_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
                            const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                            const Eigen::MatrixBase<DG>& dOut, const Eigen::MatrixBase<DdQ>& dQ,
                            const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
-                           bool causal, Workspace<typename DQ::Scalar>& ws) {
+                           bool causal, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   check_backward(function, Q, K, V, dOut, dQ, dK, dV, causal);
   if (K.rows() == 0) {  // no keys: the output is the constant 0
     writable(dQ).setZero();
@@ -162,7 +162,7 @@ void softmax_backward_saved_impl(const char* function, const Eigen::MatrixBase<D
                                  const Eigen::MatrixBase<DdQ>& dQ,
                                  const Eigen::MatrixBase<DdK>& dK,
                                  const Eigen::MatrixBase<DdV>& dV, bool causal,
-                                 Workspace<typename DQ::Scalar>& ws) {
+                                 Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   static_assert(DL::IsVectorAtCompileTime,
                 "linattn: lse must be a vector type (e.g. Eigen::VectorXf or a Map of one)");
   check_backward(function, Q, K, V, dOut, dQ, dK, dV, causal);
@@ -200,7 +200,7 @@ void multihead_softmax_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                                 const Eigen::MatrixBase<DdQ>& dQ,
                                 const Eigen::MatrixBase<DdK>& dK,
                                 const Eigen::MatrixBase<DdV>& dV,
-                                MultiHeadWorkspace<typename DQ::Scalar>& ws, bool causal,
+                                MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, bool causal,
                                 const ParallelOptions& par) {
   // Every check before the parallel region, where nothing may throw.
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, causal);
@@ -213,7 +213,7 @@ void multihead_softmax_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Index N = Q.rows(), L = K.rows();
   with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
     const double work = 2.0 * double(heads) * softmax_head_work(N, L, D, M, causal);
-    parallel_tasks<typename DQ::Scalar>(heads, work, par, ws, [&](Index h, int thread) {
+    parallel_tasks<compute_scalar_t<typename DQ::Scalar>>(heads, work, par, ws, [&](Index h, int thread) {
       auto dqh = sub_view(gq, 0, h * D, N, D);
       if (L == 0) {
         dqh.setZero();
@@ -255,7 +255,7 @@ void softmax_attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
                                 const Eigen::MatrixBase<DdQ>& dQ,
                                 const Eigen::MatrixBase<DdK>& dK,
                                 const Eigen::MatrixBase<DdV>& dV,
-                                Workspace<typename DQ::Scalar>& ws) {
+                                Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   detail::softmax_backward_impl("softmax_attention_backward", Q, K, V, dOut, dQ, dK, dV, false,
                                 ws);
 }
@@ -275,7 +275,7 @@ void softmax_attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
                                 const Eigen::MatrixBase<DdQ>& dQ,
                                 const Eigen::MatrixBase<DdK>& dK,
                                 const Eigen::MatrixBase<DdV>& dV,
-                                Workspace<typename DQ::Scalar>& ws) {
+                                Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   detail::softmax_backward_saved_impl("softmax_attention_backward", Q, K, V, out, lse, dOut, dQ,
                                       dK, dV, false, ws);
 }
@@ -290,7 +290,7 @@ AttentionGradients<typename DQ::Scalar> softmax_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut) {
   using Scalar = typename DQ::Scalar;
   auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
-  Workspace<Scalar> ws;
+  Workspace<compute_scalar_t<Scalar>> ws;
   softmax_attention_backward(Q, K, V, dOut, g.dQ, g.dK, g.dV, ws);
   return g;
 }
@@ -305,7 +305,7 @@ void causal_softmax_attention_backward(const Eigen::MatrixBase<DQ>& Q,
                                        const Eigen::MatrixBase<DdQ>& dQ,
                                        const Eigen::MatrixBase<DdK>& dK,
                                        const Eigen::MatrixBase<DdV>& dV,
-                                       Workspace<typename DQ::Scalar>& ws) {
+                                       Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   detail::softmax_backward_impl("causal_softmax_attention_backward", Q, K, V, dOut, dQ, dK, dV,
                                 true, ws);
 }
@@ -319,7 +319,7 @@ void causal_softmax_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& out,
     const Eigen::MatrixBase<DL>& lse, const Eigen::MatrixBase<DG>& dOut,
     const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
-    const Eigen::MatrixBase<DdV>& dV, Workspace<typename DQ::Scalar>& ws) {
+    const Eigen::MatrixBase<DdV>& dV, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   detail::softmax_backward_saved_impl("causal_softmax_attention_backward", Q, K, V, out, lse,
                                       dOut, dQ, dK, dV, true, ws);
 }
@@ -334,7 +334,7 @@ AttentionGradients<typename DQ::Scalar> causal_softmax_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut) {
   using Scalar = typename DQ::Scalar;
   auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
-  Workspace<Scalar> ws;
+  Workspace<compute_scalar_t<Scalar>> ws;
   causal_softmax_attention_backward(Q, K, V, dOut, g.dQ, g.dK, g.dV, ws);
   return g;
 }
@@ -352,7 +352,7 @@ void multihead_softmax_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
     const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
-    const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const ParallelOptions& par = {}) {
   detail::multihead_softmax_backward("multihead_softmax_attention_backward", Q, K, V, dOut, heads,
                                      dQ, dK, dV, ws, false, par);
@@ -365,7 +365,7 @@ AttentionGradients<typename DQ::Scalar> multihead_softmax_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
     const ParallelOptions& par = {}) {
   auto g = detail::gradients_like<typename DQ::Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
-  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   multihead_softmax_attention_backward(Q, K, V, dOut, heads, g.dQ, g.dK, g.dV, ws, par);
   return g;
 }
@@ -376,7 +376,7 @@ void multihead_causal_softmax_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
     const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
-    const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<typename DQ::Scalar>& ws,
+    const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const ParallelOptions& par = {}) {
   detail::multihead_softmax_backward("multihead_causal_softmax_attention_backward", Q, K, V,
                                      dOut, heads, dQ, dK, dV, ws, true, par);
@@ -389,7 +389,7 @@ AttentionGradients<typename DQ::Scalar> multihead_causal_softmax_attention_backw
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
     const ParallelOptions& par = {}) {
   auto g = detail::gradients_like<typename DQ::Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
-  MultiHeadWorkspace<typename DQ::Scalar> ws;
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   multihead_causal_softmax_attention_backward(Q, K, V, dOut, heads, g.dQ, g.dK, g.dV, ws, par);
   return g;
 }

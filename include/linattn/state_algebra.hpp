@@ -185,7 +185,7 @@ LinearAttentionState<Scalar> combine(const LinearAttentionState<Scalar>& a,
 /// linattn::causal_linear_attention(Qt, Kt, Vt, phi, before, out_t, ws);
 /// \endcode
 template <class DK, class DV, class Phi = EluPlusOne>
-LinearAttentionState<typename DK::Scalar> summarize(const Eigen::MatrixBase<DK>& K,
+LinearAttentionState<compute_scalar_t<typename DK::Scalar>> summarize(const Eigen::MatrixBase<DK>& K,
                                                     const Eigen::MatrixBase<DV>& V,
                                                     const Phi& phi = Phi{}) {
   using Scalar = typename DK::Scalar;
@@ -194,7 +194,7 @@ LinearAttentionState<typename DK::Scalar> summarize(const Eigen::MatrixBase<DK>&
                 "linattn: K and V must have the same scalar type (cast one with .cast<T>())");
   static_assert(detail::is_supported_scalar_v<Scalar>,
                 "linattn: the scalar type must be float or double");
-  detail::static_check_feature_map<Phi, Scalar>();
+  detail::static_check_feature_map<Phi, compute_scalar_t<Scalar>>();
   if (K.rows() != V.rows())
     detail::throw_invalid(fn, "K and V must have the same number of rows, got K " +
                                   detail::shape_of(K) + " and V " + detail::shape_of(V));
@@ -202,7 +202,7 @@ LinearAttentionState<typename DK::Scalar> summarize(const Eigen::MatrixBase<DK>&
   auto st = make_state<Scalar>(phi, K.cols(), V.cols());
   const detail::Nested<DK> k(K.derived());
   const detail::Nested<DV> v(V.derived());
-  Workspace<Scalar> ws;
+  Workspace<compute_scalar_t<Scalar>> ws;
   detail::absorb_keys(phi, k, v, st.S, st.S_lo, st.z, st.z_lo, st.m, detail::NoMask{}, ws);
   return st;
 }

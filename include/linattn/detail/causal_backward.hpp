@@ -66,10 +66,10 @@ template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class O
           class OV>
 void causal_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
                              const DG& G, const Keep& keep,
-                             const LinearAttentionState<typename DQ::Scalar>* initial,
-                             const StateGradient<typename DQ::Scalar>* d_final, OQ& dQ, OK& dK,
-                             OV& dV, StateGradient<typename DQ::Scalar>* d_initial, Index C,
-                             Workspace<typename DQ::Scalar>& ws) {
+                             const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>* initial,
+                             const StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_final, OQ& dQ, OK& dK,
+                             OV& dV, StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_initial, Index C,
+                             Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
   constexpr bool masked = !std::is_same_v<Keep, NoMask>;
   const Index N = Q.rows(), M = V.cols();
@@ -213,10 +213,10 @@ template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class O
           class OV>
 void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
                                const DG& G, const Keep& keep,
-                               const LinearAttentionState<typename DQ::Scalar>* initial,
-                               const StateGradient<typename DQ::Scalar>* d_final, OQ& dQ,
-                               OK& dK, OV& dV, StateGradient<typename DQ::Scalar>* d_initial,
-                               Workspace<typename DQ::Scalar>& ws) {
+                               const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>* initial,
+                               const StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_final, OQ& dQ,
+                               OK& dK, OV& dV, StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_initial,
+                               Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
   constexpr bool masked = !std::is_same_v<Keep, NoMask>;
   const bool from_features = derivative_from_features(phi);
@@ -402,10 +402,10 @@ template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class O
           class OV>
 void causal_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
                                  const DG& G, const Keep& keep,
-                                 const LinearAttentionState<typename DQ::Scalar>* initial,
-                                 const StateGradient<typename DQ::Scalar>* d_final, OQ& dQ,
-                                 OK& dK, OV& dV, StateGradient<typename DQ::Scalar>* d_initial,
-                                 Workspace<typename DQ::Scalar>& ws) {
+                                 const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>* initial,
+                                 const StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_final, OQ& dQ,
+                                 OK& dK, OV& dV, StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_initial,
+                                 Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const Index N = Q.rows(), M = V.cols(), F = Q.cols();

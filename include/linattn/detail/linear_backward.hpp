@@ -32,7 +32,7 @@ template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class O
           class OV>
 void linear_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
                              const DG& G, const Keep& keep, OQ& dQ, OK& dK, OV& dV,
-                             Workspace<typename DQ::Scalar>& ws) {
+                             Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
   constexpr bool masked = !std::is_same_v<Keep, NoMask>;
   const Index N = Q.rows(), L = K.rows(), M = V.cols();
@@ -108,7 +108,7 @@ template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class O
           class OV>
 void linear_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
                                  const DG& G, const Keep& keep, OQ& dQ, OK& dK, OV& dV,
-                                 Workspace<typename DQ::Scalar>& ws) {
+                                 Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
   constexpr bool masked = !std::is_same_v<Keep, NoMask>;
   const Index N = Q.rows(), L = K.rows(), M = V.cols(), F = Q.cols();

@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "../common.hpp"
+#include "low_precision.hpp"
 
 namespace linattn::detail {
 
@@ -71,13 +72,58 @@ void write_back(X& x, const Copy& copy) {
   if (copy.size() != 0 && !unit_stride_memory(x)) x = copy;
 }
 
-// The view type of an operand of type X, and the plain matrix its copy is made in.
+// The view type of an operand of type X, and the plain matrix its copy is made in: of the
+// scalar the kernels compute in (float for bf16 and half operands, which are always copied).
 template <class X>
-using ViewOf = ConstView<typename std::decay_t<X>::Scalar, view_row_major_v<X>>;
+using ViewOf = ConstView<compute_scalar_t<typename std::decay_t<X>::Scalar>, view_row_major_v<X>>;
 template <class X>
-using MutableViewOf = MutableView<typename std::decay_t<X>::Scalar, view_row_major_v<X>>;
+using MutableViewOf =
+    MutableView<compute_scalar_t<typename std::decay_t<X>::Scalar>, view_row_major_v<X>>;
 template <class X>
-using CopyOf = PlainOf<typename std::decay_t<X>::Scalar, view_row_major_v<X>>;
+using CopyOf = PlainOf<compute_scalar_t<typename std::decay_t<X>::Scalar>, view_row_major_v<X>>;
+
+// Whether x is memory with unit inner stride in the storage order of Plain (then a slice-by-slice
+// SIMD conversion applies).
+template <class Plain, class X>
+constexpr bool same_order_memory(const X& x) {
+  if constexpr ((int(std::decay_t<X>::Flags) & Eigen::DirectAccessBit) != 0 &&
+                bool(std::decay_t<X>::IsRowMajor) == bool(Plain::IsRowMajor))
+    return unit_stride_memory(x);
+  else
+    return false;
+}
+
+// A bf16 or half operand widened into float (detail/low_precision.hpp): memory with unit inner
+// stride slice by slice with the SIMD loops, anything else through Eigen's scalar cast.
+template <class X, class Copy>
+void widen_operand(const X& x, Copy& copy) {
+  if constexpr ((int(std::decay_t<X>::Flags) & Eigen::DirectAccessBit) != 0) {
+    if (same_order_memory<Copy>(x)) {
+      copy.resize(x.rows(), x.cols());
+      if (x.size() != 0)
+        for (Index o = 0; o < x.outerSize(); ++o)
+          widen(x.data() + o * x.outerStride(), copy.data() + o * copy.outerStride(),
+                x.innerSize());
+      return;
+    }
+  }
+  copy = x.template cast<float>();
+}
+
+// The float result in `src` narrowed into the bf16 or half destination `dst` of the same shape.
+template <class X, class Src>
+void narrow_result(X& dst, const Src& src) {
+  if constexpr ((int(std::decay_t<X>::Flags) & Eigen::DirectAccessBit) != 0) {
+    if (same_order_memory<Src>(dst)) {
+      if (dst.size() != 0)
+        for (Index o = 0; o < dst.outerSize(); ++o)
+          narrow(src.data() + o * src.outerStride(), dst.data() + o * dst.outerStride(),
+                 dst.innerSize());
+      return;
+    }
+  }
+  dst = src.template cast<typename std::decay_t<X>::Scalar>();
+}
 
 // An input operand as a view: in place, or a copy made once (an expression, a Map with an inner
 // stride). The entry points convert their operands with it after the argument checks, so that
@@ -87,9 +133,20 @@ template <class X>
 struct Viewed {
   CopyOf<X> copy;
   ViewOf<X> view;
-  explicit Viewed(const X& x) : copy(), view(const_view(x, copy)) {}
+  explicit Viewed(const X& x) : copy(), view(make(x, copy)) {}
   Viewed(const Viewed&) = delete;
   Viewed& operator=(const Viewed&) = delete;
+
+ private:
+  static ViewOf<X> make(const X& x, CopyOf<X>& copy) {
+    if constexpr (is_low_precision_v<typename std::decay_t<X>::Scalar>) {
+      widen_operand(x, copy);
+      return ViewOf<X>(copy.data(), copy.rows(), copy.cols(),
+                       Eigen::OuterStride<>(copy.outerStride()));
+    } else {
+      return const_view(x, copy);
+    }
+  }
 };
 
 // Calls fn(view) with a writable destination as a MutableView: in place when it is unit-stride
@@ -97,9 +154,19 @@ struct Viewed {
 template <class X, class Fn>
 void with_output_view(X& dst, Fn&& fn) {
   CopyOf<X> copy;
-  MutableViewOf<X> view = mutable_view(dst, copy);
-  fn(view);
-  write_back(dst, copy);
+  if constexpr (is_low_precision_v<typename std::decay_t<X>::Scalar>) {
+    // Computed into float, narrowed once at the end: a kernel that accumulates into its output
+    // (across chunks, heads or threads) accumulates in float.
+    copy.resize(dst.rows(), dst.cols());
+    MutableViewOf<X> view(copy.data(), copy.rows(), copy.cols(),
+                          Eigen::OuterStride<>(copy.outerStride()));
+    fn(view);
+    narrow_result(dst, copy);
+  } else {
+    MutableViewOf<X> view = mutable_view(dst, copy);
+    fn(view);
+    write_back(dst, copy);
+  }
 }
 
 // The usual entry point's operands: Q, K and V as Viewed inputs and `out` through

@@ -1,0 +1,137 @@
+/// \file detail/low_precision.hpp
+/// \brief bf16 and half storage (internal): runs of values widened to float and narrowed back,
+/// with AVX-512 / AVX2 (+F16C) code where the build has it and Eigen's scalar conversions
+/// otherwise.
+///
+/// Every kernel computes in float on a low-precision operand: the views (views.hpp) widen an
+/// operand into a float copy and narrow a float result into the caller's storage with these
+/// loops. Both directions give exactly Eigen's scalar conversions (`float(Eigen::bfloat16)`,
+/// `Eigen::bfloat16(float)`: round to nearest even, subnormals kept, overflow to infinity), so
+/// that a result does not depend on the instruction set it was built for; a NaN stays a NaN (a
+/// half NaN's payload is the instruction set's).
+/// AVX-512-BF16's VCVTNEPS2BF16 is not used for that reason: it flushes subnormal inputs to zero.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "../common.hpp"
+
+namespace linattn::detail {
+
+// bf16: a float's upper 16 bits. Widening is a shift, exact.
+inline void widen(const Eigen::bfloat16* src, float* dst, Index n) {
+  Index i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512i h = _mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+  }
+#elif defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256i h =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Round to nearest even on the upper 16 bits (Eigen's float_to_bfloat16_rtne): add 0x7fff plus
+// the lowest kept bit, keep the upper half; a NaN becomes 0x7fc0 with its sign.
+inline void narrow(const float* src, Eigen::bfloat16* dst, Index n) {
+  Index i = 0;
+#if defined(__AVX512F__)
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+  const __m512i sign = _mm512_set1_epi32(0x8000), qnan = _mm512_set1_epi32(0x7fc0);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(src + i);
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i hi = _mm512_srli_epi32(b, 16);
+    const __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(hi, one), bias)), 16);
+    const __m512i nan = _mm512_or_si512(_mm512_and_si512(hi, sign), qnan);
+    const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
+  }
+#elif defined(__AVX2__)
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+  const __m256i sign = _mm256_set1_epi32(0x8000), qnan = _mm256_set1_epi32(0x7fc0);
+  const auto round8 = [&](const float* p) {
+    const __m256 x = _mm256_loadu_ps(p);
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i hi = _mm256_srli_epi32(b, 16);
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(b, _mm256_add_epi32(_mm256_and_si256(hi, one), bias)), 16);
+    const __m256i nan = _mm256_or_si256(_mm256_and_si256(hi, sign), qnan);
+    return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  };
+  for (; i + 16 <= n; i += 16) {
+    // packus works within 128-bit lanes: [a0..3 b0..3 a4..7 b4..7], put back in order.
+    const __m256i packed = _mm256_packus_epi32(round8(src + i), round8(src + i + 8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_permute4x64_epi64(packed, 0xd8));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = Eigen::bfloat16(src[i]);
+}
+
+// half: the F16C conversions are IEEE round to nearest even with subnormals, infinities and
+// NaNs, as Eigen's scalar float_to_half_rtne.
+inline void widen(const Eigen::half* src, float* dst, Index n) {
+  Index i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i,
+                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void narrow(const float* src, Eigen::half* dst, Index n) {
+  Index i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = Eigen::half(src[i]);
+}
+
+// A 2-D operand of storage scalar S (unit inner stride, outer stride `ld`) widened into the
+// float matrix `dst` of the same shape and storage order, outer slice by outer slice.
+template <class Src, class Dst>
+void widen_into(const Src& src, Dst& dst) {
+  static_assert(bool(Src::IsRowMajor) == bool(Dst::IsRowMajor) || Src::ColsAtCompileTime == 1);
+  dst.resize(src.rows(), src.cols());
+  const Index outer = src.outerSize(), inner = src.innerSize();
+  for (Index o = 0; o < outer; ++o)
+    widen(src.data() + o * src.outerStride(), dst.data() + o * dst.outerStride(), inner);
+}
+
+template <class Src, class Dst>
+void narrow_into(const Src& src, Dst& dst) {
+  const Index outer = src.outerSize(), inner = src.innerSize();
+  for (Index o = 0; o < outer; ++o)
+    narrow(src.data() + o * src.outerStride(), dst.data() + o * dst.outerStride(), inner);
+}
+
+}  // namespace linattn::detail

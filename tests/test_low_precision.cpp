@@ -1,0 +1,321 @@
+// bf16 and half storage (issue 28, parts 1-2): the conversion loops against Eigen's scalar
+// conversions, and every kernel family on bf16 / half operands against the float kernel on the
+// rounded operands. The kernels compute in float on a widened copy and narrow the result once,
+// so the expected result is exactly the float result rounded to the storage type: the checks
+// compare bits, which is stronger than "a few ulps". One check per family also measures the
+// error against the O(N^2) double reference on the rounded inputs (half an ulp of the storage
+// type plus the float kernel's own error).
+#include <gtest/gtest.h>
+
+#include <linattn/linattn.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "reference.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using linattn::EluPlusOne;
+using linattn::SoftmaxSplit;
+using test::Mat;
+using test::random_matrix;
+using test::RowMat;
+using Index = Eigen::Index;
+using bf16 = Eigen::bfloat16;
+using half = Eigen::half;
+
+template <class S>
+std::uint16_t bits(S x) {
+  return Eigen::numext::bit_cast<std::uint16_t>(x);
+}
+inline std::uint32_t bits(float x) {
+  std::uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+template <class S>
+const char* name_of() {
+  return std::is_same_v<S, bf16> ? "bf16" : "half";
+}
+
+// got and want (the float result rounded to S) agree bit for bit.
+template <class A, class B>
+void expect_same_bits(const Eigen::MatrixBase<A>& got, const Eigen::MatrixBase<B>& want,
+                      const char* what) {
+  ASSERT_EQ(got.rows(), want.rows()) << what;
+  ASSERT_EQ(got.cols(), want.cols()) << what;
+  Index bad = 0, first_r = -1, first_c = -1;
+  for (Index c = 0; c < got.cols(); ++c)
+    for (Index r = 0; r < got.rows(); ++r)
+      if (bits(got(r, c)) != bits(want(r, c))) {
+        if (bad++ == 0) first_r = r, first_c = c;
+      }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size()
+                    << " entries differ from the float kernel's rounded result, first at ("
+                    << first_r << ", " << first_c << ")";
+}
+
+template <class S>
+Mat<S> stored(Index rows, Index cols, std::uint32_t seed, double lo = -1.0, double hi = 1.0) {
+  return random_matrix<float>(rows, cols, seed, lo, hi).template cast<S>();
+}
+template <class S>
+Mat<float> wide(const Mat<S>& x) {
+  return x.template cast<float>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The conversion loops (detail/low_precision.hpp) against Eigen's scalar conversions: every
+// 16-bit pattern widened, and floats around every rounding case narrowed (ties to even,
+// subnormals, overflow to infinity, NaN), at lengths that leave SIMD tails.
+// ---------------------------------------------------------------------------------------------
+
+template <class S>
+void check_widen_all_patterns() {
+  std::vector<S> src(65536 + 7);
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    src[i] = Eigen::numext::bit_cast<S>(static_cast<std::uint16_t>(i));
+  }
+  std::vector<float> dst(src.size());
+  linattn::detail::widen(src.data(), dst.data(), static_cast<Index>(src.size()));
+  Index bad = 0;
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    const float want = static_cast<float>(src[i]);
+    if (std::isnan(want) ? !std::isnan(dst[i]) : bits(dst[i]) != bits(want)) ++bad;
+  }
+  EXPECT_EQ(bad, 0) << name_of<S>() << ": widened patterns that differ from Eigen's";
+}
+
+template <class S>
+void check_narrow_matches_eigen() {
+  std::vector<float> src;
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            1.0f,
+                            -1.0f,
+                            65504.0f,
+                            65520.0f,  // half: rounds to infinity
+                            1e30f,
+                            -1e38f,
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(),
+                            -std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::denorm_min(),
+                            1e-40f,
+                            -3e-39f,
+                            std::numeric_limits<float>::min(),
+                            6e-8f,  // half subnormals
+                            3e-5f,
+                            1e-8f};
+  for (float f : specials) src.push_back(f);
+  // Every tie and its neighbours: bit patterns with the low bits at the rounding boundary of bf16
+  // (bit 15) and of half (13 dropped mantissa bits), on even and odd kept mantissas.
+  std::mt19937 gen(28);
+  std::uniform_int_distribution<std::uint32_t> word;
+  for (int i = 0; i < 4000; ++i) {
+    std::uint32_t b = word(gen);
+    if (i % 4 == 1) b = (b & 0xffff0000u) | 0x8000u;                        // bf16 tie
+    if (i % 4 == 2) b = (b & 0xc7ffe000u) | 0x38001000u;                    // half tie, in range
+    if (i % 4 == 3) b = (b & 0x807fffffu) | (std::uint32_t(100 + i % 60) << 23);  // |x| near 1
+    float f;
+    std::memcpy(&f, &b, sizeof f);
+    src.push_back(f);
+  }
+  for (std::size_t n : {src.size(), std::size_t(1), std::size_t(15), std::size_t(17)}) {
+    std::vector<S> dst(n);
+    linattn::detail::narrow(src.data(), dst.data(), static_cast<Index>(n));
+    Index bad = 0;
+    std::uint32_t first = 0, got = 0, expected = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const S want(src[i]);
+      // A NaN stays a NaN; its payload is the instruction set's (F16C keeps it, Eigen's
+      // portable half conversion gives 0x7e00).
+      const bool same = std::isnan(src[i]) ? Eigen::numext::isnan(dst[i]) : bits(dst[i]) == bits(want);
+      if (!same && bad++ == 0)
+        first = bits(src[i]), got = bits(dst[i]), expected = bits(want);
+    }
+    EXPECT_EQ(bad, 0) << name_of<S>() << ": " << bad << " of " << n
+                      << " narrowed values differ from Eigen's rounding; the first: float bits "
+                      << std::hex << first << " gave " << got << ", Eigen " << expected;
+  }
+}
+
+TEST(LowPrecisionConversion, WidenEveryPattern) {
+  check_widen_all_patterns<bf16>();
+  check_widen_all_patterns<half>();
+}
+
+TEST(LowPrecisionConversion, NarrowRoundsAsEigen) {
+  check_narrow_matches_eigen<bf16>();
+  check_narrow_matches_eigen<half>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernels. Shapes with D != M and N not a multiple of any block (chunk 64, row blocks).
+// ---------------------------------------------------------------------------------------------
+
+template <class S>
+class LowPrecision : public ::testing::Test {};
+using StorageTypes = ::testing::Types<bf16, half>;
+TYPED_TEST_SUITE(LowPrecision, StorageTypes);
+
+constexpr Index kN = 203, kD = 24, kM = 40;
+
+TYPED_TEST(LowPrecision, NonCausalAndMasked) {
+  using S = TypeParam;
+  const Mat<S> Q = stored<S>(kN, kD, 1), K = stored<S>(kN + 11, kD, 2),
+               V = stored<S>(kN + 11, kM, 3);
+  const Mat<S> out = linattn::linear_attention(Q, K, V);
+  expect_same_bits(out, Mat<S>(linattn::linear_attention(wide(Q), wide(K), wide(V)).template cast<S>()),
+                   "linear_attention");
+  Eigen::Array<bool, Eigen::Dynamic, 1> mask(K.rows());
+  for (Index j = 0; j < K.rows(); ++j) mask(j) = j % 3 != 1;
+  const Mat<S> masked = linattn::masked_linear_attention(Q, K, V, mask, SoftmaxSplit{});
+  expect_same_bits(
+      masked,
+      Mat<S>(linattn::masked_linear_attention(wide(Q), wide(K), wide(V), mask, SoftmaxSplit{})
+                 .template cast<S>()),
+      "masked_linear_attention");
+
+  // Against the double reference on the rounded inputs: half an ulp of S, plus float's error.
+  const Eigen::MatrixXd exact = ref::linear_attention(
+      wide(Q).template cast<double>(), wide(K).template cast<double>(), wide(V).template cast<double>(), EluPlusOne{});
+  const double ulp = std::is_same_v<S, bf16> ? 0x1p-8 : 0x1p-11;  // relative, half an ulp
+  const double err_rel =
+      (out.template cast<double>() - exact).cwiseAbs().maxCoeff() / exact.cwiseAbs().maxCoeff();
+  EXPECT_LE(err_rel, ulp * 1.01 + 1e-5) << name_of<S>();
+}
+
+TYPED_TEST(LowPrecision, CausalChunkedRecurrentMaskedAndContinued) {
+  using S = TypeParam;
+  const Mat<S> Q = stored<S>(kN, kD, 4), K = stored<S>(kN, kD, 5), V = stored<S>(kN, kM, 6);
+  for (auto algorithm : {linattn::CausalAlgorithm::Chunked, linattn::CausalAlgorithm::Recurrent}) {
+    linattn::CausalOptions o;
+    o.algorithm = algorithm;
+    o.chunk_size = 32;
+    const Mat<S> out = linattn::causal_linear_attention(Q, K, V, EluPlusOne{}, o);
+    expect_same_bits(
+        out,
+        Mat<S>(linattn::causal_linear_attention(wide(Q), wide(K), wide(V), EluPlusOne{}, o)
+                   .template cast<S>()),
+        "causal_linear_attention");
+  }
+  // In two pieces through a float state: the state of a bf16 call is a float state.
+  linattn::LinearAttentionState<linattn::compute_scalar_t<S>> st, st_f;
+  const Index cut = 77;
+  const Mat<S> a = linattn::causal_linear_attention(Q.topRows(cut), K.topRows(cut),
+                                                    V.topRows(cut), SoftmaxSplit{}, st);
+  const Mat<S> b = linattn::causal_linear_attention(Q.bottomRows(kN - cut), K.bottomRows(kN - cut),
+                                                    V.bottomRows(kN - cut), SoftmaxSplit{}, st);
+  const Mat<float> af = linattn::causal_linear_attention(
+      wide(Q).topRows(cut), wide(K).topRows(cut), wide(V).topRows(cut), SoftmaxSplit{}, st_f);
+  const Mat<float> bf = linattn::causal_linear_attention(wide(Q).bottomRows(kN - cut),
+                                                         wide(K).bottomRows(kN - cut),
+                                                         wide(V).bottomRows(kN - cut),
+                                                         SoftmaxSplit{}, st_f);
+  expect_same_bits(a, Mat<S>(af.template cast<S>()), "causal piece 1");
+  expect_same_bits(b, Mat<S>(bf.template cast<S>()), "causal piece 2");
+  expect_same_bits(st.S, st_f.S, "the carried state");
+
+  Eigen::Array<bool, Eigen::Dynamic, 1> mask(kN);
+  for (Index j = 0; j < kN; ++j) mask(j) = j % 5 != 2;
+  expect_same_bits(
+      Mat<S>(linattn::masked_causal_linear_attention(Q, K, V, mask)),
+      Mat<S>(linattn::masked_causal_linear_attention(wide(Q), wide(K), wide(V), mask).template cast<S>()),
+      "masked_causal_linear_attention");
+
+  const Eigen::MatrixXd exact = ref::causal_linear_attention(
+      wide(Q).template cast<double>(), wide(K).template cast<double>(), wide(V).template cast<double>(), EluPlusOne{});
+  const double ulp = std::is_same_v<S, bf16> ? 0x1p-8 : 0x1p-11;
+  const Mat<S> out = linattn::causal_linear_attention(Q, K, V);
+  for (Index i = 0; i < kN; ++i)
+    for (Index c = 0; c < kM; ++c)
+      ASSERT_LE(std::abs(double(out(i, c)) - exact(i, c)), ulp * std::abs(exact(i, c)) * 1.01 + 1e-6)
+          << name_of<S>() << " at (" << i << ", " << c << ")";
+}
+
+// Packed row-major buffers (the SIMD widening in place of rows) and column blocks of one N x 3HD
+// buffer, multi-head and batched; a Map with an inner stride (Eigen's scalar cast).
+TYPED_TEST(LowPrecision, MultiHeadBatchedAndLayouts) {
+  using S = TypeParam;
+  constexpr Index H = 3, Dh = 16, Mh = 8;
+  const RowMat<S> QKV = random_matrix<float>(kN, H * (2 * Dh + Mh), 7).template cast<S>();
+  const auto Q = QKV.leftCols(H * Dh);
+  const auto K = QKV.middleCols(H * Dh, H * Dh);
+  const auto V = QKV.rightCols(H * Mh);
+  const RowMat<float> QKVf = QKV.template cast<float>();
+  const auto Qf = QKVf.leftCols(H * Dh);
+  const auto Kf = QKVf.middleCols(H * Dh, H * Dh);
+  const auto Vf = QKVf.rightCols(H * Mh);
+
+  RowMat<S> out(kN, H * Mh);
+  linattn::MultiHeadWorkspace<float> ws, wsf;
+  linattn::multihead_causal_linear_attention(Q, K, V, H, EluPlusOne{}, out, ws);
+  RowMat<float> outf(kN, H * Mh);
+  linattn::multihead_causal_linear_attention(Qf, Kf, Vf, H, EluPlusOne{}, outf, wsf);
+  expect_same_bits(out, RowMat<S>(outf.template cast<S>()), "multihead_causal_linear_attention");
+
+  linattn::multihead_linear_attention(Q, K, V, H, SoftmaxSplit{}, out, ws);
+  linattn::multihead_linear_attention(Qf, Kf, Vf, H, SoftmaxSplit{}, outf, wsf);
+  expect_same_bits(out, RowMat<S>(outf.template cast<S>()), "multihead_linear_attention");
+
+  const std::vector<Index> offsets = {0, 50, 51, 140, kN};
+  linattn::batched_causal_linear_attention(Q, K, V, offsets, H, EluPlusOne{}, out, ws);
+  linattn::batched_causal_linear_attention(Qf, Kf, Vf, offsets, H, EluPlusOne{}, outf, wsf);
+  expect_same_bits(out, RowMat<S>(outf.template cast<S>()), "batched_causal_linear_attention");
+
+  // Every other row through an inner stride: the generic widening.
+  const Eigen::Map<const Mat<S>, 0, Eigen::Stride<Eigen::Dynamic, 2>> Qs(
+      QKV.data(), kN / 2, H * Dh, Eigen::Stride<Eigen::Dynamic, 2>(1, 2 * QKV.cols()));
+  const Mat<S> Qeven = Qs;
+  const Mat<S> Keven = Mat<S>(K).topRows(kN / 2), Veven = Mat<S>(V).topRows(kN / 2);
+  expect_same_bits(Mat<S>(linattn::causal_linear_attention(Qs, Keven, Veven)),
+                   Mat<S>(linattn::causal_linear_attention(Qeven, Keven, Veven)),
+                   "strided Map");
+  // A lazy expression of bf16 (Eigen's cast path) gives the same as its evaluated copy.
+  expect_same_bits(Mat<S>(linattn::linear_attention(Qeven * S(2), Keven, Veven)),
+                   Mat<S>(linattn::linear_attention(Mat<S>(Qeven * S(2)), Keven, Veven)),
+                   "expression operand");
+}
+
+TYPED_TEST(LowPrecision, SoftmaxBaselines) {
+  using S = TypeParam;
+  const Mat<S> Q = stored<S>(kN, kD, 8), K = stored<S>(kN, kD, 9), V = stored<S>(kN, kM, 10);
+  expect_same_bits(Mat<S>(linattn::softmax_attention(Q, K, V)),
+                   Mat<S>(linattn::softmax_attention(wide(Q), wide(K), wide(V)).template cast<S>()),
+                   "softmax_attention");
+  expect_same_bits(Mat<S>(linattn::causal_softmax_attention(Q, K, V)),
+                   Mat<S>(linattn::causal_softmax_attention(wide(Q), wide(K), wide(V)).template cast<S>()),
+                   "causal_softmax_attention");
+}
+
+TYPED_TEST(LowPrecision, Gradients) {
+  using S = TypeParam;
+  const Mat<S> Q = stored<S>(kN, kD, 11), K = stored<S>(kN, kD, 12), V = stored<S>(kN, kM, 13),
+               W = stored<S>(kN, kM, 14);
+  const auto expect_grads = [](const auto& g, const auto& gf, const char* what) {
+    expect_same_bits(g.dQ, Mat<S>(gf.dQ.template cast<S>()), what);
+    expect_same_bits(g.dK, Mat<S>(gf.dK.template cast<S>()), what);
+    expect_same_bits(g.dV, Mat<S>(gf.dV.template cast<S>()), what);
+  };
+  expect_grads(linattn::linear_attention_backward(Q, K, V, W, EluPlusOne{}),
+               linattn::linear_attention_backward(wide(Q), wide(K), wide(V), wide(W), EluPlusOne{}),
+               "linear_attention_backward");
+  expect_grads(linattn::causal_linear_attention_backward(Q, K, V, W, SoftmaxSplit{}),
+               linattn::causal_linear_attention_backward(wide(Q), wide(K), wide(V), wide(W),
+                                                         SoftmaxSplit{}),
+               "causal_linear_attention_backward");
+  expect_grads(linattn::causal_softmax_attention_backward(Q, K, V, W),
+               linattn::causal_softmax_attention_backward(wide(Q), wide(K), wide(V), wide(W)),
+               "causal_softmax_attention_backward");
+}
+
+}  // namespace
