@@ -318,4 +318,92 @@ TYPED_TEST(LowPrecision, Gradients) {
                "causal_softmax_attention_backward");
 }
 
+
+// Decay, gates and the delta rule (spec §9): gates, β and log-decays are stored as Q, K, V are.
+TYPED_TEST(LowPrecision, GatedAndDeltaRule) {
+  using S = TypeParam;
+  const Mat<S> Q = stored<S>(kN, kD, 15), K = stored<S>(kN, kD, 16), V = stored<S>(kN, kM, 17),
+               W = stored<S>(kN, kM, 18);
+  const Mat<S> G = stored<S>(kN, kD, 19, -0.3, -0.01);  // per-feature log gates (Identity: F = D)
+  const Mat<S> beta = stored<S>(kN, 1, 20, 0.1, 0.9), log_a = stored<S>(kN, 1, 21, -0.2, 0.0);
+  linattn::GatedOptions go;
+  go.chunk_size = 32;
+  expect_same_bits(
+      Mat<S>(linattn::gated_linear_attention(Q, K, V, G, linattn::Identity{}, go)),
+      Mat<S>(linattn::gated_linear_attention(wide(Q), wide(K), wide(V), wide(G),
+                                             linattn::Identity{}, go)
+                 .template cast<S>()),
+      "gated_linear_attention");
+  const auto gg = linattn::gated_linear_attention_backward(Q, K, V, G, W);
+  const auto gf = linattn::gated_linear_attention_backward(wide(Q), wide(K), wide(V), wide(G),
+                                                           wide(W));
+  expect_same_bits(gg.dQ, Mat<S>(gf.dQ.template cast<S>()), "gated backward dQ");
+  expect_same_bits(gg.dV, Mat<S>(gf.dV.template cast<S>()), "gated backward dV");
+  expect_same_bits(gg.dlog_gates, Mat<S>(gf.dlog_gates.template cast<S>()),
+                   "gated backward dlog_gates");
+
+  const linattn::L2Normalize<linattn::Identity> unit;
+  expect_same_bits(
+      Mat<S>(linattn::delta_rule_attention(Q, K, V, beta, log_a, unit)),
+      Mat<S>(linattn::delta_rule_attention(wide(Q), wide(K), wide(V), wide(beta), wide(log_a),
+                                           unit)
+                 .template cast<S>()),
+      "delta_rule_attention");
+  const auto dg = linattn::delta_rule_attention_backward(Q, K, V, beta, log_a, W, unit);
+  const auto df = linattn::delta_rule_attention_backward(wide(Q), wide(K), wide(V), wide(beta),
+                                                         wide(log_a), wide(W), unit);
+  expect_same_bits(dg.dK, Mat<S>(df.dK.template cast<S>()), "delta backward dK");
+  expect_same_bits(dg.dbeta, Mat<S>(df.dbeta.template cast<S>()), "delta backward dbeta");
+  expect_same_bits(dg.dlog_a, Mat<S>(df.dlog_a.template cast<S>()), "delta backward dlog_a");
+}
+
+// The decode classes keep float states and take bf16 / half tokens: the same outputs as the
+// float class on the rounded tokens.
+TYPED_TEST(LowPrecision, DecodeClassesTakeStoredTokens) {
+  using S = TypeParam;
+  constexpr Index H = 2, T = 37;
+  const Mat<S> Q = stored<S>(T, H * kD, 22), K = stored<S>(T, H * kD, 23),
+               V = stored<S>(T, H * kM, 24);
+  linattn::RecurrentLinearAttention<EluPlusOne, float> one(kD, kM), one_f(kD, kM);
+  linattn::BatchedRecurrentLinearAttention<EluPlusOne, float> batch(1, H, kD, kM),
+      batch_f(1, H, kD, kM);
+  linattn::MultiHeadRecurrentLinearAttention<EluPlusOne, float> multi(H, kD, kM),
+      multi_f(H, kD, kM);
+  linattn::RecurrentGatedAttention<linattn::Identity, float> gated(kD, kM), gated_f(kD, kM);
+  linattn::RecurrentDeltaRule<linattn::L2Normalize<linattn::Identity>, float> delta(kD, kM),
+      delta_f(kD, kM);
+  const Mat<S> G = stored<S>(T, kD, 25, -0.3, -0.01);
+  Eigen::Matrix<S, Eigen::Dynamic, 1> o1(kM);
+  Eigen::VectorXf o1_f(kM);
+  Eigen::Matrix<S, 1, Eigen::Dynamic> row(H * kM);
+  Eigen::Matrix<float, 1, Eigen::Dynamic> row_f(H * kM);
+  for (Index t = 0; t < T; ++t) {
+    const Eigen::Matrix<S, Eigen::Dynamic, 1> o =
+        one.step(Q.row(t).head(kD), K.row(t).head(kD), V.row(t).head(kM));
+    const Eigen::VectorXf of = one_f.step(wide(Q).row(t).head(kD), wide(K).row(t).head(kD),
+                                          wide(V).row(t).head(kM));
+    expect_same_bits(o, Eigen::Matrix<S, Eigen::Dynamic, 1>(of.template cast<S>()),
+                     "RecurrentLinearAttention::step");
+    multi.step(Q.row(t), K.row(t), V.row(t), row);
+    multi_f.step(wide(Q).row(t), wide(K).row(t), wide(V).row(t), row_f);
+    expect_same_bits(row, Eigen::Matrix<S, 1, Eigen::Dynamic>(row_f.template cast<S>()),
+                     "MultiHeadRecurrentLinearAttention::step");
+    const Eigen::Matrix<S, Eigen::Dynamic, 1> gate = G.row(t).transpose();
+    gated.step(Q.row(t).head(kD), K.row(t).head(kD), V.row(t).head(kM), gate, o1);
+    gated_f.step(wide(Q).row(t).head(kD), wide(K).row(t).head(kD), wide(V).row(t).head(kM),
+                 gate.template cast<float>(), o1_f);
+    expect_same_bits(o1, Eigen::Matrix<S, Eigen::Dynamic, 1>(o1_f.template cast<S>()),
+                     "RecurrentGatedAttention::step");
+    delta.step(Q.row(t).head(kD), K.row(t).head(kD), V.row(t).head(kM), 0.5f, -0.01f, o1);
+    delta_f.step(wide(Q).row(t).head(kD), wide(K).row(t).head(kD), wide(V).row(t).head(kM), 0.5f,
+                 -0.01f, o1_f);
+    expect_same_bits(o1, Eigen::Matrix<S, Eigen::Dynamic, 1>(o1_f.template cast<S>()),
+                     "RecurrentDeltaRule::step");
+    batch.step(Q.row(t), K.row(t), V.row(t), row);
+    batch_f.step(wide(Q).row(t), wide(K).row(t), wide(V).row(t), row_f);
+    expect_same_bits(row, Eigen::Matrix<S, 1, Eigen::Dynamic>(row_f.template cast<S>()),
+                     "BatchedRecurrentLinearAttention::step");
+  }
+}
+
 }  // namespace

@@ -338,9 +338,10 @@ class BatchedRecurrentLinearAttention {
                  const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
                  const Eigen::MatrixBase<DOut>& out, const ParallelOptions& par, Index rows = -1) {
     detail::static_check_scalars<DQ, DK, DV>();
-    static_assert(std::is_same_v<typename DQ::Scalar, Scalar> &&
-                      std::is_same_v<typename DOut::Scalar, Scalar>,
-                  "linattn: the tokens' scalar type must be the BatchedRecurrentLinearAttention's");
+    static_assert(std::is_same_v<compute_scalar_t<typename DQ::Scalar>, Scalar> &&
+                      std::is_same_v<typename DOut::Scalar, typename DQ::Scalar>,
+                  "linattn: the tokens' scalar type must be the BatchedRecurrentLinearAttention's "
+                  "(or bf16 / half for a float one), and out's the tokens'");
     const Index n = rows < 0 ? sequences() : rows, H = heads_, D = key_dim_, M = value_dim_;
     if (q.rows() != n || k.rows() != n || v.rows() != n || out.rows() != n ||
         q.cols() != H * D || k.cols() != H * D || v.cols() != H * M || out.cols() != H * M)
@@ -371,17 +372,17 @@ class BatchedRecurrentLinearAttention {
       const std::size_t i = index(b, h);
       // RecurrentLinearAttention::step, statement for statement: same copies, same 1-row map,
       // same update, so that the heads agree bit for bit.
-      s.q.row(0) = qe.row(r).segment(h * D, D);
-      s.k.row(0) = ke.row(r).segment(h * D, D);
+      s.q.row(0) = qe.row(r).segment(h * D, D).template cast<Scalar>();
+      s.k.row(0) = ke.row(r).segment(h * D, D).template cast<Scalar>();
       detail::map_queries(phi_, s.q, s.pq, true);
       if constexpr (!normalizes_keys_per_feature_v<FeatureMap>) {
         detail::map_keys(phi_, s.k, s.pk, true);
         s.pkv = s.pk.reshaped();
       }
-      s.v = ve.row(r).segment(h * M, M).transpose();
+      s.v = ve.row(r).segment(h * M, M).transpose().template cast<Scalar>();
       detail::recurrent_update_and_read(phi_, states_[i], s.pq.reshaped(), s.pkv, s.w,
                                         s.k.reshaped(), s.v, s.o);
-      dst.row(r).segment(h * M, M) = s.o.transpose();
+      dst.row(r).segment(h * M, M) = s.o.transpose().template cast<typename DOut::Scalar>();
       if (++unfolded_[i] == kFoldTokens) {
         states_[i].fold();
         unfolded_[i] = 0;

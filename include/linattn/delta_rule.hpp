@@ -138,10 +138,11 @@ void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
                   LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& st,
                   const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                   const DeltaOptions& opts) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   static_check_delta<Phi, Scalar>();
-  static_assert(std::is_same_v<Scalar, typename DB::Scalar> &&
-                    std::is_same_v<Scalar, typename DA::Scalar>,
+  static_assert(std::is_same_v<Storage, typename DB::Scalar> &&
+                    std::is_same_v<Storage, typename DA::Scalar>,
                 "linattn: beta and log_a must have the scalar type of Q, K and V");
   check_qkv(fn, Q, K, V, /*causal=*/true);
   check_feature_map(fn, phi, Q.cols());
@@ -169,10 +170,11 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
                    const Phi& phi, std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>* states,
                    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                    const DeltaOptions& opts, const ParallelOptions& par) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   static_check_delta<Phi, Scalar>();
-  static_assert(std::is_same_v<Scalar, typename DB::Scalar> &&
-                    std::is_same_v<Scalar, typename DA::Scalar>,
+  static_assert(std::is_same_v<Storage, typename DB::Scalar> &&
+                    std::is_same_v<Storage, typename DA::Scalar>,
                 "linattn: beta and log_a must have the scalar type of Q, K and V");
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
   const Index D = dims.first, M = dims.second;

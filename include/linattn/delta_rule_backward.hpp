@@ -45,13 +45,14 @@ void check_delta_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                           const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdB>& dbeta,
                           const Eigen::MatrixBase<DdA>& dlog_a, Index heads,
                           const DeltaOptions& opts) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   static_check_backward<Phi, compute_scalar_t<Scalar>>();
   static_check_delta<Phi, Scalar>();
-  static_assert(std::is_same_v<Scalar, typename DB::Scalar> &&
-                    std::is_same_v<Scalar, typename DA::Scalar> &&
-                    std::is_same_v<Scalar, typename DdB::Scalar> &&
-                    std::is_same_v<Scalar, typename DdA::Scalar>,
+  static_assert(std::is_same_v<Storage, typename DB::Scalar> &&
+                    std::is_same_v<Storage, typename DA::Scalar> &&
+                    std::is_same_v<Storage, typename DdB::Scalar> &&
+                    std::is_same_v<Storage, typename DdA::Scalar>,
                 "linattn: beta, log_a and their gradients must have the scalar type of Q, K "
                 "and V");
   check_backward(fn, Q, K, V, dOut, dQ, dK, dV, /*causal=*/true);
@@ -109,9 +110,9 @@ void delta_backward_head(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
   Scalar* dg = params.second ? xs.vector(kDeltaDG, N).data() : nullptr;
   delta_backward_run(phi, Q, K, V, dOut, params.first, params.second, initial, d_final, dQ, dK,
                      dV, db, dg, d_initial, ws, opts, F, M);
-  for (Index i = 0; i < N; ++i) token_param_ref(dbeta, i, h) = db[i];
+  for (Index i = 0; i < N; ++i) token_param_ref(dbeta, i, h) = static_cast<typename std::decay_t<OB>::Scalar>(db[i]);
   if (dg)
-    for (Index i = 0; i < N; ++i) token_param_ref(dlog_a, i, h) = dg[i];
+    for (Index i = 0; i < N; ++i) token_param_ref(dlog_a, i, h) = static_cast<typename std::decay_t<OA>::Scalar>(dg[i]);
 }
 
 template <class Scalar, class DQ, class DK, class DV, class DB, class DA>
@@ -186,9 +187,10 @@ DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
     const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
     const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& initial, const DeltaOptions& options = {}) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   detail::check_qkv("delta_rule_attention_backward", Q, K, V, /*causal=*/true);
-  auto g = detail::delta_gradients_like<Scalar>(Q, K, V, beta, log_a);
+  auto g = detail::delta_gradients_like<Storage>(Q, K, V, beta, log_a);
   StateGradient<Scalar> none, d_initial;
   Workspace<compute_scalar_t<Scalar>> ws;
   delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, phi, initial, none, g.dQ, g.dK, g.dV,
@@ -225,7 +227,8 @@ void multihead_delta_rule_attention_backward(
     const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdB>& dbeta,
     const Eigen::MatrixBase<DdA>& dlog_a, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   const char* fn = "multihead_delta_rule_attention_backward";
   const std::pair<Index, Index> dims = detail::check_heads(fn, Q, K, V, heads, true);
   const Index D = dims.first, M = dims.second;
@@ -267,8 +270,9 @@ DeltaGradients<typename DQ::Scalar> multihead_delta_rule_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
     const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut, Index heads,
     const Phi& phi = Phi{}, const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
-  using Scalar = typename DQ::Scalar;
-  auto g = detail::delta_gradients_like<Scalar>(Q, K, V, beta, log_a);
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
+  auto g = detail::delta_gradients_like<Storage>(Q, K, V, beta, log_a);
   MultiHeadWorkspace<compute_scalar_t<Scalar>> ws;
   multihead_delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, heads, phi, g.dQ, g.dK,
                                           g.dV, g.dbeta, g.dlog_a, ws, options, par);

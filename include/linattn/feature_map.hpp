@@ -476,11 +476,11 @@ struct TokenFeatures {
     bool column_major = declares_elementwise<Phi>::value && !has_any_side_map_v<Phi, Scalar>;
     if constexpr (is_erased_map<Phi>::value) column_major = phi.token_major();
     if (column_major) {
-      column = x.reshaped();
+      column = x.reshaped().template cast<Scalar>();  // bf16 / half tokens widened here
       using ColMap = Eigen::Map<Matrix<Scalar>>;
       phi.map(ColMap(column.data(), column.size(), 1), ColMap(out.data(), out.size(), 1));
     } else {
-      row.row(0) = x.reshaped().transpose();
+      row.row(0) = x.reshaped().transpose().template cast<Scalar>();
       map_side(phi, row, features, side);
       out = features.reshaped();
     }

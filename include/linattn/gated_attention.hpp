@@ -55,9 +55,10 @@ void gated_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
                   const Phi& phi, LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& st,
                   const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                   const GatedOptions& opts) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   static_check_gated<Phi, Scalar>();
-  static_assert(std::is_same_v<Scalar, typename DG::Scalar>,
+  static_assert(std::is_same_v<Storage, typename DG::Scalar>,
                 "linattn: log_gates must have the scalar type of Q, K and V");
   check_qkv(fn, Q, K, V, /*causal=*/true);
   check_feature_map(fn, phi, Q.cols());
@@ -93,9 +94,10 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
                    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>* states,
                    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                    const GatedOptions& opts, const ParallelOptions& par) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   static_check_gated<Phi, Scalar>();
-  static_assert(std::is_same_v<Scalar, typename DG::Scalar>,
+  static_assert(std::is_same_v<Storage, typename DG::Scalar>,
                 "linattn: log_gates must have the scalar type of Q, K and V");
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
   const Index D = dims.first, M = dims.second;

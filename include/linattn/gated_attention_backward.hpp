@@ -36,10 +36,11 @@ void check_gated_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                           const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
                           const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdG>& dG,
                           Index heads, const GatedOptions& opts) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   static_check_backward<Phi, compute_scalar_t<Scalar>>();
   static_check_gated<Phi, Scalar>();
-  static_assert(std::is_same_v<Scalar, typename DG::Scalar>,
+  static_assert(std::is_same_v<Storage, typename DG::Scalar>,
                 "linattn: log_gates must have the scalar type of Q, K and V");
   check_backward(fn, Q, K, V, dOut, dQ, dK, dV, /*causal=*/true);
   const Index D = Q.cols() / heads;
@@ -202,9 +203,10 @@ GatedGradients<typename DQ::Scalar> gated_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,
     const Eigen::MatrixBase<DO>& dOut, const Phi& phi = Phi{}, const GatedOptions& options = {}) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   detail::check_qkv("gated_linear_attention_backward", Q, K, V, /*causal=*/true);
-  auto g = detail::gated_gradients_like<Scalar>(Q, K, V, log_gates);
+  auto g = detail::gated_gradients_like<Storage>(Q, K, V, log_gates);
   LinearAttentionState<Scalar> initial;
   StateGradient<Scalar> none, d_initial;
   Workspace<compute_scalar_t<Scalar>> ws;
@@ -226,7 +228,8 @@ void multihead_gated_linear_attention_backward(
     const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdG>& dlog_gates,
     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const GatedOptions& options = {},
     const ParallelOptions& par = {}) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   const char* fn = "multihead_gated_linear_attention_backward";
   const std::pair<Index, Index> dims = detail::check_heads(fn, Q, K, V, heads, true);
   const Index D = dims.first, M = dims.second;
@@ -272,8 +275,9 @@ GatedGradients<typename DQ::Scalar> multihead_gated_linear_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,
     const Eigen::MatrixBase<DO>& dOut, Index heads, const Phi& phi = Phi{},
     const GatedOptions& options = {}, const ParallelOptions& par = {}) {
-  using Scalar = typename DQ::Scalar;
-  auto g = detail::gated_gradients_like<Scalar>(Q, K, V, log_gates);
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
+  auto g = detail::gated_gradients_like<Storage>(Q, K, V, log_gates);
   MultiHeadWorkspace<compute_scalar_t<Scalar>> ws;
   multihead_gated_linear_attention_backward(Q, K, V, log_gates, dOut, heads, phi, g.dQ, g.dK,
                                             g.dV, g.dlog_gates, ws, options, par);

@@ -47,7 +47,8 @@ void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
                            const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                            const Phi& phi, const Keep& keep, const Eigen::MatrixBase<DOut>& out,
                            Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   // The caller checked the operands (linear_attention_split()) on its own types: checking
   // them again here would only instantiate the checks once more for the views.
   (void)function;

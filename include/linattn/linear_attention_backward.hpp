@@ -82,7 +82,8 @@ void causal_linear_attention_backward_impl(
     const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
     StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_initial, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const CausalOptions& opts) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   static_check_backward<Phi, compute_scalar_t<Scalar>>();
   check_backward(function, Q, K, V, dOut, dQ, dK, dV, /*causal=*/true);
   check_feature_map(function, phi, Q.cols());
@@ -145,7 +146,8 @@ void linear_attention_backward_impl(const char* function, const Eigen::MatrixBas
                                     const Eigen::MatrixBase<DdK>& dK,
                                     const Eigen::MatrixBase<DdV>& dV,
                                     Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   static_check_backward<Phi, compute_scalar_t<Scalar>>();
   check_backward(function, Q, K, V, dOut, dQ, dK, dV, /*causal=*/false);
   check_feature_map(function, phi, Q.cols());
@@ -210,8 +212,9 @@ template <class DQ, class DK, class DV, class DG, class Phi = EluPlusOne>
 AttentionGradients<typename DQ::Scalar> linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, const Phi& phi = Phi{}) {
-  using Scalar = typename DQ::Scalar;
-  auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
+  auto g = detail::gradients_like<Storage>(Q.rows(), K.rows(), Q.cols(), V.cols());
   Workspace<compute_scalar_t<Scalar>> ws;
   linear_attention_backward(Q, K, V, dOut, phi, g.dQ, g.dK, g.dV, ws);
   return g;
@@ -245,8 +248,9 @@ AttentionGradients<typename DQ::Scalar> masked_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut,
     const Eigen::DenseBase<DMask>& key_mask, const Phi& phi = Phi{}) {
-  using Scalar = typename DQ::Scalar;
-  auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
+  auto g = detail::gradients_like<Storage>(Q.rows(), K.rows(), Q.cols(), V.cols());
   Workspace<compute_scalar_t<Scalar>> ws;
   masked_linear_attention_backward(Q, K, V, dOut, key_mask, phi, g.dQ, g.dK, g.dV, ws);
   return g;
@@ -328,8 +332,9 @@ AttentionGradients<typename DQ::Scalar> causal_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, const Phi& phi = Phi{},
     const CausalOptions& options = {}) {
-  using Scalar = typename DQ::Scalar;
-  auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
+  auto g = detail::gradients_like<Storage>(Q.rows(), K.rows(), Q.cols(), V.cols());
   Workspace<compute_scalar_t<Scalar>> ws;
   causal_linear_attention_backward(Q, K, V, dOut, phi, g.dQ, g.dK, g.dV, ws, options);
   return g;
@@ -363,8 +368,9 @@ AttentionGradients<typename DQ::Scalar> masked_causal_linear_attention_backward(
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut,
     const Eigen::DenseBase<DMask>& key_mask, const Phi& phi = Phi{},
     const CausalOptions& options = {}) {
-  using Scalar = typename DQ::Scalar;
-  auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
+  auto g = detail::gradients_like<Storage>(Q.rows(), K.rows(), Q.cols(), V.cols());
   Workspace<compute_scalar_t<Scalar>> ws;
   masked_causal_linear_attention_backward(Q, K, V, dOut, key_mask, phi, g.dQ, g.dK, g.dV, ws,
                                           options);

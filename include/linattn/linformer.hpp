@@ -183,7 +183,8 @@ void linformer_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase
                          const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DE>& E,
                          const Eigen::MatrixBase<DF>& F, const Eigen::MatrixBase<DOut>& out,
                          LinformerWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   constexpr const char* function = "linformer_attention";
   detail::check_linformer(function, Q, K, V, E, F);
   detail::check_output(function, out, Q.rows(), V.cols());

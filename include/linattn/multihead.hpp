@@ -197,7 +197,8 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                            const Eigen::MatrixBase<DOut>& out,
                            MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                            const CausalOptions& options, const ParallelOptions& par) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   static_check_feature_map<Phi, compute_scalar_t<Scalar>>();
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
   const Index D = dims.first, M = dims.second;

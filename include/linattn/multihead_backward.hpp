@@ -27,7 +27,8 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                                const Eigen::MatrixBase<DdV>& dV,
                                MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                const CausalOptions& options, const ParallelOptions& par) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   static_check_backward<Phi, compute_scalar_t<Scalar>>();
   // Every check before the parallel region, where nothing may throw.
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, Causal);

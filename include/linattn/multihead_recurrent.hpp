@@ -71,7 +71,7 @@ class MultiHeadRecurrentLinearAttention {
     if (detail::memory_overlaps(out, q) || detail::memory_overlaps(out, k) ||
         detail::memory_overlaps(out, v)) {
       step_heads(qe, ke, ve, aliased_out_);
-      detail::writable(out).reshaped() = aliased_out_;
+      detail::writable(out).reshaped() = aliased_out_.template cast<typename DOut::Scalar>();
     } else {
       step_heads(qe, ke, ve, detail::writable(out).reshaped());
     }

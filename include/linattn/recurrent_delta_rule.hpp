@@ -88,8 +88,10 @@ class RecurrentDeltaRule {
             const Eigen::MatrixBase<DV>& v, Scalar beta, Scalar log_a,
             const Eigen::MatrixBase<DOut>& out) {
     detail::static_check_scalars<DQ, DK, DV>();
-    static_assert(std::is_same_v<typename DQ::Scalar, Scalar>,
-                  "linattn: the token's scalar type must be the RecurrentDeltaRule's");
+    static_assert(std::is_same_v<compute_scalar_t<typename DQ::Scalar>, Scalar> &&
+                      std::is_same_v<compute_scalar_t<typename DOut::Scalar>, Scalar>,
+                  "linattn: the token's scalar type must be the RecurrentDeltaRule's (or bf16 / "
+                  "half for a float one)");
     const char* fn = "RecurrentDeltaRule::step";
     const Index F = state_.S.rows();
     detail::check_token(fn, "q", q, key_dim_);
@@ -99,12 +101,12 @@ class RecurrentDeltaRule {
     token_.map(phi_, q, pqv_, QuerySide{false});
     token_.map(phi_, k, pkv_, KeySide{false});
     pqv_ *= static_cast<Scalar>(options_.scale);
-    v_ = v.reshaped();
+    v_ = v.reshaped().template cast<Scalar>();
     const Scalar a = detail::exp_nonpositive_op<Scalar>()(log_a);
     bind_pending();
     detail::delta_token(state_.S.data(), state_.S.outerStride(), F, value_dim_, pending_, a, beta,
                         pqv_.data(), pkv_.data(), v_.data(), o_.data(), yq_.data(), yk_.data());
-    detail::writable(out).reshaped() = o_;
+    detail::writable(out).reshaped() = o_.template cast<typename DOut::Scalar>();
     ++position_;
   }
 

@@ -83,9 +83,11 @@ class RecurrentGatedAttention {
             const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& log_gate,
             const Eigen::MatrixBase<DOut>& out) {
     detail::static_check_scalars<DQ, DK, DV>();
-    static_assert(std::is_same_v<typename DQ::Scalar, Scalar> &&
-                      std::is_same_v<typename DG::Scalar, Scalar>,
-                  "linattn: the token's scalar type must be the RecurrentGatedAttention's");
+    static_assert(std::is_same_v<compute_scalar_t<typename DQ::Scalar>, Scalar> &&
+                      std::is_same_v<typename DG::Scalar, typename DQ::Scalar> &&
+                      std::is_same_v<compute_scalar_t<typename DOut::Scalar>, Scalar>,
+                  "linattn: the token's scalar type must be the RecurrentGatedAttention's (or "
+                  "bf16 / half for a float one)");
     const char* fn = "RecurrentGatedAttention::step";
     const Index F = state_.S.rows();
     detail::check_token(fn, "q", q, key_dim_);
@@ -100,9 +102,9 @@ class RecurrentGatedAttention {
     const bool per_feature = log_gate.size() > 1;
     token_.map(phi_, q, pqv_, QuerySide{options_.normalize});
     token_.map(phi_, k, pkv_, KeySide{options_.normalize});
-    v_ = v.reshaped();
+    v_ = v.reshaped().template cast<Scalar>();
     const Index gw = log_gate.size();
-    alpha_.head(gw) = log_gate.reshaped();
+    alpha_.head(gw) = log_gate.reshaped().template cast<Scalar>();
     detail::exp_nonpositive_inplace(alpha_.head(gw).array());
     const detail::GatedConfig<Scalar> cfg = detail::gated_config<Scalar>(options_, gw);
     detail::gated_token_weights(pqv_.data(), pkv_.data(), alpha_.data(), per_feature, F, cfg,
@@ -110,13 +112,13 @@ class RecurrentGatedAttention {
     detail::gated_update_read(state_.S.data(), state_.S.outerStride(), F, value_dim_,
                               alpha_.data(), per_feature, pkv_.data(), w_.data(), v_.data(),
                               o_.data());
-    detail::writable(out).reshaped() = o_;
+    detail::writable(out).reshaped() = o_.template cast<typename DOut::Scalar>();
     // log_decay keeps F entries (a scalar decay adds to each): sized once, so that no step
     // allocates; combine() reads F equal entries as the scalar decay they are.
     if (gw == F)
-      state_.log_decay += log_gate.reshaped();
+      state_.log_decay += log_gate.reshaped().template cast<Scalar>();
     else
-      state_.log_decay.array() += log_gate.reshaped()(0);
+      state_.log_decay.array() += static_cast<Scalar>(log_gate.reshaped()(0));
     ++position_;
   }
 

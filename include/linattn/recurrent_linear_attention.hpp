@@ -98,21 +98,24 @@ class RecurrentLinearAttention {
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOut>& out) {
     detail::static_check_scalars<DQ, DK, DV>();
-    static_assert(std::is_same_v<typename DQ::Scalar, Scalar>,
-                  "linattn: the token's scalar type must be the RecurrentLinearAttention's");
+    static_assert(std::is_same_v<compute_scalar_t<typename DQ::Scalar>, Scalar> &&
+                      std::is_same_v<compute_scalar_t<typename DOut::Scalar>, Scalar>,
+                  "linattn: the token's scalar type must be the RecurrentLinearAttention's (or "
+                  "bf16 / half for a float one)");
     check_step(q, k, v);
     detail::check_token("RecurrentLinearAttention::step", "out", out, value_dim_);
-    q_.row(0) = q.reshaped().transpose();
-    k_.row(0) = k.reshaped().transpose();
+    // bf16 / half tokens are widened here; the state stays in Scalar.
+    q_.row(0) = q.reshaped().transpose().template cast<Scalar>();
+    k_.row(0) = k.reshaped().transpose().template cast<Scalar>();
     detail::map_queries(phi_, q_, pq_, true);
     if constexpr (!normalizes_keys_per_feature_v<FeatureMap>) {
       detail::map_keys(phi_, k_, pk_, true);
       pkv_ = pk_.reshaped();
     }
-    v_ = v.reshaped();
+    v_ = v.reshaped().template cast<Scalar>();
     detail::recurrent_update_and_read(phi_, state_, pq_.reshaped(), pkv_, w_, k_.reshaped(), v_,
                                       o_);
-    detail::writable(out).reshaped() = o_;
+    detail::writable(out).reshaped() = o_.template cast<typename DOut::Scalar>();
     ++position_;
     // The step adds the token to the low parts of the state; folding them into the high parts
     // every kFoldTokens steps keeps the sums exact to rounding over any number of tokens, for
@@ -123,11 +126,12 @@ class RecurrentLinearAttention {
     }
   }
 
-  /// Consumes one token and returns its output (allocates the returned vector).
+  /// Consumes one token and returns its output (allocates the returned vector), of the
+  /// token's scalar type.
   template <class DQ, class DK, class DV>
-  Vector<Scalar> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
-                      const Eigen::MatrixBase<DV>& v) {
-    Vector<Scalar> out(value_dim_);
+  Vector<typename DQ::Scalar> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+                                   const Eigen::MatrixBase<DV>& v) {
+    Vector<typename DQ::Scalar> out(value_dim_);
     step(q, k, v, out);
     return out;
   }

@@ -77,7 +77,8 @@ template <class DQ, class DK, class DV, class Acc, class Max, class Sum>
 void softmax_rows_tiled(const DQ& Q, const DK& K, const DV& V, Index i0, Index bq, bool causal,
                         Acc& acc_all, Max& m_all, Sum& l_all, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                         Index key_tile = 0) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   const Index L = K.rows(), D = Q.cols(), M = V.cols();
   const Scalar scale = Scalar(1) / std::sqrt(Scalar(D));
   auto qs = ws.matrix(kSlotPhiQ, bq, D);

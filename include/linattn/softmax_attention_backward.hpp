@@ -63,7 +63,8 @@ template <class DQ, class DK, class DV, class DG, class Lse, class Dot, class OQ
 void softmax_backward_tiled(const DQ& Q, const DK& K, const DV& V, const DG& G, const Lse& lse,
                             const Dot& dot, bool causal, OQ& dQ, OK& dK, OV& dV,
                             Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
-  using Scalar = typename DQ::Scalar;
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
   const Index N = Q.rows(), L = K.rows(), D = Q.cols(), M = V.cols();
   const Scalar scale = Scalar(1) / std::sqrt(Scalar(D));
   constexpr Index kq = kSoftmaxBackwardQueryTile<Scalar>;
@@ -288,8 +289,9 @@ template <class DQ, class DK, class DV, class DG>
 AttentionGradients<typename DQ::Scalar> softmax_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut) {
-  using Scalar = typename DQ::Scalar;
-  auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
+  auto g = detail::gradients_like<Storage>(Q.rows(), K.rows(), Q.cols(), V.cols());
   Workspace<compute_scalar_t<Scalar>> ws;
   softmax_attention_backward(Q, K, V, dOut, g.dQ, g.dK, g.dV, ws);
   return g;
@@ -332,8 +334,9 @@ template <class DQ, class DK, class DV, class DG>
 AttentionGradients<typename DQ::Scalar> causal_softmax_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut) {
-  using Scalar = typename DQ::Scalar;
-  auto g = detail::gradients_like<Scalar>(Q.rows(), K.rows(), Q.cols(), V.cols());
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
+  auto g = detail::gradients_like<Storage>(Q.rows(), K.rows(), Q.cols(), V.cols());
   Workspace<compute_scalar_t<Scalar>> ws;
   causal_softmax_attention_backward(Q, K, V, dOut, g.dQ, g.dK, g.dV, ws);
   return g;
