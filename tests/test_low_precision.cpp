@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -404,6 +405,64 @@ TYPED_TEST(LowPrecision, DecodeClassesTakeStoredTokens) {
     expect_same_bits(row, Eigen::Matrix<S, 1, Eigen::Dynamic>(row_f.template cast<S>()),
                      "BatchedRecurrentLinearAttention::step");
   }
+}
+
+
+// A decoder that keeps S in bf16 / half: after one token its state is the float state rounded,
+// bit for bit; over many tokens its outputs follow a reference that rounds S after every token
+// (within float rounding and the odd tie decided the other way: 1e-3 of the largest output),
+// and its drift from the float decoder is what rounding S costs (reported, bounded by the
+// worst case of T roundings of half an ulp each).
+TYPED_TEST(LowPrecision, DecodeWithLowPrecisionStates) {
+  using S = TypeParam;
+  constexpr Index H = 2, B = 3, T = 150;
+  const Mat<float> Q = random_matrix<float>(T * B, H * kD, 26), K = random_matrix<float>(T * B, H * kD, 27),
+                   V = random_matrix<float>(T * B, H * kM, 28);
+  linattn::BatchedRecurrentLinearAttention<EluPlusOne, float, S> low(B, H, kD, kM);
+  linattn::BatchedRecurrentLinearAttention<EluPlusOne, float> full(B, H, kD, kM);
+  Mat<float> out(B, H * kM), out_f(B, H * kM);
+  const ref::Mat PQ = ref::elu_plus_one_features(Q.template cast<double>()),
+                 PK = ref::elu_plus_one_features(K.template cast<double>());
+  // The reference's states: S rounded to the storage type after every token, z in double.
+  std::vector<Mat<S>> Sr(B * H, Mat<S>::Zero(kD, kM));
+  std::vector<Eigen::VectorXd> zr(B * H, Eigen::VectorXd::Zero(kD));
+  double worst = 0, drift = 0, scale = 0;
+  for (Index t = 0; t < T; ++t) {
+    low.step(Q.middleRows(t * B, B), K.middleRows(t * B, B), V.middleRows(t * B, B), out);
+    full.step(Q.middleRows(t * B, B), K.middleRows(t * B, B), V.middleRows(t * B, B), out_f);
+    if (t == 0) {
+      for (Index b = 0; b < B; ++b)
+        for (Index h = 0; h < H; ++h) {
+          const auto a = low.state(b, h), f = full.state(b, h);
+          expect_same_bits(Mat<float>(a.S), Mat<float>((f.S + f.S_lo).template cast<S>().template cast<float>()),
+                           "the state after one token");
+        }
+    }
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < H; ++h) {
+        const Index r = t * B + b;
+        auto& St = Sr[b * H + h];
+        auto& z = zr[b * H + h];
+        const Eigen::VectorXd pk = PK.row(r).segment(h * kD, kD).transpose();
+        const Eigen::VectorXd pq = PQ.row(r).segment(h * kD, kD).transpose();
+        const Eigen::VectorXd v = V.row(r).segment(h * kM, kM).transpose().template cast<double>();
+        const Eigen::MatrixXd next = St.template cast<double>() + pk * v.transpose();
+        z += pk;
+        const Eigen::VectorXd o = next.transpose() * pq / pq.dot(z);
+        St = next.template cast<float>().template cast<S>();
+        const Eigen::VectorXd got = out.row(b).segment(h * kM, kM).transpose().template cast<double>();
+        const Eigen::VectorXd f = out_f.row(b).segment(h * kM, kM).transpose().template cast<double>();
+        worst = std::max(worst, (got - o).cwiseAbs().maxCoeff());
+        drift = std::max(drift, (got - f).cwiseAbs().maxCoeff());
+        scale = std::max(scale, f.cwiseAbs().maxCoeff());
+      }
+  }
+  EXPECT_LE(worst, 1e-3 * scale) << name_of<S>() << ": against the rounding reference";
+  const double half_ulp = std::is_same_v<S, bf16> ? 0x1p-9 : 0x1p-12;
+  EXPECT_LE(drift, T * half_ulp * scale) << name_of<S>();
+  std::printf("[ %s state ] %lld tokens: largest output %.3g, off the rounding reference by %.2e, "
+              "off the float decoder by %.2e\n",
+              name_of<S>(), static_cast<long long>(T), scale, worst, drift);
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
 #include "parallel.hpp"
+#include "detail/low_precision_state.hpp"
 #include "recurrent_linear_attention.hpp"
 #include "state.hpp"
 
@@ -56,16 +57,27 @@ namespace linattn {
 /// different objects are independent.
 ///
 /// \tparam FeatureMap a feature map (see feature_map.hpp)
-/// \tparam Scalar float or double
+/// \tparam Scalar float or double: the arithmetic, and the tokens' type (or bf16 / half tokens
+///         for float)
+/// \tparam StateScalar what S is kept in between steps: Scalar (with its compensated low part,
+///         the default), or `Eigen::bfloat16` / `Eigen::half` for a float decoder (a quarter of
+///         the bytes a step moves; S rounded after every token, z kept in float; product maps
+///         only). state() / set_state() widen and round; save_state() takes Scalar states only.
 /// \code
 /// // 32 conversations, 8 heads of D = M = 64; Q, K: 32 x 512, V: 32 x 512, one row each.
 /// linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> decoder(32, 8, 64, 64);
 /// Eigen::MatrixXf out(32, 8 * 64);
 /// decoder.step(Q, K, V, out);  // no allocation; (sequence, head) pairs on all threads
 /// \endcode
-template <class FeatureMap = EluPlusOne, class Scalar = float>
+template <class FeatureMap = EluPlusOne, class Scalar = float, class StateScalar = Scalar>
 class BatchedRecurrentLinearAttention {
   static_assert((detail::static_check_recurrent<FeatureMap, Scalar>(), true));
+  static constexpr bool kLowState = detail::is_low_precision_v<StateScalar>;
+  static_assert(std::is_same_v<StateScalar, Scalar> ||
+                    (kLowState && std::is_same_v<Scalar, float> &&
+                     !normalizes_keys_per_feature_v<FeatureMap>),
+                "linattn: BatchedRecurrentLinearAttention keeps its states in Scalar, or in "
+                "Eigen::bfloat16 / Eigen::half for a float decoder of a product feature map");
 
  public:
   using State = LinearAttentionState<Scalar>;
@@ -204,10 +216,12 @@ class BatchedRecurrentLinearAttention {
     const std::size_t total = static_cast<std::size_t>(B * heads_);
     if (states_.size() < total) states_.resize(total);
     for (std::size_t i = static_cast<std::size_t>(kept * heads_); i < total; ++i) {
-      if (states_[i].empty())
-        states_[i] = make_state<Scalar>(phi_, key_dim_, value_dim_);
-      else
+      if (!states_[i].empty())
         states_[i].reset();
+      else if constexpr (kLowState)
+        states_[i] = Stored(phi_.feature_dim(key_dim_), value_dim_);
+      else
+        states_[i] = make_state<Scalar>(phi_, key_dim_, value_dim_);
     }
     if (unfolded_.size() < total) unfolded_.resize(total);
     if (positions_.size() < static_cast<std::size_t>(B)) positions_.resize(static_cast<std::size_t>(B));
@@ -228,7 +242,7 @@ class BatchedRecurrentLinearAttention {
     State copy = state;
     detail::prepare_state(fn, copy, phi_, key_dim_, value_dim_);
     copy.fold();
-    states_[index(b, h)] = std::move(copy);
+    store(states_[index(b, h)], std::move(copy));
     unfolded_[index(b, h)] = 0;
     positions_[static_cast<std::size_t>(b)] = position;
   }
@@ -248,7 +262,7 @@ class BatchedRecurrentLinearAttention {
       s.fold();
     }
     for (std::size_t i = 0; i < copies.size(); ++i) {
-      std::swap(states_[i], copies[i]);
+      store(states_[i], std::move(copies[i]));
       unfolded_[i] = 0;
     }
     for (Index b = 0; b < sequences(); ++b) positions_[static_cast<std::size_t>(b)] = position;
@@ -260,9 +274,13 @@ class BatchedRecurrentLinearAttention {
     const char* fn = "BatchedRecurrentLinearAttention::state";
     check_sequence(fn, b);
     check_head(fn, h);
-    State copy = states_[index(b, h)];
-    copy.fold();
-    return copy;
+    if constexpr (kLowState) {
+      return states_[index(b, h)].widened();
+    } else {
+      State copy = states_[index(b, h)];
+      copy.fold();
+      return copy;
+    }
   }
 
   /// Folded copies of all B·H states, sequence-major (see set_states()).
@@ -288,6 +306,7 @@ class BatchedRecurrentLinearAttention {
       s.w.resize(F);
       s.v.resize(value_dim_);
       s.o.resize(value_dim_);
+      s.row.resize(kLowState ? value_dim_ : 0);
       scratch_.push_back(std::move(s));
     }
   }
@@ -313,8 +332,16 @@ class BatchedRecurrentLinearAttention {
   // RecurrentLinearAttention's scratch, one set per thread.
   struct Scratch {
     Matrix<Scalar> q, k, pq, pk;
-    Vector<Scalar> pkv, w, v, o;
+    Vector<Scalar> pkv, w, v, o, row;
   };
+  // What a (sequence, head) keeps between steps.
+  using Stored = std::conditional_t<kLowState, detail::LowPrecisionState<StateScalar>, State>;
+  static void store(Stored& to, State&& from) {
+    if constexpr (kLowState)
+      to.assign(from);
+    else
+      to = std::move(from);
+  }
   struct AllSlots {
     Index operator()(Index r) const noexcept { return r; }
   };
@@ -380,8 +407,15 @@ class BatchedRecurrentLinearAttention {
         s.pkv = s.pk.reshaped();
       }
       s.v = ve.row(r).segment(h * M, M).transpose().template cast<Scalar>();
-      detail::recurrent_update_and_read(phi_, states_[i], s.pq.reshaped(), s.pkv, s.w,
-                                        s.k.reshaped(), s.v, s.o);
+      if constexpr (kLowState) {
+        auto& st = states_[i];
+        detail::recurrent_weights(phi_, st.z, st.z_lo, s.pq.reshaped(), s.pkv, s.w);
+        detail::low_state_update_read(st.S.data(), st.S.rows(), value_dim_, s.pkv.data(),
+                                      s.w.data(), s.v.data(), s.o.data(), s.row.data());
+      } else {
+        detail::recurrent_update_and_read(phi_, states_[i], s.pq.reshaped(), s.pkv, s.w,
+                                          s.k.reshaped(), s.v, s.o);
+      }
       dst.row(r).segment(h * M, M) = s.o.transpose().template cast<typename DOut::Scalar>();
       if (++unfolded_[i] == kFoldTokens) {
         states_[i].fold();
@@ -405,7 +439,7 @@ class BatchedRecurrentLinearAttention {
   FeatureMap phi_;
   Index heads_, key_dim_, value_dim_;
   Index sequences_ = 0;
-  std::vector<State> states_;        // head h of sequence b at b·H + h; may hold spares past B·H
+  std::vector<Stored> states_;       // head h of sequence b at b·H + h; may hold spares past B·H
   std::vector<Index> unfolded_;      // steps since the last fold, per (sequence, head)
   std::vector<Index> positions_;     // per sequence
   std::vector<unsigned char> marks_;  // per sequence: the repeat check of step(slots, ...)

@@ -250,6 +250,22 @@ void fused_rank1_update_read(const Scalar* hi, Scalar* lo, Index ld, Index F, In
 #pragma GCC diagnostic pop
 #endif
 
+// A product map's step weights: z_lo += φ(k), then w = φ(q) / (φ(q)·(z + z_lo)), guarded (the
+// output is wᵀ S after the update). Shared by the float states and the bf16 / half ones
+// (low_state_update_read), so that both divide by the same denominators.
+template <class Phi, class ZVec, class PQ, class PK, class W>
+void recurrent_weights(const Phi& phi, const ZVec& z, ZVec& z_lo, const PQ& pq, const PK& pk,
+                       W& w) {
+  using Scalar = typename ZVec::Scalar;
+  z_lo.noalias() += pk;
+  Scalar den = pq.dot(z) + pq.dot(z_lo);
+  if (may_cancel(phi)) {
+    const Scalar scale = pq.cwiseAbs().dot((z + z_lo).cwiseAbs());
+    if (!(den > cancellation_threshold<Scalar>(z.size()) * scale)) den = 0;
+  }
+  w = pq * guarded_inverse(den);
+}
+
 // Consumes one token into the state and writes its output: the recurrent step, O(F·M).
 // pq is φ(q) (any F-vector expression); pk (contiguous F-vector) holds φ(k) for generic maps
 // and is scratch for per-feature key softmax; w is contiguous F-vector scratch; v and o are
@@ -266,13 +282,7 @@ void recurrent_update_and_read(const Phi& phi, LinearAttentionState<Scalar>& st,
     // z(d) + z_lo(d) >= 1 now: the maximal key of each feature contributes e^0.
     w = pq.cwiseQuotient(st.z + st.z_lo);
   } else {
-    st.z_lo.noalias() += pk;
-    Scalar den = pq.dot(st.z) + pq.dot(st.z_lo);
-    if (may_cancel(phi)) {
-      const Scalar scale = pq.cwiseAbs().dot((st.z + st.z_lo).cwiseAbs());
-      if (!(den > cancellation_threshold<Scalar>(st.z.size()) * scale)) den = 0;
-    }
-    w = pq * guarded_inverse(den);
+    recurrent_weights(phi, st.z, st.z_lo, pq, pk, w);
   }
   fused_rank1_update_read(st.S.data(), st.S_lo.data(), st.S.outerStride(), st.S.rows(),
                           st.S.cols(), pk.data(), w.data(), v.data(), o.data());

@@ -1,0 +1,120 @@
+// bf16 and half storage against float, in one run (issue 28, part 3):
+//   prefill/dtype:<t>/H:8/D:64/N:<n>      multihead_causal_linear_attention on packed row-major
+//                                        N x 8·64 inputs and output, one thread, EluPlusOne
+//   decode/dtype:<t>/state:f32/H:8/D:64/B:<b>   one BatchedRecurrentLinearAttention step of B
+//                                        sequences x 8 heads (tokens in <t>, states in float)
+// Counters: tokens_per_s (prefill: N per call; decode: B per step), bytes_in (the inputs' bytes).
+// Profile: LINATTN_BENCH_PROFILE=smoke runs N = 256 and B = 1, 4 (CI's smoke test).
+#include <benchmark/benchmark.h>
+
+#include <linattn/linattn.hpp>
+
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Index = Eigen::Index;
+template <class T>
+using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+constexpr Index kHeads = 8, kDim = 64;
+
+template <class T>
+RowMat<T> random_rows(Index rows, Index cols, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  RowMat<T> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = T(dist(gen));
+  return m;
+}
+
+template <class T>
+const char* dtype() {
+  if constexpr (std::is_same_v<T, float>) return "f32";
+  if constexpr (std::is_same_v<T, Eigen::bfloat16>) return "bf16";
+  return "f16";
+}
+
+template <class T>
+void BM_prefill(benchmark::State& st, Index N) {
+  const RowMat<T> Q = random_rows<T>(N, kHeads * kDim, 1), K = random_rows<T>(N, kHeads * kDim, 2),
+                  V = random_rows<T>(N, kHeads * kDim, 3);
+  RowMat<T> out(N, kHeads * kDim);
+  linattn::MultiHeadWorkspace<float> ws;
+  linattn::ParallelOptions serial;
+  serial.num_threads = 1;
+  for (auto _ : st) {
+    linattn::multihead_causal_linear_attention(Q, K, V, kHeads, linattn::EluPlusOne{}, out, ws,
+                                               linattn::CausalOptions{}, serial);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  st.counters["tokens_per_s"] =
+      benchmark::Counter(double(N), benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["bytes_in"] = double(3 * Q.size() * Index(sizeof(T)));
+}
+
+template <class T>
+void BM_decode(benchmark::State& st, Index B) {
+  constexpr Index kRing = 64;
+  const RowMat<T> q = random_rows<T>(kRing * B, kHeads * kDim, 4),
+                  k = random_rows<T>(kRing * B, kHeads * kDim, 5),
+                  v = random_rows<T>(kRing * B, kHeads * kDim, 6);
+  linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> rnn(B, kHeads, kDim, kDim);
+  RowMat<T> out(B, kHeads * kDim);
+  linattn::ParallelOptions serial;
+  serial.num_threads = 1;
+  // States of a prefilled conversation: 1024 steps first, so that S is not zero.
+  for (Index t = 0; t < 1024; ++t) {
+    const Index r = (t % kRing) * B;
+    rnn.step(q.middleRows(r, B), k.middleRows(r, B), v.middleRows(r, B), out, serial);
+  }
+  Index t = 0;
+  for (auto _ : st) {
+    const Index r = t * B;
+    rnn.step(q.middleRows(r, B), k.middleRows(r, B), v.middleRows(r, B), out, serial);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+    t = (t + 1) % kRing;
+  }
+  st.counters["tokens_per_s"] =
+      benchmark::Counter(double(B), benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["state_bytes"] = double(B * kHeads * 2 * (kDim * kDim + kDim) * Index(sizeof(float)));
+}
+
+template <class T>
+void register_type(const std::vector<Index>& ns, const std::vector<Index>& bs) {
+  const std::string t = dtype<T>();
+  for (Index n : ns)
+    benchmark::RegisterBenchmark(
+        ("prefill/dtype:" + t + "/H:8/D:64/N:" + std::to_string(n)).c_str(),
+        [n](benchmark::State& st) { BM_prefill<T>(st, n); })
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  for (Index b : bs)
+    benchmark::RegisterBenchmark(
+        ("decode/dtype:" + t + "/state:f32/H:8/D:64/B:" + std::to_string(b)).c_str(),
+        [b](benchmark::State& st) { BM_decode<T>(st, b); })
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* profile = std::getenv("LINATTN_BENCH_PROFILE");
+  const bool smoke = profile != nullptr && std::string(profile) == "smoke";
+  const std::vector<Index> ns = smoke ? std::vector<Index>{256} : std::vector<Index>{4096, 16384};
+  const std::vector<Index> bs = smoke ? std::vector<Index>{1, 4} : std::vector<Index>{1, 64};
+  // Interleaved by type so that float and its low-precision forms run side by side.
+  register_type<float>(ns, bs);
+  register_type<Eigen::bfloat16>(ns, bs);
+  register_type<Eigen::half>(ns, bs);
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
