@@ -459,7 +459,8 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
                causal_linear_attention_views(function, q, k, v, map, keep, st, dst, ws, opts,
                                              threads, executor_of(par));
-             });
+             },
+             &ws.storage_copies());
 }
 
 }  // namespace detail

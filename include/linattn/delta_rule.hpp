@@ -158,7 +158,8 @@ void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& o) {
                delta_run(map, q, k, v, params.first, params.second, st, o, ws, opts);
-             });
+             },
+             &ws.storage_copies());
 }
 
 // The multi-head and batched forms: (sequence, head) pairs in parallel, each the single-head
@@ -206,7 +207,7 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
                 sub_view(v, r0, h * M, n, M), params.first, params.second, *st, os, tws, opts);
     });
   };
-  with_views(Q.derived(), K.derived(), V.derived(), writable(out), run);
+  with_views(Q.derived(), K.derived(), V.derived(), writable(out), run, &ws.storage_copies());
 }
 
 }  // namespace detail

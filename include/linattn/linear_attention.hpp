@@ -131,7 +131,8 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
                linear_attention_views(function, q, k, v, map, keep, dst, ws, threads,
                                       executor_of(par));
-             });
+             },
+             &ws.storage_copies());
 }
 
 }  // namespace detail

@@ -184,7 +184,8 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
                batched_linear_views(fn, q, k, v, q_offsets, k_offsets, heads, map, keep, dst, ws,
                                     par, D, M);
-             });
+             },
+             &ws.storage_copies());
 }
 
 // `states` (nullptr: every sequence starts from an empty state of the workspace's) holds the
@@ -217,7 +218,8 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
                batched_causal_views(fn, q, k, v, offsets, heads, map, keep, states, dst, ws,
                                     options, par, D, M);
-             });
+             },
+             &ws.storage_copies());
 }
 
 }  // namespace detail

@@ -44,6 +44,8 @@ class MultiHeadWorkspace {
     for_thread(threads - 1);
     if (static_cast<int>(states_.size()) < threads) states_.resize(static_cast<std::size_t>(threads));
   }
+  /// Internal: the float copies of bf16 / half operands (the calling thread's workspace's).
+  detail::StorageCopies<Scalar>& storage_copies() { return for_thread(0).storage_copies(); }
   /// Bytes held by all threads' buffers and states.
   std::size_t bytes() const noexcept {
     std::size_t total = 0;

@@ -47,6 +47,30 @@ struct WorkspaceExtension {
 /// for (int step = 0; step < 1000; ++step)
 ///   linattn::linear_attention(Q, K, V, linattn::EluPlusOne{}, out, ws);  // no allocation
 /// \endcode
+namespace detail {
+
+// The float copies of bf16 / half operands and outputs (views.hpp), kept between calls so that
+// a reused workspace converts into warm memory rather than into fresh pages every call.
+template <class Scalar>
+struct StorageCopies {
+  std::array<Vector<Scalar>, 4> buffers;
+  Scalar* reserve(int i, Index n) {
+    auto& b = buffers[static_cast<std::size_t>(i)];
+    if (b.size() < n) b.resize(n);
+    return b.data();
+  }
+  std::size_t bytes() const noexcept {
+    std::size_t total = 0;
+    for (const auto& b : buffers) total += static_cast<std::size_t>(b.size()) * sizeof(Scalar);
+    return total;
+  }
+  void release() {
+    for (auto& b : buffers) b.resize(0);
+  }
+};
+
+}  // namespace detail
+
 template <class Scalar>
 class Workspace {
  public:
@@ -85,14 +109,19 @@ class Workspace {
     std::size_t total = 0;
     for (const auto& b : buffers_) total += static_cast<std::size_t>(b.size()) * sizeof(Scalar);
     if (extension_) total += extension_->bytes();
-    return total;
+    return total + copies_.bytes();
   }
 
   /// Frees every buffer.
   void release() {
     for (auto& b : buffers_) b.resize(0);
     extension_.reset();
+    copies_.release();
   }
+
+  /// Internal: the float copies of bf16 / half operands (Q, K, V and the output of a call on
+  /// them), grown to the largest call and kept.
+  detail::StorageCopies<Scalar>& storage_copies() noexcept { return copies_; }
 
   /// Internal: the kernel scratch of type T (a detail::WorkspaceExtension), created on first use.
   template <class T>
@@ -111,6 +140,7 @@ class Workspace {
 
   std::array<Vector<Scalar>, kSlots> buffers_;
   std::unique_ptr<detail::WorkspaceExtension<Scalar>> extension_;
+  detail::StorageCopies<Scalar> copies_;
 };
 
 }  // namespace linattn

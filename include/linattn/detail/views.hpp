@@ -12,6 +12,7 @@
 
 #include <Eigen/Core>
 
+#include <cstddef>
 #include <type_traits>
 
 #include "../common.hpp"
@@ -129,17 +130,30 @@ void narrow_result(X& dst, const Src& src) {
 // stride). The entry points convert their operands with it after the argument checks, so that
 // the kernels below them are compiled once per map, scalar type and storage orders rather than
 // once per operand type; the view may point into `copy`, hence no copy or move.
+//
+// A bf16 or half operand is widened into float: into `buffer` (x.size() floats, from a
+// Workspace's storage_copies(), reused across calls) when given, else into `copy`.
 template <class X>
 struct Viewed {
+  using Compute = compute_scalar_t<typename std::decay_t<X>::Scalar>;
   CopyOf<X> copy;
   ViewOf<X> view;
-  explicit Viewed(const X& x) : copy(), view(make(x, copy)) {}
+  explicit Viewed(const X& x, Compute* buffer = nullptr) : copy(), view(make(x, copy, buffer)) {}
   Viewed(const Viewed&) = delete;
   Viewed& operator=(const Viewed&) = delete;
 
  private:
-  static ViewOf<X> make(const X& x, CopyOf<X>& copy) {
+  static ViewOf<X> make(const X& x, CopyOf<X>& copy, Compute* buffer) {
     if constexpr (is_low_precision_v<typename std::decay_t<X>::Scalar>) {
+      if constexpr ((int(std::decay_t<X>::Flags) & Eigen::DirectAccessBit) != 0) {
+        if (buffer != nullptr && same_order_memory<CopyOf<X>>(x)) {
+          const Index inner = x.innerSize();
+          if (x.size() != 0)
+            for (Index o = 0; o < x.outerSize(); ++o)
+              widen(x.data() + o * x.outerStride(), buffer + o * inner, inner);
+          return ViewOf<X>(buffer, x.rows(), x.cols(), Eigen::OuterStride<>(inner));
+        }
+      }
       widen_operand(x, copy);
       return ViewOf<X>(copy.data(), copy.rows(), copy.cols(),
                        Eigen::OuterStride<>(copy.outerStride()));
@@ -152,16 +166,23 @@ struct Viewed {
 // Calls fn(view) with a writable destination as a MutableView: in place when it is unit-stride
 // memory, else a buffer copied into it after fn returns.
 template <class X, class Fn>
-void with_output_view(X& dst, Fn&& fn) {
+void with_output_view(X& dst, Fn&& fn,
+                      compute_scalar_t<typename std::decay_t<X>::Scalar>* buffer = nullptr) {
   CopyOf<X> copy;
   if constexpr (is_low_precision_v<typename std::decay_t<X>::Scalar>) {
-    // Computed into float, narrowed once at the end: a kernel that accumulates into its output
-    // (across chunks, heads or threads) accumulates in float.
-    copy.resize(dst.rows(), dst.cols());
-    MutableViewOf<X> view(copy.data(), copy.rows(), copy.cols(),
-                          Eigen::OuterStride<>(copy.outerStride()));
+    // Computed into float (`buffer` of dst.size() floats, or a copy), narrowed once at the end:
+    // a kernel that accumulates into its output (across chunks, heads or threads) accumulates
+    // in float.
+    const bool row_major = bool(MutableViewOf<X>::IsRowMajor);
+    float* data = buffer;
+    if (data == nullptr) {
+      copy.resize(dst.rows(), dst.cols());
+      data = copy.data();
+    }
+    MutableViewOf<X> view(data, dst.rows(), dst.cols(),
+                          Eigen::OuterStride<>(row_major ? dst.cols() : dst.rows()));
     fn(view);
-    narrow_result(dst, copy);
+    narrow_result(dst, view);
   } else {
     MutableViewOf<X> view = mutable_view(dst, copy);
     fn(view);
@@ -171,12 +192,28 @@ void with_output_view(X& dst, Fn&& fn) {
 
 // The usual entry point's operands: Q, K and V as Viewed inputs and `out` through
 // with_output_view(), then fn(q, k, v, out) on the views.
-template <class DQ, class DK, class DV, class DOut, class Fn>
-void with_views(const DQ& Q, const DK& K, const DV& V, DOut& out, Fn&& fn) {
-  const Viewed<DQ> q(Q);
-  const Viewed<DK> k(K);
-  const Viewed<DV> v(V);
-  with_output_view(out, [&](auto& dst) { fn(q.view, k.view, v.view, dst); });
+// With `copies` (a Workspace's storage_copies()), bf16 / half operands are widened into its
+// buffers, which a reused workspace keeps warm.
+template <class DQ, class DK, class DV, class DOut, class Fn, class Copies = std::nullptr_t>
+void with_views(const DQ& Q, const DK& K, const DV& V, DOut& out, Fn&& fn,
+                Copies* copies = nullptr) {
+  using Compute = compute_scalar_t<typename std::decay_t<DQ>::Scalar>;
+  Compute* b[4] = {nullptr, nullptr, nullptr, nullptr};
+  if constexpr (!std::is_same_v<Copies, std::nullptr_t> &&
+                is_low_precision_v<typename std::decay_t<DQ>::Scalar>) {
+    if (copies != nullptr) {
+      b[0] = copies->reserve(0, Q.size());
+      b[1] = copies->reserve(1, K.size());
+      b[2] = copies->reserve(2, V.size());
+      b[3] = copies->reserve(3, out.size());
+    }
+  } else {
+    (void)copies;
+  }
+  const Viewed<DQ> q(Q, b[0]);
+  const Viewed<DK> k(K, b[1]);
+  const Viewed<DV> v(V, b[2]);
+  with_output_view(out, [&](auto& dst) { fn(q.view, k.view, v.view, dst); }, b[3]);
 }
 
 // with_output_view() for the three gradients of a backward kernel: fn(dq, dk, dv).
