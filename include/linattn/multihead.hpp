@@ -214,12 +214,21 @@ void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   if (states) check_states(fn, *states, B, heads, phi, D, M);
   // Viewed once, not per (sequence, head): see batched_linear.
   const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
-  with_views(Q.derived(), K.derived(), V.derived(), writable(out),
-             [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-               batched_causal_views(fn, q, k, v, offsets, heads, map, keep, states, dst, ws,
-                                    options, par, D, M);
-             },
-             &ws.storage_copies());
+  if constexpr (is_low_precision_v<Storage>) {
+    // The operands stay in bf16 / half here (in place, or a copy of an expression): the kernel
+    // widens each head's rows a piece at a time (batched_causal_views).
+    with_storage_views(Q.derived(), K.derived(), V.derived(), writable(out),
+                       [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+                         batched_causal_views(fn, q, k, v, offsets, heads, map, keep, states, dst,
+                                              ws, options, par, D, M);
+                       });
+  } else {
+    with_views(Q.derived(), K.derived(), V.derived(), writable(out),
+               [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+                 batched_causal_views(fn, q, k, v, offsets, heads, map, keep, states, dst, ws,
+                                      options, par, D, M);
+               });
+  }
 }
 
 }  // namespace detail

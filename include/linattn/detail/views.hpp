@@ -126,6 +126,23 @@ void narrow_result(X& dst, const Src& src) {
   dst = src.template cast<typename std::decay_t<X>::Scalar>();
 }
 
+// Rows [r0, r0 + rows) and columns [c0, c0 + cols) of a bf16 / half view widened into `buffer`
+// (rows·cols floats), as a float view of the same storage order.
+template <class View>
+ConstView<float, bool(View::IsRowMajor)> widen_block(const View& x, Index r0, Index c0,
+                                                     Index rows, Index cols, float* buffer) {
+  constexpr bool RM = bool(View::IsRowMajor);
+  const Index ld = x.outerStride();
+  if (rows > 0 && cols > 0) {
+    if constexpr (RM) {
+      for (Index i = 0; i < rows; ++i) widen(x.data() + (r0 + i) * ld + c0, buffer + i * cols, cols);
+    } else {
+      for (Index j = 0; j < cols; ++j) widen(x.data() + (c0 + j) * ld + r0, buffer + j * rows, rows);
+    }
+  }
+  return ConstView<float, RM>(buffer, rows, cols, Eigen::OuterStride<>(RM ? cols : rows));
+}
+
 // An input operand as a view: in place, or a copy made once (an expression, a Map with an inner
 // stride). The entry points convert their operands with it after the argument checks, so that
 // the kernels below them are compiled once per map, scalar type and storage orders rather than
@@ -214,6 +231,22 @@ void with_views(const DQ& Q, const DK& K, const DV& V, DOut& out, Fn&& fn,
   const Viewed<DK> k(K, b[1]);
   const Viewed<DV> v(V, b[2]);
   with_output_view(out, [&](auto& dst) { fn(q.view, k.view, v.view, dst); }, b[3]);
+}
+
+// with_views() for kernels that convert bf16 / half operands themselves, a piece at a time:
+// the operands as views of their own scalar type (in place, or a copy of an expression).
+template <class DQ, class DK, class DV, class DOut, class Fn>
+void with_storage_views(const DQ& Q, const DK& K, const DV& V, DOut& out, Fn&& fn) {
+  PlainOf<typename DQ::Scalar, view_row_major_v<DQ>> cq;
+  PlainOf<typename DK::Scalar, view_row_major_v<DK>> ck;
+  PlainOf<typename DV::Scalar, view_row_major_v<DV>> cv;
+  PlainOf<typename DOut::Scalar, view_row_major_v<DOut>> co;
+  const auto q = const_view(Q, cq);
+  const auto k = const_view(K, ck);
+  const auto v = const_view(V, cv);
+  auto dst = mutable_view(out, co);
+  fn(q, k, v, dst);
+  write_back(out, co);
 }
 
 // with_output_view() for the three gradients of a backward kernel: fn(dq, dk, dv).
