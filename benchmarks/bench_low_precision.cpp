@@ -1,8 +1,9 @@
 // bf16 and half storage against float, in one run (issue 28, part 3):
 //   prefill/dtype:<t>/H:8/D:64/N:<n>      multihead_causal_linear_attention on packed row-major
 //                                        N x 8·64 inputs and output, one thread, EluPlusOne
-//   decode/dtype:<t>/state:f32/H:8/D:64/B:<b>   one BatchedRecurrentLinearAttention step of B
-//                                        sequences x 8 heads (tokens in <t>, states in float)
+//   decode/dtype:<t>/state:<s>/H:8/D:64/B:<b>   one BatchedRecurrentLinearAttention step of B
+//                                        sequences x 8 heads (tokens in <t>, states in <s>:
+//                                        float, or the storage type)
 // Counters: tokens_per_s (prefill: N per call; decode: B per step), bytes_in (the inputs' bytes).
 // Profile: LINATTN_BENCH_PROFILE=smoke runs N = 256 and B = 1, 4 (CI's smoke test).
 #include <benchmark/benchmark.h>
@@ -57,13 +58,14 @@ void BM_prefill(benchmark::State& st, Index N) {
   st.counters["bytes_in"] = double(3 * Q.size() * Index(sizeof(T)));
 }
 
-template <class T>
+template <class T, class StateT>
 void BM_decode(benchmark::State& st, Index B) {
   constexpr Index kRing = 64;
   const RowMat<T> q = random_rows<T>(kRing * B, kHeads * kDim, 4),
                   k = random_rows<T>(kRing * B, kHeads * kDim, 5),
                   v = random_rows<T>(kRing * B, kHeads * kDim, 6);
-  linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> rnn(B, kHeads, kDim, kDim);
+  linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float, StateT> rnn(B, kHeads, kDim,
+                                                                                 kDim);
   RowMat<T> out(B, kHeads * kDim);
   linattn::ParallelOptions serial;
   serial.num_threads = 1;
@@ -82,7 +84,12 @@ void BM_decode(benchmark::State& st, Index B) {
   }
   st.counters["tokens_per_s"] =
       benchmark::Counter(double(B), benchmark::Counter::kIsIterationInvariantRate);
-  st.counters["state_bytes"] = double(B * kHeads * 2 * (kDim * kDim + kDim) * Index(sizeof(float)));
+  // A float state has S and its low part (two F x M floats) plus z and its low part; a bf16 /
+  // half state one F x M matrix of them plus z and its low part in float.
+  st.counters["state_bytes"] =
+      std::is_same_v<StateT, float>
+          ? double(B * kHeads * 2 * (kDim * kDim + kDim) * Index(sizeof(float)))
+          : double(B * kHeads * (kDim * kDim * Index(sizeof(StateT)) + 2 * kDim * Index(sizeof(float))));
 }
 
 template <class T>
@@ -94,12 +101,20 @@ void register_type(const std::vector<Index>& ns, const std::vector<Index>& bs) {
         [n](benchmark::State& st) { BM_prefill<T>(st, n); })
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
-  for (Index b : bs)
+  for (Index b : bs) {
     benchmark::RegisterBenchmark(
         ("decode/dtype:" + t + "/state:f32/H:8/D:64/B:" + std::to_string(b)).c_str(),
-        [b](benchmark::State& st) { BM_decode<T>(st, b); })
+        [b](benchmark::State& st) { BM_decode<T, float>(st, b); })
         ->Unit(benchmark::kMicrosecond)
         ->UseRealTime();
+    // States in the storage type (float tokens with bf16 states under the bf16 heading).
+    if constexpr (!std::is_same_v<T, float>)
+      benchmark::RegisterBenchmark(
+          ("decode/dtype:" + t + "/state:" + t + "/H:8/D:64/B:" + std::to_string(b)).c_str(),
+          [b](benchmark::State& st) { BM_decode<T, T>(st, b); })
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+  }
 }
 
 }  // namespace

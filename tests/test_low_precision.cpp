@@ -465,4 +465,40 @@ TYPED_TEST(LowPrecision, DecodeWithLowPrecisionStates) {
               name_of<S>(), static_cast<long long>(T), scale, worst, drift);
 }
 
+
+// Sequences of several widening pieces (256 rows, or whole chunks), with a tail: the pieces
+// continue one another bit for bit, single-head and multi-head, both algorithms.
+TYPED_TEST(LowPrecision, CausalPiecesContinueExactly) {
+  using S = TypeParam;
+  constexpr Index N = 701, H = 2;
+  const RowMat<S> Q = random_matrix<float>(N, H * kD, 29).template cast<S>(),
+                  K = random_matrix<float>(N, H * kD, 30).template cast<S>(),
+                  V = random_matrix<float>(N, H * kM, 31).template cast<S>();
+  const RowMat<float> Qf = Q.template cast<float>(), Kf = K.template cast<float>(),
+                      Vf = V.template cast<float>();
+  linattn::ParallelOptions one;
+  one.num_threads = 1;
+  for (Index chunk : {Index(0), Index(48)}) {
+    linattn::CausalOptions o;
+    o.chunk_size = chunk;
+    o.algorithm = chunk ? linattn::CausalAlgorithm::Chunked : linattn::CausalAlgorithm::Auto;
+    linattn::LinearAttentionState<float> st, st_f;
+    linattn::Workspace<float> ws, ws_f;
+    RowMat<S> out(N, kM);
+    RowMat<float> out_f(N, kM);
+    linattn::causal_linear_attention(Q.leftCols(kD), K.leftCols(kD), V.leftCols(kM), EluPlusOne{},
+                                     st, out, ws, o, one);
+    linattn::causal_linear_attention(Qf.leftCols(kD), Kf.leftCols(kD), Vf.leftCols(kM),
+                                     EluPlusOne{}, st_f, out_f, ws_f, o, one);
+    expect_same_bits(out, RowMat<S>(out_f.template cast<S>()), "causal, several pieces");
+    expect_same_bits(st.S, st_f.S, "causal, the state after several pieces");
+    RowMat<S> mh(N, H * kM);
+    RowMat<float> mh_f(N, H * kM);
+    linattn::MultiHeadWorkspace<float> mws, mws_f;
+    linattn::multihead_causal_linear_attention(Q, K, V, H, EluPlusOne{}, mh, mws, o, one);
+    linattn::multihead_causal_linear_attention(Qf, Kf, Vf, H, EluPlusOne{}, mh_f, mws_f, o, one);
+    expect_same_bits(mh, RowMat<S>(mh_f.template cast<S>()), "multi-head, several pieces");
+  }
+}
+
 }  // namespace

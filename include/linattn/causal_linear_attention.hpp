@@ -381,6 +381,38 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
   }
 }
 
+// Rows of a bf16 / half operand widened at a time: 256 rows of D = M = 64 are 64 KiB a float
+// operand, the four of a piece a quarter of a 1 MiB L2.
+inline constexpr Index kLowPrecisionPieceRows = 256;
+
+// causal_linear_attention_impl() on rows [r0, r0 + n) of bf16 / half views, a head's columns
+// (Q, K at column qc, V and the output at vc): the rows widened a piece at a time into the
+// workspace's float buffers (cache-resident), the kernel on them, the output narrowed back.
+// The pieces are whole multiples of the kernel's unit, which continue one another bit for bit,
+// so the result is the kernel's on a float copy of the whole operands, rounded.
+template <class VQ, class VK, class VV, class Phi, class Keep, class VOut, class Scalar>
+void causal_impl_widened(const char* function, const VQ& q, const VK& k, const VV& v, Index r0,
+                         Index n, Index qc, Index vc, Index D, Index M, const Phi& phi,
+                         const Keep& keep, LinearAttentionState<Scalar>& st, VOut& dst,
+                         Workspace<Scalar>& ws, const CausalOptions& opts) {
+  const Index unit = causal_block_rows(opts, phi.feature_dim(D) * M);
+  const Index sub = unit * std::max<Index>(1, kLowPrecisionPieceRows / unit);
+  auto& copies = ws.storage_copies();
+  for (Index j0 = 0; j0 < n; j0 += sub) {
+    const Index p = std::min(sub, n - j0), row = r0 + j0;
+    const auto qp = widen_block(q, row, qc, p, D, copies.reserve(0, p * D));
+    const auto kp = widen_block(k, row, qc, p, D, copies.reserve(1, p * D));
+    const auto vp = widen_block(v, row, vc, p, M, copies.reserve(2, p * M));
+    MutableView<Scalar, bool(VOut::IsRowMajor)> op(copies.reserve(3, p * M), p, M,
+                                                   Eigen::OuterStride<>(VOut::IsRowMajor ? M : p));
+    causal_linear_attention_impl(function, qp.block(0, 0, p, D), kp.block(0, 0, p, D),
+                                 vp.block(0, 0, p, M), phi, shifted_keep(keep, row), st,
+                                 op.block(0, 0, p, M), ws, opts);
+    auto to = dst.block(row, vc, p, M);
+    narrow_result(to, op);
+  }
+}
+
 // causal_linear_attention_impl() on T threads when the sequence is long enough (spec §8):
 // the rows are cut into T segments (at multiples of the kernel's block, so that each segment
 // runs the blocks a one-thread call from the same state would); each thread summarises its
@@ -455,6 +487,21 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
   check_output(function, out, N, M);
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
   const auto map = erase_map<compute_scalar_t<typename DQ::Scalar>>(phi);
+  if constexpr (is_low_precision_v<typename DQ::Scalar>) {
+    if (threads <= 1) {
+      // One thread: the operands stay in bf16 / half and are widened a piece at a time.
+      with_storage_views(Q.derived(), K.derived(), V.derived(), writable(out),
+                         [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+                           if (opts.chunk_size < 0)
+                             throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
+                                                         std::to_string(opts.chunk_size));
+                           prepare_state(function, st, map, Q.cols(), M);
+                           causal_impl_widened(function, q, k, v, 0, N, 0, 0, Q.cols(), M, map,
+                                               keep, st, dst, ws, opts);
+                         });
+      return;
+    }
+  }
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
                causal_linear_attention_views(function, q, k, v, map, keep, st, dst, ws, opts,

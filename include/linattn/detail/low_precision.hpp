@@ -26,57 +26,90 @@
 
 namespace linattn::detail {
 
+// Packets of 16 (AVX-512) or 8 (AVX2) values: load widened, store narrowed, with the rounding of
+// the loops below (which use them). The fused decode step of low_precision_state.hpp uses them
+// too.
+#if defined(__AVX512F__)
+inline __m512 load_widened16(const Eigen::bfloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load_widened16(const Eigen::half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// Round to nearest even on the upper 16 bits (Eigen's float_to_bfloat16_rtne): add 0x7fff plus
+// the lowest kept bit, keep the upper half; a NaN becomes 0x7fc0 with its sign.
+inline void store_narrowed16(Eigen::bfloat16* p, __m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i hi = _mm512_srli_epi32(b, 16);
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)),
+                                           _mm512_set1_epi32(0x7fff))),
+      16);
+  const __m512i nan =
+      _mm512_or_si512(_mm512_and_si512(hi, _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7fc0));
+  const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, nan);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+inline void store_narrowed16(Eigen::half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#elif defined(__AVX2__)
+inline __m256 load_widened8(const Eigen::bfloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+// The rounded upper halves of 8 floats, as 8 32-bit lanes (see store_narrowed16).
+inline __m256i rounded_bf16_lanes(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i hi = _mm256_srli_epi32(b, 16);
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(b, _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)),
+                                           _mm256_set1_epi32(0x7fff))),
+      16);
+  const __m256i nan =
+      _mm256_or_si256(_mm256_and_si256(hi, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7fc0));
+  return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+inline void store_narrowed8(Eigen::bfloat16* p, __m256 x) {
+  // packus works within 128-bit lanes: [a0..3 a0..3 a4..7 a4..7]; the permute puts a0..7 low.
+  const __m256i r = rounded_bf16_lanes(x);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+#if defined(__F16C__)
+inline __m256 load_widened8(const Eigen::half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store_narrowed8(Eigen::half* p, __m256 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+#endif
+
 // bf16: a float's upper 16 bits. Widening is a shift, exact.
 inline void widen(const Eigen::bfloat16* src, float* dst, Index n) {
   Index i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    const __m512i h = _mm512_cvtepu16_epi32(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load_widened16(src + i));
 #elif defined(__AVX2__)
-  for (; i + 8 <= n; i += 8) {
-    const __m256i h =
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
-  }
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_widened8(src + i));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Round to nearest even on the upper 16 bits (Eigen's float_to_bfloat16_rtne): add 0x7fff plus
-// the lowest kept bit, keep the upper half; a NaN becomes 0x7fc0 with its sign.
+// Round to nearest even (see store_narrowed16).
 inline void narrow(const float* src, Eigen::bfloat16* dst, Index n) {
   Index i = 0;
 #if defined(__AVX512F__)
-  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
-  const __m512i sign = _mm512_set1_epi32(0x8000), qnan = _mm512_set1_epi32(0x7fc0);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(src + i);
-    const __m512i b = _mm512_castps_si512(x);
-    const __m512i hi = _mm512_srli_epi32(b, 16);
-    const __m512i rounded =
-        _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(hi, one), bias)), 16);
-    const __m512i nan = _mm512_or_si512(_mm512_and_si512(hi, sign), qnan);
-    const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, nan);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
-  }
+  for (; i + 16 <= n; i += 16) store_narrowed16(dst + i, _mm512_loadu_ps(src + i));
 #elif defined(__AVX2__)
-  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
-  const __m256i sign = _mm256_set1_epi32(0x8000), qnan = _mm256_set1_epi32(0x7fc0);
-  const auto round8 = [&](const float* p) {
-    const __m256 x = _mm256_loadu_ps(p);
-    const __m256i b = _mm256_castps_si256(x);
-    const __m256i hi = _mm256_srli_epi32(b, 16);
-    const __m256i rounded = _mm256_srli_epi32(
-        _mm256_add_epi32(b, _mm256_add_epi32(_mm256_and_si256(hi, one), bias)), 16);
-    const __m256i nan = _mm256_or_si256(_mm256_and_si256(hi, sign), qnan);
-    return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-  };
   for (; i + 16 <= n; i += 16) {
-    // packus works within 128-bit lanes: [a0..3 b0..3 a4..7 b4..7], put back in order.
-    const __m256i packed = _mm256_packus_epi32(round8(src + i), round8(src + i + 8));
+    // Two packets at once: one packus and one permute for 16 values.
+    const __m256i packed = _mm256_packus_epi32(rounded_bf16_lanes(_mm256_loadu_ps(src + i)),
+                                               rounded_bf16_lanes(_mm256_loadu_ps(src + i + 8)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
                         _mm256_permute4x64_epi64(packed, 0xd8));
   }
@@ -89,13 +122,9 @@ inline void narrow(const float* src, Eigen::bfloat16* dst, Index n) {
 inline void widen(const Eigen::half* src, float* dst, Index n) {
   Index i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i,
-                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-#elif defined(__F16C__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i,
-                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load_widened16(src + i));
+#elif defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_widened8(src + i));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -103,15 +132,9 @@ inline void widen(const Eigen::half* src, float* dst, Index n) {
 inline void narrow(const float* src, Eigen::half* dst, Index n) {
   Index i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#elif defined(__F16C__)
-  for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i + 16 <= n; i += 16) store_narrowed16(dst + i, _mm512_loadu_ps(src + i));
+#elif defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8) store_narrowed8(dst + i, _mm256_loadu_ps(src + i));
 #endif
   for (; i < n; ++i) dst[i] = Eigen::half(src[i]);
 }

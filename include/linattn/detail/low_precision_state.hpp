@@ -13,6 +13,9 @@
 
 #include <Eigen/Core>
 
+#include <cstring>
+#include <type_traits>
+
 #include "../common.hpp"
 #include "../state.hpp"
 #include "low_precision.hpp"
@@ -56,22 +59,86 @@ struct LowPrecisionState {
   }
 };
 
-// The recurrent step on a low-precision state: row d of S is widened into `row`, gets
-// φ(k)_d v added, is read into o with the weight w_d, and is rounded back. o = Σ_d w_d S'_d is
-// the float step's output on the state as stored (see recurrent_weights() for w).
+#if defined(__AVX512F__)
+// A state's row block rounded to bf16: with AVX-512-BF16 one VCVTNEPS2BF16 (round to nearest
+// even, as store_narrowed16, but subnormal values, below 1.2e-38, flushed to zero: a state
+// entry that small weighs nothing against the rest of its row), else store_narrowed16.
+inline void store_state16(Eigen::bfloat16* p, __m512 x) {
+#if defined(__AVX512BF16__)
+  const __m256bh r = _mm512_cvtneps_pbh(x);
+  std::memcpy(static_cast<void*>(p), &r, sizeof r);
+#else
+  store_narrowed16(p, x);
+#endif
+}
+inline void store_state16(Eigen::half* p, __m512 x) { store_narrowed16(p, x); }
+#endif
+
+// The recurrent step on a low-precision state: row d of S is widened, gets φ(k)_d v added, is
+// read into o with the weight w_d, and is rounded back; o = Σ_d w_d S'_d is the float step's
+// output on the state as stored (see recurrent_weights() for w). With AVX-512 (AVX2) a block
+// of 64 (32) columns keeps v and o in registers for the whole pass over the rows, as the float
+// state's fused_rank1_update_read does; other columns, and builds without them, go row by row
+// through `row` (M floats of scratch).
 template <class Storage>
 void low_state_update_read(Storage* S, Index F, Index M, const float* pk, const float* w,
                            const float* v, float* o, float* row) {
+  Index c0 = 0;
+#if defined(__AVX512F__)
+  for (; c0 + 64 <= M; c0 += 64) {
+    __m512 vv[4], oo[4];
+    for (int i = 0; i < 4; ++i) {
+      vv[i] = _mm512_loadu_ps(v + c0 + 16 * i);
+      oo[i] = _mm512_setzero_ps();
+    }
+    for (Index d = 0; d < F; ++d) {
+      Storage* s = S + d * M + c0;
+      const __m512 kd = _mm512_set1_ps(pk[d]), wd = _mm512_set1_ps(w[d]);
+      for (int i = 0; i < 4; ++i) {
+        const __m512 x = _mm512_fmadd_ps(kd, vv[i], load_widened16(s + 16 * i));
+        oo[i] = _mm512_fmadd_ps(wd, x, oo[i]);
+        store_state16(s + 16 * i, x);
+      }
+    }
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(o + c0 + 16 * i, oo[i]);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<Storage, Eigen::bfloat16>
+#if defined(__F16C__)
+                || std::is_same_v<Storage, Eigen::half>
+#endif
+  ) {
+    for (; c0 + 32 <= M; c0 += 32) {
+      __m256 vv[4], oo[4];
+      for (int i = 0; i < 4; ++i) {
+        vv[i] = _mm256_loadu_ps(v + c0 + 8 * i);
+        oo[i] = _mm256_setzero_ps();
+      }
+      for (Index d = 0; d < F; ++d) {
+        Storage* s = S + d * M + c0;
+        const __m256 kd = _mm256_set1_ps(pk[d]), wd = _mm256_set1_ps(w[d]);
+        for (int i = 0; i < 4; ++i) {
+          const __m256 x = _mm256_fmadd_ps(kd, vv[i], load_widened8(s + 8 * i));
+          oo[i] = _mm256_fmadd_ps(wd, x, oo[i]);
+          store_narrowed8(s + 8 * i, x);
+        }
+      }
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + c0 + 8 * i, oo[i]);
+    }
+  }
+#endif
+  const Index m = M - c0;
+  if (m == 0) return;
   using VecMap = Eigen::Map<Eigen::VectorXf>;
   using ConstVecMap = Eigen::Map<const Eigen::VectorXf>;
-  VecMap out(o, M), r(row, M);
-  const ConstVecMap vv(v, M);
+  VecMap out(o + c0, m), r(row, m);
+  const ConstVecMap vv(v + c0, m);
   out.setZero();
   for (Index d = 0; d < F; ++d) {
-    widen(S + d * M, row, M);
+    widen(S + d * M + c0, row, m);
     r += pk[d] * vv;
     out += w[d] * r;
-    narrow(row, S + d * M, M);
+    narrow(row, S + d * M + c0, m);
   }
 }
 

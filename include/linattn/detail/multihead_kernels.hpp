@@ -91,9 +91,6 @@ void parallel_tasks(Index tasks, const ParallelOptions& par, MultiHeadWorkspace<
 // Rows of a sequence that every head of a group takes before the group moves on: measured
 // best of 128 ... 2048 on row-major memory, and neutral on column-major.
 inline constexpr Index kHeadInterleaveRows = 1024;
-// Rows of a bf16 / half head widened at a time: 256 rows of D = M = 64 are 64 KiB a
-// float operand, the four of a piece a quarter of a 1 MiB L2.
-inline constexpr Index kLowPrecisionPieceRows = 256;
 
 // The multi-head kernels walk a sequence once per group of heads, every head of the group on
 // rows [r, r + 1024) before any moves on, rather than one head over the whole sequence after
@@ -335,25 +332,9 @@ void batched_causal_views(const char* fn, const VQ& q, const VK& k, const VV& v,
       for (Index i = 0; i < hr.count; ++i) {
         const Index h = hr.first + i;
         if constexpr (is_low_precision_v<typename VQ::Scalar>) {
-          // bf16 / half: the head's rows widened a few hundred at a time into the thread's
-          // float buffers (cache-resident), the kernel on them, the output narrowed back. The
-          // pieces are whole multiples of the kernel's unit, so the kernel runs the same
-          // arithmetic as on a float copy of the whole operand: the same bits.
-          const Index sub = unit * std::max<Index>(1, kLowPrecisionPieceRows / unit);
-          for (Index j0 = 0; j0 < r; j0 += sub) {
-            const Index p = std::min(sub, r - j0), row = r0 + i0 + j0;
-            auto& copies = w.storage_copies();
-            const auto qp = widen_block(q, row, h * D, p, D, copies.reserve(0, p * D));
-            const auto kp = widen_block(k, row, h * D, p, D, copies.reserve(1, p * D));
-            const auto vp = widen_block(v, row, h * M, p, M, copies.reserve(2, p * M));
-            MutableView<Scalar, bool(VOut::IsRowMajor)> op(
-                copies.reserve(3, p * M), p, M, Eigen::OuterStride<>(VOut::IsRowMajor ? M : p));
-            causal_linear_attention_impl(fn, qp.block(0, 0, p, D), kp.block(0, 0, p, D),
-                                         vp.block(0, 0, p, M), phi, shifted_keep(keep, row),
-                                         st[i], op.block(0, 0, p, M), w, options);
-            auto to = dst.block(row, h * M, p, M);
-            narrow_result(to, op);
-          }
+          // bf16 / half: the head's rows widened a piece at a time (causal_impl_widened).
+          causal_impl_widened(fn, q, k, v, r0 + i0, r, h * D, h * M, D, M, phi, keep, st[i], dst,
+                              w, options);
         } else {
           causal_linear_attention_impl(fn, q.block(r0 + i0, h * D, r, D),
                                        k.block(r0 + i0, h * D, r, D),
