@@ -290,6 +290,12 @@ TYPED_TEST(LowPrecision, MultiHeadBatchedAndLayouts) {
 TYPED_TEST(LowPrecision, SoftmaxBaselines) {
   using S = TypeParam;
   const Mat<S> Q = stored<S>(kN, kD, 8), K = stored<S>(kN, kD, 9), V = stored<S>(kN, kM, 10);
+  const auto EF = linattn::make_linformer_projections<float>(kN, 16, 36);
+  const Mat<S> E = EF.first.template cast<S>(), Fp = EF.second.template cast<S>();
+  expect_same_bits(Mat<S>(linattn::linformer_attention(Q, K, V, E, Fp)),
+                   Mat<S>(linattn::linformer_attention(wide(Q), wide(K), wide(V), wide(E), wide(Fp))
+                              .template cast<S>()),
+                   "linformer_attention");
   expect_same_bits(Mat<S>(linattn::softmax_attention(Q, K, V)),
                    Mat<S>(linattn::softmax_attention(wide(Q), wide(K), wide(V)).template cast<S>()),
                    "softmax_attention");
@@ -314,6 +320,13 @@ TYPED_TEST(LowPrecision, Gradients) {
                linattn::causal_linear_attention_backward(wide(Q), wide(K), wide(V), wide(W),
                                                          SoftmaxSplit{}),
                "causal_linear_attention_backward");
+  constexpr Index H = 2;
+  const Mat<S> Qh = stored<S>(kN, H * kD, 32), Kh = stored<S>(kN, H * kD, 33),
+               Vh = stored<S>(kN, H * kM, 34), Wh = stored<S>(kN, H * kM, 35);
+  expect_grads(linattn::multihead_causal_linear_attention_backward(Qh, Kh, Vh, Wh, H),
+               linattn::multihead_causal_linear_attention_backward(wide(Qh), wide(Kh), wide(Vh),
+                                                                   wide(Wh), H),
+               "multihead_causal_linear_attention_backward");
   expect_grads(linattn::causal_softmax_attention_backward(Q, K, V, W),
                linattn::causal_softmax_attention_backward(wide(Q), wide(K), wide(V), wide(W)),
                "causal_softmax_attention_backward");
