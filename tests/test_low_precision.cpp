@@ -514,4 +514,25 @@ TYPED_TEST(LowPrecision, CausalPiecesContinueExactly) {
   }
 }
 
+
+// Inputs of magnitude 100 (spec: defined, finite results): the exp paths run in float, so
+// neither storage type overflows in the forward kernels.
+TYPED_TEST(LowPrecision, MagnitudeHundredStaysFinite) {
+  using S = TypeParam;
+  const Mat<S> Q = stored<S>(kN, kD, 37, -100, 100), K = stored<S>(kN, kD, 38, -100, 100),
+               V = stored<S>(kN, kM, 39, -100, 100);
+  const Mat<S> a = linattn::causal_linear_attention(Q, K, V, SoftmaxSplit{});
+  const Mat<S> b = linattn::softmax_attention(Q, K, V);
+  const Mat<S> c = linattn::linear_attention(Q, K, V, EluPlusOne{});
+  for (const Mat<S>* m : {&a, &b, &c}) {
+    bool finite = true;
+    for (Index i = 0; i < m->size(); ++i) finite = finite && Eigen::numext::isfinite((*m)(i));
+    EXPECT_TRUE(finite) << name_of<S>();
+  }
+  expect_same_bits(a, Mat<S>(linattn::causal_linear_attention(wide(Q), wide(K), wide(V),
+                                                              SoftmaxSplit{})
+                                 .template cast<S>()),
+                   "causal SoftmaxSplit at magnitude 100");
+}
+
 }  // namespace
