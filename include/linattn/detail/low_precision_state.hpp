@@ -59,19 +59,45 @@ struct LowPrecisionState {
   }
 };
 
+// A state's values rounded to the storage type, 16 at a time. bf16: with AVX-512-BF16 one
+// VCVTNEPS2BF16 (round to nearest even, as store_narrowed16, but subnormal values, below
+// 1.2e-38, flushed to zero: a state entry that small weighs nothing against its row); without
+// it, round to nearest even on the integer bits with no NaN case (a NaN in a state is already
+// an unspecified result; it may round to an infinity here). half: the F16C rounding.
 #if defined(__AVX512F__)
-// A state's row block rounded to bf16: with AVX-512-BF16 one VCVTNEPS2BF16 (round to nearest
-// even, as store_narrowed16, but subnormal values, below 1.2e-38, flushed to zero: a state
-// entry that small weighs nothing against the rest of its row), else store_narrowed16.
+inline __m512i state_bf16_lanes(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                           16);
+}
 inline void store_state16(Eigen::bfloat16* p, __m512 x) {
 #if defined(__AVX512BF16__)
   const __m256bh r = _mm512_cvtneps_pbh(x);
   std::memcpy(static_cast<void*>(p), &r, sizeof r);
 #else
-  store_narrowed16(p, x);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(state_bf16_lanes(x)));
 #endif
 }
 inline void store_state16(Eigen::half* p, __m512 x) { store_narrowed16(p, x); }
+#elif defined(__AVX2__)
+inline __m256i state_bf16_lanes(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+                           16);
+}
+// Two packets of 8 at once: one packus and one permute for 16 values.
+inline void store_state16(Eigen::bfloat16* p, __m256 a, __m256 b) {
+  const __m256i packed = _mm256_packus_epi32(state_bf16_lanes(a), state_bf16_lanes(b));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xd8));
+}
+#if defined(__F16C__)
+inline void store_state16(Eigen::half* p, __m256 a, __m256 b) {
+  store_narrowed8(p, a);
+  store_narrowed8(p + 8, b);
+}
+#endif
 #endif
 
 // The recurrent step on a low-precision state: row d of S is widened, gets φ(k)_d v added, is
@@ -117,11 +143,13 @@ void low_state_update_read(Storage* S, Index F, Index M, const float* pk, const 
       for (Index d = 0; d < F; ++d) {
         Storage* s = S + d * M + c0;
         const __m256 kd = _mm256_set1_ps(pk[d]), wd = _mm256_set1_ps(w[d]);
+        __m256 x[4];
         for (int i = 0; i < 4; ++i) {
-          const __m256 x = _mm256_fmadd_ps(kd, vv[i], load_widened8(s + 8 * i));
-          oo[i] = _mm256_fmadd_ps(wd, x, oo[i]);
-          store_narrowed8(s + 8 * i, x);
+          x[i] = _mm256_fmadd_ps(kd, vv[i], load_widened8(s + 8 * i));
+          oo[i] = _mm256_fmadd_ps(wd, x[i], oo[i]);
         }
+        store_state16(s, x[0], x[1]);
+        store_state16(s + 16, x[2], x[3]);
       }
       for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + c0 + 8 * i, oo[i]);
     }
