@@ -19,11 +19,11 @@
 
 #include "checks.hpp"
 #include "common.hpp"
-#include "error.hpp"
+#include "detail/low_precision_state.hpp"
 #include "elu_plus_one.hpp"
+#include "error.hpp"
 #include "feature_map.hpp"
 #include "parallel.hpp"
-#include "detail/low_precision_state.hpp"
 #include "recurrent_linear_attention.hpp"
 #include "state.hpp"
 

@@ -337,7 +337,8 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
                                   const Phi& phi, const Keep& keep,
                                   LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& st,
                                   const Eigen::MatrixBase<DOut>& out,
-                                  Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const CausalOptions& opts) {
+                                  Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                                  const CausalOptions& opts) {
   // The callers checked the operands on their own types (causal_linear_attention_split(),
   // the multi-head entry points): checking them again here would only instantiate the checks
   // once more for the views.
@@ -473,12 +474,12 @@ void causal_linear_attention_views(const char* function, const VQ& q, const VK& 
 // orders, whatever Eigen types the caller passes.
 template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
 void causal_linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q,
-                                   const Eigen::MatrixBase<DK>& K,
-                                   const Eigen::MatrixBase<DV>& V, const Phi& phi,
-                                   const Keep& keep, LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& st,
+                                   const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                                   const Phi& phi, const Keep& keep,
+                                   LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& st,
                                    const Eigen::MatrixBase<DOut>& out,
-                                   Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const CausalOptions& opts,
-                                   const ParallelOptions& par) {
+                                   Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                                   const CausalOptions& opts, const ParallelOptions& par) {
   static_check_feature_map<Phi, compute_scalar_t<typename DQ::Scalar>>();
   check_qkv(function, Q, K, V, /*causal=*/true);
   check_feature_map(function, phi, Q.cols());
@@ -502,12 +503,13 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
       return;
     }
   }
-  with_views(Q.derived(), K.derived(), V.derived(), writable(out),
-             [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-               causal_linear_attention_views(function, q, k, v, map, keep, st, dst, ws, opts,
-                                             threads, executor_of(par));
-             },
-             &ws.storage_copies());
+  with_views(
+      Q.derived(), K.derived(), V.derived(), writable(out),
+      [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+        causal_linear_attention_views(function, q, k, v, map, keep, st, dst, ws, opts, threads,
+                                      executor_of(par));
+      },
+      &ws.storage_copies());
 }
 
 }  // namespace detail
@@ -554,7 +556,8 @@ template <class DQ, class DK, class DV, class Phi, class DOut>
 void causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                              const Eigen::MatrixBase<DV>& V, const Phi& phi,
                              LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
-                             const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                             const Eigen::MatrixBase<DOut>& out,
+                             Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                              const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   detail::causal_linear_attention_split("causal_linear_attention", Q, K, V, phi, detail::NoMask{},
                                         state, out, ws, options, par);
@@ -564,10 +567,9 @@ void causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matrix
 /// N x M output.
 template <class DQ, class DK, class DV, class Phi>
 Matrix<typename DQ::Scalar> causal_linear_attention(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Phi& phi,
-    LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state, const CausalOptions& options = {},
-    const ParallelOptions& par = {}) {
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Phi& phi, LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   detail::check_qkv("causal_linear_attention", Q, K, V, /*causal=*/true);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
@@ -600,15 +602,12 @@ Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>&
 /// \param out N x M; must not overlap Q, K, V or key_mask (checked: std::invalid_argument;
 ///            see linear_attention() for expression operands).
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
-void masked_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
-                                    const Eigen::MatrixBase<DK>& K,
-                                    const Eigen::MatrixBase<DV>& V,
-                                    const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
-                                    LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
-                                    const Eigen::MatrixBase<DOut>& out,
-                                    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-                                    const CausalOptions& options = {},
-                                    const ParallelOptions& par = {}) {
+void masked_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
+    LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
+    const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   detail::check_key_mask("masked_causal_linear_attention", key_mask, K.rows());
   detail::check_no_overlap("masked_causal_linear_attention", out, "the key mask", key_mask);
   const detail::Nested<DMask> mask(key_mask.derived());

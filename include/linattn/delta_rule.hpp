@@ -136,14 +136,14 @@ void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
                   const Eigen::MatrixBase<DA>& log_a, const Phi& phi,
                   LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& st,
-                  const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-                  const DeltaOptions& opts) {
+                  const Eigen::MatrixBase<DOut>& out,
+                  Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const DeltaOptions& opts) {
   using Storage = typename DQ::Scalar;
   using Scalar = compute_scalar_t<Storage>;
   static_check_delta<Phi, Scalar>();
-  static_assert(std::is_same_v<Storage, typename DB::Scalar> &&
-                    std::is_same_v<Storage, typename DA::Scalar>,
-                "linattn: beta and log_a must have the scalar type of Q, K and V");
+  static_assert(
+      std::is_same_v<Storage, typename DB::Scalar> && std::is_same_v<Storage, typename DA::Scalar>,
+      "linattn: beta and log_a must have the scalar type of Q, K and V");
   check_qkv(fn, Q, K, V, /*causal=*/true);
   check_feature_map(fn, phi, Q.cols());
   const Index N = Q.rows(), D = Q.cols(), M = V.cols();
@@ -155,11 +155,12 @@ void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   delta_absorb_low(st);
   const auto params = delta_head_params(beta.derived(), log_a.derived(), 0, N, 0, ws);
   const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
-  with_views(Q.derived(), K.derived(), V.derived(), writable(out),
-             [&](const auto& q, const auto& k, const auto& v, auto& o) {
-               delta_run(map, q, k, v, params.first, params.second, st, o, ws, opts);
-             },
-             &ws.storage_copies());
+  with_views(
+      Q.derived(), K.derived(), V.derived(), writable(out),
+      [&](const auto& q, const auto& k, const auto& v, auto& o) {
+        delta_run(map, q, k, v, params.first, params.second, st, o, ws, opts);
+      },
+      &ws.storage_copies());
 }
 
 // The multi-head and batched forms: (sequence, head) pairs in parallel, each the single-head
@@ -168,15 +169,17 @@ template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOu
 void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
                    const Eigen::MatrixBase<DA>& log_a, const OffsetsRef& offsets, Index heads,
-                   const Phi& phi, std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>* states,
-                   const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                   const Phi& phi,
+                   std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>* states,
+                   const Eigen::MatrixBase<DOut>& out,
+                   MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                    const DeltaOptions& opts, const ParallelOptions& par) {
   using Storage = typename DQ::Scalar;
   using Scalar = compute_scalar_t<Storage>;
   static_check_delta<Phi, Scalar>();
-  static_assert(std::is_same_v<Storage, typename DB::Scalar> &&
-                    std::is_same_v<Storage, typename DA::Scalar>,
-                "linattn: beta and log_a must have the scalar type of Q, K and V");
+  static_assert(
+      std::is_same_v<Storage, typename DB::Scalar> && std::is_same_v<Storage, typename DA::Scalar>,
+      "linattn: beta and log_a must have the scalar type of Q, K and V");
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
   const Index D = dims.first, M = dims.second;
   check_feature_map(fn, phi, D);
@@ -260,7 +263,8 @@ void delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBas
                           const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
                           const Eigen::MatrixBase<DA>& log_a, const Phi& phi,
                           LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
-                          const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                          const Eigen::MatrixBase<DOut>& out,
+                          Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                           const DeltaOptions& options = {}) {
   detail::delta_single("delta_rule_attention", Q, K, V, beta, log_a, phi, state, out, ws,
                        options);
@@ -270,10 +274,10 @@ void delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBas
 /// output (see the out-parameter form).
 template <class DQ, class DK, class DV, class DB, class DA, class Phi>
 Matrix<typename DQ::Scalar> delta_rule_attention(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
-    const Eigen::MatrixBase<DA>& log_a, const Phi& phi,
-    LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state, const DeltaOptions& options = {}) {
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a, const Phi& phi,
+    LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
+    const DeltaOptions& options = {}) {
   detail::check_qkv("delta_rule_attention", Q, K, V, /*causal=*/true);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
@@ -310,12 +314,11 @@ Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
 ///                                         linattn::L2Normalize<linattn::Silu>{}, out, ws, opts);
 /// \endcode
 template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
-void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
-                                    const Eigen::MatrixBase<DK>& K,
+void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                     const Eigen::MatrixBase<DV>& V,
                                     const Eigen::MatrixBase<DB>& beta,
-                                    const Eigen::MatrixBase<DA>& log_a, Index heads,
-                                    const Phi& phi, const Eigen::MatrixBase<DOut>& out,
+                                    const Eigen::MatrixBase<DA>& log_a, Index heads, const Phi& phi,
+                                    const Eigen::MatrixBase<DOut>& out,
                                     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                     const DeltaOptions& options = {},
                                     const ParallelOptions& par = {}) {
@@ -329,12 +332,13 @@ void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
 /// is resized to H zero states; head h continues from states[h]).
 template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
 void multihead_delta_rule_attention(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
-    const Eigen::MatrixBase<DA>& log_a, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a, Index heads,
+    const Phi& phi,
     std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-    const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const DeltaOptions& options = {},
+    const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
   detail::batched_delta("multihead_delta_rule_attention", Q, K, V, beta, log_a,
                         detail::OffsetsRef(offsets, 2), heads, phi, &states, out, ws, options,
@@ -367,13 +371,10 @@ Matrix<typename DQ::Scalar> multihead_delta_rule_attention(
 ///                                       linattn::L2Normalize<linattn::Silu>{}, out, ws);
 /// \endcode
 template <class DQ, class DK, class DV, class DB, class DA, class Off, class Phi, class DOut>
-void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
-                                  const Eigen::MatrixBase<DK>& K,
-                                  const Eigen::MatrixBase<DV>& V,
-                                  const Eigen::MatrixBase<DB>& beta,
+void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                  const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
                                   const Eigen::MatrixBase<DA>& log_a, const Off& offsets,
-                                  Index heads, const Phi& phi,
-                                  const Eigen::MatrixBase<DOut>& out,
+                                  Index heads, const Phi& phi, const Eigen::MatrixBase<DOut>& out,
                                   MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                   const DeltaOptions& options = {},
                                   const ParallelOptions& par = {}) {
@@ -387,12 +388,13 @@ void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
 /// prefill, whose states then continue in RecurrentDeltaRule decoders.
 template <class DQ, class DK, class DV, class DB, class DA, class Off, class Phi, class DOut>
 void batched_delta_rule_attention(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
-    const Eigen::MatrixBase<DA>& log_a, const Off& offsets, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a, const Off& offsets,
+    Index heads, const Phi& phi,
     std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-    const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const DeltaOptions& options = {},
+    const ParallelOptions& par = {}) {
   const char* fn = "batched_delta_rule_attention";
   detail::batched_delta(fn, Q, K, V, beta, log_a, detail::offsets_of(fn, "offsets", offsets),
                         heads, phi, &states, out, ws, options, par);

@@ -110,9 +110,11 @@ void delta_backward_head(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
   Scalar* dg = params.second ? xs.vector(kDeltaDG, N).data() : nullptr;
   delta_backward_run(phi, Q, K, V, dOut, params.first, params.second, initial, d_final, dQ, dK,
                      dV, db, dg, d_initial, ws, opts, F, M);
-  for (Index i = 0; i < N; ++i) token_param_ref(dbeta, i, h) = static_cast<typename std::decay_t<OB>::Scalar>(db[i]);
+  for (Index i = 0; i < N; ++i)
+    token_param_ref(dbeta, i, h) = static_cast<typename std::decay_t<OB>::Scalar>(db[i]);
   if (dg)
-    for (Index i = 0; i < N; ++i) token_param_ref(dlog_a, i, h) = static_cast<typename std::decay_t<OA>::Scalar>(dg[i]);
+    for (Index i = 0; i < N; ++i)
+      token_param_ref(dlog_a, i, h) = static_cast<typename std::decay_t<OA>::Scalar>(dg[i]);
 }
 
 template <class Scalar, class DQ, class DK, class DV, class DB, class DA>
@@ -152,15 +154,16 @@ DeltaGradients<Scalar> delta_gradients_like(const DQ& Q, const DK& K, const DV& 
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi, class DdQ,
           class DdK, class DdV, class DdB, class DdA>
 void delta_rule_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
-    const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a,
+    const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
     const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& initial,
-    const StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_final, const Eigen::MatrixBase<DdQ>& dQ,
-    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
-    const Eigen::MatrixBase<DdB>& dbeta, const Eigen::MatrixBase<DdA>& dlog_a,
-    StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_initial, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-    const DeltaOptions& options = {}) {
+    const StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_final,
+    const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+    const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdB>& dbeta,
+    const Eigen::MatrixBase<DdA>& dlog_a,
+    StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_initial,
+    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const DeltaOptions& options = {}) {
   const char* fn = "delta_rule_attention_backward";
   detail::check_delta_backward(fn, Q, K, V, beta, log_a, dOut, phi, dQ, dK, dV, dbeta, dlog_a,
                                1, options);
@@ -183,10 +186,11 @@ void delta_rule_attention_backward(
 /// out-parameter form).
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi>
 DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
-    const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
-    const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& initial, const DeltaOptions& options = {}) {
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a,
+    const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
+    const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& initial,
+    const DeltaOptions& options = {}) {
   using Storage = typename DQ::Scalar;
   using Scalar = compute_scalar_t<Storage>;
   detail::check_qkv("delta_rule_attention_backward", Q, K, V, /*causal=*/true);
@@ -220,13 +224,14 @@ DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi, class DdQ,
           class DdK, class DdV, class DdB, class DdA>
 void multihead_delta_rule_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
-    const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut, Index heads,
-    const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a,
+    const Eigen::MatrixBase<DO>& dOut, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
     const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdB>& dbeta,
-    const Eigen::MatrixBase<DdA>& dlog_a, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-    const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
+    const Eigen::MatrixBase<DdA>& dlog_a,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const DeltaOptions& options = {},
+    const ParallelOptions& par = {}) {
   using Storage = typename DQ::Scalar;
   using Scalar = compute_scalar_t<Storage>;
   const char* fn = "multihead_delta_rule_attention_backward";

@@ -53,8 +53,8 @@ template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void gated_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,
                   const Phi& phi, LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& st,
-                  const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-                  const GatedOptions& opts) {
+                  const Eigen::MatrixBase<DOut>& out,
+                  Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const GatedOptions& opts) {
   using Storage = typename DQ::Scalar;
   using Scalar = compute_scalar_t<Storage>;
   static_check_gated<Phi, Scalar>();
@@ -92,7 +92,8 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
                    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,
                    const OffsetsRef& offsets, Index heads, const Phi& phi,
                    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>* states,
-                   const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                   const Eigen::MatrixBase<DOut>& out,
+                   MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                    const GatedOptions& opts, const ParallelOptions& par) {
   using Storage = typename DQ::Scalar;
   using Scalar = compute_scalar_t<Storage>;
@@ -195,8 +196,10 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                             const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,
-                            const Phi& phi, LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
-                            const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                            const Phi& phi,
+                            LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
+                            const Eigen::MatrixBase<DOut>& out,
+                            Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                             const GatedOptions& options = {}) {
   detail::gated_single("gated_linear_attention", Q, K, V, log_gates, phi, state, out, ws,
                        options);
@@ -206,9 +209,10 @@ void gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixB
 /// the N x M output (see the out-parameter form).
 template <class DQ, class DK, class DV, class DG, class Phi>
 Matrix<typename DQ::Scalar> gated_linear_attention(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, const Phi& phi,
-    LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state, const GatedOptions& options = {}) {
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& log_gates, const Phi& phi,
+    LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
+    const GatedOptions& options = {}) {
   detail::check_qkv("gated_linear_attention", Q, K, V, /*causal=*/true);
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
@@ -262,11 +266,12 @@ void multihead_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// state there, as gated_linear_attention() on its columns does).
 template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void multihead_gated_linear_attention(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, Index heads,
-    const Phi& phi, std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-    const GatedOptions& options = {}, const ParallelOptions& par = {}) {
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& log_gates, Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const GatedOptions& options = {},
+    const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
   detail::batched_gated("multihead_gated_linear_attention", Q, K, V, log_gates,
                         detail::OffsetsRef(offsets, 2), heads, phi, &states, out, ws, options,
@@ -298,12 +303,10 @@ Matrix<typename DQ::Scalar> multihead_gated_linear_attention(
 ///                                         linattn::Identity{}, out, ws);
 /// \endcode
 template <class DQ, class DK, class DV, class DG, class Off, class Phi, class DOut>
-void batched_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q,
-                                    const Eigen::MatrixBase<DK>& K,
+void batched_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                     const Eigen::MatrixBase<DV>& V,
                                     const Eigen::MatrixBase<DG>& log_gates, const Off& offsets,
-                                    Index heads, const Phi& phi,
-                                    const Eigen::MatrixBase<DOut>& out,
+                                    Index heads, const Phi& phi, const Eigen::MatrixBase<DOut>& out,
                                     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                     const GatedOptions& options = {},
                                     const ParallelOptions& par = {}) {
@@ -317,11 +320,12 @@ void batched_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// prefill, whose states then continue in RecurrentGatedAttention decoders.
 template <class DQ, class DK, class DV, class DG, class Off, class Phi, class DOut>
 void batched_gated_linear_attention(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, const Off& offsets,
-    Index heads, const Phi& phi, std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-    const GatedOptions& options = {}, const ParallelOptions& par = {}) {
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& log_gates, const Off& offsets, Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const GatedOptions& options = {},
+    const ParallelOptions& par = {}) {
   const char* fn = "batched_gated_linear_attention";
   detail::batched_gated(fn, Q, K, V, log_gates, detail::offsets_of(fn, "offsets", offsets),
                         heads, phi, &states, out, ws, options, par);

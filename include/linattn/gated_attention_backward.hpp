@@ -155,13 +155,13 @@ void gated_backward_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
 template <class DQ, class DK, class DV, class DG, class DO, class Phi, class DdQ, class DdK,
           class DdV, class DdG>
 void gated_linear_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,
-    const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& log_gates, const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
     const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& initial,
-    const StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_final, const Eigen::MatrixBase<DdQ>& dQ,
-    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
-    const Eigen::MatrixBase<DdG>& dlog_gates, StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_initial,
+    const StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_final,
+    const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+    const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdG>& dlog_gates,
+    StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_initial,
     Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const GatedOptions& options = {}) {
   const char* fn = "gated_linear_attention_backward";
   detail::check_gated_backward(fn, Q, K, V, log_gates, dOut, phi, dQ, dK, dV, dlog_gates, 1,
@@ -221,10 +221,9 @@ GatedGradients<typename DQ::Scalar> gated_linear_attention_backward(
 template <class DQ, class DK, class DV, class DG, class DO, class Phi, class DdQ, class DdK,
           class DdV, class DdG>
 void multihead_gated_linear_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,
-    const Eigen::MatrixBase<DO>& dOut, Index heads, const Phi& phi,
-    const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& log_gates, const Eigen::MatrixBase<DO>& dOut, Index heads,
+    const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
     const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdG>& dlog_gates,
     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const GatedOptions& options = {},
     const ParallelOptions& par = {}) {

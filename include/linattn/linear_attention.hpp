@@ -117,7 +117,8 @@ template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
 void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q,
                             const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                             const Phi& phi, const Keep& keep, const Eigen::MatrixBase<DOut>& out,
-                            Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const ParallelOptions& par) {
+                            Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                            const ParallelOptions& par) {
   static_check_feature_map<Phi, compute_scalar_t<typename DQ::Scalar>>();
   check_qkv(function, Q, K, V, /*causal=*/false);
   check_feature_map(function, phi, Q.cols());
@@ -127,12 +128,12 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
   check_output(function, out, N, M);
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
   const auto map = erase_map<compute_scalar_t<typename DQ::Scalar>>(phi);
-  with_views(Q.derived(), K.derived(), V.derived(), writable(out),
-             [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-               linear_attention_views(function, q, k, v, map, keep, dst, ws, threads,
-                                      executor_of(par));
-             },
-             &ws.storage_copies());
+  with_views(
+      Q.derived(), K.derived(), V.derived(), writable(out),
+      [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+        linear_attention_views(function, q, k, v, map, keep, dst, ws, threads, executor_of(par));
+      },
+      &ws.storage_copies());
 }
 
 }  // namespace detail
@@ -177,7 +178,8 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                       const Eigen::MatrixBase<DV>& V, const Phi& phi,
-                      const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                      const Eigen::MatrixBase<DOut>& out,
+                      Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                       const ParallelOptions& par = {}) {
   detail::linear_attention_split("linear_attention", Q, K, V, phi, detail::NoMask{}, out, ws, par);
 }

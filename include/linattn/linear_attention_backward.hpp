@@ -78,10 +78,11 @@ void causal_linear_attention_backward_impl(
     const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, const Phi& phi,
     const Keep& keep, const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>* initial,
-    const StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_final, const Eigen::MatrixBase<DdQ>& dQ,
-    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
-    StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_initial, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-    const CausalOptions& opts) {
+    const StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_final,
+    const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+    const Eigen::MatrixBase<DdV>& dV,
+    StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_initial,
+    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const CausalOptions& opts) {
   using Storage = typename DQ::Scalar;
   using Scalar = compute_scalar_t<Storage>;
   static_check_backward<Phi, compute_scalar_t<Scalar>>();
@@ -223,15 +224,11 @@ AttentionGradients<typename DQ::Scalar> linear_attention_backward(
 /// \brief Gradients of masked_linear_attention() (masked keys get zero gradients).
 template <class DQ, class DK, class DV, class DG, class DMask, class Phi, class DdQ, class DdK,
           class DdV>
-void masked_linear_attention_backward(const Eigen::MatrixBase<DQ>& Q,
-                                      const Eigen::MatrixBase<DK>& K,
-                                      const Eigen::MatrixBase<DV>& V,
-                                      const Eigen::MatrixBase<DG>& dOut,
-                                      const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
-                                      const Eigen::MatrixBase<DdQ>& dQ,
-                                      const Eigen::MatrixBase<DdK>& dK,
-                                      const Eigen::MatrixBase<DdV>& dV,
-                                      Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
+void masked_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& dOut, const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
+    const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+    const Eigen::MatrixBase<DdV>& dV, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   constexpr const char* fn = "masked_linear_attention_backward";
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, dQ, "the key mask", key_mask);
@@ -295,13 +292,14 @@ AttentionGradients<typename DQ::Scalar> masked_linear_attention_backward(
 /// \endcode
 template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
 void causal_linear_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, const Phi& phi,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& dOut, const Phi& phi,
     const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& initial,
-    const StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_final, const Eigen::MatrixBase<DdQ>& dQ,
-    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
-    StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_initial, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-    const CausalOptions& options = {}) {
+    const StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_final,
+    const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+    const Eigen::MatrixBase<DdV>& dV,
+    StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_initial,
+    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const CausalOptions& options = {}) {
   detail::causal_linear_attention_backward_impl("causal_linear_attention_backward", Q, K, V,
                                                 dOut, phi, detail::NoMask{}, &initial, &d_final,
                                                 dQ, dK, dV, &d_initial, ws, options);
@@ -309,15 +307,11 @@ void causal_linear_attention_backward(
 
 /// \brief Gradients of causal linear attention from an empty state, into caller buffers.
 template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
-void causal_linear_attention_backward(const Eigen::MatrixBase<DQ>& Q,
-                                      const Eigen::MatrixBase<DK>& K,
-                                      const Eigen::MatrixBase<DV>& V,
-                                      const Eigen::MatrixBase<DG>& dOut, const Phi& phi,
-                                      const Eigen::MatrixBase<DdQ>& dQ,
-                                      const Eigen::MatrixBase<DdK>& dK,
-                                      const Eigen::MatrixBase<DdV>& dV,
-                                      Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-                                      const CausalOptions& options = {}) {
+void causal_linear_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& dOut, const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ,
+    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
+    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const CausalOptions& options = {}) {
   detail::causal_linear_attention_backward_impl("causal_linear_attention_backward", Q, K, V,
                                                 dOut, phi, detail::NoMask{}, nullptr, nullptr,
                                                 dQ, dK, dV, nullptr, ws, options);
@@ -345,11 +339,11 @@ AttentionGradients<typename DQ::Scalar> causal_linear_attention_backward(
 template <class DQ, class DK, class DV, class DG, class DMask, class Phi, class DdQ, class DdK,
           class DdV>
 void masked_causal_linear_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut,
-    const Eigen::DenseBase<DMask>& key_mask, const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ,
-    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
-    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const CausalOptions& options = {}) {
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& dOut, const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
+    const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+    const Eigen::MatrixBase<DdV>& dV, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const CausalOptions& options = {}) {
   constexpr const char* fn = "masked_causal_linear_attention_backward";
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, dQ, "the key mask", key_mask);

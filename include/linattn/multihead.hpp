@@ -162,7 +162,8 @@ template <class DQ, class DK, class DV, class QOff, class KOff, class Phi, class
 void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                     const Eigen::MatrixBase<DV>& V, const QOff& q_offsets, const KOff& k_offsets,
                     Index heads, const Phi& phi, const Keep& keep,
-                    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                    const Eigen::MatrixBase<DOut>& out,
+                    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                     const ParallelOptions& par) {
   static_check_feature_map<Phi, compute_scalar_t<typename DQ::Scalar>>();
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, false);
@@ -180,24 +181,26 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   // (X * Wq) would evaluate the whole expression again for each (sequence, head). As views
   // (detail/views.hpp), the kernels below are compiled once per storage order.
   const auto map = erase_map<compute_scalar_t<typename DQ::Scalar>>(phi);
-  with_views(Q.derived(), K.derived(), V.derived(), writable(out),
-             [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-               batched_linear_views(fn, q, k, v, q_offsets, k_offsets, heads, map, keep, dst, ws,
-                                    par, D, M);
-             },
-             &ws.storage_copies());
+  with_views(
+      Q.derived(), K.derived(), V.derived(), writable(out),
+      [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+        batched_linear_views(fn, q, k, v, q_offsets, k_offsets, heads, map, keep, dst, ws, par, D,
+                             M);
+      },
+      &ws.storage_copies());
 }
 
 // `states` (nullptr: every sequence starts from an empty state of the workspace's) holds the
 // B·H states of the caller, sequence-major, carried in and out.
 template <class DQ, class DK, class DV, class Off, class Phi, class Keep, class DOut>
-void batched_causal_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q,
-                           const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
-                           const Off& offsets, Index heads, const Phi& phi, const Keep& keep,
-                           std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>* states,
-                           const Eigen::MatrixBase<DOut>& out,
-                           MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-                           const CausalOptions& options, const ParallelOptions& par) {
+void batched_causal_linear(
+    const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Off& offsets, Index heads, const Phi& phi,
+    const Keep& keep,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>* states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const CausalOptions& options,
+    const ParallelOptions& par) {
   using Storage = typename DQ::Scalar;
   using Scalar = compute_scalar_t<Storage>;
   static_check_feature_map<Phi, compute_scalar_t<Scalar>>();
@@ -313,14 +316,12 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
 /// linattn::masked_batched_linear_attention(Q, K, V, offsets, offsets, keep, 8,
 ///                                          linattn::EluPlusOne{}, out, ws);
 /// \endcode
-template <class DQ, class DK, class DV, class QOff, class KOff, class DMask, class Phi,
-          class DOut>
-void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q,
-                                     const Eigen::MatrixBase<DK>& K,
+template <class DQ, class DK, class DV, class QOff, class KOff, class DMask, class Phi, class DOut>
+void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                      const Eigen::MatrixBase<DV>& V, const QOff& q_offsets,
-                                     const KOff& k_offsets,
-                                     const Eigen::DenseBase<DMask>& key_mask, Index heads,
-                                     const Phi& phi, const Eigen::MatrixBase<DOut>& out,
+                                     const KOff& k_offsets, const Eigen::DenseBase<DMask>& key_mask,
+                                     Index heads, const Phi& phi,
+                                     const Eigen::MatrixBase<DOut>& out,
                                      MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                      const ParallelOptions& par = {}) {
   const char* fn = "masked_batched_linear_attention";
@@ -339,11 +340,10 @@ void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 ///            std::invalid_argument). A product operand is evaluated before any head runs
 ///            and may read `out`'s memory; any other expression operand must not.
 template <class DQ, class DK, class DV, class Phi, class DOut>
-void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
-                                     const Eigen::MatrixBase<DK>& K,
+void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                      const Eigen::MatrixBase<DV>& V,
-                                     const std::vector<Index>& offsets, Index heads,
-                                     const Phi& phi, const Eigen::MatrixBase<DOut>& out,
+                                     const std::vector<Index>& offsets, Index heads, const Phi& phi,
+                                     const Eigen::MatrixBase<DOut>& out,
                                      MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                      const CausalOptions& options = {},
                                      const ParallelOptions& par = {}) {
@@ -360,8 +360,7 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// linattn::batched_causal_linear_attention(Q, K, V, cu_seqlens, 8, linattn::EluPlusOne{}, out, ws);
 /// \endcode
 template <class DQ, class DK, class DV, class Off, class Phi, class DOut>
-void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
-                                     const Eigen::MatrixBase<DK>& K,
+void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                      const Eigen::MatrixBase<DV>& V, const Off& offsets,
                                      Index heads, const Phi& phi,
                                      const Eigen::MatrixBase<DOut>& out,
@@ -395,15 +394,13 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// decoder.set_states(states);  // decode from the end of every prompt
 /// \endcode
 template <class DQ, class DK, class DV, class Off, class Phi, class DOut>
-void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
-                                     const Eigen::MatrixBase<DK>& K,
-                                     const Eigen::MatrixBase<DV>& V, const Off& offsets,
-                                     Index heads, const Phi& phi,
-                                     std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
-                                     const Eigen::MatrixBase<DOut>& out,
-                                     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-                                     const CausalOptions& options = {},
-                                     const ParallelOptions& par = {}) {
+void batched_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Off& offsets, Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   const char* fn = "batched_causal_linear_attention";
   detail::batched_causal_linear(fn, Q, K, V, detail::offsets_of(fn, "offsets", offsets), heads,
                                 phi, detail::NoMask{}, &states, out, ws, options, par);
@@ -419,14 +416,12 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 ///                                                 linattn::EluPlusOne{}, out, ws);
 /// \endcode
 template <class DQ, class DK, class DV, class Off, class DMask, class Phi, class DOut>
-void masked_batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
-                                            const Eigen::MatrixBase<DK>& K,
-                                            const Eigen::MatrixBase<DV>& V, const Off& offsets,
-                                            const Eigen::DenseBase<DMask>& key_mask, Index heads,
-                                            const Phi& phi, const Eigen::MatrixBase<DOut>& out,
-                                            MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-                                            const CausalOptions& options = {},
-                                            const ParallelOptions& par = {}) {
+void masked_batched_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Off& offsets, const Eigen::DenseBase<DMask>& key_mask, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   const char* fn = "masked_batched_causal_linear_attention";
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, out, "the key mask", key_mask);
@@ -445,10 +440,11 @@ void masked_batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \endcode
 template <class DQ, class DK, class DV, class Off, class DMask, class Phi, class DOut>
 void masked_batched_causal_linear_attention(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Off& offsets, const Eigen::DenseBase<DMask>& key_mask,
-    Index heads, const Phi& phi, std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Off& offsets, const Eigen::DenseBase<DMask>& key_mask, Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   const char* fn = "masked_batched_causal_linear_attention";
   detail::check_key_mask(fn, key_mask, K.rows());
@@ -501,13 +497,12 @@ Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<D
 /// linattn::masked_multihead_linear_attention(Q, K, V, keep, 8, linattn::EluPlusOne{}, out, ws);
 /// \endcode
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
-void masked_multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q,
-                                       const Eigen::MatrixBase<DK>& K,
-                                       const Eigen::MatrixBase<DV>& V,
-                                       const Eigen::DenseBase<DMask>& key_mask, Index heads,
-                                       const Phi& phi, const Eigen::MatrixBase<DOut>& out,
-                                       MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-                                       const ParallelOptions& par = {}) {
+void masked_multihead_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::DenseBase<DMask>& key_mask, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const ParallelOptions& par = {}) {
   const char* fn = "masked_multihead_linear_attention";
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, out, "the key mask", key_mask);
@@ -536,13 +531,11 @@ Matrix<typename DQ::Scalar> masked_multihead_linear_attention(
 ///            std::invalid_argument). A product operand is evaluated before any head runs
 ///            and may read `out`'s memory; any other expression operand must not.
 template <class DQ, class DK, class DV, class Phi, class DOut>
-void multihead_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
-                                       const Eigen::MatrixBase<DK>& K,
-                                       const Eigen::MatrixBase<DV>& V, Index heads,
-                                       const Phi& phi, const Eigen::MatrixBase<DOut>& out,
-                                       MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-                                       const CausalOptions& options = {},
-                                       const ParallelOptions& par = {}) {
+void multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    Index heads, const Phi& phi, const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
   detail::batched_causal_linear("multihead_causal_linear_attention", Q, K, V,
                                 detail::OffsetsRef(offsets, 2), heads, phi,
@@ -563,10 +556,11 @@ void multihead_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \endcode
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void multihead_causal_linear_attention(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    Index heads, const Phi& phi,
     std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
   detail::batched_causal_linear("multihead_causal_linear_attention", Q, K, V,
@@ -578,8 +572,8 @@ void multihead_causal_linear_attention(
 /// returning N x (H·M).
 template <class DQ, class DK, class DV, class Phi>
 Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    Index heads, const Phi& phi,
     std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
@@ -612,9 +606,10 @@ Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
 /// \endcode
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_multihead_causal_linear_attention(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask, Index heads,
-    const Phi& phi, const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::DenseBase<DMask>& key_mask, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   const char* fn = "masked_multihead_causal_linear_attention";
   detail::check_key_mask(fn, key_mask, K.rows());
@@ -635,10 +630,11 @@ void masked_multihead_causal_linear_attention(
 /// \endcode
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_multihead_causal_linear_attention(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask, Index heads,
-    const Phi& phi, std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
-    const Eigen::MatrixBase<DOut>& out, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::DenseBase<DMask>& key_mask, Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   const char* fn = "masked_multihead_causal_linear_attention";
   detail::check_key_mask(fn, key_mask, K.rows());
@@ -666,10 +662,10 @@ namespace detail {
 
 template <class DQ, class DK, class DV, class DOut>
 void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
-                       const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
-                       Index heads, const Eigen::MatrixBase<DOut>& out,
-                       MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, SoftmaxAlgorithm algorithm,
-                       bool causal, const ParallelOptions& par) {
+                       const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, Index heads,
+                       const Eigen::MatrixBase<DOut>& out,
+                       MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                       SoftmaxAlgorithm algorithm, bool causal, const ParallelOptions& par) {
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, causal);
   const Index D = dims.first, M = dims.second;
   check_output(fn, out, Q.rows(), V.cols());
@@ -679,12 +675,13 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   with_views(Q.derived(), K.derived(), V.derived(), writable(out),
              [&](const auto& q, const auto& k, const auto& v, auto& dst) {
                const double work = double(heads) * softmax_head_work(N, L, D, M, causal);
-               parallel_tasks<compute_scalar_t<typename DQ::Scalar>>(heads, work, par, ws, [&](Index h, int thread) {
-                 auto dh = sub_view(dst, 0, h * M, N, M);
-                 softmax_views(sub_view(q, 0, h * D, N, D), sub_view(k, 0, h * D, L, D),
-                               sub_view(v, 0, h * M, L, M), dh, algorithm, causal,
-                               ws.for_thread(thread));
-               });
+               parallel_tasks<compute_scalar_t<typename DQ::Scalar>>(
+                   heads, work, par, ws, [&](Index h, int thread) {
+                     auto dh = sub_view(dst, 0, h * M, N, M);
+                     softmax_views(sub_view(q, 0, h * D, N, D), sub_view(k, 0, h * D, L, D),
+                                   sub_view(v, 0, h * M, L, M), dh, algorithm, causal,
+                                   ws.for_thread(thread));
+                   });
              });
 }
 
@@ -722,13 +719,11 @@ Matrix<typename DQ::Scalar> multihead_softmax_attention(
 ///            std::invalid_argument). A product operand is evaluated before any head runs
 ///            and may read `out`'s memory; any other expression operand must not.
 template <class DQ, class DK, class DV, class DOut>
-void multihead_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q,
-                                        const Eigen::MatrixBase<DK>& K,
-                                        const Eigen::MatrixBase<DV>& V, Index heads,
-                                        const Eigen::MatrixBase<DOut>& out,
-                                        MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-                                        SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled,
-                                        const ParallelOptions& par = {}) {
+void multihead_causal_softmax_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    Index heads, const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    SoftmaxAlgorithm algorithm = SoftmaxAlgorithm::Tiled, const ParallelOptions& par = {}) {
   detail::multihead_softmax("multihead_causal_softmax_attention", Q, K, V, heads, out, ws,
                             algorithm, true, par);
 }

@@ -97,9 +97,9 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 /// \endcode
 template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
 void multihead_linear_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
-    const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& dOut, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
     const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const ParallelOptions& par = {}) {
   detail::multihead_linear_backward<false>("multihead_linear_attention_backward", Q, K, V, dOut,
@@ -124,9 +124,9 @@ AttentionGradients<typename DQ::Scalar> multihead_linear_attention_backward(
 /// multihead_linear_attention_backward()).
 template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
 void multihead_causal_linear_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
-    const Phi& phi, const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& dOut, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
     const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const CausalOptions& options = {}, const ParallelOptions& par = {}) {
   detail::multihead_linear_backward<true>("multihead_causal_linear_attention_backward", Q, K, V,

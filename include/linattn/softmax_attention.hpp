@@ -75,8 +75,8 @@ void mask_above_diagonal(Scores& scores, Index row0, Index col0) {
 // instantiated a GEMM of its own in every program that calls softmax attention.
 template <class DQ, class DK, class DV, class Acc, class Max, class Sum>
 void softmax_rows_tiled(const DQ& Q, const DK& K, const DV& V, Index i0, Index bq, bool causal,
-                        Acc& acc_all, Max& m_all, Sum& l_all, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-                        Index key_tile = 0) {
+                        Acc& acc_all, Max& m_all, Sum& l_all,
+                        Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, Index key_tile = 0) {
   using Storage = typename DQ::Scalar;
   using Scalar = compute_scalar_t<Storage>;
   const Index L = K.rows(), D = Q.cols(), M = V.cols();
@@ -157,7 +157,8 @@ void softmax_attention_naive(const DQ& Q, const DK& K, const DV& V, Out& out, bo
 // ℓ_i = m_i + log l_i, which the backward recomputes the probabilities from.
 template <class DQ, class DK, class DV, class Out, class Lse = Vector<typename DQ::Scalar>>
 void softmax_attention_tiled(const DQ& Q, const DK& K, const DV& V, Out& out, bool causal,
-                             Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, Lse* lse = nullptr) {
+                             Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                             Lse* lse = nullptr) {
   const Index N = Q.rows();
   for (Index i0 = 0; i0 < N; i0 += kSoftmaxQueryTile<compute_scalar_t<typename DQ::Scalar>>) {
     const Index bq = std::min(kSoftmaxQueryTile<compute_scalar_t<typename DQ::Scalar>>, N - i0);
@@ -189,8 +190,8 @@ void softmax_views(const VQ& q, const VK& k, const VV& v, VOut& dst, SoftmaxAlgo
 template <class DQ, class DK, class DV, class DOut>
 void softmax_dispatch(const char* function, const Eigen::MatrixBase<DQ>& Q,
                       const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
-                      const Eigen::MatrixBase<DOut>& out, SoftmaxAlgorithm algorithm,
-                      bool causal, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
+                      const Eigen::MatrixBase<DOut>& out, SoftmaxAlgorithm algorithm, bool causal,
+                      Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   check_qkv(function, Q, K, V, causal);
   check_output(function, out, Q.rows(), V.cols());
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
@@ -320,7 +321,8 @@ Matrix<typename DQ::Scalar> causal_softmax_attention(
 template <class DQ, class DK, class DV, class DOut, class DL>
 void softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                        const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
-                       const Eigen::MatrixBase<DL>& lse, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
+                       const Eigen::MatrixBase<DL>& lse,
+                       Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   detail::softmax_dispatch_lse("softmax_attention", Q, K, V, out, lse, false, ws);
 }
 

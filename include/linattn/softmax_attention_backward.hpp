@@ -38,7 +38,8 @@ inline constexpr Index kSoftmaxBackwardQueryTile = sizeof(Scalar) <= 4 ? 128 : 6
 // lives in kSlotPrefix, never the whole N x M output).
 template <class DQ, class DK, class DV, class DG, class Lse, class Dot>
 void softmax_forward_stats(const DQ& Q, const DK& K, const DV& V, const DG& G, bool causal,
-                           Lse& lse, Dot& dot, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
+                           Lse& lse, Dot& dot,
+                           Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   const Index N = Q.rows(), M = V.cols();
   for (Index i0 = 0; i0 < N; i0 += kSoftmaxQueryTile<compute_scalar_t<typename DQ::Scalar>>) {
     const Index bq = std::min(kSoftmaxQueryTile<compute_scalar_t<typename DQ::Scalar>>, N - i0);
@@ -157,11 +158,9 @@ template <class DQ, class DK, class DV, class DO, class DL, class DG, class DdQ,
           class DdV>
 void softmax_backward_saved_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
                                  const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
-                                 const Eigen::MatrixBase<DO>& out,
-                                 const Eigen::MatrixBase<DL>& lse,
+                                 const Eigen::MatrixBase<DO>& out, const Eigen::MatrixBase<DL>& lse,
                                  const Eigen::MatrixBase<DG>& dOut,
-                                 const Eigen::MatrixBase<DdQ>& dQ,
-                                 const Eigen::MatrixBase<DdK>& dK,
+                                 const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
                                  const Eigen::MatrixBase<DdV>& dV, bool causal,
                                  Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   static_assert(DL::IsVectorAtCompileTime,
@@ -198,11 +197,10 @@ template <class DQ, class DK, class DV, class DG, class DdQ, class DdK, class Dd
 void multihead_softmax_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                                 const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                                 const Eigen::MatrixBase<DG>& dOut, Index heads,
-                                const Eigen::MatrixBase<DdQ>& dQ,
-                                const Eigen::MatrixBase<DdK>& dK,
+                                const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
                                 const Eigen::MatrixBase<DdV>& dV,
-                                MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, bool causal,
-                                const ParallelOptions& par) {
+                                MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                                bool causal, const ParallelOptions& par) {
   // Every check before the parallel region, where nothing may throw.
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, causal);
   const Index D = dims.first, M = dims.second;
@@ -214,18 +212,19 @@ void multihead_softmax_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Index N = Q.rows(), L = K.rows();
   with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
     const double work = 2.0 * double(heads) * softmax_head_work(N, L, D, M, causal);
-    parallel_tasks<compute_scalar_t<typename DQ::Scalar>>(heads, work, par, ws, [&](Index h, int thread) {
-      auto dqh = sub_view(gq, 0, h * D, N, D);
-      if (L == 0) {
-        dqh.setZero();
-        return;
-      }
-      auto dkh = sub_view(gk, 0, h * D, L, D);
-      auto dvh = sub_view(gv, 0, h * M, L, M);
-      softmax_backward_views(sub_view(q.view, 0, h * D, N, D), sub_view(k.view, 0, h * D, L, D),
-                             sub_view(v.view, 0, h * M, L, M), sub_view(g.view, 0, h * M, N, M),
-                             causal, dqh, dkh, dvh, ws.for_thread(thread));
-    });
+    parallel_tasks<compute_scalar_t<typename DQ::Scalar>>(
+        heads, work, par, ws, [&](Index h, int thread) {
+          auto dqh = sub_view(gq, 0, h * D, N, D);
+          if (L == 0) {
+            dqh.setZero();
+            return;
+          }
+          auto dkh = sub_view(gk, 0, h * D, L, D);
+          auto dvh = sub_view(gv, 0, h * M, L, M);
+          softmax_backward_views(sub_view(q.view, 0, h * D, N, D), sub_view(k.view, 0, h * D, L, D),
+                                 sub_view(v.view, 0, h * M, L, M), sub_view(g.view, 0, h * M, N, M),
+                                 causal, dqh, dkh, dvh, ws.for_thread(thread));
+        });
   });
 }
 
@@ -251,10 +250,8 @@ void multihead_softmax_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 /// \endcode
 template <class DQ, class DK, class DV, class DG, class DdQ, class DdK, class DdV>
 void softmax_attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-                                const Eigen::MatrixBase<DV>& V,
-                                const Eigen::MatrixBase<DG>& dOut,
-                                const Eigen::MatrixBase<DdQ>& dQ,
-                                const Eigen::MatrixBase<DdK>& dK,
+                                const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut,
+                                const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
                                 const Eigen::MatrixBase<DdV>& dV,
                                 Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   detail::softmax_backward_impl("softmax_attention_backward", Q, K, V, dOut, dQ, dK, dV, false,
@@ -271,10 +268,8 @@ template <class DQ, class DK, class DV, class DO, class DL, class DG, class DdQ,
           class DdV>
 void softmax_attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                 const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& out,
-                                const Eigen::MatrixBase<DL>& lse,
-                                const Eigen::MatrixBase<DG>& dOut,
-                                const Eigen::MatrixBase<DdQ>& dQ,
-                                const Eigen::MatrixBase<DdK>& dK,
+                                const Eigen::MatrixBase<DL>& lse, const Eigen::MatrixBase<DG>& dOut,
+                                const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
                                 const Eigen::MatrixBase<DdV>& dV,
                                 Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   detail::softmax_backward_saved_impl("softmax_attention_backward", Q, K, V, out, lse, dOut, dQ,
@@ -300,14 +295,11 @@ AttentionGradients<typename DQ::Scalar> softmax_attention_backward(
 /// \brief Gradients of causal_softmax_attention() (N == L), into caller buffers: as
 /// softmax_attention_backward(), tiles above the diagonal skipped.
 template <class DQ, class DK, class DV, class DG, class DdQ, class DdK, class DdV>
-void causal_softmax_attention_backward(const Eigen::MatrixBase<DQ>& Q,
-                                       const Eigen::MatrixBase<DK>& K,
-                                       const Eigen::MatrixBase<DV>& V,
-                                       const Eigen::MatrixBase<DG>& dOut,
-                                       const Eigen::MatrixBase<DdQ>& dQ,
-                                       const Eigen::MatrixBase<DdK>& dK,
-                                       const Eigen::MatrixBase<DdV>& dV,
-                                       Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
+void causal_softmax_attention_backward(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& dOut, const Eigen::MatrixBase<DdQ>& dQ,
+    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
+    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   detail::softmax_backward_impl("causal_softmax_attention_backward", Q, K, V, dOut, dQ, dK, dV,
                                 true, ws);
 }
@@ -317,11 +309,11 @@ void causal_softmax_attention_backward(const Eigen::MatrixBase<DQ>& Q,
 template <class DQ, class DK, class DV, class DO, class DL, class DG, class DdQ, class DdK,
           class DdV>
 void causal_softmax_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& out,
-    const Eigen::MatrixBase<DL>& lse, const Eigen::MatrixBase<DG>& dOut,
-    const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
-    const Eigen::MatrixBase<DdV>& dV, Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DO>& out, const Eigen::MatrixBase<DL>& lse,
+    const Eigen::MatrixBase<DG>& dOut, const Eigen::MatrixBase<DdQ>& dQ,
+    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
+    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   detail::softmax_backward_saved_impl("causal_softmax_attention_backward", Q, K, V, out, lse,
                                       dOut, dQ, dK, dV, true, ws);
 }
@@ -352,10 +344,10 @@ AttentionGradients<typename DQ::Scalar> causal_softmax_attention_backward(
 /// \endcode
 template <class DQ, class DK, class DV, class DG, class DdQ, class DdK, class DdV>
 void multihead_softmax_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
-    const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
-    const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& dOut, Index heads, const Eigen::MatrixBase<DdQ>& dQ,
+    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const ParallelOptions& par = {}) {
   detail::multihead_softmax_backward("multihead_softmax_attention_backward", Q, K, V, dOut, heads,
                                      dQ, dK, dV, ws, false, par);
@@ -376,10 +368,10 @@ AttentionGradients<typename DQ::Scalar> multihead_softmax_attention_backward(
 /// \brief Gradients of multihead_causal_softmax_attention(), into caller buffers.
 template <class DQ, class DK, class DV, class DG, class DdQ, class DdK, class DdV>
 void multihead_causal_softmax_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut, Index heads,
-    const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
-    const Eigen::MatrixBase<DdV>& dV, MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DG>& dOut, Index heads, const Eigen::MatrixBase<DdQ>& dQ,
+    const Eigen::MatrixBase<DdK>& dK, const Eigen::MatrixBase<DdV>& dV,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const ParallelOptions& par = {}) {
   detail::multihead_softmax_backward("multihead_causal_softmax_attention_backward", Q, K, V,
                                      dOut, heads, dQ, dK, dV, ws, true, par);

@@ -390,8 +390,8 @@ class KeyMask {
 // low parts, which are then folded into the high parts (one exact fold per block of keys, a few
 // percent of the block's product). Keys with keep(j) == false contribute nothing.
 template <class Phi, class DK, class DV, class SMat, class ZVec, class MVec, class Keep>
-void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, SMat& S_lo, ZVec& z,
-                 ZVec& z_lo, MVec& m, const Keep& keep, Workspace<compute_scalar_t<typename DK::Scalar>>& ws) {
+void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, SMat& S_lo, ZVec& z, ZVec& z_lo,
+                 MVec& m, const Keep& keep, Workspace<compute_scalar_t<typename DK::Scalar>>& ws) {
   using Scalar = typename DK::Scalar;
   constexpr bool masked = !std::is_same_v<Keep, NoMask>;
   const Index L = K.rows(), F = S.rows();

@@ -185,9 +185,8 @@ LinearAttentionState<Scalar> combine(const LinearAttentionState<Scalar>& a,
 /// linattn::causal_linear_attention(Qt, Kt, Vt, phi, before, out_t, ws);
 /// \endcode
 template <class DK, class DV, class Phi = EluPlusOne>
-LinearAttentionState<compute_scalar_t<typename DK::Scalar>> summarize(const Eigen::MatrixBase<DK>& K,
-                                                    const Eigen::MatrixBase<DV>& V,
-                                                    const Phi& phi = Phi{}) {
+LinearAttentionState<compute_scalar_t<typename DK::Scalar>> summarize(
+    const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, const Phi& phi = Phi{}) {
   using Scalar = typename DK::Scalar;
   constexpr const char* fn = "summarize";
   static_assert(std::is_same_v<Scalar, typename DV::Scalar>,

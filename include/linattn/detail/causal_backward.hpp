@@ -64,12 +64,12 @@ void map_chunk(const Phi& phi, const DQ& Q, const DK& K, const Keep& keep, Index
 // ∇k̃ = V_R Rᵀ + 1 rᵀ + Bᵀ a (→ dK_R). Working memory O(C·(C + F + M) + F·M).
 template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class OQ, class OK,
           class OV>
-void causal_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
-                             const DG& G, const Keep& keep,
-                             const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>* initial,
-                             const StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_final, OQ& dQ, OK& dK,
-                             OV& dV, StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_initial, Index C,
-                             Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
+void causal_backward_product(
+    const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& G, const Keep& keep,
+    const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>* initial,
+    const StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_final, OQ& dQ, OK& dK, OV& dV,
+    StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_initial, Index C,
+    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
   constexpr bool masked = !std::is_same_v<Keep, NoMask>;
   const Index N = Q.rows(), M = V.cols();
@@ -211,12 +211,12 @@ inline bool backward_is_recurrent(const CausalOptions& opts, Index F, Index M) {
 // dQ and dK: one packet transpose each for column-major outputs, none for row-major ones.
 template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class OQ, class OK,
           class OV>
-void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
-                               const DG& G, const Keep& keep,
-                               const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>* initial,
-                               const StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_final, OQ& dQ,
-                               OK& dK, OV& dV, StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_initial,
-                               Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
+void causal_backward_recurrent(
+    const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& G, const Keep& keep,
+    const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>* initial,
+    const StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_final, OQ& dQ, OK& dK, OV& dV,
+    StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_initial,
+    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
   constexpr bool masked = !std::is_same_v<Keep, NoMask>;
   const bool from_features = derivative_from_features(phi);
@@ -400,12 +400,12 @@ void causal_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const D
 // (dS, −dz) with μ = −m_N.
 template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class OQ, class OK,
           class OV>
-void causal_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
-                                 const DG& G, const Keep& keep,
-                                 const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>* initial,
-                                 const StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_final, OQ& dQ,
-                                 OK& dK, OV& dV, StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_initial,
-                                 Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
+void causal_backward_per_feature(
+    const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& G, const Keep& keep,
+    const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>* initial,
+    const StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_final, OQ& dQ, OK& dK, OV& dV,
+    StateGradient<compute_scalar_t<typename DQ::Scalar>>* d_initial,
+    Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const Index N = Q.rows(), M = V.cols(), F = Q.cols();

@@ -30,8 +30,8 @@ namespace detail {
 // part: their gradients are 0.
 template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class OQ, class OK,
           class OV>
-void linear_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
-                             const DG& G, const Keep& keep, OQ& dQ, OK& dK, OV& dV,
+void linear_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& G,
+                             const Keep& keep, OQ& dQ, OK& dK, OV& dV,
                              Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
   constexpr bool masked = !std::is_same_v<Keep, NoMask>;
@@ -106,8 +106,8 @@ void linear_backward_product(const Phi& phi, const DQ& Q, const DK& K, const DV&
 //   dK = E ∘ (V ∇Tᵀ − 1 sᵀ)  with s_d = Σ_j E_jd (v_j · ∇T_d) = T_d · ∇T_d.
 template <class Phi, class DQ, class DK, class DV, class DG, class Keep, class OQ, class OK,
           class OV>
-void linear_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
-                                 const DG& G, const Keep& keep, OQ& dQ, OK& dK, OV& dV,
+void linear_backward_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& G,
+                                 const Keep& keep, OQ& dQ, OK& dK, OV& dV,
                                  Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   using Scalar = typename DQ::Scalar;
   constexpr bool masked = !std::is_same_v<Keep, NoMask>;

@@ -13,7 +13,6 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <cstdint>
 #include <cstring>
 #include <type_traits>

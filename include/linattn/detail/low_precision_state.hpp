@@ -12,7 +12,6 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <cstring>
 #include <type_traits>
 
@@ -25,7 +24,7 @@ namespace linattn::detail {
 template <class Storage>
 struct LowPrecisionState {
   using StateMatrix = Eigen::Matrix<Storage, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  StateMatrix S;         // F x M, rounded to Storage after every token
+  StateMatrix S;          // F x M, rounded to Storage after every token
   Vector<float> z, z_lo;  // F, as LinearAttentionState's
 
   LowPrecisionState() = default;

@@ -261,12 +261,12 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
 }
 
 template <class VQ, class VK, class VV, class Off, class Phi, class Keep, class VOut>
-void batched_causal_views(const char* fn, const VQ& q, const VK& k, const VV& v,
-                          const Off& offsets, Index heads, const Phi& phi, const Keep& keep,
-                          std::vector<LinearAttentionState<compute_scalar_t<typename VQ::Scalar>>>* states,
-                          VOut& dst, MultiHeadWorkspace<compute_scalar_t<typename VQ::Scalar>>& ws,
-                          const CausalOptions& options, const ParallelOptions& par, Index D,
-                          Index M) {
+void batched_causal_views(
+    const char* fn, const VQ& q, const VK& k, const VV& v, const Off& offsets, Index heads,
+    const Phi& phi, const Keep& keep,
+    std::vector<LinearAttentionState<compute_scalar_t<typename VQ::Scalar>>>* states, VOut& dst,
+    MultiHeadWorkspace<compute_scalar_t<typename VQ::Scalar>>& ws, const CausalOptions& options,
+    const ParallelOptions& par, Index D, Index M) {
   using Scalar = compute_scalar_t<typename VQ::Scalar>;
   const Index B = static_cast<Index>(offsets.size()) - 1;
   const Index F = phi.feature_dim(D);
@@ -333,13 +333,12 @@ void batched_causal_views(const char* fn, const VQ& q, const VK& k, const VV& v,
         const Index h = hr.first + i;
         if constexpr (is_low_precision_v<typename VQ::Scalar>) {
           // bf16 / half: the head's rows widened a piece at a time (causal_impl_widened).
-          causal_impl_widened(fn, q, k, v, r0 + i0, r, h * D, h * M, D, M, phi, keep, st[i], dst,
-                              w, options);
+          causal_impl_widened(fn, q, k, v, r0 + i0, r, h * D, h * M, D, M, phi, keep, st[i], dst, w,
+                              options);
         } else {
           causal_linear_attention_impl(fn, q.block(r0 + i0, h * D, r, D),
-                                       k.block(r0 + i0, h * D, r, D),
-                                       v.block(r0 + i0, h * M, r, M), phi,
-                                       shifted_keep(keep, r0 + i0), st[i],
+                                       k.block(r0 + i0, h * D, r, D), v.block(r0 + i0, h * M, r, M),
+                                       phi, shifted_keep(keep, r0 + i0), st[i],
                                        dst.block(r0 + i0, h * M, r, M), w, options);
         }
       }

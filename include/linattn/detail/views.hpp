@@ -11,7 +11,6 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <cstddef>
 #include <type_traits>
 
@@ -129,15 +128,17 @@ void narrow_result(X& dst, const Src& src) {
 // Rows [r0, r0 + rows) and columns [c0, c0 + cols) of a bf16 / half view widened into `buffer`
 // (rows·cols floats), as a float view of the same storage order.
 template <class View>
-ConstView<float, bool(View::IsRowMajor)> widen_block(const View& x, Index r0, Index c0,
-                                                     Index rows, Index cols, float* buffer) {
+ConstView<float, bool(View::IsRowMajor)> widen_block(const View& x, Index r0, Index c0, Index rows,
+                                                     Index cols, float* buffer) {
   constexpr bool RM = bool(View::IsRowMajor);
   const Index ld = x.outerStride();
   if (rows > 0 && cols > 0) {
     if constexpr (RM) {
-      for (Index i = 0; i < rows; ++i) widen(x.data() + (r0 + i) * ld + c0, buffer + i * cols, cols);
+      for (Index i = 0; i < rows; ++i)
+        widen(x.data() + (r0 + i) * ld + c0, buffer + i * cols, cols);
     } else {
-      for (Index j = 0; j < cols; ++j) widen(x.data() + (c0 + j) * ld + r0, buffer + j * rows, rows);
+      for (Index j = 0; j < cols; ++j)
+        widen(x.data() + (c0 + j) * ld + r0, buffer + j * rows, rows);
     }
   }
   return ConstView<float, RM>(buffer, rows, cols, Eigen::OuterStride<>(RM ? cols : rows));
@@ -230,7 +231,8 @@ void with_views(const DQ& Q, const DK& K, const DV& V, DOut& out, Fn&& fn,
   const Viewed<DQ> q(Q, b[0]);
   const Viewed<DK> k(K, b[1]);
   const Viewed<DV> v(V, b[2]);
-  with_output_view(out, [&](auto& dst) { fn(q.view, k.view, v.view, dst); }, b[3]);
+  with_output_view(
+      out, [&](auto& dst) { fn(q.view, k.view, v.view, dst); }, b[3]);
 }
 
 // with_views() for kernels that convert bf16 / half operands themselves, a piece at a time:
