@@ -37,17 +37,20 @@ inline __m512 load_widened16(const Eigen::half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 // Round to nearest even on the upper 16 bits (Eigen's float_to_bfloat16_rtne): add 0x7fff plus
-// the lowest kept bit, keep the upper half; a NaN becomes 0x7fc0 with its sign.
-inline void store_narrowed16(Eigen::bfloat16* p, __m512 x) {
+// the lowest kept bit, keep the upper half, in 32-bit lanes. A NaN is not special-cased here
+// (it may round to an infinity); store_narrowed16 makes it 0x7fc0 with its sign.
+inline __m512i bf16_rounded_lanes(__m512 x) {
   const __m512i b = _mm512_castps_si512(x);
-  const __m512i hi = _mm512_srli_epi32(b, 16);
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(b, _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)),
-                                           _mm512_set1_epi32(0x7fff))),
-      16);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                           16);
+}
+inline void store_narrowed16(Eigen::bfloat16* p, __m512 x) {
+  const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
   const __m512i nan =
       _mm512_or_si512(_mm512_and_si512(hi, _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7fc0));
-  const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, nan);
+  const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                            bf16_rounded_lanes(x), nan);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 inline void store_narrowed16(Eigen::half* p, __m512 x) {
@@ -59,17 +62,20 @@ inline __m256 load_widened8(const Eigen::bfloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
-// The rounded upper halves of 8 floats, as 8 32-bit lanes (see store_narrowed16).
-inline __m256i rounded_bf16_lanes(__m256 x) {
+// The rounded upper halves of 8 floats, as 8 32-bit lanes: bf16_rounded_lanes with no NaN case,
+// rounded_bf16_lanes with Eigen's (see the AVX-512 versions).
+inline __m256i bf16_rounded_lanes(__m256 x) {
   const __m256i b = _mm256_castps_si256(x);
-  const __m256i hi = _mm256_srli_epi32(b, 16);
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(b, _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)),
-                                           _mm256_set1_epi32(0x7fff))),
-      16);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+                           16);
+}
+inline __m256i rounded_bf16_lanes(__m256 x) {
+  const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
   const __m256i nan =
       _mm256_or_si256(_mm256_and_si256(hi, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7fc0));
-  return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  return _mm256_blendv_epi8(bf16_rounded_lanes(x), nan,
+                            _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
 }
 inline void store_narrowed8(Eigen::bfloat16* p, __m256 x) {
   // packus works within 128-bit lanes: [a0..3 a0..3 a4..7 a4..7]; the permute puts a0..7 low.

@@ -64,31 +64,19 @@ struct LowPrecisionState {
 // it, round to nearest even on the integer bits with no NaN case (a NaN in a state is already
 // an unspecified result; it may round to an infinity here). half: the F16C rounding.
 #if defined(__AVX512F__)
-inline __m512i state_bf16_lanes(__m512 x) {
-  const __m512i b = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
-                           16);
-}
 inline void store_state16(Eigen::bfloat16* p, __m512 x) {
 #if defined(__AVX512BF16__)
   const __m256bh r = _mm512_cvtneps_pbh(x);
   std::memcpy(static_cast<void*>(p), &r, sizeof r);
 #else
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(state_bf16_lanes(x)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_rounded_lanes(x)));
 #endif
 }
 inline void store_state16(Eigen::half* p, __m512 x) { store_narrowed16(p, x); }
 #elif defined(__AVX2__)
-inline __m256i state_bf16_lanes(__m256 x) {
-  const __m256i b = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  return _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
-                           16);
-}
 // Two packets of 8 at once: one packus and one permute for 16 values.
 inline void store_state16(Eigen::bfloat16* p, __m256 a, __m256 b) {
-  const __m256i packed = _mm256_packus_epi32(state_bf16_lanes(a), state_bf16_lanes(b));
+  const __m256i packed = _mm256_packus_epi32(bf16_rounded_lanes(a), bf16_rounded_lanes(b));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xd8));
 }
 #if defined(__F16C__)

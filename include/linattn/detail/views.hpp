@@ -11,6 +11,7 @@
 #pragma once
 
 #include <Eigen/Core>
+
 #include <cstddef>
 #include <type_traits>
 
@@ -93,6 +94,14 @@ constexpr bool same_order_memory(const X& x) {
     return false;
 }
 
+// `outer` slices of `inner` values, ld_src and ld_dst apart, widened (low_precision.hpp).
+template <class Storage>
+void widen_slices(const Storage* src, Index ld_src, float* dst, Index ld_dst, Index outer,
+                  Index inner) {
+  if (outer <= 0 || inner <= 0) return;
+  for (Index o = 0; o < outer; ++o) widen(src + o * ld_src, dst + o * ld_dst, inner);
+}
+
 // A bf16 or half operand widened into float (detail/low_precision.hpp): memory with unit inner
 // stride slice by slice with the SIMD loops, anything else through Eigen's scalar cast.
 template <class X, class Copy>
@@ -100,10 +109,8 @@ void widen_operand(const X& x, Copy& copy) {
   if constexpr ((int(std::decay_t<X>::Flags) & Eigen::DirectAccessBit) != 0) {
     if (same_order_memory<Copy>(x)) {
       copy.resize(x.rows(), x.cols());
-      if (x.size() != 0)
-        for (Index o = 0; o < x.outerSize(); ++o)
-          widen(x.data() + o * x.outerStride(), copy.data() + o * copy.outerStride(),
-                x.innerSize());
+      widen_slices(x.data(), x.outerStride(), copy.data(), copy.outerStride(), x.outerSize(),
+                   x.innerSize());
       return;
     }
   }
@@ -133,13 +140,10 @@ ConstView<float, bool(View::IsRowMajor)> widen_block(const View& x, Index r0, In
   constexpr bool RM = bool(View::IsRowMajor);
   const Index ld = x.outerStride();
   if (rows > 0 && cols > 0) {
-    if constexpr (RM) {
-      for (Index i = 0; i < rows; ++i)
-        widen(x.data() + (r0 + i) * ld + c0, buffer + i * cols, cols);
-    } else {
-      for (Index j = 0; j < cols; ++j)
-        widen(x.data() + (c0 + j) * ld + r0, buffer + j * rows, rows);
-    }
+    if constexpr (RM)
+      widen_slices(x.data() + r0 * ld + c0, ld, buffer, cols, rows, cols);
+    else
+      widen_slices(x.data() + c0 * ld + r0, ld, buffer, rows, cols, rows);
   }
   return ConstView<float, RM>(buffer, rows, cols, Eigen::OuterStride<>(RM ? cols : rows));
 }
@@ -166,9 +170,7 @@ struct Viewed {
       if constexpr ((int(std::decay_t<X>::Flags) & Eigen::DirectAccessBit) != 0) {
         if (buffer != nullptr && same_order_memory<CopyOf<X>>(x)) {
           const Index inner = x.innerSize();
-          if (x.size() != 0)
-            for (Index o = 0; o < x.outerSize(); ++o)
-              widen(x.data() + o * x.outerStride(), buffer + o * inner, inner);
+          widen_slices(x.data(), x.outerStride(), buffer, inner, x.outerSize(), inner);
           return ViewOf<X>(buffer, x.rows(), x.cols(), Eigen::OuterStride<>(inner));
         }
       }
