@@ -5,7 +5,8 @@
 //                                        sequences x 8 heads (tokens in <t>, states in <s>:
 //                                        float, or the storage type)
 // Counters: tokens_per_s (prefill: N per call; decode: B per step), bytes_in (the inputs' bytes).
-// Profile: LINATTN_BENCH_PROFILE=smoke runs N = 256 and B = 1, 4 (CI's smoke test).
+// Profiles: --quick (N = 4096, 16384; B = 1, 64), --full (adds N = 65536, B = 256), --smoke or
+// LINATTN_BENCH_PROFILE=smoke (N = 256, B = 1, 4: CI's smoke test).
 #include <benchmark/benchmark.h>
 
 #include <linattn/linattn.hpp>
@@ -120,10 +121,23 @@ void register_type(const std::vector<Index>& ns, const std::vector<Index>& bs) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const char* profile = std::getenv("LINATTN_BENCH_PROFILE");
-  const bool smoke = profile != nullptr && std::string(profile) == "smoke";
-  const std::vector<Index> ns = smoke ? std::vector<Index>{256} : std::vector<Index>{4096, 16384};
-  const std::vector<Index> bs = smoke ? std::vector<Index>{1, 4} : std::vector<Index>{1, 64};
+  // The suite's profiles (bench_common.hpp): --quick (default), --full, --smoke, or
+  // LINATTN_BENCH_PROFILE; the flag is taken out before Google Benchmark reads the rest.
+  const char* env = std::getenv("LINATTN_BENCH_PROFILE");
+  std::string profile = env != nullptr ? env : "quick";
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick" || a == "--full" || a == "--smoke")
+      profile = a.substr(2);
+    else
+      argv[kept++] = argv[i];
+  }
+  argc = kept;
+  // full adds B = 256, where the float states (67 MB) leave the cache and the bytes decide.
+  std::vector<Index> ns = {4096, 16384}, bs = {1, 64};
+  if (profile == "smoke") ns = {256}, bs = {1, 4};
+  if (profile == "full") ns = {4096, 16384, 65536}, bs = {1, 64, 256};
   // Interleaved by type so that float and its low-precision forms run side by side.
   register_type<float>(ns, bs);
   register_type<Eigen::bfloat16>(ns, bs);

@@ -794,7 +794,45 @@ def summary(res: Results, roof_svg: str | None = None) -> tuple[list[str], list[
             f"recurrent (token by token) ≥ {TARGET_DELTA_RECURRENT_VS_CHUNKED:.1f}× chunked, decode step ≤ "
             f"{TARGET_DELTA_DECODE:.1f}× the plain recurrent step")
     L += delta_section(res, warn)
+
+    # 16. bf16 / half storage.
+    section("16. bf16 and half storage (`bench_low_precision`, issue 28): 8 heads, D = M = 64, EluPlusOne, 1 thread, "
+            "row-major packed operands; computed in float; targets: prefill no slower than float, the decode step with "
+            f"bf16 states at B = 64 ≥ {TARGET_LOW_DECODE:.1f}× the float step's tokens/s")
+    L += low_precision_section(res, warn)
     return L, warn
+
+
+TARGET_LOW_DECODE = 1.6
+
+
+def low_precision_section(res: Results, warn: list[str]) -> list[str]:
+    """Prefill times and decode tokens/s of bf16 and half storage against float, from one run."""
+    rows = []
+    for n in res.sizes("prefill", dtype="f32"):
+        f = res.find("prefill", n, dtype="f32")
+        cells = [f"prefill, N = {fmt_n(n)}", fmt_time(f.wall) if f else "–"]
+        for t in ("bf16", "f16"):
+            r = res.find("prefill", n, dtype=t)
+            cells.append(f"{fmt_time(r.wall)} ({fmt_ratio(f.wall / r.wall)}×)" if r and f else "–")
+        rows.append(cells)
+    for b in res.sizes("decode", dtype="f32", state="f32"):
+        f = res.find("decode", b, dtype="f32", state="f32")
+        for state in ("f32", "low"):
+            cells = [f"decode step, B = {b}, " + ("float states" if state == "f32" else "states in the storage type"),
+                     fmt_time(f.wall) if f and state == "f32" else "–"]
+            for t in ("bf16", "f16"):
+                r = res.find("decode", b, dtype=t, state=t if state == "low" else "f32")
+                ratio = f.wall / r.wall if r and f else None
+                cells.append(f"{fmt_time(r.wall)} ({fmt_ratio(ratio)}×)" if ratio else "–")
+                if state == "low" and t == "bf16" and b == 64 and ratio and ratio < TARGET_LOW_DECODE:
+                    warn.append(f"bf16 decode states at B = 64: {ratio:.2f}× the float step (target ≥ {TARGET_LOW_DECODE}×)")
+            rows.append(cells)
+    if not rows:
+        return ["(no bench_low_precision runs in these results)"]
+    return table(["", "float", "bf16 (float ÷ bf16)", "half (float ÷ half)"], rows, "lrrr") + [
+        "", "A ratio above 1 is faster than float. bf16 / half outputs are the float kernel's on the rounded inputs, "
+        "rounded (tests/test_low_precision.cpp); states kept in bf16 / half drift (docs/SPEC.md §8)."]
 
 
 DTYPE_LABEL = {"f32": "float", "f64": "double"}
