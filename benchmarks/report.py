@@ -809,13 +809,15 @@ TARGET_LOW_DECODE = 1.6
 def low_precision_section(res: Results, warn: list[str]) -> list[str]:
     """Prefill times and decode tokens/s of bf16 and half storage against float, from one run."""
     rows = []
-    for n in res.sizes("prefill", dtype="f32"):
-        f = res.find("prefill", n, dtype="f32")
-        cells = [f"prefill, N = {fmt_n(n)}", fmt_time(f.wall) if f else "–"]
-        for t in ("bf16", "f16"):
-            r = res.find("prefill", n, dtype=t)
-            cells.append(f"{fmt_time(r.wall)} ({fmt_ratio(f.wall / r.wall)}×)" if r and f else "–")
-        rows.append(cells)
+    for form in ("out", "ret"):
+        for n in res.sizes("prefill", dtype="f32", form=form):
+            f = res.find("prefill", n, dtype="f32", form=form)
+            cells = [f"prefill, N = {fmt_n(n)}" + (", returning form" if form == "ret" else ""),
+                     fmt_time(f.wall) if f else "–"]
+            for t in ("bf16", "f16"):
+                r = res.find("prefill", n, dtype=t, form=form)
+                cells.append(f"{fmt_time(r.wall)} ({fmt_ratio(f.wall / r.wall)}×)" if r and f else "–")
+            rows.append(cells)
     for b in res.sizes("decode", dtype="f32", state="f32"):
         f = res.find("decode", b, dtype="f32", state="f32")
         for state in ("f32", "low"):
