@@ -298,15 +298,7 @@ class BatchedRecurrentLinearAttention {
     const Index F = phi_.feature_dim(key_dim_);
     while (static_cast<int>(scratch_.size()) < std::max(threads, 1)) {
       Scratch s;
-      s.q.resize(1, key_dim_);
-      s.k.resize(1, key_dim_);
-      s.pq.resize(1, F);
-      s.pk.resize(1, F);
-      s.pkv.resize(F);
-      s.w.resize(F);
-      s.v.resize(value_dim_);
-      s.o.resize(value_dim_);
-      s.row.resize(kLowState ? value_dim_ : 0);
+      s.resize(key_dim_, F, value_dim_, kLowState);
       scratch_.push_back(std::move(s));
     }
   }
@@ -330,10 +322,7 @@ class BatchedRecurrentLinearAttention {
   friend struct detail::RecurrentStateAccess;
 
   // RecurrentLinearAttention's scratch, one set per thread.
-  struct Scratch {
-    Matrix<Scalar> q, k, pq, pk;
-    Vector<Scalar> pkv, w, v, o, row;
-  };
+  using Scratch = detail::DecodeScratch<Scalar>;
   // What a (sequence, head) keeps between steps.
   using Stored = std::conditional_t<kLowState, detail::LowPrecisionState<StateScalar>, State>;
   static void store(Stored& to, State&& from) {
@@ -397,26 +386,19 @@ class BatchedRecurrentLinearAttention {
     const auto run = [&](Index t, Scratch& s) {
       const Index r = t / H, h = t % H, b = slot(r);
       const std::size_t i = index(b, h);
-      // RecurrentLinearAttention::step, statement for statement: same copies, same 1-row map,
-      // same update, so that the heads agree bit for bit.
-      s.q.row(0) = qe.row(r).segment(h * D, D).template cast<Scalar>();
-      s.k.row(0) = ke.row(r).segment(h * D, D).template cast<Scalar>();
-      detail::map_queries(phi_, s.q, s.pq, true);
-      if constexpr (!normalizes_keys_per_feature_v<FeatureMap>) {
-        detail::map_keys(phi_, s.k, s.pk, true);
-        s.pkv = s.pk.reshaped();
-      }
-      s.v = ve.row(r).segment(h * M, M).transpose().template cast<Scalar>();
+      // RecurrentLinearAttention::step's operands and update, so that the heads agree bit
+      // for bit.
+      s.load(phi_, qe.row(r).segment(h * D, D), ke.row(r).segment(h * D, D),
+             ve.row(r).segment(h * M, M));
       if constexpr (kLowState) {
         auto& st = states_[i];
-        detail::recurrent_weights(phi_, st.z, st.z_lo, s.pq.reshaped(), s.pkv, s.w);
-        detail::low_state_update_read(st.S.data(), st.S.rows(), value_dim_, s.pkv.data(),
+        detail::recurrent_weights(phi_, st.z, st.z_lo, s.pq, s.pk, s.w);
+        detail::low_state_update_read(st.S.data(), st.S.rows(), value_dim_, s.pk.data(),
                                       s.w.data(), s.v.data(), s.o.data(), s.row.data());
       } else {
-        detail::recurrent_update_and_read(phi_, states_[i], s.pq.reshaped(), s.pkv, s.w,
-                                          s.k.reshaped(), s.v, s.o);
+        s.update_and_read(phi_, states_[i]);
       }
-      dst.row(r).segment(h * M, M) = s.o.transpose().template cast<typename DOut::Scalar>();
+      detail::assign_narrowed(dst.row(r).segment(h * M, M), s.o);
       if (++unfolded_[i] == kFoldTokens) {
         states_[i].fold();
         unfolded_[i] = 0;

@@ -94,6 +94,7 @@
 #include "checks.hpp"
 #include "common.hpp"
 #include "detail/blocking.hpp"
+#include "detail/low_precision.hpp"
 
 namespace linattn {
 namespace detail {
@@ -476,7 +477,7 @@ struct TokenFeatures {
     bool column_major = declares_elementwise<Phi>::value && !has_any_side_map_v<Phi, Scalar>;
     if constexpr (is_erased_map<Phi>::value) column_major = phi.token_major();
     if (column_major) {
-      column = x.reshaped().template cast<Scalar>();  // bf16 / half tokens widened here
+      assign_widened(column, x);  // bf16 / half tokens widened here
       using ColMap = Eigen::Map<Matrix<Scalar>>;
       phi.map(ColMap(column.data(), column.size(), 1), ColMap(out.data(), out.size(), 1));
     } else {

@@ -79,14 +79,7 @@ class RecurrentLinearAttention {
     detail::check_feature_map("RecurrentLinearAttention", phi_, key_dim);
     const Index F = phi_.feature_dim(key_dim);
     state_ = State(F, value_dim, normalizes_keys_per_feature_v<FeatureMap>);
-    q_.resize(1, key_dim);
-    k_.resize(1, key_dim);
-    pq_.resize(1, F);
-    pk_.resize(1, F);
-    pkv_.resize(F);
-    w_.resize(F);
-    v_.resize(value_dim);
-    o_.resize(value_dim);
+    scratch_.resize(key_dim, F, value_dim);
   }
 
   /// Consumes one token and writes its output (M entries) into `out`, a vector of the
@@ -105,17 +98,9 @@ class RecurrentLinearAttention {
     check_step(q, k, v);
     detail::check_token("RecurrentLinearAttention::step", "out", out, value_dim_);
     // bf16 / half tokens are widened here; the state stays in Scalar.
-    q_.row(0) = q.reshaped().transpose().template cast<Scalar>();
-    k_.row(0) = k.reshaped().transpose().template cast<Scalar>();
-    detail::map_queries(phi_, q_, pq_, true);
-    if constexpr (!normalizes_keys_per_feature_v<FeatureMap>) {
-      detail::map_keys(phi_, k_, pk_, true);
-      pkv_ = pk_.reshaped();
-    }
-    v_ = v.reshaped().template cast<Scalar>();
-    detail::recurrent_update_and_read(phi_, state_, pq_.reshaped(), pkv_, w_, k_.reshaped(), v_,
-                                      o_);
-    detail::writable(out).reshaped() = o_.template cast<typename DOut::Scalar>();
+    scratch_.load(phi_, q, k, v);
+    scratch_.update_and_read(phi_, state_);
+    detail::assign_narrowed(detail::writable(out), scratch_.o);
     ++position_;
     // The step adds the token to the low parts of the state; folding them into the high parts
     // every kFoldTokens steps keeps the sums exact to rounding over any number of tokens, for
@@ -194,10 +179,7 @@ class RecurrentLinearAttention {
   Index position_ = 0;
   Index unfolded_ = 0;  // steps since the last fold of the state
   State state_;
-  // Scratch so that step() never allocates: 1-row matrices for the map, contiguous vectors
-  // for the update (a dynamic 1-row matrix's row is not known to be contiguous).
-  Matrix<Scalar> q_, k_, pq_, pk_;
-  Vector<Scalar> pkv_, w_, v_, o_;
+  detail::DecodeScratch<Scalar> scratch_;  // so that step() never allocates
 };
 
 /// \brief Linear cross-attention with a fixed memory (encoder keys and values), summarised

@@ -16,6 +16,7 @@
 #include "common.hpp"
 #include "detail/blocking.hpp"
 #include "detail/fast_exp.hpp"
+#include "detail/low_precision.hpp"
 #include "detail/products.hpp"
 #include "feature_map.hpp"
 #include "workspace.hpp"
@@ -287,6 +288,43 @@ void recurrent_update_and_read(const Phi& phi, LinearAttentionState<Scalar>& st,
   fused_rank1_update_read(st.S.data(), st.S_lo.data(), st.S.outerStride(), st.S.rows(),
                           st.S.cols(), pk.data(), w.data(), v.data(), o.data());
 }
+
+// One decode token's operands, as every decode class of a product map (or a per-feature key
+// softmax) prepares them: φ(q), φ(k) (or k itself), v, widened from bf16 / half, and the step's
+// scratch, sized once. An elementwise map takes the token as a contiguous column, on packets:
+// the 1-row matrices this replaced were copied one scalar at a time (measured: a third of a
+// decode step at F = M = 64). RecurrentLinearAttention and BatchedRecurrentLinearAttention
+// both step through it, which keeps their heads equal bit for bit.
+template <class Scalar>
+struct DecodeScratch {
+  TokenFeatures<Scalar> token;
+  Vector<Scalar> pq, pk, k, w, v, o, row;  // row: M, for states kept in bf16 / half only
+
+  void resize(Index D, Index F, Index M, bool low_precision_state = false) {
+    token.resize(D, F);
+    pq.resize(F);
+    pk.resize(F);
+    k.resize(D);
+    w.resize(F);
+    v.resize(M);
+    o.resize(M);
+    row.resize(low_precision_state ? M : 0);
+  }
+  template <class Phi, class Q, class K, class V>
+  void load(const Phi& phi, const Q& q, const K& k_in, const V& v_in) {
+    token.map(phi, q, pq, QuerySide{true});
+    if constexpr (normalizes_keys_per_feature_v<Phi>)
+      assign_widened(k, k_in);
+    else
+      token.map(phi, k_in, pk, KeySide{true});
+    assign_widened(v, v_in);
+  }
+  // The step on a float / double state: the token into the state, its output into o.
+  template <class Phi>
+  void update_and_read(const Phi& phi, LinearAttentionState<Scalar>& st) {
+    recurrent_update_and_read(phi, st, pq, pk, w, k, v, o);
+  }
+};
 
 // Calls fn(p) with p = φ(x), the n x F features of the rows of x, in workspace slot `slot`:
 // a column-major buffer, or for an elementwise map of row-major x (maps_token_major_v) the

@@ -162,4 +162,44 @@ void narrow_into(const Src& src, Dst& dst) {
     narrow(src.data() + o * src.outerStride(), dst.data() + o * dst.outerStride(), inner);
 }
 
+// One decode token: the vector expression x into the contiguous dst, as Scalar. Memory with
+// unit stride (a row of row-major tokens) is copied on packets, or widened by widen for bf16 /
+// half; Eigen's cast converts those one scalar at a time, and a reshaped row block is copied
+// one scalar at a time too. Anything else goes through Eigen.
+template <class Scalar, class X>
+void assign_widened(Vector<Scalar>& dst, const Eigen::MatrixBase<X>& x) {
+  using T = typename X::Scalar;
+  if constexpr ((int(X::Flags) & Eigen::DirectAccessBit) != 0 &&
+                (std::is_same_v<T, Scalar> ||
+                 (std::is_same_v<Scalar, float> && is_low_precision_v<T>))) {
+    if (x.innerStride() == 1 || x.size() <= 1) {
+      dst.resize(x.size());
+      if constexpr (std::is_same_v<T, Scalar>)
+        dst = Eigen::Map<const Vector<Scalar>>(x.derived().data(), x.size());
+      else
+        widen(x.derived().data(), dst.data(), x.size());
+      return;
+    }
+  }
+  dst = x.reshaped().template cast<Scalar>();
+}
+
+// The reverse: a token's output (contiguous) into the vector expression y, rounded once.
+template <class Y, class Scalar>
+void assign_narrowed(Y&& y, const Vector<Scalar>& src) {
+  using Out = std::decay_t<Y>;
+  using T = typename Out::Scalar;
+  if constexpr ((int(Out::Flags) & Eigen::DirectAccessBit) != 0 &&
+                (std::is_same_v<T, Scalar> ||
+                 (std::is_same_v<Scalar, float> && is_low_precision_v<T>))) {
+    if (y.innerStride() == 1 || y.size() <= 1) {
+      if constexpr (std::is_same_v<T, Scalar>)
+        Eigen::Map<Vector<Scalar>>(y.derived().data(), src.size()) = src;
+      else
+        narrow(src.data(), y.derived().data(), src.size());
+      return;
+    }
+  }
+  y = src.reshaped(y.rows(), y.cols()).template cast<T>();
+}
 }  // namespace linattn::detail
