@@ -431,7 +431,8 @@ TYPED_TEST(LowPrecision, DecodeWithLowPrecisionStates) {
   // M = 72: a block of the fused AVX-512 step (64 columns) or two of the AVX2 one (32), and a
   // tail through the row-by-row path.
   constexpr Index H = 2, B = 3, T = 150, kMv = 72;
-  const Mat<float> Q = random_matrix<float>(T * B, H * kD, 26), K = random_matrix<float>(T * B, H * kD, 27),
+  const Mat<float> Q = random_matrix<float>(T * B, H * kD, 26),
+                   K = random_matrix<float>(T * B, H * kD, 27),
                    V = random_matrix<float>(T * B, H * kMv, 28);
   linattn::BatchedRecurrentLinearAttention<EluPlusOne, float, S> low(B, H, kD, kMv);
   linattn::BatchedRecurrentLinearAttention<EluPlusOne, float> full(B, H, kD, kMv);
@@ -460,13 +461,16 @@ TYPED_TEST(LowPrecision, DecodeWithLowPrecisionStates) {
         auto& z = zr[b * H + h];
         const Eigen::VectorXd pk = PK.row(r).segment(h * kD, kD).transpose();
         const Eigen::VectorXd pq = PQ.row(r).segment(h * kD, kD).transpose();
-        const Eigen::VectorXd v = V.row(r).segment(h * kMv, kMv).transpose().template cast<double>();
+        const Eigen::VectorXd v =
+            V.row(r).segment(h * kMv, kMv).transpose().template cast<double>();
         const Eigen::MatrixXd next = St.template cast<double>() + pk * v.transpose();
         z += pk;
         const Eigen::VectorXd o = next.transpose() * pq / pq.dot(z);
         St = next.template cast<float>().template cast<S>();
-        const Eigen::VectorXd got = out.row(b).segment(h * kMv, kMv).transpose().template cast<double>();
-        const Eigen::VectorXd f = out_f.row(b).segment(h * kMv, kMv).transpose().template cast<double>();
+        const Eigen::VectorXd got =
+            out.row(b).segment(h * kMv, kMv).transpose().template cast<double>();
+        const Eigen::VectorXd f =
+            out_f.row(b).segment(h * kMv, kMv).transpose().template cast<double>();
         worst = std::max(worst, (got - o).cwiseAbs().maxCoeff());
         drift = std::max(drift, (got - f).cwiseAbs().maxCoeff());
         scale = std::max(scale, f.cwiseAbs().maxCoeff());

@@ -393,8 +393,8 @@ class BatchedRecurrentLinearAttention {
       if constexpr (kLowState) {
         auto& st = states_[i];
         detail::recurrent_weights(phi_, st.z, st.z_lo, s.pq, s.pk, s.w);
-        detail::low_state_update_read(st.S.data(), st.S.rows(), value_dim_, s.pk.data(),
-                                      s.w.data(), s.v.data(), s.o.data(), s.row.data());
+        detail::low_state_update_read(st.S.data(), st.S.rows(), value_dim_, s.pk.data(), s.w.data(),
+                                      s.v.data(), s.o.data(), s.row.data());
       } else {
         s.update_and_read(phi_, states_[i]);
       }
