@@ -15,6 +15,8 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "reference.hpp"
@@ -336,6 +338,63 @@ void check_gradients() {
 TEST(LowPrecisionBf16, Gradients) { check_gradients<bf16>(); }
 
 
+// The saved-forward softmax backward (out and lse of the forward), summarize and
+// LinearCrossAttention: bf16 / half operands as the other kernels (an independent check found
+// these three rejecting them).
+template <class S>
+void check_saved_softmax_summarize_and_cross() {
+  const Mat<S> Q = stored<S>(kN, kD, 44), K = stored<S>(kN, kD, 45), V = stored<S>(kN, kM, 46),
+               W = stored<S>(kN, kM, 47);
+  for (const bool causal : {false, true}) {
+    linattn::Workspace<float> ws;
+    Mat<S> out(kN, kM), dQ(kN, kD), dK(kN, kD), dV(kN, kM);
+    Mat<float> out_f(kN, kM), dQf(kN, kD), dKf(kN, kD), dVf(kN, kM);
+    Eigen::VectorXf lse(kN), lse_f(kN);
+    if (causal) {
+      linattn::causal_softmax_attention(Q, K, V, out, lse, ws);
+      linattn::causal_softmax_attention_backward(Q, K, V, out, lse, W, dQ, dK, dV, ws);
+      linattn::causal_softmax_attention(wide(Q), wide(K), wide(V), out_f, lse_f, ws);
+    } else {
+      linattn::softmax_attention(Q, K, V, out, lse, ws);
+      linattn::softmax_attention_backward(Q, K, V, out, lse, W, dQ, dK, dV, ws);
+      linattn::softmax_attention(wide(Q), wide(K), wide(V), out_f, lse_f, ws);
+    }
+    expect_same_bits(lse, lse_f, "softmax_attention's lse");
+    // The float reference reads the same saved output: the bf16 / half one, widened.
+    const Mat<float> saved = wide(out);
+    if (causal)
+      linattn::causal_softmax_attention_backward(wide(Q), wide(K), wide(V), saved, lse_f, wide(W),
+                                                 dQf, dKf, dVf, ws);
+    else
+      linattn::softmax_attention_backward(wide(Q), wide(K), wide(V), saved, lse_f, wide(W), dQf,
+                                          dKf, dVf, ws);
+    expect_same_bits(dQ, Mat<S>(dQf.template cast<S>()), "softmax backward from the saved out");
+    expect_same_bits(dK, Mat<S>(dKf.template cast<S>()), "softmax backward from the saved out");
+    expect_same_bits(dV, Mat<S>(dVf.template cast<S>()), "softmax backward from the saved out");
+  }
+  const auto st = linattn::summarize(K, V, SoftmaxSplit{});
+  const auto st_f = linattn::summarize(wide(K), wide(V), SoftmaxSplit{});
+  expect_same_bits(st.S, st_f.S, "summarize");
+  expect_same_bits(st.z, st_f.z, "summarize");
+  linattn::LinearCrossAttention<EluPlusOne, float> cross(kD, kM), cross_f(kD, kM);
+  cross.set_memory(K, V);
+  cross_f.set_memory(wide(K), wide(V));
+  expect_same_bits(cross.state().S, cross_f.state().S, "LinearCrossAttention::set_memory");
+  const Mat<S> rows = cross.query(Q);
+  expect_same_bits(rows, Mat<S>(cross_f.query(wide(Q)).template cast<S>()),
+                   "LinearCrossAttention::query (rows)");
+  const Eigen::Matrix<S, Eigen::Dynamic, 1> one = cross.query(Q.row(3).transpose());
+  const Eigen::VectorXf one_f = cross_f.query(wide(Q).row(3).transpose());
+  expect_same_bits(one, Eigen::Matrix<S, Eigen::Dynamic, 1>(one_f.template cast<S>()),
+                   "LinearCrossAttention::query (one)");
+}
+TEST(LowPrecisionBf16, SavedSoftmaxSummarizeAndCross) {
+  check_saved_softmax_summarize_and_cross<bf16>();
+}
+TEST(LowPrecisionHalf, SavedSoftmaxSummarizeAndCross) {
+  check_saved_softmax_summarize_and_cross<half>();
+}
+
 // Decay, gates and the delta rule (spec §9): gates, β and log-decays are stored as Q, K, V are.
 template <class S>
 void check_gated_and_delta_rule() {
@@ -484,6 +543,62 @@ TYPED_TEST(LowPrecision, DecodeWithLowPrecisionStates) {
               name_of<S>(), static_cast<long long>(T), scale, worst, drift);
 }
 
+
+// save_state / load_state of a decoder with bf16 / half states: the float decoder's file, the
+// states widened. Resumed from its own file it continues bit for bit; a float decoder loads
+// the same file into the widened states; a float decoder's file loads rounded once, as
+// set_state.
+TYPED_TEST(LowPrecision, SaveAndLoadLowPrecisionStates) {
+  using S = TypeParam;
+  using Low = linattn::BatchedRecurrentLinearAttention<EluPlusOne, float, S>;
+  using Full = linattn::BatchedRecurrentLinearAttention<EluPlusOne, float>;
+  constexpr Index H = 2, B = 3, T = 40, Mv = 72;
+  const Mat<float> Q = random_matrix<float>(2 * T * B, H * kD, 41),
+                   K = random_matrix<float>(2 * T * B, H * kD, 42),
+                   V = random_matrix<float>(2 * T * B, H * Mv, 43);
+  Low dec(B, H, kD, Mv);
+  Full full(B, H, kD, Mv);
+  Mat<float> out(B, H * Mv), out2(B, H * Mv);
+  // T is not a multiple of the fold cadence: the file carries the unfolded low parts of z.
+  for (Index t = 0; t < T; ++t) {
+    dec.step(Q.middleRows(t * B, B), K.middleRows(t * B, B), V.middleRows(t * B, B), out);
+    full.step(Q.middleRows(t * B, B), K.middleRows(t * B, B), V.middleRows(t * B, B), out);
+  }
+  std::stringstream low_file, full_file;
+  linattn::save_state(low_file, dec);
+  linattn::save_state(full_file, full);
+  const std::string low_bytes = low_file.str();
+  Low resumed(0, H, kD, Mv);
+  linattn::load_state(low_file, resumed);
+  ASSERT_EQ(resumed.sequences(), B);
+  Full widened(0, H, kD, Mv);
+  std::stringstream again(low_bytes);
+  linattn::load_state(again, widened);
+  Low rounded(0, H, kD, Mv);
+  linattn::load_state(full_file, rounded);
+  for (Index b = 0; b < B; ++b) {
+    EXPECT_EQ(resumed.position(b), T);
+    for (Index h = 0; h < H; ++h) {
+      const auto st = dec.state(b, h), f = full.state(b, h);
+      // state() folds z's low part, as the float decoder's does.
+      EXPECT_TRUE(st.z_lo.isZero(0)) << name_of<S>() << ": state() folded";
+      expect_same_bits(st.z, f.z, "state().z");
+      expect_same_bits(Mat<float>(widened.state(b, h).S), Mat<float>(st.S), "a float decoder's load");
+      expect_same_bits(Mat<float>(rounded.state(b, h).S),
+                       Mat<float>((f.S + f.S_lo).template cast<S>().template cast<float>()),
+                       "a float decoder's file rounded");
+    }
+  }
+  for (Index t = T; t < 2 * T; ++t) {
+    dec.step(Q.middleRows(t * B, B), K.middleRows(t * B, B), V.middleRows(t * B, B), out);
+    resumed.step(Q.middleRows(t * B, B), K.middleRows(t * B, B), V.middleRows(t * B, B), out2);
+    expect_same_bits(out2, out, "the resumed decoder's step");
+  }
+  std::stringstream after_low, after_resumed;
+  linattn::save_state(after_low, dec);
+  linattn::save_state(after_resumed, resumed);
+  EXPECT_EQ(after_low.str(), after_resumed.str()) << name_of<S>();
+}
 
 // Sequences of several widening pieces (256 rows, or whole chunks), with a tail: the pieces
 // continue one another bit for bit, single-head and multi-head, both algorithms.

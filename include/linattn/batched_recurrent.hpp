@@ -62,7 +62,8 @@ namespace linattn {
 /// \tparam StateScalar what S is kept in between steps: Scalar (with its compensated low part,
 ///         the default), or `Eigen::bfloat16` / `Eigen::half` for a float decoder (a quarter of
 ///         the bytes a step moves; S rounded after every token, z kept in float; product maps
-///         only). state() / set_state() widen and round; save_state() takes Scalar states only.
+///         only). state() / set_state() widen and round, and so do save_state() / load_state()
+///         (the float decoder's file).
 /// \code
 /// // 32 conversations, 8 heads of D = M = 64; Q, K: 32 x 512, V: 32 x 512, one row each.
 /// linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> decoder(32, 8, 64, 64);
@@ -274,13 +275,14 @@ class BatchedRecurrentLinearAttention {
     const char* fn = "BatchedRecurrentLinearAttention::state";
     check_sequence(fn, b);
     check_head(fn, h);
-    if constexpr (kLowState) {
-      return states_[index(b, h)].widened();
-    } else {
-      State copy = states_[index(b, h)];
-      copy.fold();
-      return copy;
-    }
+    State copy = [&] {
+      if constexpr (kLowState)
+        return states_[index(b, h)].widened();
+      else
+        return states_[index(b, h)];
+    }();
+    copy.fold();  // a bf16 / half state's z_lo too: its S has no low part
+    return copy;
   }
 
   /// Folded copies of all B·H states, sequence-major (see set_states()).

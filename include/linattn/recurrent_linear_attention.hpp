@@ -11,6 +11,7 @@
 
 #include "checks.hpp"
 #include "common.hpp"
+#include "detail/views.hpp"
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
 #include "state.hpp"
@@ -269,15 +270,17 @@ class LinearCrossAttention {
   /// Attends with one query (a compile-time vector: returns value_dim entries) or with the n
   /// rows of a matrix (returns n x value_dim).
   template <class DQ>
-  std::conditional_t<bool(DQ::IsVectorAtCompileTime), Vector<Scalar>, Matrix<Scalar>> query(
-      const Eigen::MatrixBase<DQ>& q) const {
+  std::conditional_t<bool(DQ::IsVectorAtCompileTime), Vector<typename DQ::Scalar>,
+                     Matrix<typename DQ::Scalar>>
+  query(const Eigen::MatrixBase<DQ>& q) const {
+    using T = typename DQ::Scalar;  // Scalar, or bf16 / half queries of a float memory
     if constexpr (DQ::IsVectorAtCompileTime) {
-      Vector<Scalar> out(value_dim_);
+      Vector<T> out(value_dim_);
       query(q, out);
       return out;
     } else {
       check_query_rows(q);
-      Matrix<Scalar> out(q.rows(), value_dim_);
+      Matrix<T> out(q.rows(), value_dim_);
       query(q, out);
       return out;
     }
@@ -299,8 +302,9 @@ class LinearCrossAttention {
   void check_memory(const char* fn, const Eigen::MatrixBase<DK>& K,
                     const Eigen::MatrixBase<DV>& V) const {
     detail::static_check_scalars<DK, DK, DV>();
-    static_assert(std::is_same_v<typename DK::Scalar, Scalar>,
-                  "linattn: the memory's scalar type must be the LinearCrossAttention's");
+    static_assert(std::is_same_v<compute_scalar_t<typename DK::Scalar>, Scalar>,
+                  "linattn: the memory's scalar type must be the LinearCrossAttention's (or "
+                  "bf16 / half for a float one)");
     if (K.cols() != key_dim_ || V.cols() != value_dim_ || K.rows() != V.rows())
       detail::throw_invalid(fn, "K is " + detail::shape_of(K) + " and V is " +
                                     detail::shape_of(V) + " but must be L x " +
@@ -310,9 +314,9 @@ class LinearCrossAttention {
 
   template <class DK, class DV>
   void absorb(const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, State& into) {
-    const detail::Nested<DK> k(K.derived());
-    const detail::Nested<DV> v(V.derived());
-    detail::absorb_keys(phi_, k, v, into.S, into.S_lo, into.z, into.z_lo, into.m, detail::NoMask{},
+    const detail::Viewed<DK> k(K.derived());  // bf16 / half widened into float
+    const detail::Viewed<DV> v(V.derived());
+    detail::absorb_keys(phi_, k.view, v.view, into.S, into.S_lo, into.z, into.z_lo, into.m, detail::NoMask{},
                         ws_);
   }
 
@@ -327,14 +331,25 @@ class LinearCrossAttention {
   template <class DQ, class DOut>
   void query_impl(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DOut>& out,
                   Workspace<Scalar>* ws) const {
-    static_assert(std::is_same_v<typename DQ::Scalar, Scalar>,
-                  "linattn: the query's scalar type must be the LinearCrossAttention's");
-    const auto is_vector = [](const auto& x) { return x.rows() == 1 || x.cols() == 1; };
-    if (bool(DQ::IsVectorAtCompileTime) || (is_vector(q) && is_vector(out) && q.size() == key_dim_ &&
-                                      out.size() == value_dim_))
-      query_one(q, out, ws);
-    else
-      query_rows(q, out, ws);
+    static_assert(std::is_same_v<compute_scalar_t<typename DQ::Scalar>, Scalar> &&
+                      std::is_same_v<typename DOut::Scalar, typename DQ::Scalar>,
+                  "linattn: the query's scalar type must be the LinearCrossAttention's (or "
+                  "bf16 / half for a float one), and out's the query's");
+    if constexpr (detail::is_low_precision_v<typename DQ::Scalar>) {
+      // Widened into float copies and computed there (these allocate), the result rounded
+      // once into out.
+      const Matrix<Scalar> wide = q.template cast<Scalar>();
+      Matrix<Scalar> result(out.rows(), out.cols());
+      query_impl(wide, result, ws);
+      detail::writable(out) = result.template cast<typename DOut::Scalar>();
+    } else {
+      const auto is_vector = [](const auto& x) { return x.rows() == 1 || x.cols() == 1; };
+      if (bool(DQ::IsVectorAtCompileTime) ||
+          (is_vector(q) && is_vector(out) && q.size() == key_dim_ && out.size() == value_dim_))
+        query_one(q, out, ws);
+      else
+        query_rows(q, out, ws);
+    }
   }
 
   // φ(x) into pq, then one read of the state for all rows.

@@ -165,6 +165,8 @@ void softmax_backward_saved_impl(const char* function, const Eigen::MatrixBase<D
                                  Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
   static_assert(DL::IsVectorAtCompileTime,
                 "linattn: lse must be a vector type (e.g. Eigen::VectorXf or a Map of one)");
+  static_assert(std::is_same_v<typename DO::Scalar, typename DQ::Scalar>,
+                "linattn: out (the forward's output) must have the scalar type of Q, K and V");
   check_backward(function, Q, K, V, dOut, dQ, dK, dV, causal);
   if (out.rows() != Q.rows() || out.cols() != V.cols())
     throw_invalid(function, "out is " + shape_of(out) + " but must be " +
@@ -186,8 +188,8 @@ void softmax_backward_saved_impl(const char* function, const Eigen::MatrixBase<D
   const Viewed<DG> g(dOut.derived());
   const Nested<DL> l(lse.derived());
   auto dot = ws.vector(kSlotNormalizerLow, Q.rows());
-  const Nested<DO> o(out.derived());
-  dot = g.view.cwiseProduct(o).rowwise().sum();
+  const Viewed<DO> o(out.derived());  // a bf16 / half `out` widened, as the operands
+  dot = g.view.cwiseProduct(o.view).rowwise().sum();
   with_output_views(writable(dQ), writable(dK), writable(dV), [&](auto& gq, auto& gk, auto& gv) {
     softmax_backward_tiled(q.view, k.view, v.view, g.view, l, dot, causal, gq, gk, gv, ws);
   });

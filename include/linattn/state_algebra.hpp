@@ -11,6 +11,7 @@
 
 #include "checks.hpp"
 #include "common.hpp"
+#include "detail/views.hpp"
 #include "elu_plus_one.hpp"
 #include "feature_map.hpp"
 #include "state.hpp"
@@ -187,22 +188,22 @@ LinearAttentionState<Scalar> combine(const LinearAttentionState<Scalar>& a,
 template <class DK, class DV, class Phi = EluPlusOne>
 LinearAttentionState<compute_scalar_t<typename DK::Scalar>> summarize(
     const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, const Phi& phi = Phi{}) {
-  using Scalar = typename DK::Scalar;
+  using Scalar = compute_scalar_t<typename DK::Scalar>;
   constexpr const char* fn = "summarize";
-  static_assert(std::is_same_v<Scalar, typename DV::Scalar>,
+  static_assert(std::is_same_v<typename DK::Scalar, typename DV::Scalar>,
                 "linattn: K and V must have the same scalar type (cast one with .cast<T>())");
-  static_assert(detail::is_supported_scalar_v<Scalar>,
-                "linattn: the scalar type must be float or double");
-  detail::static_check_feature_map<Phi, compute_scalar_t<Scalar>>();
+  static_assert(detail::is_storage_scalar_v<typename DK::Scalar>,
+                "linattn: the scalar type must be float or double (or bf16 / half storage)");
+  detail::static_check_feature_map<Phi, Scalar>();
   if (K.rows() != V.rows())
     detail::throw_invalid(fn, "K and V must have the same number of rows, got K " +
                                   detail::shape_of(K) + " and V " + detail::shape_of(V));
   detail::check_feature_map(fn, phi, K.cols());
   auto st = make_state<Scalar>(phi, K.cols(), V.cols());
-  const detail::Nested<DK> k(K.derived());
-  const detail::Nested<DV> v(V.derived());
-  Workspace<compute_scalar_t<Scalar>> ws;
-  detail::absorb_keys(phi, k, v, st.S, st.S_lo, st.z, st.z_lo, st.m, detail::NoMask{}, ws);
+  const detail::Viewed<DK> k(K.derived());  // bf16 / half widened into float
+  const detail::Viewed<DV> v(V.derived());
+  Workspace<Scalar> ws;
+  detail::absorb_keys(phi, k.view, v.view, st.S, st.S_lo, st.z, st.z_lo, st.m, detail::NoMask{}, ws);
   return st;
 }
 

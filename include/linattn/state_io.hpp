@@ -457,6 +457,10 @@ void load_state(std::istream& is, SoftmaxAttentionLayerState<Scalar>& state) {
 /// \f$72 + 8 + B\,H\,(16 + s\,(2FM + 2F\,[+F] + L))\f$ bytes for s-byte scalars. It records
 /// H, D, F, M and the presence of maxima, not the feature map: load it only for the map that
 /// made it.
+///
+/// A decoder that keeps its states in bf16 / half (`StateScalar`) writes the file of the
+/// float decoder, its states widened (exactly: S as stored, S_lo and the log-decay empty), so
+/// either decoder loads the other's files.
 /// \throws std::runtime_error if the stream was not writable or a write failed;
 /// std::invalid_argument if a state's log_decay (normally empty here: set_state() copies
 /// it) has neither 0, 1 nor F entries, or the B·H states' differ in size.
@@ -466,30 +470,40 @@ void load_state(std::istream& is, SoftmaxAttentionLayerState<Scalar>& state) {
 /// std::ofstream file("server.state", std::ios::binary);
 /// linattn::save_state(file, decoder);
 /// \endcode
-template <class FeatureMap, class Scalar>
-void save_state(std::ostream& os, const BatchedRecurrentLinearAttention<FeatureMap, Scalar>& dec) {
+template <class FeatureMap, class Scalar, class StateScalar>
+void save_state(std::ostream& os,
+                const BatchedRecurrentLinearAttention<FeatureMap, Scalar, StateScalar>& dec) {
   constexpr const char* fn = "save_state";
+  constexpr bool kLowState = !std::is_same_v<StateScalar, Scalar>;
   using Access = detail::RecurrentStateAccess;
   const Index B = dec.sequences(), H = dec.heads();
-  const Index decay = B == 0 ? 0 : detail::io::decay_entries(fn, Access::state(dec, 0, 0));
-  for (Index b = 0; b < B; ++b)
-    for (Index h = 0; h < H; ++h) {
-      const auto& st = Access::state(dec, b, h);
-      if (detail::io::decay_entries(fn, st) != decay)
-        detail::throw_invalid(fn, "the states' log-decays differ in size: sequence 0, head 0 "
-                                  "has " + std::to_string(decay) + " entries, sequence " +
-                                      std::to_string(b) + ", head " + std::to_string(h) +
-                                      " has " + std::to_string(st.log_decay.size()));
-    }
+  Index decay = 0;
+  if constexpr (!kLowState) {  // a state kept in bf16 / half has no log-decay
+    decay = B == 0 ? 0 : detail::io::decay_entries(fn, Access::state(dec, 0, 0));
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < H; ++h) {
+        const auto& st = Access::state(dec, b, h);
+        if (detail::io::decay_entries(fn, st) != decay)
+          detail::throw_invalid(fn, "the states' log-decays differ in size: sequence 0, head 0 "
+                                    "has " + std::to_string(decay) + " entries, sequence " +
+                                        std::to_string(b) + ", head " + std::to_string(h) +
+                                        " has " + std::to_string(st.log_decay.size()));
+      }
+  }
   detail::io::Writer w(os, fn);
   detail::io::write_header<Scalar>(w, detail::io::kKindBatched,
                                    normalizes_keys_per_feature_v<FeatureMap>, H, dec.key_dim(),
                                    dec.feature_dim(), dec.value_dim(), decay);
   w.integer(std::uint64_t(B));
   for (Index b = 0; b < B; ++b)
-    for (Index h = 0; h < H; ++h)
-      detail::io::write_head(w, Access::state(dec, b, h), dec.position(b),
-                             Access::unfolded(dec, b, h));
+    for (Index h = 0; h < H; ++h) {
+      if constexpr (kLowState)  // widened: exact, S_lo = 0
+        detail::io::write_head(w, Access::state(dec, b, h).widened(), dec.position(b),
+                               Access::unfolded(dec, b, h));
+      else
+        detail::io::write_head(w, Access::state(dec, b, h), dec.position(b),
+                               Access::unfolded(dec, b, h));
+    }
   w.finish();
 }
 
@@ -501,7 +515,9 @@ void save_state(std::ostream& os, const BatchedRecurrentLinearAttention<FeatureM
 /// feature dimension F, value dimension M and map (running maxima or not); B comes from the
 /// file (0 gives an empty decoder). The spare states that remove_sequence() keeps are dropped.
 /// Strong guarantee: on any failure `dec` is unchanged (everything is read and checked before
-/// it is touched). Reads exactly one record.
+/// it is touched). Reads exactly one record. A decoder with bf16 / half states takes S + S_lo
+/// of each record rounded once, as set_state(): the file of such a decoder comes back bit for
+/// bit, a float decoder's loses what rounding S costs; a record's log-decay is not kept.
 /// \throws std::runtime_error `"linattn::load_state: ..."` for every failure of
 /// load_state(std::istream&) (truncated, corrupted, wrong magic, version, scalar type or
 /// kind, absurd shapes, including a B of more than 2²⁴ (sequence, head) states), "shape
@@ -513,8 +529,9 @@ void save_state(std::ostream& os, const BatchedRecurrentLinearAttention<FeatureM
 /// linattn::load_state(file, decoder);  // decoder.sequences() is the saved B
 /// decoder.step(Q, K, V, out);          // continues every saved decode
 /// \endcode
-template <class FeatureMap, class Scalar>
-void load_state(std::istream& is, BatchedRecurrentLinearAttention<FeatureMap, Scalar>& dec) {
+template <class FeatureMap, class Scalar, class StateScalar>
+void load_state(std::istream& is,
+                BatchedRecurrentLinearAttention<FeatureMap, Scalar, StateScalar>& dec) {
   constexpr const char* fn = "load_state";
   std::uint32_t crc = 0;
   const auto hd = detail::io::read_header<Scalar>(is, fn, detail::io::kKindBatched, crc);
@@ -524,13 +541,19 @@ void load_state(std::istream& is, BatchedRecurrentLinearAttention<FeatureMap, Sc
                                  normalizes_keys_per_feature_v<FeatureMap>);
   auto records = detail::io::read_payload<Scalar>(is, fn, hd, crc);
   const Index H = dec.heads(), B = static_cast<Index>(records.size()) / H;
-  std::vector<LinearAttentionState<Scalar>> states;
+  using Stored = std::decay_t<decltype(detail::RecurrentStateAccess::state(dec, 0, 0))>;
+  std::vector<Stored> states;
   std::vector<Index> unfolded, positions;
   states.reserve(records.size());
   unfolded.reserve(records.size());
   positions.reserve(static_cast<std::size_t>(B));
   for (std::size_t i = 0; i < records.size(); ++i) {
-    states.push_back(std::move(records[i].state));
+    if constexpr (std::is_same_v<StateScalar, Scalar>) {
+      states.push_back(std::move(records[i].state));
+    } else {  // S + S_lo rounded once, as set_state(): exact for a file this decoder wrote
+      states.emplace_back();
+      states.back().assign(records[i].state);
+    }
     unfolded.push_back(records[i].unfolded);
     if (i % static_cast<std::size_t>(H) == 0) positions.push_back(records[i].position);
   }

@@ -72,24 +72,25 @@ struct RecurrentStateAccess {
     r.state_ = std::move(st);
     r.position_ = position;
   }
-  // The batched decoder: head h of sequence b, its unfolded count, and the install of B
-  // sequences (sequence-major states and counts, one position per sequence). Only the first
-  // B·H entries of the decoder's vectors are live (remove_sequence() keeps spares past them).
-  template <class Phi, class Scalar>
-  static const LinearAttentionState<Scalar>& state(
-      const BatchedRecurrentLinearAttention<Phi, Scalar>& r, Index b, Index h) {
+  // The batched decoder: head h of sequence b (a LinearAttentionState, or a LowPrecisionState
+  // for states kept in bf16 / half), its unfolded count, and the install of B sequences
+  // (sequence-major states and counts, one position per sequence). Only the first B·H entries
+  // of the decoder's vectors are live (remove_sequence() keeps spares past them).
+  template <class Phi, class Scalar, class StateScalar>
+  static const auto& state(const BatchedRecurrentLinearAttention<Phi, Scalar, StateScalar>& r,
+                           Index b, Index h) {
     return r.states_[r.index(b, h)];
   }
-  template <class Phi, class Scalar>
-  static Index unfolded(const BatchedRecurrentLinearAttention<Phi, Scalar>& r, Index b,
-                        Index h) noexcept {
+  template <class Phi, class Scalar, class StateScalar>
+  static Index unfolded(const BatchedRecurrentLinearAttention<Phi, Scalar, StateScalar>& r,
+                        Index b, Index h) noexcept {
     return r.unfolded_[r.index(b, h)];
   }
   // Strong guarantee: the one allocation (the repeat marks of step(slots, ...)) comes first,
   // then only moves. Replaces the spare states too: the decoder holds exactly B·H afterwards.
-  template <class Phi, class Scalar>
-  static void install(BatchedRecurrentLinearAttention<Phi, Scalar>& r, Index sequences,
-                      std::vector<LinearAttentionState<Scalar>>&& states,
+  template <class Phi, class Scalar, class StateScalar, class Stored>
+  static void install(BatchedRecurrentLinearAttention<Phi, Scalar, StateScalar>& r,
+                      Index sequences, std::vector<Stored>&& states,
                       std::vector<Index>&& unfolded, std::vector<Index>&& positions) {
     std::vector<unsigned char> marks(static_cast<std::size_t>(sequences), 0);
     r.states_ = std::move(states);
