@@ -337,7 +337,6 @@ void check_gradients() {
 }
 TEST(LowPrecisionBf16, Gradients) { check_gradients<bf16>(); }
 
-
 // The saved-forward softmax backward (out and lse of the forward), summarize and
 // LinearCrossAttention: bf16 / half operands as the other kernels (an independent check found
 // these three rejecting them).
@@ -543,7 +542,6 @@ TYPED_TEST(LowPrecision, DecodeWithLowPrecisionStates) {
               name_of<S>(), static_cast<long long>(T), scale, worst, drift);
 }
 
-
 // save_state / load_state of a decoder with bf16 / half states: the float decoder's file, the
 // states widened. Resumed from its own file it continues bit for bit; a float decoder loads
 // the same file into the widened states; a float decoder's file loads rounded once, as
@@ -583,7 +581,8 @@ TYPED_TEST(LowPrecision, SaveAndLoadLowPrecisionStates) {
       // state() folds z's low part, as the float decoder's does.
       EXPECT_TRUE(st.z_lo.isZero(0)) << name_of<S>() << ": state() folded";
       expect_same_bits(st.z, f.z, "state().z");
-      expect_same_bits(Mat<float>(widened.state(b, h).S), Mat<float>(st.S), "a float decoder's load");
+      expect_same_bits(Mat<float>(widened.state(b, h).S), Mat<float>(st.S),
+                       "a float decoder's load");
       expect_same_bits(Mat<float>(rounded.state(b, h).S),
                        Mat<float>((f.S + f.S_lo).template cast<S>().template cast<float>()),
                        "a float decoder's file rounded");

@@ -316,8 +316,8 @@ class LinearCrossAttention {
   void absorb(const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, State& into) {
     const detail::Viewed<DK> k(K.derived());  // bf16 / half widened into float
     const detail::Viewed<DV> v(V.derived());
-    detail::absorb_keys(phi_, k.view, v.view, into.S, into.S_lo, into.z, into.z_lo, into.m, detail::NoMask{},
-                        ws_);
+    detail::absorb_keys(phi_, k.view, v.view, into.S, into.S_lo, into.z, into.z_lo, into.m,
+                        detail::NoMask{}, ws_);
   }
 
   template <class DQ>

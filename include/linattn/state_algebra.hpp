@@ -203,7 +203,8 @@ LinearAttentionState<compute_scalar_t<typename DK::Scalar>> summarize(
   const detail::Viewed<DK> k(K.derived());  // bf16 / half widened into float
   const detail::Viewed<DV> v(V.derived());
   Workspace<Scalar> ws;
-  detail::absorb_keys(phi, k.view, v.view, st.S, st.S_lo, st.z, st.z_lo, st.m, detail::NoMask{}, ws);
+  detail::absorb_keys(phi, k.view, v.view, st.S, st.S_lo, st.z, st.z_lo, st.m, detail::NoMask{},
+                      ws);
   return st;
 }
 

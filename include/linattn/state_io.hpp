@@ -484,10 +484,12 @@ void save_state(std::ostream& os,
       for (Index h = 0; h < H; ++h) {
         const auto& st = Access::state(dec, b, h);
         if (detail::io::decay_entries(fn, st) != decay)
-          detail::throw_invalid(fn, "the states' log-decays differ in size: sequence 0, head 0 "
-                                    "has " + std::to_string(decay) + " entries, sequence " +
-                                        std::to_string(b) + ", head " + std::to_string(h) +
-                                        " has " + std::to_string(st.log_decay.size()));
+          detail::throw_invalid(fn,
+                                "the states' log-decays differ in size: sequence 0, head 0 "
+                                "has " +
+                                    std::to_string(decay) + " entries, sequence " +
+                                    std::to_string(b) + ", head " + std::to_string(h) + " has " +
+                                    std::to_string(st.log_decay.size()));
       }
   }
   detail::io::Writer w(os, fn);

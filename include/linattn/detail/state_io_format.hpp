@@ -82,16 +82,16 @@ struct RecurrentStateAccess {
     return r.states_[r.index(b, h)];
   }
   template <class Phi, class Scalar, class StateScalar>
-  static Index unfolded(const BatchedRecurrentLinearAttention<Phi, Scalar, StateScalar>& r,
-                        Index b, Index h) noexcept {
+  static Index unfolded(const BatchedRecurrentLinearAttention<Phi, Scalar, StateScalar>& r, Index b,
+                        Index h) noexcept {
     return r.unfolded_[r.index(b, h)];
   }
   // Strong guarantee: the one allocation (the repeat marks of step(slots, ...)) comes first,
   // then only moves. Replaces the spare states too: the decoder holds exactly B·H afterwards.
   template <class Phi, class Scalar, class StateScalar, class Stored>
-  static void install(BatchedRecurrentLinearAttention<Phi, Scalar, StateScalar>& r,
-                      Index sequences, std::vector<Stored>&& states,
-                      std::vector<Index>&& unfolded, std::vector<Index>&& positions) {
+  static void install(BatchedRecurrentLinearAttention<Phi, Scalar, StateScalar>& r, Index sequences,
+                      std::vector<Stored>&& states, std::vector<Index>&& unfolded,
+                      std::vector<Index>&& positions) {
     std::vector<unsigned char> marks(static_cast<std::size_t>(sequences), 0);
     r.states_ = std::move(states);
     r.unfolded_ = std::move(unfolded);
