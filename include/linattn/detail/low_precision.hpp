@@ -64,11 +64,15 @@ inline __m256 load_widened8(const Eigen::bfloat16* p) {
 }
 // The rounded upper halves of 8 floats, as 8 32-bit lanes: bf16_rounded_lanes with no NaN case,
 // rounded_bf16_lanes with Eigen's (see the AVX-512 versions).
-inline __m256i bf16_rounded_lanes(__m256 x) {
+// x's bits with the round-to-nearest-even increment added: the rounded value is in the upper
+// halves (no NaN case).
+inline __m256i bf16_rounding_added(__m256 x) {
   const __m256i b = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  return _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
-                           16);
+  return _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+}
+inline __m256i bf16_rounded_lanes(__m256 x) {
+  return _mm256_srli_epi32(bf16_rounding_added(x), 16);
 }
 inline __m256i rounded_bf16_lanes(__m256 x) {
   const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(x), 16);

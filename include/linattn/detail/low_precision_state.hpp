@@ -92,12 +92,9 @@ inline void load_state_pair(const Eigen::bfloat16* p, __m256& even, __m256& odd)
   odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int(0xffff0000u))));
 }
 inline void store_state_pair(Eigen::bfloat16* p, __m256 even, __m256 odd) {
-  const __m256i e = bf16_rounded_lanes(even);  // rounded, in the low halves
-  const __m256i o = _mm256_castps_si256(odd);
-  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
-  const __m256i o_up = _mm256_add_epi32(
-      o, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(o, 16), one)));  // upper halves
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_blend_epi16(e, o_up, 0xAA));
+  // even's rounded values in the low halves, odd's in the upper halves: one blend joins them.
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm256_blend_epi16(bf16_rounded_lanes(even), bf16_rounding_added(odd), 0xAA));
 }
 // 16 floats in the pair order above, and back.
 inline void split_pair(const float* p, __m256& even, __m256& odd) {
