@@ -234,12 +234,14 @@ class BatchedRecurrentLinearAttention {
 
   /// Head h of sequence b continues from `state` (for example one that a prefill carried out,
   /// or one parked by state()). `position` is only informative (see position()).
-  /// \throws std::invalid_argument on a sequence or head out of range or a state that does not
-  /// fit; the sequence is then unchanged.
+  /// \throws std::invalid_argument on a sequence or head out of range, a state that does not
+  /// fit, a negative `position` or a log_decay entry that is NaN or > 0; the sequence is then
+  /// unchanged.
   void set_state(Index b, Index h, const State& state, Index position = 0) {
     const char* fn = "BatchedRecurrentLinearAttention::set_state";
     check_sequence(fn, b);
     check_head(fn, h);
+    detail::check_state_values(fn, state, position);
     State copy = state;
     detail::prepare_state(fn, copy, phi_, key_dim_, value_dim_);
     copy.fold();
@@ -250,13 +252,14 @@ class BatchedRecurrentLinearAttention {
 
   /// Every sequence continues from `states`: B·H states, sequence-major (head h of sequence b
   /// at b·H + h), the layout in which batched_causal_linear_attention() carries them out.
-  /// \throws std::invalid_argument on a wrong count or a state that does not fit; then nothing
-  /// changed.
+  /// \throws std::invalid_argument on a wrong count, a state that does not fit, a negative
+  /// `position` or a log_decay entry that is NaN or > 0; then nothing changed.
   void set_states(const std::vector<State>& states, Index position = 0) {
     const char* fn = "BatchedRecurrentLinearAttention::set_states";
     if (static_cast<Index>(states.size()) != sequences() * heads_)
       detail::throw_invalid(fn, "got " + std::to_string(states.size()) + " states but need B·H = " +
                                     std::to_string(sequences()) + "·" + std::to_string(heads_));
+    for (const State& s : states) detail::check_state_values(fn, s, position);
     std::vector<State> copies(states);
     for (State& s : copies) {
       detail::prepare_state(fn, s, phi_, key_dim_, value_dim_);

@@ -30,6 +30,7 @@
 #include "linear_attention_backward.hpp"
 #include "recurrent_linear_attention.hpp"
 #include "state_algebra.hpp"
+#include "checksum.hpp"
 #include "state_io.hpp"
 #include "multihead_workspace.hpp"
 #include "multihead.hpp"

@@ -5,6 +5,7 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -28,13 +29,15 @@ namespace linattn {
 /// \f$S_{t-1}^\top \varphi(q_t)\f$ and \f$S_{t-1}^\top \hat k_t\f$, from which the output follows
 /// (\f$\mathrm{out}_t = s(a_t S_{t-1}^\top \varphi(q_t) + (\varphi(q_t)\cdot\hat k_t)\,\delta_t)\f$,
 /// \f$\delta_t = \beta_t(v_t - a_t S_{t-1}^\top \hat k_t)\f$), and applies the previous token's
-/// update in the same pass; the last token's update is applied by state() (or the next step).
-/// state() therefore writes the state (it is const to the caller, but two threads must not call
-/// it on the same object at once; distinct objects are independent). The state is a LinearAttentionState (S only), interchangeable with the parallel
-/// kernels': prefill with delta_rule_attention() and hand the state over with set_state(), or
-/// take state() and continue in parallel. step() checks sizes, not values: a β outside
-/// [0, 2] or a log-decay > 0 is the caller's responsibility here (the parallel kernels check
-/// them).
+/// update in the same pass; the last token's update stays pending in the object until the next
+/// step. state() returns a copy with it applied and changes nothing: any number of threads may
+/// call it (and the other const members) on one object at once, and the copy is a snapshot,
+/// which later steps leave as it was. The state is a LinearAttentionState (S only),
+/// interchangeable with the parallel kernels': prefill with delta_rule_attention() and hand the
+/// state over with set_state(), or take state() and continue in parallel; set_state(state())
+/// continues bit for bit. step() checks the token's values as the parallel kernels do: β in
+/// [0, 2], the log-decay finite and <= 0. save_state() / load_state() (state_io.hpp) park a
+/// decode in a compact file (the F x M state and the position).
 ///
 /// \tparam Phi a feature map without per-feature key softmax (Identity by default; models use
 ///         L2Normalize<Silu>)
@@ -82,7 +85,9 @@ class RecurrentDeltaRule {
   /// Consumes one token and writes its output (M entries) into `out`. q, k: D entries; v: M
   /// entries (row or column vectors, any expression); beta: the writing strength; log_a: the
   /// log-decay (0: no decay). `out` may share memory with the inputs (all are copied first).
-  /// No allocation. \throws std::invalid_argument on a wrong size.
+  /// No allocation. \throws std::invalid_argument on a wrong size, a beta outside [0, 2] or a
+  /// log_a that is not finite and <= 0 (naming the value and the token, position()); the
+  /// decoder is then unchanged.
   template <class DQ, class DK, class DV, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, Scalar beta, Scalar log_a,
@@ -98,6 +103,11 @@ class RecurrentDeltaRule {
     detail::check_token(fn, "k", k, key_dim_);
     detail::check_token(fn, "v", v, value_dim_);
     detail::check_token(fn, "out", out, value_dim_);
+    if (!(beta >= Scalar(0) && beta <= Scalar(2)))
+      detail::throw_step_value(fn, "beta", beta, position_, "beta must be in [0, 2]");
+    if (!detail::finite_nonpositive(log_a))
+      detail::throw_step_value(fn, "log_a", log_a, position_,
+                               "log-decays must be finite and <= 0");
     token_.map(phi_, q, pqv_, QuerySide{false});
     token_.map(phi_, k, pkv_, KeySide{false});
     pqv_ *= static_cast<Scalar>(options_.scale);
@@ -117,21 +127,36 @@ class RecurrentDeltaRule {
     position_ = 0;
   }
 
-  /// The current state (S; its low part zero, z unused), the last step's update applied.
-  const State& state() const noexcept {
-    bind_pending();
-    detail::delta_settle(state_.S.data(), state_.S.outerStride(), state_.S.rows(),
-                         state_.S.cols(), pending_);
-    return state_;
+  /// A copy of the current state (S, the last step's update applied; its low part and z zero,
+  /// log_decay empty: the delta rule uses S only); O(F·M). Read-only: a snapshot of the state
+  /// after position() tokens, which later steps do not change (take state() again for theirs).
+  /// \code
+  /// const auto before = rnn.state();  // after t tokens
+  /// rnn.step(q, k, v, beta, log_a, out);
+  /// // `before` is still the state after t tokens; rnn.state() is the one after t + 1
+  /// \endcode
+  State state() const {
+    State copy = state_;
+    if (pending_.pending)
+      detail::delta_flush(copy.S.data(), copy.S.outerStride(), copy.S.rows(), copy.S.cols(),
+                          pending_.a, kp_.data(), dp_.data());
+    return copy;
   }
 
   /// Continues from `state` (for example the one a delta_rule_attention() prefill left): its
-  /// low part is added into S. \throws std::invalid_argument if it does not fit.
+  /// low part is added into S; its z, m and log_decay, which the delta rule does not use, are
+  /// not kept (state() has z zero). \throws std::invalid_argument if it does not fit or
+  /// `position` is negative.
   void set_state(const State& state, Index position = 0) {
+    const char* fn = "RecurrentDeltaRule::set_state";
+    detail::check_position(fn, position);
     State copy = state;
-    detail::prepare_state("RecurrentDeltaRule::set_state", copy, phi_, key_dim_, value_dim_);
+    detail::prepare_state(fn, copy, phi_, key_dim_, value_dim_);
     copy.S += copy.S_lo;
     copy.S_lo.setZero();
+    copy.z.setZero();
+    copy.z_lo.setZero();
+    copy.log_decay.resize(0);
     state_ = std::move(copy);
     pending_.pending = false;
     position_ = position;
@@ -146,23 +171,36 @@ class RecurrentDeltaRule {
   const DeltaOptions& options() const noexcept { return options_; }
 
  private:
-  // The pending update lives in this object's kp_ and dp_ (bound before each use, so that the
-  // implicit copies and moves stay correct).
-  void bind_pending() const noexcept {
+  // save_state() / load_state() (state_io.hpp) write the state with the pending update applied
+  // (row by row, as state() would) and install a loaded one with none pending.
+  friend struct detail::RecurrentStateAccess;
+
+  // The pending update lives in this object's kp_ and dp_ (bound before each step, so that the
+  // implicit copies and moves stay correct); const members read kp_ and dp_ directly.
+  void bind_pending() noexcept {
     pending_.k = kp_.data();
     pending_.d = dp_.data();
+  }
+
+  // Row r of state() (M entries) into `row`, through the same delta_flush as state(): the
+  // same bits, without a copy of the whole state.
+  void settled_row(Index r, Scalar* row) const {
+    const Index M = state_.S.cols();
+    std::copy(state_.S.data() + r * state_.S.outerStride(),
+              state_.S.data() + r * state_.S.outerStride() + M, row);
+    if (pending_.pending) detail::delta_flush(row, M, 1, M, pending_.a, kp_.data() + r, dp_.data());
   }
 
   Phi phi_;
   DeltaOptions options_;
   Index key_dim_ = 0, value_dim_ = 0;
   Index position_ = 0;
-  // Mutable: state() applies the pending update of the last step.
-  mutable State state_;
+  // S_{t-1} while the last token's update is pending (pending_): state() applies it to a copy.
+  State state_;
   detail::TokenFeatures<Scalar> token_;
   Vector<Scalar> pqv_, pkv_, v_, o_, yq_, yk_;
-  mutable Vector<Scalar> kp_, dp_;
-  mutable detail::DeltaPending<Scalar> pending_;
+  Vector<Scalar> kp_, dp_;
+  detail::DeltaPending<Scalar> pending_;
 };
 
 }  // namespace linattn

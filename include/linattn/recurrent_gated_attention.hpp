@@ -30,8 +30,11 @@ namespace linattn {
 /// parallel kernels': prefill with gated_linear_attention() and hand the state over with
 /// set_state(), or take state() and continue in parallel. The step keeps no low part (the
 /// decay bounds the state's memory): state() returns S and z with zero low parts, and
-/// set_state(state()) resumes bit for bit. step() checks sizes, not values: a log gate > 0 or
-/// NaN is the caller's responsibility here (the parallel kernels check them).
+/// set_state(state()) resumes bit for bit. step() checks the log gates' values as the parallel
+/// kernels do (finite and <= 0). state() is a reference to the object's own state, which later
+/// steps update; it changes nothing, so any number of threads may read it at once (while none
+/// steps). save_state() / load_state() (state_io.hpp) park a decode in a compact file (S, z,
+/// the log-decay and the position).
 ///
 /// \tparam Phi a feature map without per-feature key softmax (Identity by default)
 /// \tparam Scalar float or double
@@ -77,7 +80,9 @@ class RecurrentGatedAttention {
   /// Consumes one token and writes its output (M entries) into `out`. q, k: D entries; v: M
   /// entries; log_gate: 1 entry (a scalar decay) or F (per-feature gates); row or column
   /// vectors, any expression. `out` may share memory with the inputs (all are copied first).
-  /// No allocation. \throws std::invalid_argument on a wrong size.
+  /// No allocation. \throws std::invalid_argument on a wrong size or a log gate that is not
+  /// finite and <= 0 (naming the entry, the value and the token, position()); the decoder is
+  /// then unchanged.
   template <class DQ, class DK, class DV, class DG, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& log_gate,
@@ -105,6 +110,7 @@ class RecurrentGatedAttention {
     v_ = v.reshaped().template cast<Scalar>();
     const Index gw = log_gate.size();
     alpha_.head(gw) = log_gate.reshaped().template cast<Scalar>();
+    check_log_gates(fn, gw);
     detail::exp_nonpositive_inplace(alpha_.head(gw).array());
     const detail::GatedConfig<Scalar> cfg = detail::gated_config<Scalar>(options_, gw);
     detail::gated_token_weights(pqv_.data(), pkv_.data(), alpha_.data(), per_feature, F, cfg,
@@ -144,9 +150,12 @@ class RecurrentGatedAttention {
   const State& state() const noexcept { return state_; }
 
   /// Continues from `state` (for example the one a gated_linear_attention() prefill left): its
-  /// low parts are added into S and z. \throws std::invalid_argument if it does not fit.
+  /// low parts are added into S and z. \throws std::invalid_argument if it does not fit,
+  /// `position` is negative or an entry of its log_decay is NaN or > 0 (a total of log gates
+  /// <= 0).
   void set_state(const State& state, Index position = 0) {
     const char* fn = "RecurrentGatedAttention::set_state";
+    detail::check_state_values(fn, state, position);
     State copy = state;
     detail::prepare_state(fn, copy, phi_, key_dim_, value_dim_);
     const Index F = copy.S.rows();
@@ -178,6 +187,16 @@ class RecurrentGatedAttention {
   // save_state() / load_state() (state_io.hpp) restore the state's bits and position() as
   // saved; set_state() would add the (zero) low parts, turning a -0 of S into +0.
   friend struct detail::RecurrentStateAccess;
+
+  // The gw log gates of the token (in alpha_, before their exponentials), as the parallel
+  // kernels check theirs; nothing has changed yet when this throws.
+  void check_log_gates(const char* fn, Index gw) const {
+    for (Index i = 0; i < gw; ++i)
+      if (!detail::finite_nonpositive(alpha_(i)))
+        detail::throw_step_value(fn, gw == 1 ? std::string("log_gate")
+                                             : "log_gate(" + std::to_string(i) + ")",
+                                 alpha_(i), position_, "log gates must be finite and <= 0");
+  }
 
   Phi phi_;
   GatedOptions options_;

@@ -29,6 +29,20 @@ void check_token(const char* function, const char* name, const Eigen::MatrixBase
                                 std::to_string(expected) + " entries");
 }
 
+// The value checks of a decode step's gates and betas, as the parallel kernels check theirs
+// (one comparison per entry, beside the step's F·M update). `entry` names it ("log_gate(3)",
+// "beta"); `token` is the decoder's position(), the index of the token being consumed.
+template <class Scalar>
+bool finite_nonpositive(Scalar g) noexcept {
+  return g <= Scalar(0) && g - g == Scalar(0);  // g - g is NaN for +-inf and NaN
+}
+template <class Scalar>
+[[noreturn]] void throw_step_value(const char* function, const std::string& entry, Scalar value,
+                                   Index token, const char* rule) {
+  throw_invalid(function, entry + " = " + std::to_string(value) + " (token " +
+                              std::to_string(token) + "): " + rule);
+}
+
 template <class FeatureMap, class Scalar>
 constexpr void static_check_recurrent() {
   static_assert(is_supported_scalar_v<Scalar>, "linattn: the scalar type must be float or double");
@@ -144,8 +158,10 @@ class RecurrentLinearAttention {
 
   /// Continues from `state` (for example the one a parallel prefill returned); `position`
   /// is only informative.
-  /// \throws std::invalid_argument if the state does not fit this object's shapes.
+  /// \throws std::invalid_argument if the state does not fit this object's shapes, `position`
+  /// is negative, or an entry of its log_decay is NaN or > 0 (a total of log gates <= 0).
   void set_state(const State& state, Index position = 0) {
+    detail::check_state_values("RecurrentLinearAttention::set_state", state, position);
     State copy = state;
     detail::prepare_state("RecurrentLinearAttention::set_state", copy, phi_, key_dim_, value_dim_);
     copy.fold();

@@ -135,6 +135,37 @@ void prepare_state(const char* function, LinearAttentionState<Scalar>& st, const
   if (st.z_lo.size() == 0) st.z_lo.setZero(F);
 }
 
+// What a state of a decoder cannot be, for set_state() (std::invalid_argument), save_state()
+// (likewise) and load_state() (a file's "invalid record"): "" when every entry of log_decay
+// can be a total of log gates, which are <= 0 (-inf included: a sum that overflowed), else
+// the first entry that cannot (NaN, +inf or positive). S and z are not checked: a NaN or inf
+// there is a poisoned but representable state (a NaN token reaches it), which saves, loads
+// and propagates as it is.
+template <class Scalar>
+std::string impossible_log_decay(const Vector<Scalar>& log_decay) {
+  for (Index i = 0; i < log_decay.size(); ++i)
+    if (!(log_decay(i) <= Scalar(0)))
+      return "log_decay(" + std::to_string(i) + ") = " + std::to_string(log_decay(i)) +
+             ": a total log-decay is a sum of log gates <= 0 (NaN, +inf and positive values "
+             "are impossible)";
+  return std::string();
+}
+
+// A decoder's set_state(): a negative position (a count of tokens) or an impossible log_decay
+// (above) is std::invalid_argument.
+inline void check_position(const char* function, Index position) {
+  if (position < 0)
+    throw_invalid(function, "position = " + std::to_string(position) +
+                                ": a decoding position counts tokens and is never negative");
+}
+template <class Scalar>
+void check_state_values(const char* function, const LinearAttentionState<Scalar>& st,
+                        Index position) {
+  check_position(function, position);
+  const std::string bad = impossible_log_decay(st.log_decay);
+  if (!bad.empty()) throw_invalid(function, "the state's " + bad);
+}
+
 // hi + lo -> (hi, lo) with hi = fl(hi + lo) and lo the exact rounding error (Knuth's TwoSum:
 // branch-free and exact whatever the magnitudes, unlike Fast2Sum), over n contiguous entries.
 // Must not be compiled with -ffast-math (which would simplify the error term to 0).

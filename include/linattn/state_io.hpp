@@ -1,10 +1,11 @@
 /// \file state_io.hpp
 /// \brief Saving a state to a stream and loading it back, exactly: a LinearAttentionState, or
 /// the whole decoding position of a RecurrentLinearAttention, a
-/// MultiHeadRecurrentLinearAttention, a RecurrentGatedAttention, a
-/// BatchedRecurrentLinearAttention, a LinearAttentionLayer::State or a
-/// SoftmaxAttentionLayer::State (its KV cache), in a little-endian binary format with a checksum
-/// (docs/SPEC.md §8, "What linattn implements: saving a state").
+/// MultiHeadRecurrentLinearAttention, a RecurrentGatedAttention, a RecurrentDeltaRule
+/// (state_io_decoders.hpp), a BatchedRecurrentLinearAttention, a LinearAttentionLayer::State or
+/// a SoftmaxAttentionLayer::State (its KV cache), in a little-endian binary format with a
+/// checksum (docs/SPEC.md §8, "What linattn implements: saving a state"). The checksum is
+/// linattn::checksum() (checksum.hpp), for an engine's own records beside these.
 ///
 /// ### The format (version 2)
 ///
@@ -17,7 +18,7 @@
 /// | 0  | 8 | magic number `89 4C 41 53 0D 0A 1A 0A` (`\x89LAS\r\n\x1a\n`) |
 /// | 8  | 4 | format version, u32 = 2 |
 /// | 12 | 4 | scalar type, u32: 1 = float (binary32), 2 = double (binary64) |
-/// | 16 | 4 | kind, u32: 1 = LinearAttentionState, 2 = RecurrentLinearAttention, 3 = MultiHeadRecurrentLinearAttention or LinearAttentionLayer::State, 4 = RecurrentGatedAttention, 5 = BatchedRecurrentLinearAttention, 6 = SoftmaxAttentionLayer::State (KV cache) (4, 5 and 6: version 2 only) |
+/// | 16 | 4 | kind, u32: 1 = LinearAttentionState, 2 = RecurrentLinearAttention, 3 = MultiHeadRecurrentLinearAttention or LinearAttentionLayer::State, 4 = RecurrentGatedAttention (read, no longer written), 5 = BatchedRecurrentLinearAttention, 6 = SoftmaxAttentionLayer::State (KV cache), 7 = RecurrentDeltaRule, 8 = RecurrentGatedAttention (4 to 8: version 2 only; 7 and 8 have compact records, state_io_decoders.hpp) |
 /// | 20 | 4 | flags, u32: bit 0 = running maxima `m` present (SoftmaxSplit); other bits 0 |
 /// | 24 | 8 | heads H, u64 (1 for kinds 1, 2 and 4; for kind 5 the heads per sequence) |
 /// | 32 | 8 | key dimension D, u64 (0 for kind 1: a state does not know it) |
@@ -32,14 +33,14 @@
 ///
 /// | bytes | field |
 /// |------:|-------|
-/// | 8     | position, i64 (two's complement; 0 for kind 1) |
+/// | 8     | position, i64 (two's complement; 0 for kind 1; never negative) |
 /// | 8     | tokens in the low parts since their last fold, u64 (below 128; 0 for kinds 1 and 4) |
 /// | F·M·s | `S` |
 /// | F·M·s | `S_lo` (zeros when the state's low part is empty; all bits 0 for kind 4) |
 /// | F·s   | `z` |
 /// | F·s   | `z_lo` (zeros when empty; all bits 0 for kind 4) |
 /// | F·s   | `m`, only when flag bit 0 is set |
-/// | L·s   | `log_decay` (LinearAttentionState::log_decay), only when L > 0 |
+/// | L·s   | `log_decay` (LinearAttentionState::log_decay), only when L > 0; each entry <= 0 or −∞ |
 ///
 /// The file is 72 + H·(16 + s·(2·F·M + 2·F [+ F] + L)) bytes.
 ///
@@ -83,6 +84,7 @@
 
 #include "batched_recurrent.hpp"
 #include "checks.hpp"
+#include "checksum.hpp"
 #include "common.hpp"
 #include "detail/state_io_format.hpp"
 #include "feature_map.hpp"
@@ -90,6 +92,7 @@
 #include "recurrent_gated_attention.hpp"
 #include "recurrent_linear_attention.hpp"
 #include "state.hpp"
+#include "state_io_decoders.hpp"
 
 namespace linattn {
 
@@ -107,7 +110,8 @@ namespace linattn {
 /// checked after every write, whatever its exception mask.
 /// \throws std::invalid_argument if the state's parts disagree in shape (z not F entries, a
 /// low part neither empty nor of its high part's shape, m neither empty nor F entries), or
-/// its log_decay has neither 0, 1 nor F entries, or it has both maxima and a log-decay.
+/// its log_decay has neither 0, 1 nor F entries or an entry that is NaN or > 0 (which no load
+/// accepts: a total of log gates is <= 0), or it has both maxima and a log-decay.
 /// \throws std::runtime_error naming the cause if the stream was not writable or a write
 /// failed (the stream then holds part of a record).
 /// \code
@@ -152,8 +156,9 @@ void save_state(std::ostream& os, const LinearAttentionState<Scalar>& state) {
 /// readable; a truncated file ("truncated file: expected 16384 bytes of S, got 100"); a wrong
 /// magic number; an unsupported version; a corrupted header or payload (checksum mismatch); a
 /// wrong scalar type; a wrong kind (a recurrent object's file); invalid or absurd shapes
-/// (including a log-decay size other than 0, 1 or F, or one with running maxima). The
-/// stream's position is then unspecified.
+/// (including a log-decay size other than 0, 1 or F, or one with running maxima); an
+/// impossible value, though the checksums are right ("invalid record": a position other than
+/// 0, or a log-decay entry that is NaN or > 0). The stream's position is then unspecified.
 /// \code
 /// std::ifstream file("prompt.state", std::ios::binary);
 /// auto state = linattn::load_state<float>(file);
@@ -561,63 +566,6 @@ void load_state(std::istream& is,
   }
   detail::RecurrentStateAccess::install(dec, B, std::move(states), std::move(unfolded),
                                         std::move(positions));
-}
-
-/// \brief Writes the exact decoding position of a gated decoder (kind 4): its state S, z and
-/// total log-decay `log_decay` (the decoder keeps F entries, so L = F), and position().
-/// Loading it into an object of the same shapes with load_state(is, rnn) and stepping on
-/// gives outputs bit-identical to `rnn`'s own.
-///
-/// The decoder keeps no low part, so the record's low parts and unfolded token count are zero.
-/// The file records the state, not the feature map or the GatedOptions (normalize, scale):
-/// load it into an object built with the same map and options.
-/// \throws std::runtime_error if the stream was not writable or a write failed.
-/// \code
-/// linattn::RecurrentGatedAttention<linattn::Identity, float> rnn(64, 64);
-/// // ... rnn.step(q, k, v, log_gate, out) for the prompt and some tokens ...
-/// std::ofstream file("conversation.state", std::ios::binary);
-/// linattn::save_state(file, rnn);
-/// \endcode
-template <class Phi, class Scalar>
-void save_state(std::ostream& os, const RecurrentGatedAttention<Phi, Scalar>& rnn) {
-  const auto& st = rnn.state();
-  const Index decay = detail::io::decay_entries("save_state", st);
-  detail::io::Writer w(os, "save_state");
-  detail::io::write_header<Scalar>(w, detail::io::kKindGated, false, 1, rnn.key_dim(),
-                                   rnn.feature_dim(), rnn.value_dim(), decay);
-  detail::io::write_head(w, st, rnn.position(), 0);
-  w.finish();
-}
-
-/// \brief Restores into `rnn` a decoding position that save_state(os, rnn) wrote: afterwards
-/// `rnn` steps exactly as the saved object would have (same state bits, log_decay and
-/// position()).
-///
-/// The file must come from an object of the same key dimension D, feature dimension F and
-/// value dimension M; the map and the options are not recorded (use the ones that wrote it).
-/// Strong guarantee: on any failure `rnn` is unchanged. Reads exactly one record.
-/// \throws std::runtime_error `"linattn::load_state: ..."` for every failure of
-/// load_state(std::istream&) (truncated, corrupted, wrong magic, version, scalar type or
-/// kind, absurd shapes), "shape mismatch" naming the file's and the object's D, F and M,
-/// "invalid log-decay size" for L other than F, and "invalid record" for a record with low
-/// parts or unfolded tokens (neither is ever written).
-/// \code
-/// linattn::RecurrentGatedAttention<linattn::Identity, float> rnn(64, 64);
-/// std::ifstream file("conversation.state", std::ios::binary);
-/// linattn::load_state(file, rnn);
-/// rnn.step(q, k, v, log_gate, out);  // continues the saved decode
-/// \endcode
-template <class Phi, class Scalar>
-void load_state(std::istream& is, RecurrentGatedAttention<Phi, Scalar>& rnn) {
-  constexpr const char* fn = "load_state";
-  std::uint32_t crc = 0;
-  const auto hd = detail::io::read_header<Scalar>(is, fn, detail::io::kKindGated, crc);
-  detail::io::check_object_shape(fn, hd, "RecurrentGatedAttention", 1,
-                                 std::uint64_t(rnn.key_dim()), std::uint64_t(rnn.feature_dim()),
-                                 std::uint64_t(rnn.value_dim()), false);
-  auto heads = detail::io::read_payload<Scalar>(is, fn, hd, crc);
-  auto& r = heads.front();
-  detail::RecurrentStateAccess::install(rnn, std::move(r.state), r.position);
 }
 
 // After the BatchedRecurrentLinearAttention overloads: a qualified call in a template finds

@@ -26,8 +26,10 @@
 
 #include "../batched_recurrent.hpp"
 #include "../checks.hpp"
+#include "../checksum.hpp"
 #include "../common.hpp"
 #include "../error.hpp"
+#include "../recurrent_delta_rule.hpp"
 #include "../recurrent_gated_attention.hpp"
 #include "../recurrent_linear_attention.hpp"
 #include "../state.hpp"
@@ -70,6 +72,19 @@ struct RecurrentStateAccess {
   static void install(RecurrentGatedAttention<Phi, Scalar>& r, LinearAttentionState<Scalar>&& st,
                       Index position) noexcept {
     r.state_ = std::move(st);
+    r.position_ = position;
+  }
+  // The delta-rule decoder: row r of its state() (M entries into `row`), and the install of a
+  // loaded state (S, with zero low part and z) with no update pending.
+  template <class Phi, class Scalar>
+  static void settled_row(const RecurrentDeltaRule<Phi, Scalar>& r, Index row, Scalar* out) {
+    r.settled_row(row, out);
+  }
+  template <class Phi, class Scalar>
+  static void install(RecurrentDeltaRule<Phi, Scalar>& r, LinearAttentionState<Scalar>&& st,
+                      Index position) noexcept {
+    r.state_ = std::move(st);
+    r.pending_.pending = false;
     r.position_ = position;
   }
   // The batched decoder: head h of sequence b (a LinearAttentionState, or a LowPrecisionState
@@ -137,10 +152,15 @@ constexpr std::uint32_t kKindState = 1, kKindRecurrent = 2, kKindMultiHead = 3;
 constexpr std::uint32_t kKindGated = 4;    // version 2 only
 constexpr std::uint32_t kKindBatched = 5;  // version 2 only; the payload starts with B
 constexpr std::uint32_t kKindKVCache = 6;  // version 2 only; T, then the cached K and V rows
+// Compact records (version 2 only): the position, then only the arrays the decoder uses.
+constexpr std::uint32_t kKindDelta = 7;  // RecurrentDeltaRule: S
+constexpr std::uint32_t kKindGatedCompact = 8;  // RecurrentGatedAttention: S, z, log_decay (L = F)
+constexpr std::uint32_t kKindLast = kKindGatedCompact;
 constexpr std::uint32_t kFlagMaxima = 1;
 constexpr std::size_t kHeaderBytes = 68;    // with its CRC (version 2)
 constexpr std::size_t kHeaderBytesV1 = 60;  // version 1: no log-decay field
 constexpr std::size_t kHeadPrefixBytes = 16;  // position, unfolded tokens
+constexpr std::size_t kPositionBytes = 8;     // a compact record's prefix: the position
 constexpr std::size_t kSequencesBytes = 8;    // kind 5: the sequence count B before the records
 constexpr std::size_t kTokensBytes = 8;       // kind 6: the cached token count T before the rows
 // Sanity bounds on a file's declared shapes, checked before anything is allocated: far above
@@ -154,27 +174,8 @@ constexpr std::uint64_t kMaxPayloadBytes = std::uint64_t(1) << 36;  // 64 GiB
 // this much beyond its actual length before the truncation is found.
 constexpr std::size_t kReadChunk = std::size_t(1) << 20;
 
-constexpr std::array<std::uint32_t, 256> make_crc32_table() {
-  std::array<std::uint32_t, 256> t{};
-  for (std::uint32_t i = 0; i < 256; ++i) {
-    std::uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-    t[i] = c;
-  }
-  return t;
-}
-inline constexpr std::array<std::uint32_t, 256> kCrc32Table = make_crc32_table();
-
-// The running register of a CRC-32 (start with 0xFFFFFFFF, XOR the end result with it).
-inline std::uint32_t crc32_update(std::uint32_t crc, const unsigned char* p, std::size_t n) noexcept {
-  for (std::size_t i = 0; i < n; ++i) crc = kCrc32Table[(crc ^ p[i]) & 0xFFu] ^ (crc >> 8);
-  return crc;
-}
-
-/// CRC-32 of n bytes (exposed for the tests' check value).
-inline std::uint32_t crc32(const void* data, std::size_t n) noexcept {
-  return crc32_update(0xFFFFFFFFu, static_cast<const unsigned char*>(data), n) ^ 0xFFFFFFFFu;
-}
+// The CRC-32 (make_crc32_table, crc32_update, crc32) is in checksum.hpp, with the public
+// linattn::checksum.
 
 // Byte-wise shifts, not memcpy of the integer: the file is little-endian on any host.
 template <class U>
@@ -206,7 +207,9 @@ inline const char* kind_name(std::uint32_t kind) {
   switch (kind) {
     case kKindState: return "a LinearAttentionState";
     case kKindRecurrent: return "the state of a RecurrentLinearAttention";
-    case kKindGated: return "the state of a RecurrentGatedAttention";
+    case kKindGated:
+    case kKindGatedCompact: return "the state of a RecurrentGatedAttention";
+    case kKindDelta: return "the state of a RecurrentDeltaRule";
     case kKindBatched: return "the states of a BatchedRecurrentLinearAttention";
     case kKindKVCache: return "the KV cache of a SoftmaxAttentionLayer::State";
     default: return "the states of a MultiHeadRecurrentLinearAttention";
@@ -235,8 +238,15 @@ struct Header {
   bool maxima() const noexcept { return (flags & kFlagMaxima) != 0; }
 };
 
+// A compact record (kinds 7 and 8): no unfolded count and no low parts.
+inline bool compact_kind(std::uint32_t kind) noexcept {
+  return kind == kKindDelta || kind == kKindGatedCompact;
+}
+
 // Bytes of one head record for scalars of s bytes (the bounds keep this from overflowing).
 inline std::uint64_t head_bytes(const Header& h, std::uint64_t s) {
+  if (h.kind == kKindDelta) return kPositionBytes + s * h.F * h.M;
+  if (h.kind == kKindGatedCompact) return kPositionBytes + s * (h.F * h.M + h.F + h.decay);
   return kHeadPrefixBytes + s * (2 * h.F * h.M + (h.maxima() ? 3 : 2) * h.F + h.decay);
 }
 
@@ -259,9 +269,15 @@ inline std::string record_name(const Header& h, std::uint64_t record) {
 // For kind 5 past the first 8 bytes, h.sequences must be B.
 inline std::string truncation_message(const Header& h, std::uint64_t s, std::uint64_t got) {
   const std::uint64_t FM = h.F * h.M;
+  const bool compact = compact_kind(h.kind);  // fields of 0 bytes are not in the record
   const std::pair<const char*, std::uint64_t> fields[] = {
-      {"position", 8}, {"unfolded token count", 8}, {"S", FM * s}, {"S_lo", FM * s},
-      {"z", h.F * s},  {"z_lo", h.F * s},           {"m", h.maxima() ? h.F * s : 0},
+      {"position", 8},
+      {"unfolded token count", compact ? 0 : 8},
+      {"S", FM * s},
+      {"S_lo", compact ? 0 : FM * s},
+      {"z", h.kind == kKindDelta ? 0 : h.F * s},
+      {"z_lo", compact ? 0 : h.F * s},
+      {"m", h.maxima() ? h.F * s : 0},
       {"log_decay", h.decay * s}};
   std::uint64_t at = 0;
   if (h.kind == kKindBatched) {
@@ -411,10 +427,11 @@ inline std::int64_t bytes_left(std::istream& is) {
 // Reads and checks the header: magic, version, its CRC, then the declared scalar type, kind
 // and shapes against what the caller asks for and the sanity bounds. Returns it and the CRC
 // register after it. `wanted` names what the caller loads in a wrong-kind message (default:
-// kind_name(kind)).
+// kind_name(kind)); `also` is a second kind the caller reads (0: none), for an object whose
+// files had another layout before.
 template <class Scalar>
 Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::uint32_t& crc,
-                   const char* wanted = nullptr) {
+                   const char* wanted = nullptr, std::uint32_t also = 0) {
   if (!is) fail(fn, "the stream is not readable (its failbit or badbit is set)");
   unsigned char h[kHeaderBytes];
   read_exact(is, fn, h, 8, "magic number");
@@ -448,11 +465,12 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
   if (hd.scalar != scalar_code<Scalar>())
     fail(fn, std::string("wrong scalar type: the file holds ") + scalar_name(hd.scalar) +
                  ", not " + scalar_name(scalar_code<Scalar>()));
-  if (hd.kind < kKindState || hd.kind > (version == kVersion1 ? kKindMultiHead : kKindKVCache))
+  if (hd.kind < kKindState || hd.kind > (version == kVersion1 ? kKindMultiHead : kKindLast))
     fail(fn, "unknown kind code " + std::to_string(hd.kind));
-  if (hd.kind != kind)
+  if (hd.kind != kind && (also == 0 || hd.kind != also))
     fail(fn, std::string("wrong kind: the file holds ") + kind_name(hd.kind) + ", not " +
                  (wanted != nullptr ? wanted : kind_name(kind)));
+  kind = hd.kind;
   if ((hd.flags & ~kFlagMaxima) != 0) fail(fn, "unknown flags " + std::to_string(hd.flags));
   if (hd.heads == 0 || hd.heads > kMaxHeads ||
       (kind != kKindMultiHead && kind != kKindBatched && kind != kKindKVCache && hd.heads != 1))
@@ -474,9 +492,12 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
   if (hd.decay != 0 && hd.maxima())
     fail(fn, "invalid log-decay size " + std::to_string(hd.decay) +
                  ": a state with running maxima (SoftmaxSplit) has no log-decay");
-  if (kind == kKindGated && hd.decay != hd.F)
+  if ((kind == kKindGated || kind == kKindGatedCompact) && hd.decay != hd.F)
     fail(fn, "invalid log-decay size " + std::to_string(hd.decay) +
                  ": a RecurrentGatedAttention keeps F = " + std::to_string(hd.F) + " entries");
+  if (kind == kKindDelta && hd.decay != 0)
+    fail(fn, "invalid log-decay size " + std::to_string(hd.decay) +
+                 ": a RecurrentDeltaRule keeps no log-decay (L must be 0)");
   if (hd.F > kMaxDim || hd.M > kMaxDim ||
       head_bytes(hd, sizeof(Scalar)) > kMaxPayloadBytes / hd.heads)
     fail(fn, "absurd shape: F = " + std::to_string(hd.F) + ", M = " + std::to_string(hd.M) +
@@ -577,11 +598,16 @@ std::vector<HeadRecord<Scalar>> read_payload(std::istream& is, const char* fn,
   std::vector<HeadRecord<Scalar>> heads(static_cast<std::size_t>(records));
   for (std::size_t h = 0; h < heads.size(); ++h) {
     HeadRecord<Scalar>& r = heads[h];
+    const bool compact = compact_kind(hd.kind);
     const std::int64_t position = to_signed(get_le<std::uint64_t>(p));
-    const std::uint64_t unfolded = get_le<std::uint64_t>(p + 8);
-    p += kHeadPrefixBytes;
+    const std::uint64_t unfolded = compact ? 0 : get_le<std::uint64_t>(p + 8);
+    p += compact ? kPositionBytes : kHeadPrefixBytes;
     const std::string name = record_name(hd, h);
     const std::string which = name.empty() ? name : name + ": ";
+    // A position counts tokens: a negative one is no decoder's, whatever the checksums say.
+    if (position < 0)
+      fail(fn, "invalid record: " + which + "position " + std::to_string(position) +
+                   " (a decoding position counts tokens and is never negative)");
     // The H heads of a sequence share its position (BatchedRecurrentLinearAttention::position).
     if (hd.kind == kKindBatched && h % hd.heads != 0 &&
         static_cast<Index>(position) != heads[h - h % hd.heads].position)
@@ -603,13 +629,24 @@ std::vector<HeadRecord<Scalar>> read_payload(std::istream& is, const char* fn,
     r.unfolded = static_cast<Index>(unfolded);
     auto& st = r.state;
     st.S.resize(F, M);
-    st.S_lo.resize(F, M);
-    st.z.resize(F);
-    st.z_lo.resize(F);
     get_scalars(st.S.data(), F * M);
-    get_scalars(st.S_lo.data(), F * M);
-    get_scalars(st.z.data(), F);
-    get_scalars(st.z_lo.data(), F);
+    if (compact) {  // the decoders keep zero low parts (and the delta rule a zero z)
+      st.S_lo.setZero(F, M);
+      st.z_lo.setZero(F);
+      if (hd.kind == kKindDelta)
+        st.z.setZero(F);
+      else {
+        st.z.resize(F);
+        get_scalars(st.z.data(), F);
+      }
+    } else {
+      st.S_lo.resize(F, M);
+      st.z.resize(F);
+      st.z_lo.resize(F);
+      get_scalars(st.S_lo.data(), F * M);
+      get_scalars(st.z.data(), F);
+      get_scalars(st.z_lo.data(), F);
+    }
     if (hd.kind == kKindGated) {
       const auto zero_bits = [](const Scalar* x, Index n) {
         const Scalar zero(0);
@@ -628,6 +665,8 @@ std::vector<HeadRecord<Scalar>> read_payload(std::istream& is, const char* fn,
     if (hd.decay != 0) {
       st.log_decay.resize(static_cast<Index>(hd.decay));
       get_scalars(st.log_decay.data(), st.log_decay.size());
+      const std::string bad = impossible_log_decay(st.log_decay);
+      if (!bad.empty()) fail(fn, "invalid record: " + which + bad);
     }
   }
   return heads;
@@ -729,8 +768,13 @@ void write_head(Writer& w, const LinearAttentionState<Scalar>& st, Index positio
   if (st.log_decay.size() != 0) w.scalars(st.log_decay.data(), st.log_decay.size());
 }
 
+// A compact record's position (kinds 7 and 8; the arrays follow, written by the caller).
+inline void write_position(Writer& w, Index position) {
+  w.integer(from_signed(std::int64_t(position)));
+}
+
 // The log-decay entries of a state to save (0, 1 or F; 0 with running maxima), or
-// std::invalid_argument.
+// std::invalid_argument; so is an entry that no load would accept (impossible_log_decay).
 template <class Scalar>
 Index decay_entries(const char* fn, const LinearAttentionState<Scalar>& st) {
   const Index L = st.log_decay.size(), F = st.S.rows();
@@ -740,6 +784,8 @@ Index decay_entries(const char* fn, const LinearAttentionState<Scalar>& st) {
   if (L != 0 && st.m.size() != 0)
     throw_invalid(fn, "a state with running maxima (SoftmaxSplit) has no log-decay, this one "
                       "has " + std::to_string(L) + " entries");
+  const std::string bad = impossible_log_decay(st.log_decay);
+  if (!bad.empty()) throw_invalid(fn, "the state's " + bad);
   return L;
 }
 
