@@ -14,6 +14,8 @@
 #include <Eigen/Core>
 
 #include <atomic>
+#include <ios>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -166,6 +168,53 @@ TEST(Concurrency, RecurrentLayersPerThreadEqualSerial) {
   for (std::thread& th : threads) th.join();
   for (int t = 0; t < kThreads; ++t)
     EXPECT_EQ(test::max_abs_diff(outs[static_cast<std::size_t>(t)], serial), 0.0) << "thread " << t;
+}
+
+// The const members of the decoders only read: four threads calling state() and save_state()
+// on one const object at once (the delta rule's last update still pending) get the serial
+// results, and ThreadSanitizer sees no write.
+TEST(Concurrency, DecoderStateFromFourThreadsOnOneObject) {
+  const Index D = 8, M = 20, T = 30;
+  const Mat<float> Q = test::random_matrix<float>(T, D, 14);
+  const Mat<float> K = test::random_matrix<float>(T, D, 15);
+  const Mat<float> V = test::random_matrix<float>(T, M, 16);
+  linattn::RecurrentDeltaRule<linattn::L2Normalize<linattn::Identity>, float> delta(D, M);
+  linattn::RecurrentGatedAttention<linattn::Identity, float> gated(D, M);
+  Eigen::VectorXf o(M);
+  for (Index t = 0; t < T; ++t) {
+    delta.step(Q.row(t), K.row(t), V.row(t), 0.8f, -0.05f, o);
+    gated.step(Q.row(t), K.row(t), V.row(t), -0.05f, o);
+  }
+  const auto& cdelta = delta;
+  const auto& cgated = gated;
+  const auto bytes = [](const auto& rnn) {
+    std::ostringstream os(std::ios::binary);
+    linattn::save_state(os, rnn);
+    return os.str();
+  };
+  const Mat<float> delta_S = cdelta.state().S, gated_S = cgated.state().S;
+  const std::string delta_file = bytes(cdelta), gated_file = bytes(cgated);
+  std::vector<int> same(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      bool ok = true;
+      for (int r = 0; r < 3; ++r) {
+        ok = ok && test::max_abs_diff(Mat<float>(cdelta.state().S), delta_S) == 0.0;
+        ok = ok && test::max_abs_diff(Mat<float>(cgated.state().S), gated_S) == 0.0;
+        ok = ok && bytes(cdelta) == delta_file && bytes(cgated) == gated_file;
+      }
+      same[static_cast<std::size_t>(t)] = ok ? 1 : 0;
+    });
+  for (std::thread& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(same[static_cast<std::size_t>(t)], 1) << "thread " << t;
+  // The next step after all these reads continues as if none had happened.
+  linattn::RecurrentDeltaRule<linattn::L2Normalize<linattn::Identity>, float> twin(D, M);
+  Eigen::VectorXf o2(M);
+  for (Index t = 0; t < T; ++t) twin.step(Q.row(t), K.row(t), V.row(t), 0.8f, -0.05f, o2);
+  delta.step(Q.row(0), K.row(0), V.row(0), 0.8f, -0.05f, o);
+  twin.step(Q.row(0), K.row(0), V.row(0), 0.8f, -0.05f, o2);
+  EXPECT_EQ(test::max_abs_diff(o, o2), 0.0);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -483,6 +483,94 @@ TEST(delta_recurrent, StepChecksSizes) {
   EXPECT_EQ(rnn.position(), 0);
 }
 
+// state() is read-only: what it returns is a snapshot of the state after position() tokens
+// (the long-double recurrence's, to rounding), which later steps leave as it was, even when
+// bound to a reference; calling it between steps changes no output bit. (It used to be a
+// reference to the object's own state, settled in place, which the next steps then changed.)
+template <class S>
+void check_state_snapshot() {
+  const Index N = 60, D = 6, M = 5, P = 25;
+  const Case c = make_case(N, D, M, 87, true);
+  MatD S_ref;
+  dref::recurrence(SiluL2{}, c.Q.topRows(P), c.K.topRows(P), c.V.topRows(P), c.beta.head(P),
+                   c.log_a.head(P), 1.0, &S_ref);
+  const Mat<S> Q = c.Q.cast<S>(), K = c.K.cast<S>(), V = c.V.cast<S>();
+  const auto step = [&](linattn::RecurrentDeltaRule<SiluL2, S>& r, Index t, Vec<S>& o) {
+    r.step(Q.row(t), K.row(t), V.row(t), S(c.beta(t)), S(c.log_a(t)), o);
+  };
+  linattn::RecurrentDeltaRule<SiluL2, S> rnn(D, M), plain(D, M);
+  Vec<S> out(M), out_plain(M);
+  for (Index t = 0; t < P; ++t) {
+    step(rnn, t, out);
+    step(plain, t, out_plain);
+    (void)rnn.state();  // between steps: no effect on any output
+    ASSERT_TRUE(test::same_bits(out, out_plain)) << t;
+  }
+  const auto& before = rnn.state();
+  const Mat<S> at_P = before.S;
+  const double scale_P = std::max(1.0, test::max_abs(S_ref));
+  EXPECT_LE(test::max_abs_diff(Mat<S>(before.S), S_ref.cast<S>().eval()) / scale_P,
+            ref_bound<S>(false));
+  for (Index t = P; t < N; ++t) {
+    step(rnn, t, out);
+    step(plain, t, out_plain);
+    ASSERT_TRUE(test::same_bits(out, out_plain)) << t;
+  }
+  EXPECT_TRUE(test::same_bits(Mat<S>(before.S), at_P)) << "later steps changed the snapshot";
+  EXPECT_TRUE(test::same_bits(Mat<S>(rnn.state().S), Mat<S>(plain.state().S)));
+  MatD S_all;
+  dref::recurrence(SiluL2{}, c.Q, c.K, c.V, c.beta, c.log_a, 1.0, &S_all);
+  EXPECT_LE(test::max_abs_diff(Mat<S>(rnn.state().S), S_all.cast<S>().eval()) /
+                std::max(1.0, test::max_abs(S_all)),
+            ref_bound<S>(false));
+  // set_state(state()) continues bit for bit.
+  linattn::RecurrentDeltaRule<SiluL2, S> resumed(D, M);
+  resumed.set_state(rnn.state(), rnn.position());
+  for (Index t = 0; t < 5; ++t) {
+    step(rnn, t, out);
+    step(resumed, t, out_plain);
+    ASSERT_TRUE(test::same_bits(out, out_plain)) << t;
+  }
+  EXPECT_EQ(resumed.position(), N + 5);
+}
+
+TEST(delta_recurrent, StateIsAReadOnlySnapshot) {
+  IF_FLOAT(check_state_snapshot<float>());
+  IF_DOUBLE(check_state_snapshot<double>());
+}
+
+// The decode step checks beta and log_a as the parallel kernels do (beta in [0, 2], log_a
+// finite and <= 0), naming the value and the token, and changes nothing when it throws; the
+// edges of the ranges are accepted. set_state() refuses a negative position.
+TEST(delta_recurrent, StepAndSetStateCheckValues) {
+  linattn::RecurrentDeltaRule<UnitL2, float> rnn(4, 3);
+  const Eigen::VectorXf q = Eigen::VectorXf::LinSpaced(4, -1, 1), v = Eigen::VectorXf::Ones(3);
+  Eigen::VectorXf out(3);
+  rnn.step(q, q, v, 0.5f, -0.25f, out);
+  const State<float> before = rnn.state();
+  const std::string fn = "linattn::RecurrentDeltaRule::step: ";
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const float b : {-1e-30f, std::nextafter(2.0f, 3.0f), 3.0f, inf, nan})
+    test::expect_invalid([&] { rnn.step(q, q, v, b, 0.0f, out); },
+                         Needles{fn + "beta = ", " (token 1): beta must be in [0, 2]"},
+                         "beta " + std::to_string(b));
+  for (const float g : {1e-30f, 0.5f, inf, -inf, nan})
+    test::expect_invalid([&] { rnn.step(q, q, v, 1.0f, g, out); },
+                         Needles{fn + "log_a = ", " (token 1): log-decays must be finite and <= 0"},
+                         "log_a " + std::to_string(g));
+  test::expect_invalid([&] { rnn.step(q, q, v, 2.5f, 0.0f, out); }, "beta = 2.5", "the value");
+  EXPECT_EQ(rnn.position(), 1);
+  EXPECT_TRUE(test::same_bits(Mat<float>(rnn.state().S), Mat<float>(before.S)));
+  for (const float b : {0.0f, 2.0f})
+    for (const float g : {0.0f, -0.0f, -1e30f}) EXPECT_NO_THROW(rnn.step(q, q, v, b, g, out));
+  test::expect_invalid([&] { rnn.set_state(before, -3); },
+                       Needles{"RecurrentDeltaRule::set_state",
+                               "position = -3: a decoding position counts tokens"},
+                       "position");
+  EXPECT_EQ(rnn.position(), 7);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Multi-head and batched
 // ---------------------------------------------------------------------------------------------

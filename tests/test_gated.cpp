@@ -652,6 +652,54 @@ TEST(gated_recurrent, StepChecksSizes) {
   EXPECT_NO_THROW(rnn.step(q4, q4, v3, g4, out3));
 }
 
+// The decode step checks its log gates' values as the parallel kernels do (finite and <= 0),
+// naming the entry, the value and the token, and leaves the decoder as it was; set_state()
+// refuses a negative position and a log_decay no sum of such gates gives (NaN, +inf, > 0).
+TEST(gated_recurrent, StepAndSetStateCheckValues) {
+  linattn::RecurrentGatedAttention<Identity, float> rnn(4, 3);
+  const Vec<float> q = Vec<float>::LinSpaced(4, -1, 1), v = Vec<float>::Ones(3);
+  Vec<float> out(3);
+  rnn.step(q, q, v, -0.25f, out);
+  const State<float> before = rnn.state();
+  const std::string fn = "linattn::RecurrentGatedAttention::step: ";
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const float g : {1e-30f, 0.5f, inf, -inf, nan}) {
+    test::expect_invalid([&] { rnn.step(q, q, v, g, out); },
+                         {fn + "log_gate = ", " (token 1): log gates must be finite and <= 0"},
+                         "scalar gate " + std::to_string(g));
+    Vec<float> gates = Vec<float>::Constant(4, -0.1f);
+    gates(2) = g;
+    test::expect_invalid([&] { rnn.step(q, q, v, gates, out); },
+                         {fn + "log_gate(2) = ", " (token 1): log gates must be finite and <= 0"},
+                         "per-feature gate " + std::to_string(g));
+  }
+  test::expect_invalid([&] { rnn.step(q, q, v, 0.5f, out); }, "log_gate = 0.5", "the value");
+  EXPECT_EQ(rnn.position(), 1);
+  EXPECT_TRUE(test::same_state(rnn.state(), before));
+  EXPECT_TRUE(test::same_bits(rnn.state().log_decay, before.log_decay));
+  // The edges are gates: 0, -0 and a very negative (finite) one.
+  for (const float g : {0.0f, -0.0f, -1e30f}) EXPECT_NO_THROW(rnn.step(q, q, v, g, out));
+
+  const std::string set = "RecurrentGatedAttention::set_state";
+  test::expect_invalid([&] { rnn.set_state(before, -3); },
+                       {set, "position = -3: a decoding position counts tokens"}, "position");
+  for (const float ld : {1e-30f, 0.5f, inf, nan}) {
+    State<float> bad = before;
+    bad.log_decay(1) = ld;
+    test::expect_invalid([&] { rnn.set_state(bad, 4); },
+                         {set, "the state's log_decay(1) = ", ": a total log-decay is a sum of "
+                                                              "log gates <= 0"},
+                         "log_decay " + std::to_string(ld));
+  }
+  EXPECT_EQ(rnn.position(), 4);
+  State<float> reset = before;  // -inf: a sum of finite gates that overflowed
+  reset.log_decay(1) = -inf;
+  rnn.set_state(reset, 7);
+  EXPECT_EQ(rnn.position(), 7);
+  EXPECT_EQ(rnn.state().log_decay(1), -inf);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Multi-head and batched
 // ---------------------------------------------------------------------------------------------

@@ -593,7 +593,7 @@ void check_gated_resume(Index D, Index M, const GatedOptions& opts, std::uint32_
       run_gated(first, Q, K, V, *c.G, feature_gates, c.switch_at, 0, k);
       std::stringstream file(std::ios::in | std::ios::out | std::ios::binary);
       linattn::save_state(file, first);
-      EXPECT_EQ(file.str().size(), std::size_t(72 + 16 + sizeof(S) * (2 * F * M + 3 * F)));
+      EXPECT_EQ(file.str().size(), std::size_t(80 + sizeof(S) * (F * M + 2 * F)));  // compact
       RecurrentGatedAttention<Phi, S> resumed(D, M, opts);
       linattn::load_state(file, resumed);
       EXPECT_EQ(file.peek(), std::char_traits<char>::eof());  // exactly one record consumed
@@ -625,20 +625,20 @@ TYPED_TEST(StateIoGatedResume, IsBitIdentical) {
   check_gated_resume<S, EluPlusOne>(5, 4, normalized, 94);
 }
 
-// The documented layout of a gated record: kind 4, the key dimension, L, zero low parts, no
-// unfolded tokens, the position.
+// The documented layout of a gated record (kind 8, compact): the key dimension, L = F, the
+// position, then S, z and the log-decay only.
 TEST(StateIoGatedResume, LayoutIsAsDocumented) {
   RecurrentGatedAttention<Identity, float> rnn(3, 2);
   const Mat<float> X = test::random_matrix<float>(4, 3, 95);
   const Mat<float> G = test::random_matrix<float>(4, 3, 96, -1, 0);
   run_gated(rnn, X, X, X.leftCols(2).eval(), G, G, 4, 0, 4);
   const std::string f = saved(rnn);
-  ASSERT_EQ(f.size(), std::size_t(72 + 16 + 4 * (2 * 6 + 2 * 3 + 3)));
+  ASSERT_EQ(f.size(), std::size_t(80 + 4 * (6 + 2 * 3)));
   const auto* b = reinterpret_cast<const unsigned char*>(f.data());
   using linattn::detail::io::get_le;
   EXPECT_EQ(get_le<std::uint32_t>(b + 8), 2u);   // version
   EXPECT_EQ(get_le<std::uint32_t>(b + 12), 1u);  // float
-  EXPECT_EQ(get_le<std::uint32_t>(b + 16), 4u);  // kind: RecurrentGatedAttention
+  EXPECT_EQ(get_le<std::uint32_t>(b + 16), 8u);  // kind: RecurrentGatedAttention, compact
   EXPECT_EQ(get_le<std::uint32_t>(b + 20), 0u);  // no maxima
   EXPECT_EQ(get_le<std::uint64_t>(b + 24), 1u);  // heads
   EXPECT_EQ(get_le<std::uint64_t>(b + 32), 3u);  // D
@@ -646,15 +646,58 @@ TEST(StateIoGatedResume, LayoutIsAsDocumented) {
   EXPECT_EQ(get_le<std::uint64_t>(b + 48), 2u);  // M
   EXPECT_EQ(get_le<std::uint64_t>(b + 56), 3u);  // L = F
   EXPECT_EQ(get_le<std::uint64_t>(b + 68), 4u);  // position
-  EXPECT_EQ(get_le<std::uint64_t>(b + 76), 0u);  // unfolded tokens
-  for (std::size_t i = 84 + 4 * 6; i < 84 + 4 * 12; ++i) EXPECT_EQ(b[i], 0) << i;  // S_lo
-  for (std::size_t i = 84 + 4 * 15; i < 84 + 4 * 18; ++i) EXPECT_EQ(b[i], 0) << i;  // z_lo
-  Eigen::VectorXf ld(3);
-  for (Index i = 0; i < 3; ++i) {
-    const std::uint32_t bits = get_le<std::uint32_t>(b + 84 + 4 * (18 + i));
-    std::memcpy(&ld(i), &bits, sizeof bits);
-  }
-  EXPECT_TRUE(same_bits(ld, rnn.state().log_decay));
+  const auto floats = [&](std::size_t at, Index n) {
+    Eigen::VectorXf x(n);
+    for (Index i = 0; i < n; ++i) {
+      const std::uint32_t bits = get_le<std::uint32_t>(b + at + 4 * std::size_t(i));
+      std::memcpy(&x(i), &bits, sizeof bits);
+    }
+    return x;
+  };
+  const auto& st = rnn.state();
+  Eigen::VectorXf S_rows(6);
+  for (Index r = 0; r < 3; ++r) S_rows.segment(2 * r, 2) = st.S.row(r).transpose();
+  EXPECT_TRUE(same_bits(floats(76, 6), S_rows));            // S, row-major
+  EXPECT_TRUE(same_bits(floats(76 + 24, 3), st.z));         // z
+  EXPECT_TRUE(same_bits(floats(76 + 36, 3), st.log_decay));  // log_decay
+  EXPECT_EQ(get_le<std::uint32_t>(b + 76 + 48),
+            linattn::checksum(f.data(), f.size() - 4));  // the trailing CRC
+}
+
+// The kind-4 file of the same gated record (as linattn wrote before kind 8): kind 4, the
+// unfolded count (0) after the position, zero low parts after S and z; both CRCs recomputed.
+std::string as_kind4(const std::string& compact, std::size_t s) {
+  using linattn::detail::io::get_le;
+  const auto* b = reinterpret_cast<const unsigned char*>(compact.data());
+  EXPECT_EQ(get_le<std::uint32_t>(b + 16), 8u);
+  const std::size_t F = get_le<std::uint64_t>(b + 40), M = get_le<std::uint64_t>(b + 48);
+  std::string f = compact.substr(0, 76) + std::string(8, '\0') + compact.substr(76, s * F * M) +
+                  std::string(s * F * M, '\0') + compact.substr(76 + s * F * M, s * F) +
+                  std::string(s * F, '\0') + compact.substr(76 + s * (F * M + F));
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&f[16]), std::uint32_t(4));
+  reseal_header(f);
+  reseal(f);
+  return f;
+}
+
+// Kind-4 files still load, into the same state and position, and resume bit for bit; saved
+// again they are written as kind 8.
+TEST(StateIoGatedResume, Kind4FilesStillLoad) {
+  constexpr Index D = 4, M = 3, N = 60, k = 33;
+  const Mat<double> Q = test::random_matrix<double>(N, D, 97, -2, 2);
+  const Mat<double> V = test::random_matrix<double>(N, M, 98);
+  const Mat<double> G = test::random_matrix<double>(N, D, 99, -1, 0);
+  RecurrentGatedAttention<Silu, double> whole(D, M), first(D, M), resumed(D, M);
+  const Mat<double> expected = run_gated(whole, Q, Q, V, G, G, N, 0, N);
+  run_gated(first, Q, Q, V, G, G, N, 0, k);
+  const std::string old = as_kind4(saved(first), 8);
+  EXPECT_EQ(old.size(), std::size_t(72 + 16 + 8 * (2 * D * M + 3 * D)));
+  std::istringstream is(old, std::ios::binary);
+  linattn::load_state(is, resumed);
+  EXPECT_EQ(resumed.position(), k);
+  EXPECT_TRUE(same_state(resumed.state(), first.state()));
+  EXPECT_EQ(saved(resumed), saved(first));
+  EXPECT_TRUE(same_bits(run_gated(resumed, Q, Q, V, G, G, N, k, N), expected.bottomRows(N - k)));
 }
 
 // ------------------------------------------------------------------------------------------
@@ -806,7 +849,7 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
   for (const std::uint32_t v : {1u, 2u}) {  // the same checks in both versions
     SCOPED_TRACE("version " + std::to_string(v));
     EXPECT_EQ(load(header(v, 3, 1, 0, 1, 0, 2, 2)), p + "unknown scalar type code 3");
-    EXPECT_EQ(load(header(v, 1, 7, 0, 1, 0, 2, 2)), p + "unknown kind code 7");
+    EXPECT_EQ(load(header(v, 1, 9, 0, 1, 0, 2, 2)), p + "unknown kind code 9");
     EXPECT_EQ(load(header(v, 1, 1, 6, 1, 0, 2, 2)), p + "unknown flags 6");
     EXPECT_EQ(load(header(v, 1, 1, 0, 2, 0, 2, 2)), p + "invalid head count 2");
     EXPECT_EQ(load(header(v, 1, 1, 0, 1, 5, 2, 2)), p + "invalid key dimension 5");
@@ -820,6 +863,8 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
   EXPECT_EQ(load(header(1, 1, 4, 0, 1, 2, 2, 2)), p + "unknown kind code 4");
   EXPECT_EQ(load(header(1, 1, 5, 0, 1, 2, 2, 2)), p + "unknown kind code 5");
   EXPECT_EQ(load(header(1, 1, 6, 0, 1, 2, 0, 2)), p + "unknown kind code 6");
+  EXPECT_EQ(load(header(1, 1, 7, 0, 1, 2, 2, 2)), p + "unknown kind code 7");
+  EXPECT_EQ(load(header(1, 1, 8, 0, 1, 2, 2, 2)), p + "unknown kind code 8");
   EXPECT_EQ(load(header(2, 1, 5, 0, 1, 2, 2, 2)),
             p + "wrong kind: the file holds the states of a BatchedRecurrentLinearAttention, "
                 "not a LinearAttentionState");
@@ -831,12 +876,13 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
   EXPECT_EQ(runtime_error_of([&] { linattn::load_state(two_heads, gated); }),
             p + "invalid head count 2");
   // The gated decoder keeps F log-decay entries: L = 0 or 1 is no record of it.
-  for (const std::uint64_t L : {std::uint64_t(0), std::uint64_t(1)}) {
-    std::istringstream is(header(2, 1, 4, 0, 1, 2, 2, 2, L), std::ios::binary);
-    EXPECT_EQ(runtime_error_of([&] { linattn::load_state(is, gated); }),
-              p + "invalid log-decay size " + std::to_string(L) +
-                  ": a RecurrentGatedAttention keeps F = 2 entries");
-  }
+  for (const std::uint32_t kind : {4u, 8u})
+    for (const std::uint64_t L : {std::uint64_t(0), std::uint64_t(1)}) {
+      std::istringstream is(header(2, 1, kind, 0, 1, 2, 2, 2, L), std::ios::binary);
+      EXPECT_EQ(runtime_error_of([&] { linattn::load_state(is, gated); }),
+                p + "invalid log-decay size " + std::to_string(L) +
+                    ": a RecurrentGatedAttention keeps F = 2 entries");
+    }
   EXPECT_EQ(gated.position(), 0);
   EXPECT_TRUE(same_bits(gated.state().log_decay, Eigen::VectorXf::Zero(2)));
 }
@@ -1009,7 +1055,8 @@ TEST(StateIoGatedFailure, EveryTruncationAndBitFlipThrows) {
 // A gated record has no low part: unfolded tokens or low parts that are not all zero bits (a
 // -0 included) are refused, though the checksums are right.
 TEST(StateIoGatedFailure, InvalidRecordFieldsAreChecked) {
-  const std::string file = saved(gated_decoder(3, 2, 10, 78));
+  const std::string compact = saved(gated_decoder(3, 2, 10, 78));
+  const std::string file = as_kind4(compact, 8);  // the kind that has these fields
   auto target = gated_decoder(3, 2, 5, 79);
   const std::string before = snapshot(target);
   const std::string p = "linattn::load_state: invalid record: a RecurrentGatedAttention keeps "
@@ -1035,14 +1082,26 @@ TEST(StateIoGatedFailure, InvalidRecordFieldsAreChecked) {
     }
   }
   EXPECT_EQ(snapshot(target), before);
-  // Positions are taken as written (set_state() accepts any).
-  std::string h = file;
+  // Positions are taken as written, any count of tokens; a negative one is no decoder's.
+  std::string h = compact;
   linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&h[68]), std::uint64_t(123456789));
   reseal(h);
   std::istringstream c(h, std::ios::binary);
   linattn::load_state(c, target);
   EXPECT_EQ(target.position(), 123456789);
   EXPECT_EQ(saved(target), h);
+  const std::string kept = snapshot(target);
+  for (const std::string& kind : {compact, file}) {
+    std::string n = kind;
+    linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&n[68]),
+                                linattn::detail::io::from_signed(-5));
+    reseal(n);
+    std::istringstream d(n, std::ios::binary);
+    EXPECT_EQ(runtime_error_of([&] { linattn::load_state(d, target); }),
+              "linattn::load_state: invalid record: position -5 (a decoding position counts "
+              "tokens and is never negative)");
+  }
+  EXPECT_EQ(snapshot(target), kept);
 }
 
 // Shapes past the sanity bounds are refused from the header; a large declared state with a
@@ -2156,6 +2215,338 @@ TEST(StateIoLayerFailure, CacheHeaderAndAbsurdSizesAreChecked) {
   std::istream pipe(&buf);
   EXPECT_EQ(runtime_error_of([&] { linattn::load_state(pipe, target); }), short_of_many);
   s.expect_unchanged(target, twin);
+}
+
+
+// ------------------------------------------------------------------------------------------
+// The delta-rule decoder (RecurrentDeltaRule, kind 7: compact)
+// ------------------------------------------------------------------------------------------
+
+using linattn::RecurrentDeltaRule;
+
+// Runs a delta-rule decoder over rows [from, to) (beta in [0, 2], log_a in [-0.5, 0] from the
+// columns of P) and returns their outputs.
+template <class R, class S>
+Mat<S> run_delta(R& rnn, const Mat<S>& Q, const Mat<S>& K, const Mat<S>& V, const Mat<S>& P,
+                 Index from, Index to) {
+  Mat<S> out(to - from, V.cols());
+  Eigen::Matrix<S, Eigen::Dynamic, 1> o(V.cols());
+  for (Index t = from; t < to; ++t) {
+    rnn.step(Q.row(t), K.row(t), V.row(t), P(t, 0), P(t, 1), o);
+    out.row(t - from) = o.transpose();
+  }
+  return out;
+}
+
+template <class S>
+struct DeltaInputs {
+  Mat<S> Q, K, V, P;
+  DeltaInputs(Index N, Index D, Index M, std::uint32_t seed)
+      : Q(test::random_matrix<S>(N, D, seed, -2, 2)),
+        K(test::random_matrix<S>(N, D, seed + 1, -2, 2)),
+        V(test::random_matrix<S>(N, M, seed + 2)),
+        P(N, 2) {
+    P.col(0) = test::random_matrix<S>(N, 1, seed + 3, 0, 2);
+    P.col(1) = test::random_matrix<S>(N, 1, seed + 4, -0.5, 0);
+  }
+};
+
+// The uninterrupted decode against decodes saved after k tokens (the last step's update still
+// pending in the object), loaded into a fresh object and continued: the same bits; the file is
+// the state and 80 bytes, and saving changes nothing in the saved object.
+template <class S, class Phi>
+void check_delta_resume(Index D, Index M, std::uint32_t seed) {
+  constexpr Index N = 90;
+  const DeltaInputs<S> in(N, D, M, seed);
+  const Index F = Phi{}.feature_dim(D);
+  RecurrentDeltaRule<Phi, S> whole(D, M);
+  const Mat<S> expected = run_delta(whole, in.Q, in.K, in.V, in.P, 0, N);
+  for (const Index k : {Index(0), Index(1), Index(40), N - 1}) {
+    SCOPED_TRACE("saved after " + std::to_string(k) + " tokens");
+    RecurrentDeltaRule<Phi, S> first(D, M), twin(D, M);
+    run_delta(first, in.Q, in.K, in.V, in.P, 0, k);
+    run_delta(twin, in.Q, in.K, in.V, in.P, 0, k);
+    std::stringstream file(std::ios::in | std::ios::out | std::ios::binary);
+    linattn::save_state(file, first);
+    EXPECT_EQ(file.str().size(), std::size_t(80) + sizeof(S) * std::size_t(F * M));
+    RecurrentDeltaRule<Phi, S> resumed(D, M);
+    run_delta(resumed, in.Q, in.K, in.V, in.P, 0, 7);  // a history that the load replaces
+    linattn::load_state(file, resumed);
+    EXPECT_EQ(file.peek(), std::char_traits<char>::eof());  // exactly one record consumed
+    EXPECT_EQ(resumed.position(), k);
+    EXPECT_TRUE(same_state(resumed.state(), first.state()));
+    EXPECT_TRUE(same_bits(run_delta(resumed, in.Q, in.K, in.V, in.P, k, N),
+                          expected.bottomRows(N - k)));
+    EXPECT_TRUE(same_bits(run_delta(first, in.Q, in.K, in.V, in.P, k, N),
+                          run_delta(twin, in.Q, in.K, in.V, in.P, k, N)))
+        << "saving changed the saved decoder";
+    EXPECT_TRUE(same_state(resumed.state(), whole.state()));
+  }
+}
+
+template <class S>
+class StateIoDeltaResume : public ::testing::Test {};
+TYPED_TEST_SUITE(StateIoDeltaResume, StateIoScalars, );
+
+TYPED_TEST(StateIoDeltaResume, IsBitIdentical) {
+  using S = TypeParam;
+  check_delta_resume<S, Identity>(6, 5, 131);
+  check_delta_resume<S, linattn::L2Normalize<Silu>>(5, 19, 132);  // M: a vector block and a tail
+}
+
+// The documented layout (kind 7): the header, the position, S row-major (the last update
+// applied), the CRC. One float head of F = M = 128 is its 64 KiB of state and 80 bytes, where
+// saving state() as a LinearAttentionState took 2·F·M + 2·F scalars.
+TEST(StateIoDeltaResume, LayoutIsAsDocumentedAndCompact) {
+  RecurrentDeltaRule<Identity, float> rnn(3, 2);
+  const DeltaInputs<float> in(4, 3, 2, 133);
+  run_delta(rnn, in.Q, in.K, in.V, in.P, 0, 4);
+  const std::string f = saved(rnn);
+  ASSERT_EQ(f.size(), std::size_t(80 + 4 * 6));
+  const auto* b = reinterpret_cast<const unsigned char*>(f.data());
+  using linattn::detail::io::get_le;
+  EXPECT_EQ(get_le<std::uint32_t>(b + 16), 7u);  // kind: RecurrentDeltaRule
+  EXPECT_EQ(get_le<std::uint32_t>(b + 20), 0u);  // no maxima
+  EXPECT_EQ(get_le<std::uint64_t>(b + 24), 1u);  // heads
+  EXPECT_EQ(get_le<std::uint64_t>(b + 32), 3u);  // D
+  EXPECT_EQ(get_le<std::uint64_t>(b + 40), 3u);  // F
+  EXPECT_EQ(get_le<std::uint64_t>(b + 48), 2u);  // M
+  EXPECT_EQ(get_le<std::uint64_t>(b + 56), 0u);  // L
+  EXPECT_EQ(get_le<std::uint64_t>(b + 68), 4u);  // position
+  const auto st = rnn.state();
+  for (Index i = 0; i < 6; ++i) {
+    const std::uint32_t bits = get_le<std::uint32_t>(b + 76 + 4 * std::size_t(i));
+    float x;
+    std::memcpy(&x, &bits, sizeof bits);
+    EXPECT_TRUE(same_bits(Eigen::VectorXf::Constant(1, x),
+                          Eigen::VectorXf::Constant(1, st.S(i / 2, i % 2))))
+        << i;
+  }
+  EXPECT_EQ(get_le<std::uint32_t>(b + 100), linattn::checksum(f.data(), 100));
+  RecurrentDeltaRule<linattn::L2Normalize<Silu>, float> big(128, 128);
+  const DeltaInputs<float> bi(3, 128, 128, 134);
+  run_delta(big, bi.Q, bi.K, bi.V, bi.P, 0, 3);
+  EXPECT_EQ(saved(big).size(), std::size_t(65536 + 80));
+  EXPECT_EQ(saved(big.state()).size(), std::size_t(72 + 16 + 4 * (2 * 128 * 128 + 2 * 128)));
+}
+
+TEST(StateIoDeltaFailure, WrongKindShapeAndDecaySizeAreRejected) {
+  RecurrentDeltaRule<Identity, double> source(3, 2);
+  const DeltaInputs<double> in(10, 3, 2, 135);
+  run_delta(source, in.Q, in.K, in.V, in.P, 0, 10);
+  const std::string file = saved(source);
+  RecurrentDeltaRule<Identity, double> target(3, 2), wider(3, 4);
+  run_delta(target, in.Q, in.K, in.V, in.P, 0, 5);
+  const std::string before = saved(target);
+  const std::string p = "linattn::load_state: ";
+  const auto load = [](const std::string& bytes, auto& object) {
+    std::istringstream is(bytes, std::ios::binary);
+    return runtime_error_of([&] { linattn::load_state(is, object); });
+  };
+  RecurrentGatedAttention<Identity, double> gated(3, 2);
+  RecurrentLinearAttention<Identity, double> plain(3, 2);
+  EXPECT_EQ(load(file, gated), p + "wrong kind: the file holds the state of a "
+                                   "RecurrentDeltaRule, not the state of a RecurrentGatedAttention");
+  EXPECT_EQ(load(file, plain), p + "wrong kind: the file holds the state of a "
+                                   "RecurrentDeltaRule, not the state of a RecurrentLinearAttention");
+  EXPECT_EQ(load(saved(gated), target), p + "wrong kind: the file holds the state of a "
+                                            "RecurrentGatedAttention, not the state of a "
+                                            "RecurrentDeltaRule");
+  EXPECT_EQ(load(saved(source.state()), target),
+            p + "wrong kind: the file holds a LinearAttentionState, not the state of a "
+                "RecurrentDeltaRule");
+  std::istringstream st(file, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state<double>(st); }),
+            p + "wrong kind: the file holds the state of a RecurrentDeltaRule, not a "
+                "LinearAttentionState");
+  EXPECT_EQ(load(file, wider), p + "shape mismatch: the file holds 1 head(s) of D = 3, F = 3, "
+                                   "M = 2 without running maxima, this RecurrentDeltaRule has 1 "
+                                   "head(s) of D = 3, F = 3, M = 4 without running maxima");
+  std::string decayed = file;  // L = 1: not a delta-rule record
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&decayed[56]), std::uint64_t(1));
+  reseal_header(decayed);
+  EXPECT_EQ(load(decayed, target), p + "invalid log-decay size 1: a RecurrentDeltaRule keeps no "
+                                       "log-decay (L must be 0)");
+  std::string negative = file;
+  linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&negative[68]),
+                              linattn::detail::io::from_signed(-5));
+  reseal(negative);
+  EXPECT_EQ(load(negative, target), p + "invalid record: position -5 (a decoding position counts "
+                                        "tokens and is never negative)");
+  EXPECT_EQ(saved(target), before);
+  EXPECT_EQ(target.position(), 5);
+}
+
+TEST(StateIoDeltaFailure, EveryTruncationAndBitFlipThrows) {
+  RecurrentDeltaRule<Identity, double> source(3, 2), target(3, 2);
+  const DeltaInputs<double> in(10, 3, 2, 136);
+  run_delta(source, in.Q, in.K, in.V, in.P, 0, 10);
+  run_delta(target, in.Q, in.K, in.V, in.P, 0, 4);
+  const std::string file = saved(source), before = saved(target);
+  for (std::size_t len = 0; len < file.size(); ++len) {
+    SCOPED_TRACE("first " + std::to_string(len) + " bytes");
+    const std::string cut = file.substr(0, len);
+    std::istringstream seekable(cut, std::ios::binary);
+    const std::string m1 = runtime_error_of([&] { linattn::load_state(seekable, target); });
+    EXPECT_TRUE(starts_with(m1, "linattn::load_state: truncated file: expected ")) << m1;
+    OneWayBuf buf(cut);
+    std::istream pipe(&buf);
+    EXPECT_EQ(runtime_error_of([&] { linattn::load_state(pipe, target); }), m1);
+  }
+  std::istringstream cut(file.substr(0, 68 + 8 + 20), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(cut, target); }),
+            "linattn::load_state: truncated file: expected 48 bytes of S, got 20");
+  for (std::size_t bit = 0; bit < file.size() * 8; bit += 3) {
+    std::string f = file;
+    f[bit / 8] = char(f[bit / 8] ^ (1 << (bit % 8)));
+    std::istringstream is(f, std::ios::binary);
+    const std::string m = runtime_error_of([&] { linattn::load_state(is, target); });
+    ASSERT_TRUE(starts_with(m, "linattn::load_state: ")) << "bit " << bit << ": " << m;
+  }
+  EXPECT_EQ(saved(target), before);
+  EXPECT_EQ(target.position(), 4);
+}
+
+// ------------------------------------------------------------------------------------------
+// Impossible values: a negative position, a log-decay that no gates give
+// ------------------------------------------------------------------------------------------
+
+// Files with right checksums but impossible values are refused ("invalid record"), whatever
+// the kind; set_state() refuses the same with std::invalid_argument, and save_state() refuses
+// to write a log-decay that would not load. NaN and inf in S and z are a poisoned but
+// representable state (a NaN token reaches it): they save and load as they are.
+TEST(StateIoFailure, ImpossiblePositionsAndLogDecaysAreRejected) {
+  const std::string p = "linattn::load_state: invalid record: ";
+  const std::string negative = "position -5 (a decoding position counts tokens and is never "
+                               "negative)";
+  const auto with_position = [](std::string f, std::size_t at, std::int64_t position) {
+    linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&f[at]),
+                                linattn::detail::io::from_signed(position));
+    reseal(f);
+    return f;
+  };
+  // Kind 2.
+  const Saved s;
+  auto target = bystander();
+  const std::string before = saved(target);
+  std::istringstream a(with_position(s.file, 68, -5), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(a, target); }), p + negative);
+  std::istringstream a2(with_position(s.file, 68, std::numeric_limits<std::int64_t>::min()),
+                        std::ios::binary);
+  EXPECT_TRUE(starts_with(runtime_error_of([&] { linattn::load_state(a2, target); }),
+                          p + "position -9223372036854775808"));
+  EXPECT_EQ(saved(target), before);
+  // Kind 3: head 1 of 2.
+  MultiHeadRecurrentLinearAttention<EluPlusOne, float> heads(2, 2, 2);
+  const std::string mh = saved(heads);
+  const std::size_t record = 16 + 4 * (2 * 4 + 2 * 2);
+  std::istringstream b(with_position(mh, 68 + record, -5), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(b, heads); }), p + "head 1: " + negative);
+  // Kind 5: every head of sequence 0 (head 0 is checked first).
+  BatchedRecurrentLinearAttention<EluPlusOne, float> dec(2, 2, 2, 2);
+  std::string bf = saved(dec);
+  for (std::size_t h = 0; h < 2; ++h)
+    linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&bf[76 + h * record]),
+                                linattn::detail::io::from_signed(-5));
+  reseal(bf);
+  std::istringstream c(bf, std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(c, dec); }),
+            p + "sequence 0, head 0: " + negative);
+
+  // Log-decays: NaN, +inf and positive values (the smallest one too) are no total of gates
+  // <= 0; 0, -0 and -inf are.
+  const double inf = std::numeric_limits<double>::infinity();
+  LinearAttentionState<double> st = decayed_state<double>(3, 2, 3, 137);
+  const std::string good = saved(st);
+  const std::size_t ld = good.size() - 4 - 3 * 8;  // the log-decay's entries
+  for (const double bad : {std::numeric_limits<double>::quiet_NaN(), inf, 0.5,
+                           std::numeric_limits<double>::denorm_min()}) {
+    std::string f = good;
+    std::uint64_t bits;
+    std::memcpy(&bits, &bad, sizeof bits);
+    linattn::detail::io::put_le(reinterpret_cast<unsigned char*>(&f[ld + 16]), bits);
+    reseal(f);
+    std::istringstream is(f, std::ios::binary);
+    const std::string m = runtime_error_of([&] { linattn::load_state<double>(is); });
+    EXPECT_TRUE(starts_with(m, p + "log_decay(2) = ")) << m;
+    EXPECT_NE(m.find(": a total log-decay is a sum of log gates <= 0 (NaN, +inf and positive "
+                     "values are impossible)"),
+              std::string::npos)
+        << m;
+    // save_state and set_state refuse the same state.
+    LinearAttentionState<double> bad_state = st;
+    bad_state.log_decay(2) = bad;
+    std::ostringstream os;
+    test::expect_invalid([&] { linattn::save_state(os, bad_state); },
+                         std::vector<std::string>{"linattn::save_state: the state's log_decay(2) = "},
+                         "save_state");
+    EXPECT_TRUE(os.str().empty());
+    RecurrentGatedAttention<Identity, double> gated(3, 2);
+    test::expect_invalid([&] { gated.set_state(bad_state); },
+                         "RecurrentGatedAttention::set_state: the state's log_decay(2) = ",
+                         "gated set_state");
+  }
+  for (const double fine : {0.0, -0.0, -inf}) {
+    LinearAttentionState<double> ok = st;
+    ok.log_decay(2) = fine;
+    std::istringstream is(saved(ok), std::ios::binary);
+    EXPECT_TRUE(same_bits(linattn::load_state<double>(is).log_decay, ok.log_decay));
+  }
+  // Non-finite S and z are kept as they are.
+  LinearAttentionState<double> poisoned = st;
+  poisoned.S(1, 1) = std::numeric_limits<double>::quiet_NaN();
+  poisoned.z(0) = inf;
+  std::istringstream is(saved(poisoned), std::ios::binary);
+  EXPECT_TRUE(same_state(linattn::load_state<double>(is), poisoned));
+
+  // set_state with a negative position, in every decoder that takes one.
+  RecurrentLinearAttention<EluPlusOne, float> rnn(2, 2);
+  test::expect_invalid([&] { rnn.set_state(rnn.state(), -3); },
+                       "RecurrentLinearAttention::set_state: position = -3", "recurrent");
+  test::expect_invalid([&] { dec.set_state(1, 0, dec.state(1, 0), -3); },
+                       "BatchedRecurrentLinearAttention::set_state: position = -3", "batched");
+  test::expect_invalid([&] { dec.set_states(dec.states(), -1); },
+                       "BatchedRecurrentLinearAttention::set_states: position = -1", "batched");
+  RecurrentGatedAttention<Identity, float> gated(2, 2);
+  test::expect_invalid([&] { gated.set_state(gated.state(), -3); },
+                       "RecurrentGatedAttention::set_state: position = -3", "gated");
+  EXPECT_EQ(rnn.position(), 0);
+  EXPECT_EQ(dec.position(1), 0);
+}
+
+// ------------------------------------------------------------------------------------------
+// The public checksum
+// ------------------------------------------------------------------------------------------
+
+TEST(StateIoFormat, PublicChecksumIsTheFilesCrc) {
+  EXPECT_EQ(linattn::checksum("123456789", 9), 0xCBF43926u);
+  EXPECT_EQ(linattn::checksum("", 0), 0u);
+  EXPECT_EQ(linattn::checksum("6789", 4, linattn::checksum("12345", 5)), 0xCBF43926u);
+  const Saved s;
+  const auto* b = reinterpret_cast<const unsigned char*>(s.file.data());
+  EXPECT_EQ(linattn::checksum(b, 64), linattn::detail::io::get_le<std::uint32_t>(b + 64));
+  EXPECT_EQ(linattn::checksum(b, s.file.size() - 4),
+            linattn::detail::io::get_le<std::uint32_t>(b + s.file.size() - 4));
+  // Over a matrix: the scalars' little-endian IEEE bits in storage order (as a file stores S),
+  // whatever the expression; a row-major matrix in row order.
+  const Mat<double> X = test::random_matrix<double>(5, 3, 138);
+  std::string bytes;
+  for (Index c = 0; c < X.cols(); ++c)
+    for (Index r = 0; r < X.rows(); ++r) {
+      unsigned char le[8];
+      std::uint64_t bits;
+      std::memcpy(&bits, &X(r, c), 8);
+      linattn::detail::io::put_le(le, bits);
+      bytes.append(reinterpret_cast<const char*>(le), 8);
+    }
+  EXPECT_EQ(linattn::checksum(X), linattn::checksum(bytes.data(), bytes.size()));
+  EXPECT_EQ(linattn::checksum(X.leftCols(2)), linattn::checksum(bytes.data(), 80));
+  EXPECT_EQ(linattn::checksum(X.col(2), linattn::checksum(X.leftCols(2))), linattn::checksum(X));
+  const LinearAttentionState<double>::StateMatrix R = X;  // row-major
+  EXPECT_EQ(linattn::checksum(R), linattn::checksum(X.transpose()));
+  EXPECT_NE(linattn::checksum(R), linattn::checksum(X));
+  const Eigen::VectorXf big = Eigen::VectorXf::LinSpaced(1000, -1, 1);  // several buffers
+  EXPECT_EQ(linattn::checksum(big), linattn::checksum(big.data(), 4000));  // a little-endian host
 }
 
 }  // namespace

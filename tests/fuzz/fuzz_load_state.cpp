@@ -1,11 +1,12 @@
 // libFuzzer target of the state loader (state_io.hpp): arbitrary bytes go to load_state for
-// float and double states and into recurrent, multi-head recurrent, gated recurrent and
-// batched recurrent objects and the attention layers' States (a LinearAttentionLayer's, kind 3;
+// float and double states and into recurrent, multi-head recurrent, gated recurrent (kinds 8
+// and 4), delta-rule recurrent (kind 7) and batched recurrent objects and the attention layers' States (a LinearAttentionLayer's, kind 3;
 // a SoftmaxAttentionLayer's KV cache, kind 6): every kind, through a seekable and a
 // non-seekable stream. Any exception but
 // std::runtime_error is a bug, and so is a load that succeeds and does not save back to exactly
-// the bytes it consumed (for a record of the old format version 1: to its version-2 form), or
-// one that fails and changes the object. ASan and UBSan catch the rest.
+// the bytes it consumed (for a record of the old format version 1: to its version-2 form; for
+// a gated decoder's kind-4 record: to its kind-8 form), or one that fails and changes the
+// object. ASan and UBSan catch the rest.
 #include <linattn/linattn.hpp>
 
 #include <cstddef>
@@ -49,6 +50,24 @@ std::string upgraded(const std::string& v1) {
   return f;
 }
 
+// The kind-8 form of the gated kind-4 record `k4` of s-byte scalars: kind 8, without the
+// unfolded count and the low parts (which a loaded kind-4 record has as zeros), both CRCs
+// recomputed. What saving a loaded kind-4 record writes.
+std::string compacted(const std::string& k4, std::size_t s) {
+  if (k4.size() < 72) return std::string();
+  const auto* h = reinterpret_cast<const unsigned char*>(k4.data());
+  const std::size_t F = linattn::detail::io::get_le<std::uint64_t>(h + 40);
+  const std::size_t M = linattn::detail::io::get_le<std::uint64_t>(h + 48);
+  if (k4.size() < 72 + 16 + s * (2 * F * M + 3 * F)) return std::string();
+  std::string f = k4.substr(0, 76) + k4.substr(84, s * F * M) + k4.substr(84 + 2 * s * F * M, s * F) +
+                  k4.substr(84 + s * (2 * F * M + 2 * F), s * F) + std::string(4, '\0');
+  auto* b = reinterpret_cast<unsigned char*>(&f[0]);
+  linattn::detail::io::put_le(b + 16, std::uint32_t(8));
+  linattn::detail::io::put_le(b + 64, linattn::detail::io::crc32(b, 64));
+  linattn::detail::io::put_le(b + f.size() - 4, linattn::detail::io::crc32(b, f.size() - 4));
+  return f;
+}
+
 template <class T>
 std::string saved(const T& x) {
   std::ostringstream os(std::ios::binary);
@@ -77,11 +96,14 @@ void check(std::string& bytes, Load&& load, Resave&& resave, Unchanged&& unchang
       bug("a non-standard exception");
     }
     const std::string again = resave();
-    const bool version1 =
-        bytes.size() >= 12 &&
-        linattn::detail::io::get_le<std::uint32_t>(
-            reinterpret_cast<const unsigned char*>(bytes.data()) + 8) == 1;
-    if (version1) {
+    const auto* h = reinterpret_cast<const unsigned char*>(bytes.data());
+    const bool version1 = bytes.size() >= 12 && linattn::detail::io::get_le<std::uint32_t>(h + 8) == 1;
+    const bool kind4 = bytes.size() >= 20 && linattn::detail::io::get_le<std::uint32_t>(h + 16) == 4;
+    if (kind4) {  // a gated decoder's older record: saved again as kind 8
+      const std::size_t s = linattn::detail::io::get_le<std::uint32_t>(h + 12) == 1 ? 4 : 8;
+      if (compacted(bytes, s) != again)
+        bug("a loaded kind-4 record does not save back to its kind-8 form");
+    } else if (version1) {
       if (again.size() < 8 || again.size() - 8 > bytes.size() ||
           upgraded(bytes.substr(0, again.size() - 8)) != again)
         bug("a loaded version-1 record does not save back to its version-2 form");
@@ -116,7 +138,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string mh_before = saved(mh);
   check(bytes, [&](std::istream& is) { linattn::load_state(is, mh); }, [&] { return saved(mh); },
         [&] { return saved(mh) == mh_before; });
-  // Kind 4: a gated decoder in float and in double (D = F = 3, M = 2 and D = F = 2, M = 3).
+  // Kinds 8 and 4: a gated decoder in float and in double (D = F = 3, M = 2 and D = F = 2, M = 3).
   linattn::RecurrentGatedAttention<linattn::Identity, float> gf(3, 2);
   const std::string gf_before = saved(gf);
   check(bytes, [&](std::istream& is) { linattn::load_state(is, gf); }, [&] { return saved(gf); },
@@ -125,6 +147,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string gd_before = saved(gd);
   check(bytes, [&](std::istream& is) { linattn::load_state(is, gd); }, [&] { return saved(gd); },
         [&] { return saved(gd) == gd_before && gd.position() == 0; });
+  // Kind 7: delta-rule decoders in float and in double (D = F = 3, M = 2 and D = F = 2, M = 3).
+  linattn::RecurrentDeltaRule<linattn::Identity, float> df(3, 2);
+  const std::string df_before = saved(df);
+  check(bytes, [&](std::istream& is) { linattn::load_state(is, df); }, [&] { return saved(df); },
+        [&] { return saved(df) == df_before && df.position() == 0; });
+  linattn::RecurrentDeltaRule<linattn::L2Normalize<linattn::Silu>, double> dd(2, 3);
+  const std::string dd_before = saved(dd);
+  check(bytes, [&](std::istream& is) { linattn::load_state(is, dd); }, [&] { return saved(dd); },
+        [&] { return saved(dd) == dd_before && dd.position() == 0; });
   // Kind 5: batched decoders (B from the file) in float and in double (2 sequences of H = 2,
   // D = F = 3, M = 2 without maxima; 1 sequence of H = 1, D = F = 2, M = 3 with maxima).
   linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> bf(2, 2, 3, 2);

@@ -1,7 +1,7 @@
 // Writes the seed corpus of fuzz_load_state into the directory given: one valid file of each
 // kind and scalar type, in the shapes the fuzz target's objects have, decayed states (a scalar
-// and a per-feature log-decay), gated decoders (kind 4: per-feature gates in float, scalar
-// gates in double), batched decoders (kind 5, sequences at different positions, and an empty
+// and a per-feature log-decay), gated decoders (kind 8, and the older kind 4: per-feature
+// gates in float, scalar gates in double), delta-rule decoders (kind 7), batched decoders (kind 5, sequences at different positions, and an empty
 // one), the attention layers' States (a linear layer's, kind 3, past a fold; KV caches, kind 6,
 // and an empty one) and files of the old format version 1, so that the fuzzer
 // starts from inputs that pass the checksums and mutates from there.
@@ -39,6 +39,27 @@ bool write_version1(const std::string& dir, const char* name, const T& x) {
   auto* b = reinterpret_cast<unsigned char*>(&f[0]);
   linattn::detail::io::put_le(b + 8, std::uint32_t(1));
   linattn::detail::io::put_le(b + 56, linattn::detail::io::crc32(b, 56));
+  linattn::detail::io::put_le(b + f.size() - 4, linattn::detail::io::crc32(b, f.size() - 4));
+  std::ofstream out(dir + "/" + name, std::ios::binary);
+  out.write(f.data(), static_cast<std::streamsize>(f.size()));
+  return static_cast<bool>(out);
+}
+
+// A gated decoder's compact (kind-8) record in the older kind-4 layout: the unfolded count (0)
+// after the position, zero low parts after S and after z; both CRCs recomputed.
+template <class R>
+bool write_kind4(const std::string& dir, const char* name, const R& rnn, std::size_t s) {
+  std::ostringstream os(std::ios::binary);
+  linattn::save_state(os, rnn);
+  const std::string c = os.str();
+  const std::size_t FM = std::size_t(rnn.feature_dim() * rnn.value_dim());
+  const std::size_t F = std::size_t(rnn.feature_dim());
+  std::string f = c.substr(0, 76) + std::string(8, '\0') + c.substr(76, s * FM) +
+                  std::string(s * FM, '\0') + c.substr(76 + s * FM, s * F) +
+                  std::string(s * F, '\0') + c.substr(76 + s * (FM + F));
+  auto* b = reinterpret_cast<unsigned char*>(&f[0]);
+  linattn::detail::io::put_le(b + 16, std::uint32_t(4));
+  linattn::detail::io::put_le(b + 64, linattn::detail::io::crc32(b, 64));
   linattn::detail::io::put_le(b + f.size() - 4, linattn::detail::io::crc32(b, f.size() - 4));
   std::ofstream out(dir + "/" + name, std::ios::binary);
   out.write(f.data(), static_cast<std::streamsize>(f.size()));
@@ -93,7 +114,7 @@ int main(int argc, char** argv) {
   linattn::MultiHeadRecurrentLinearAttention<linattn::SoftmaxSplit, float> mh(2, 2, 2);
   steps<float>(mh, 4, 4, 4);
   ok &= write(dir, "multihead_float", mh);
-  // Gated decoders (kind 4) in the shapes of the fuzz target's: per-feature gates in float,
+  // Gated decoders (kind 8; also as kind 4) in the shapes of the fuzz target's: per-feature gates in float,
   // scalar gates in double (the decoder keeps F log-decay entries either way: L = F).
   linattn::RecurrentGatedAttention<linattn::Identity, float> gf(3, 2);
   linattn::RecurrentGatedAttention<linattn::Silu, double> gd(2, 3);
@@ -107,6 +128,22 @@ int main(int argc, char** argv) {
   }
   ok &= write(dir, "gated_float", gf);
   ok &= write(dir, "gated_double", gd);
+  ok &= write_kind4(dir, "gated_float_kind4", gf, 4);
+  ok &= write_kind4(dir, "gated_double_kind4", gd, 8);
+  // Delta-rule decoders (kind 7) in the shapes of the fuzz target's (D = F = 3, M = 2 in float,
+  // D = F = 2, M = 3 in double), their last update pending when saved.
+  linattn::RecurrentDeltaRule<linattn::Identity, float> df(3, 2);
+  linattn::RecurrentDeltaRule<linattn::L2Normalize<linattn::Silu>, double> dd(2, 3);
+  for (int t = 0; t < 5; ++t) {
+    const Eigen::VectorXf q = Eigen::VectorXf::LinSpaced(3, -0.5f + 0.1f * t, 0.5f);
+    df.step(q, q.reverse(), Eigen::VectorXf::LinSpaced(2, 0.5f, -0.25f * t), 0.75f,
+            -0.125f * t, Eigen::VectorXf(2));
+    const Eigen::VectorXd qd = Eigen::VectorXd::LinSpaced(2, -1.0 + 0.2 * t, 1.0);
+    dd.step(qd, qd.reverse(), Eigen::VectorXd::LinSpaced(3, 0.25, -0.5 * t), 1.5, 0.0,
+            Eigen::VectorXd(3));
+  }
+  ok &= write(dir, "delta_float", df);
+  ok &= write(dir, "delta_double", dd);
   // Batched decoders (kind 5) in the shapes of the fuzz target's: 2 sequences of 2 heads at
   // different positions in float (one stepped alone), 1 sequence with maxima in double, and an
   // empty decoder (B = 0).

@@ -483,6 +483,10 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
                  ": a KV cache has no feature map (F must be 0)");
   if (kind == kKindKVCache && hd.maxima())
     fail(fn, "invalid flags " + std::to_string(hd.flags) + ": a KV cache has no running maxima");
+  // Compact records have no field for maxima (the gated and delta-rule maps have none).
+  if (compact_kind(kind) && hd.maxima())
+    fail(fn, "invalid flags " + std::to_string(hd.flags) + ": " + kind_name(kind) +
+                 " has no running maxima");
   if (kind == kKindKVCache && hd.decay != 0)
     fail(fn, "invalid log-decay size " + std::to_string(hd.decay) +
                  ": a KV cache has no log-decay (L must be 0)");
