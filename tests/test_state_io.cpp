@@ -875,6 +875,15 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
   std::istringstream two_heads(header(2, 1, 4, 0, 2, 2, 2, 2, 2), std::ios::binary);
   EXPECT_EQ(runtime_error_of([&] { linattn::load_state(two_heads, gated); }),
             p + "invalid head count 2");
+  // Maxima need features, and the compact records (kinds 7 and 8) have none.
+  EXPECT_EQ(load(header(2, 1, 1, 1, 1, 0, 0, 0)), p + "invalid flags 1: running maxima with F = 0");
+  linattn::RecurrentDeltaRule<Identity, float> delta(2, 2);
+  std::istringstream maxima(header(2, 1, 7, 1, 1, 2, 2, 2), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(maxima, delta); }),
+            p + "invalid flags 1: the state of a RecurrentDeltaRule has no running maxima");
+  std::istringstream gated_maxima(header(2, 1, 8, 1, 1, 2, 2, 2, 2), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(gated_maxima, gated); }),
+            p + "invalid flags 1: the state of a RecurrentGatedAttention has no running maxima");
   // The gated decoder keeps F log-decay entries: L = 0 or 1 is no record of it.
   for (const std::uint32_t kind : {4u, 8u})
     for (const std::uint64_t L : {std::uint64_t(0), std::uint64_t(1)}) {
@@ -2543,7 +2552,7 @@ TEST(StateIoFormat, PublicChecksumIsTheFilesCrc) {
   EXPECT_EQ(linattn::checksum(X.leftCols(2)), linattn::checksum(bytes.data(), 80));
   EXPECT_EQ(linattn::checksum(X.col(2), linattn::checksum(X.leftCols(2))), linattn::checksum(X));
   const LinearAttentionState<double>::StateMatrix R = X;  // row-major
-  EXPECT_EQ(linattn::checksum(R), linattn::checksum(X.transpose()));
+  EXPECT_EQ(linattn::checksum(R), linattn::checksum(Mat<double>(X.transpose())));
   EXPECT_NE(linattn::checksum(R), linattn::checksum(X));
   const Eigen::VectorXf big = Eigen::VectorXf::LinSpaced(1000, -1, 1);  // several buffers
   EXPECT_EQ(linattn::checksum(big), linattn::checksum(big.data(), 4000));  // a little-endian host

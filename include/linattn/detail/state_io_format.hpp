@@ -483,6 +483,9 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
                  ": a KV cache has no feature map (F must be 0)");
   if (kind == kKindKVCache && hd.maxima())
     fail(fn, "invalid flags " + std::to_string(hd.flags) + ": a KV cache has no running maxima");
+  // Maxima of no feature would not save back (an empty m is saved without the flag).
+  if (hd.maxima() && hd.F == 0)
+    fail(fn, "invalid flags " + std::to_string(hd.flags) + ": running maxima with F = 0");
   // Compact records have no field for maxima (the gated and delta-rule maps have none).
   if (compact_kind(kind) && hd.maxima())
     fail(fn, "invalid flags " + std::to_string(hd.flags) + ": " + kind_name(kind) +
