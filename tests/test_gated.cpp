@@ -680,6 +680,13 @@ TEST(gated_recurrent, StepAndSetStateCheckValues) {
   EXPECT_TRUE(test::same_bits(rnn.state().log_decay, before.log_decay));
   // The edges are gates: 0, -0 and a very negative (finite) one.
   for (const float g : {0.0f, -0.0f, -1e30f}) EXPECT_NO_THROW(rnn.step(q, q, v, g, out));
+  // state() is the decoder's own state, as documented: a reference follows the steps.
+  const State<float>& live = rnn.state();
+  linattn::RecurrentGatedAttention<Identity, float> twin = rnn;
+  rnn.step(q, q, v, -0.5f, out);
+  twin.step(q, q, v, -0.5f, out);
+  EXPECT_TRUE(test::same_state(live, twin.state()));
+  EXPECT_FALSE(test::same_bits(live.S, before.S));
 
   const std::string set = "RecurrentGatedAttention::set_state";
   test::expect_invalid([&] { rnn.set_state(before, -3); },
@@ -692,7 +699,7 @@ TEST(gated_recurrent, StepAndSetStateCheckValues) {
                                                               "log gates <= 0"},
                          "log_decay " + std::to_string(ld));
   }
-  EXPECT_EQ(rnn.position(), 4);
+  EXPECT_EQ(rnn.position(), 5);
   State<float> reset = before;  // -inf: a sum of finite gates that overflowed
   reset.log_decay(1) = -inf;
   rnn.set_state(reset, 7);

@@ -2,8 +2,11 @@
 // double keep every bit; a recurrent decode saved part-way and resumed in a fresh object gives
 // the uninterrupted outputs bit for bit; every malformed file (truncated, bit-flipped, wrong
 // type, kind or shape, absurd shapes, failing streams) is a std::runtime_error that names the
-// problem and leaves the target object as it was. The gated decoder (RecurrentGatedAttention,
-// kind 4) resumes bit for bit with scalar and per-feature gates, the batched decoder
+// problem and leaves the target object as it was; so is a file whose values no decoder holds
+// (a negative position, a log-decay that is NaN or > 0). The gated decoder
+// (RecurrentGatedAttention, kind 8, compact; its older kind-4 files still load) and the
+// delta-rule decoder (RecurrentDeltaRule, kind 7: S and the position) resume bit for bit, the
+// gated one with scalar and per-feature gates, the batched decoder
 // (BatchedRecurrentLinearAttention, kind 5) with its sequences at different positions, and the
 // attention layers' States (LinearAttentionLayer: kind 3; SoftmaxAttentionLayer's KV cache:
 // kind 6) through prefills and steps.
