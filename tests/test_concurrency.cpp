@@ -207,7 +207,8 @@ TEST(Concurrency, DecoderStateFromFourThreadsOnOneObject) {
       same[static_cast<std::size_t>(t)] = ok ? 1 : 0;
     });
   for (std::thread& th : threads) th.join();
-  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(same[static_cast<std::size_t>(t)], 1) << "thread " << t;
+  for (int t = 0; t < kThreads; ++t)
+    EXPECT_EQ(same[static_cast<std::size_t>(t)], 1) << "thread " << t;
   // The next step after all these reads continues as if none had happened.
   linattn::RecurrentDeltaRule<linattn::L2Normalize<linattn::Identity>, float> twin(D, M);
   Eigen::VectorXf o2(M);

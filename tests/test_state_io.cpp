@@ -2357,10 +2357,10 @@ TEST(StateIoDeltaFailure, WrongKindShapeAndDecaySizeAreRejected) {
   };
   RecurrentGatedAttention<Identity, double> gated(3, 2);
   RecurrentLinearAttention<Identity, double> plain(3, 2);
-  EXPECT_EQ(load(file, gated), p + "wrong kind: the file holds the state of a "
-                                   "RecurrentDeltaRule, not the state of a RecurrentGatedAttention");
-  EXPECT_EQ(load(file, plain), p + "wrong kind: the file holds the state of a "
-                                   "RecurrentDeltaRule, not the state of a RecurrentLinearAttention");
+  EXPECT_EQ(load(file, gated), p + "wrong kind: the file holds the state of a RecurrentDeltaRule, "
+                                   "not the state of a RecurrentGatedAttention");
+  EXPECT_EQ(load(file, plain), p + "wrong kind: the file holds the state of a RecurrentDeltaRule, "
+                                   "not the state of a RecurrentLinearAttention");
   EXPECT_EQ(load(saved(gated), target), p + "wrong kind: the file holds the state of a "
                                             "RecurrentGatedAttention, not the state of a "
                                             "RecurrentDeltaRule");
@@ -2490,8 +2490,7 @@ TEST(StateIoFailure, ImpossiblePositionsAndLogDecaysAreRejected) {
     bad_state.log_decay(2) = bad;
     std::ostringstream os;
     test::expect_invalid([&] { linattn::save_state(os, bad_state); },
-                         std::vector<std::string>{"linattn::save_state: the state's log_decay(2) = "},
-                         "save_state");
+                         "linattn::save_state: the state's log_decay(2) = ", "save_state");
     EXPECT_TRUE(os.str().empty());
     RecurrentGatedAttention<Identity, double> gated(3, 2);
     test::expect_invalid([&] { gated.set_state(bad_state); },

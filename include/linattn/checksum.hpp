@@ -26,7 +26,8 @@ constexpr std::array<std::uint32_t, 256> make_crc32_table() {
 inline constexpr std::array<std::uint32_t, 256> kCrc32Table = make_crc32_table();
 
 // The running register of a CRC-32 (start with 0xFFFFFFFF, XOR the end result with it).
-inline std::uint32_t crc32_update(std::uint32_t crc, const unsigned char* p, std::size_t n) noexcept {
+inline std::uint32_t crc32_update(std::uint32_t crc, const unsigned char* p,
+                                  std::size_t n) noexcept {
   for (std::size_t i = 0; i < n; ++i) crc = kCrc32Table[(crc ^ p[i]) & 0xFFu] ^ (crc >> 8);
   return crc;
 }

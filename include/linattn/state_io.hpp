@@ -40,7 +40,7 @@
 /// | F·s   | `z` |
 /// | F·s   | `z_lo` (zeros when empty; all bits 0 for kind 4) |
 /// | F·s   | `m`, only when flag bit 0 is set |
-/// | L·s   | `log_decay` (LinearAttentionState::log_decay), only when L > 0; each entry <= 0 or −∞ |
+/// | L·s   | `log_decay` (LinearAttentionState::log_decay), only when L > 0; entries <= 0 or −∞ |
 ///
 /// The file is 72 + H·(16 + s·(2·F·M + 2·F [+ F] + L)) bytes.
 ///

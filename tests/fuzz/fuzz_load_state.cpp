@@ -1,8 +1,8 @@
 // libFuzzer target of the state loader (state_io.hpp): arbitrary bytes go to load_state for
 // float and double states and into recurrent, multi-head recurrent, gated recurrent (kinds 8
-// and 4), delta-rule recurrent (kind 7) and batched recurrent objects and the attention layers' States (a LinearAttentionLayer's, kind 3;
-// a SoftmaxAttentionLayer's KV cache, kind 6): every kind, through a seekable and a
-// non-seekable stream. Any exception but
+// and 4), delta-rule recurrent (kind 7) and batched recurrent objects and the attention
+// layers' States (a LinearAttentionLayer's, kind 3; a SoftmaxAttentionLayer's KV cache, kind
+// 6): every kind, through a seekable and a non-seekable stream. Any exception but
 // std::runtime_error is a bug, and so is a load that succeeds and does not save back to exactly
 // the bytes it consumed (for a record of the old format version 1: to its version-2 form; for
 // a gated decoder's kind-4 record: to its kind-8 form), or one that fails and changes the
@@ -59,7 +59,8 @@ std::string compacted(const std::string& k4, std::size_t s) {
   const std::size_t F = linattn::detail::io::get_le<std::uint64_t>(h + 40);
   const std::size_t M = linattn::detail::io::get_le<std::uint64_t>(h + 48);
   if (k4.size() < 72 + 16 + s * (2 * F * M + 3 * F)) return std::string();
-  std::string f = k4.substr(0, 76) + k4.substr(84, s * F * M) + k4.substr(84 + 2 * s * F * M, s * F) +
+  std::string f = k4.substr(0, 76) + k4.substr(84, s * F * M) +
+                  k4.substr(84 + 2 * s * F * M, s * F) +
                   k4.substr(84 + s * (2 * F * M + 2 * F), s * F) + std::string(4, '\0');
   auto* b = reinterpret_cast<unsigned char*>(&f[0]);
   linattn::detail::io::put_le(b + 16, std::uint32_t(8));
@@ -97,10 +98,11 @@ void check(std::string& bytes, Load&& load, Resave&& resave, Unchanged&& unchang
     }
     const std::string again = resave();
     const auto* h = reinterpret_cast<const unsigned char*>(bytes.data());
-    const bool version1 = bytes.size() >= 12 && linattn::detail::io::get_le<std::uint32_t>(h + 8) == 1;
-    const bool kind4 = bytes.size() >= 20 && linattn::detail::io::get_le<std::uint32_t>(h + 16) == 4;
+    using linattn::detail::io::get_le;
+    const bool version1 = bytes.size() >= 12 && get_le<std::uint32_t>(h + 8) == 1;
+    const bool kind4 = bytes.size() >= 20 && get_le<std::uint32_t>(h + 16) == 4;
     if (kind4) {  // a gated decoder's older record: saved again as kind 8
-      const std::size_t s = linattn::detail::io::get_le<std::uint32_t>(h + 12) == 1 ? 4 : 8;
+      const std::size_t s = get_le<std::uint32_t>(h + 12) == 1 ? 4 : 8;
       if (compacted(bytes, s) != again)
         bug("a loaded kind-4 record does not save back to its kind-8 form");
     } else if (version1) {

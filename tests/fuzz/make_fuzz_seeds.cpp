@@ -1,10 +1,11 @@
 // Writes the seed corpus of fuzz_load_state into the directory given: one valid file of each
 // kind and scalar type, in the shapes the fuzz target's objects have, decayed states (a scalar
 // and a per-feature log-decay), gated decoders (kind 8, and the older kind 4: per-feature
-// gates in float, scalar gates in double), delta-rule decoders (kind 7), batched decoders (kind 5, sequences at different positions, and an empty
-// one), the attention layers' States (a linear layer's, kind 3, past a fold; KV caches, kind 6,
-// and an empty one) and files of the old format version 1, so that the fuzzer
-// starts from inputs that pass the checksums and mutates from there.
+// gates in float, scalar gates in double), delta-rule decoders (kind 7), batched decoders
+// (kind 5, sequences at different positions, and an empty one), the attention layers' States
+// (a linear layer's, kind 3, past a fold; KV caches, kind 6, and an empty one) and files of
+// the old format version 1, so that the fuzzer starts from inputs that pass the checksums and
+// mutates from there.
 #include <linattn/linattn.hpp>
 
 #include <Eigen/Core>
@@ -114,8 +115,9 @@ int main(int argc, char** argv) {
   linattn::MultiHeadRecurrentLinearAttention<linattn::SoftmaxSplit, float> mh(2, 2, 2);
   steps<float>(mh, 4, 4, 4);
   ok &= write(dir, "multihead_float", mh);
-  // Gated decoders (kind 8; also as kind 4) in the shapes of the fuzz target's: per-feature gates in float,
-  // scalar gates in double (the decoder keeps F log-decay entries either way: L = F).
+  // Gated decoders (kind 8; also as kind 4) in the shapes of the fuzz target's: per-feature
+  // gates in float, scalar gates in double (the decoder keeps F log-decay entries either way:
+  // L = F).
   linattn::RecurrentGatedAttention<linattn::Identity, float> gf(3, 2);
   linattn::RecurrentGatedAttention<linattn::Silu, double> gd(2, 3);
   for (int t = 0; t < 6; ++t) {

@@ -153,7 +153,7 @@ constexpr std::uint32_t kKindGated = 4;    // version 2 only
 constexpr std::uint32_t kKindBatched = 5;  // version 2 only; the payload starts with B
 constexpr std::uint32_t kKindKVCache = 6;  // version 2 only; T, then the cached K and V rows
 // Compact records (version 2 only): the position, then only the arrays the decoder uses.
-constexpr std::uint32_t kKindDelta = 7;  // RecurrentDeltaRule: S
+constexpr std::uint32_t kKindDelta = 7;         // RecurrentDeltaRule: S
 constexpr std::uint32_t kKindGatedCompact = 8;  // RecurrentGatedAttention: S, z, log_decay (L = F)
 constexpr std::uint32_t kKindLast = kKindGatedCompact;
 constexpr std::uint32_t kFlagMaxima = 1;
