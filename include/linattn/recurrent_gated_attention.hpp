@@ -105,7 +105,7 @@ class RecurrentGatedAttention {
     v_ = v.reshaped().template cast<Scalar>();
     const Index gw = log_gate.size();
     alpha_.head(gw) = log_gate.reshaped().template cast<Scalar>();
-    detail::exp_nonpositive_inplace(alpha_.head(gw).array());
+    detail::expm1_nonpositive_inplace(alpha_.head(gw).array());  // e^g - 1: exact for weak gates
     const detail::GatedConfig<Scalar> cfg = detail::gated_config<Scalar>(options_, gw);
     detail::gated_token_weights(pqv_.data(), pkv_.data(), alpha_.data(), per_feature, F, cfg,
                                 state_.z.data(), w_.data());

@@ -24,6 +24,7 @@
 #include "../workspace.hpp"
 #include "blocking.hpp"
 #include "fast_exp.hpp"
+#include "recurrent_block.hpp"
 
 namespace linattn::detail {
 
@@ -64,6 +65,14 @@ template <class X>
 void exp_nonpositive_inplace(X&& x) {
   using S = typename std::decay_t<X>::Scalar;
   x = x.unaryExpr(exp_nonpositive_op<S>());
+}
+
+// expm1 of every entry (all <= 0): the decay factors of the recurrent kernels, applied as
+// S + e S, so that weak gates keep their digits (see expm1_nonpositive_op).
+template <class X>
+void expm1_nonpositive_inplace(X&& x) {
+  using S = typename std::decay_t<X>::Scalar;
+  x = x.unaryExpr(expm1_nonpositive_op<S>());
 }
 
 // The running sums every decay factor is the exponential of, each column added along its own
@@ -156,7 +165,7 @@ void gated_chunk_scalar(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
   auto ob = dst.middleRows(r0, b);
   ob.noalias() = pq * st.S;
   ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
-  const Scalar decay = std::exp(total);
+  const Scalar decay = exp_nonpositive_op<Scalar>()(total);  // 0 below exp_arg_floor, never a denormal
   st.S *= decay;
   st.S_lo *= decay;
   pk.array().colwise() *= ek.array();
@@ -298,11 +307,14 @@ void gated_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV&
 #pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
 #endif
 // One token through the row-major state (F x M, leading dimension ld), in one pass:
-//   S(d, :) <- a_d S(d, :) + pk(d) v   and   o += w(d) S(d, :),
-// a_d = alpha[d] (per-feature gates) or alpha[0]. Four packets of columns at a time with the
-// outputs in registers; each entry of S is loaded and stored once.
+//   S(d, :) <- (S(d, :) + e_d S(d, :)) + pk(d) v   and   o += w(d) S(d, :),
+// e_d = em1[d] (per-feature gates) or em1[0], e = expm1(g) = a - 1: the decay enters through
+// its distance from 1, which float keeps to full precision for any gate (a itself would round
+// 1 - a to a relative u / |g|, an error the state compounds over its 1 / |g| tokens of memory).
+// Two FMAs an entry, as a S + pk v; S + e S is 0 exactly for a reset (e = -1). Four packets of
+// columns at a time with the outputs in registers; each entry of S is loaded and stored once.
 template <class Scalar>
-void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* alpha,
+void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* em1,
                        bool per_feature, const Scalar* pk, const Scalar* w, const Scalar* v,
                        Scalar* o) {
   using namespace Eigen::internal;
@@ -317,12 +329,14 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* alph
       Packet o0 = pset1<Packet>(Scalar(0)), o1 = o0, o2 = o0, o3 = o0;
       for (Index d = 0; d < F; ++d) {
         Scalar* row = S + d * ld + c0;
-        const Packet a = pset1<Packet>(alpha[d * as]), kd = pset1<Packet>(pk[d]),
+        const Packet e = pset1<Packet>(em1[d * as]), kd = pset1<Packet>(pk[d]),
                      wd = pset1<Packet>(w[d]);
-        const Packet x0 = pmadd(a, ploadu<Packet>(row), pmul(kd, v0));
-        const Packet x1 = pmadd(a, ploadu<Packet>(row + P), pmul(kd, v1));
-        const Packet x2 = pmadd(a, ploadu<Packet>(row + 2 * P), pmul(kd, v2));
-        const Packet x3 = pmadd(a, ploadu<Packet>(row + 3 * P), pmul(kd, v3));
+        const Packet s0 = ploadu<Packet>(row), s1 = ploadu<Packet>(row + P),
+                     s2 = ploadu<Packet>(row + 2 * P), s3 = ploadu<Packet>(row + 3 * P);
+        const Packet x0 = pmadd(kd, v0, pmadd(e, s0, s0));
+        const Packet x1 = pmadd(kd, v1, pmadd(e, s1, s1));
+        const Packet x2 = pmadd(kd, v2, pmadd(e, s2, s2));
+        const Packet x3 = pmadd(kd, v3, pmadd(e, s3, s3));
         pstoreu(row, x0);
         pstoreu(row + P, x1);
         pstoreu(row + 2 * P, x2);
@@ -342,8 +356,9 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* alph
       Packet o0 = pset1<Packet>(Scalar(0));
       for (Index d = 0; d < F; ++d) {
         Scalar* row = S + d * ld + c0;
-        const Packet x0 = pmadd(pset1<Packet>(alpha[d * as]), ploadu<Packet>(row),
-                                pmul(pset1<Packet>(pk[d]), v0));
+        const Packet s0 = ploadu<Packet>(row);
+        const Packet x0 =
+            pmadd(pset1<Packet>(pk[d]), v0, pmadd(pset1<Packet>(em1[d * as]), s0, s0));
         pstoreu(row, x0);
         o0 = pmadd(pset1<Packet>(w[d]), x0, o0);
       }
@@ -354,7 +369,8 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* alph
     Scalar acc = 0;
     for (Index d = 0; d < F; ++d) {
       Scalar& x = S[d * ld + c0];
-      x = alpha[d * as] * x + pk[d] * v[c0];
+      const Scalar decayed = em1[d * as] * x + x;
+      x = pk[d] * v[c0] + decayed;
       acc += w[d] * x;
     }
     o[c0] = acc;
@@ -364,16 +380,18 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* alph
 #pragma GCC diagnostic pop
 #endif
 
-// The read weights of one token: w = s·φq, or for normalize = true, after z <- a ∘ z + φk,
-// w = φq / (φq·z) (guarded; 0 for a degenerate denominator).
+// The read weights of one token: w = s·φq, or for normalize = true, after z <- (z + e ∘ z) + φk
+// (e = expm1(g), as in gated_update_read), w = φq / (φq·z) (guarded; 0 for a degenerate
+// denominator).
 template <class Scalar>
-void gated_token_weights(const Scalar* pq, const Scalar* pk, const Scalar* alpha,
+void gated_token_weights(const Scalar* pq, const Scalar* pk, const Scalar* em1,
                          bool per_feature, Index F, const GatedConfig<Scalar>& cfg, Scalar* z,
                          Scalar* w) {
   if (cfg.normalize) {
     Scalar den = 0;
     for (Index d = 0; d < F; ++d) {
-      z[d] = alpha[per_feature ? d : 0] * z[d] + pk[d];
+      const Scalar decayed = em1[per_feature ? d : 0] * z[d] + z[d];
+      z[d] = decayed + pk[d];
       den += pq[d] * z[d];
     }
     const Scalar inv = guarded_inverse(den);
@@ -383,9 +401,47 @@ void gated_token_weights(const Scalar* pq, const Scalar* pk, const Scalar* alpha
   }
 }
 
-// Rows [r0, r0 + b) one token at a time (the RNN form): queries and keys mapped token-major,
-// values and outputs through row-major buffers. The state's high part is the running state;
-// the low part (the residual of the last fold) decays with it, once per block.
+// x <- x (1 + e) for the n entries of both parts of a state (hi + lo), with the rounding of the
+// high part's product kept in the low part: hi' = hi + e·hi rounded, lo' = lo + e·lo +
+// (hi + e·hi - hi'), the last term exact with FMA. So a weak decay applied once per block loses
+// nothing to the rounding of hi, which would otherwise be a bias of up to u per block.
+template <class Scalar>
+void decay_parts(Scalar* hi, Scalar* lo, Index n, Scalar e) {
+  using namespace Eigen::internal;
+  using Packet = typename packet_traits<Scalar>::type;
+  constexpr Index P = packet_traits<Scalar>::size;
+  Index i = 0;
+  if constexpr (P > 1) {
+    const Packet pe = pset1<Packet>(e);
+    for (; i + P <= n; i += P) {
+      const Packet h = ploadu<Packet>(hi + i), l = ploadu<Packet>(lo + i);
+      const Packet x = pmadd(pe, h, h);
+      pstoreu(lo + i, padd(pmadd(pe, l, l), pmadd(pe, h, psub(h, x))));
+      pstoreu(hi + i, x);
+    }
+  }
+  for (; i < n; ++i) {
+    const Scalar h = hi[i], x = e * h + h;
+    lo[i] = (e * lo[i] + lo[i]) + (e * h + (h - x));
+    hi[i] = x;
+  }
+}
+
+// Rows [r0, r0 + b) of the RNN form: queries and keys mapped token-major, values and outputs
+// through row-major buffers. Two kernels, by the block's decay range ρ (its largest column sum
+// of -g):
+//  - ρ <= gated_factor_span (weak and zero gates: every RetNet head, most GLA features): with
+//    P_t = exp(Σ_{l<=t} g_l) over the block, S_t = P_t (S_0 + Σ_{s<=t} (φk_s / P_s) v_sᵀ), so
+//    the block is the undecayed recurrence (recurrent_block, the tokens summed into the low
+//    part, then one fold) on keys φk_s / P_s and queries w_t ∘ P_t, factors within e^{±8}; the
+//    block's decay is applied once at its end, as 1 + expm1(Σ g) (decay_parts). Nothing is
+//    rounded per token against the large state: for |g| down to 1e-7 float stays as exact as
+//    the chunked form (a per-token factor e^g would be rounded to a relative u / |g| of 1 - e^g,
+//    compounded over the state's 1 / |g| tokens of memory), and g = 0 gives the compensated
+//    sums of causal linear attention (a plain running sum drifts by percents over 2^22 tokens).
+//  - stronger gates: one token at a time through the fused pass gated_update_read (S + e S with
+//    e = expm1(g)); the low part (the residual of the last fold) decays with the state, once
+//    per block.
 template <class Phi, class DQ, class DK, class DV, class DG, class Scalar, class Out>
 void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& G,
                           Index r0, Index b, LinearAttentionState<Scalar>& st, Out& dst,
@@ -403,25 +459,53 @@ void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   auto total = ws.vector(kSlotNormalizer, gw);
   total.setZero();  // column by column: Eigen's rowwise().sum() of a column-major block is a strided reduction
   for (Index i = 0; i < b; ++i) total += at.col(i);
-  exp_nonpositive_inplace(at.array());
   Scalar* vb = ws.matrix(kSlotScores, b, M).data();
   Scalar* ob = ws.matrix(kSlotPrefix, b, M).data();
   copy_to_row_major(V.middleRows(r0, b), vb);
-  auto w = ws.vector(kSlotRowA, F);
-  for (Index i = 0; i < b; ++i) {
-    const Scalar* a = at.data() + i * gw;
-    gated_token_weights(pqt.data() + i * F, pkt.data() + i * F, a, cfg.per_feature, F, cfg,
-                        st.z.data(), w.data());
-    gated_update_read(st.S.data(), st.S.outerStride(), F, M, a, cfg.per_feature,
-                      pkt.data() + i * F, w.data(), vb + i * M, ob + i * M);
-  }
-  exp_nonpositive_inplace(total.array());
-  if (cfg.per_feature) {
-    st.S_lo.array().colwise() *= total.array();
-    st.z_lo.array() *= total.array();
+  if (-total.minCoeff() <= gated_factor_span<Scalar>()) {
+    // at.col(i) <- c_i = Σ_{l<=i} g_l (summed along the block), then φk_i / P_i and φq_i ∘ P_i.
+    for (Index i = 1; i < b; ++i) at.col(i) += at.col(i - 1);
+    for (Index i = 0; i < b; ++i) {
+      if (cfg.per_feature) {
+        pkt.col(i).array() *= (-at.col(i)).array().exp();
+        pqt.col(i).array() *= at.col(i).array().unaryExpr(exp_nonpositive_op<Scalar>());
+      } else {
+        pkt.col(i) *= std::exp(-at(0, i));
+        pqt.col(i) *= exp_nonpositive_op<Scalar>()(at(0, i));
+      }
+    }
+    if (cfg.normalize)
+      prefix_normalize_tokens<false>(st.z.data(), st.z_lo.data(), F, pqt.data(), pkt.data(), F,
+                                     b);
+    else if (cfg.scale != Scalar(1))
+      pqt *= cfg.scale;
+    recurrent_block(st.S.data(), st.S_lo.data(), st.S.outerStride(), F, M, pqt.data(),
+                    pkt.data(), F, 1, b, vb, M, ob, M);
+    expm1_nonpositive_inplace(total.array());
+    const Index ld = st.S.outerStride();
+    for (Index d = 0; d < F; ++d) {
+      const Scalar e = total(cfg.per_feature ? d : 0);
+      if (e != Scalar(0)) decay_parts(st.S.data() + d * ld, st.S_lo.data() + d * ld, M, e);
+      if (cfg.normalize && e != Scalar(0)) decay_parts(st.z.data() + d, st.z_lo.data() + d, 1, e);
+    }
   } else {
-    st.S_lo *= total(0);
-    st.z_lo *= total(0);
+    expm1_nonpositive_inplace(at.array());
+    auto w = ws.vector(kSlotRowA, F);
+    for (Index i = 0; i < b; ++i) {
+      const Scalar* a = at.data() + i * gw;
+      gated_token_weights(pqt.data() + i * F, pkt.data() + i * F, a, cfg.per_feature, F, cfg,
+                          st.z.data(), w.data());
+      gated_update_read(st.S.data(), st.S.outerStride(), F, M, a, cfg.per_feature,
+                        pkt.data() + i * F, w.data(), vb + i * M, ob + i * M);
+    }
+    exp_nonpositive_inplace(total.array());
+    if (cfg.per_feature) {
+      st.S_lo.array().colwise() *= total.array();
+      st.z_lo.array() *= total.array();
+    } else {
+      st.S_lo *= total(0);
+      st.z_lo *= total(0);
+    }
   }
   fold_state(st.S, st.S_lo, st.z, st.z_lo);
   copy_from_row_major(ob, b, M, dst.middleRows(r0, b));
