@@ -135,15 +135,22 @@ struct exp_nonpositive_op {
 // e^x - 1 (no cancellation there: |result| >= 0.29). Below exp_arg_floor the result is exactly
 // -1 (the factor is exactly 0); NaN stays NaN. Each lane takes one of the two formulas by its
 // own value, so the result does not depend on the packet width (the scalar path is the packet
-// code, as for the functors above).
-template <class Packet>
+// code, as for the functors above). With Split, the low part l of a decay factor e^x = h + l
+// instead: l = expm1(x), h = 1 where x >= decay_split_point (e^x >= 0.71); l = e^x, h = 0 below
+// (where 1 + expm1(x) would cancel): l is exact to rounding relative to itself either way.
+template <class S>
+constexpr S decay_split_point() noexcept {
+  return S(-0.34657359027997264);  // -ln 2 / 2
+}
+template <bool Split = false, class Packet>
 EIGEN_STRONG_INLINE Packet pexpm1_nonpositive(const Packet& x) {
   using namespace Eigen::internal;
   using S = typename unpacket_traits<Packet>::type;
   const Packet zero = pzero(x), one = pset1<Packet>(S(1));
   const Packet lo = pset1<Packet>(exp_arg_floor<S>());
   const Packet y = pmax(pmin(x, zero), lo);
-  const Packet small = pcmp_le(pset1<Packet>(S(-0.34657359027997264)), y);
+  const Packet small = pcmp_le(pset1<Packet>(decay_split_point<S>()), y);
+  const auto large = [&] { return Split ? pexp_nonpositive(y) : psub(pexp_nonpositive(y), one); };
   const auto taylor = [&] {
     // e^y - 1 = y + y² Σ_{n>=2} y^{n-2} / n!, to y^8 / 8! (float) or y^13 / 13! (double).
     Packet p;
@@ -164,24 +171,25 @@ EIGEN_STRONG_INLINE Packet pexpm1_nonpositive(const Packet& x) {
   if (!predux_any(pandnot(pcmp_eq(y, y), small)))  // mild gates: the polynomial only
     r = taylor();
   else if (!predux_any(small))
-    r = psub(pexp_nonpositive(y), one);
+    r = large();
   else
-    r = pselect(small, taylor(), psub(pexp_nonpositive(y), one));
+    r = pselect(small, taylor(), large());
   // x - x is 0, or NaN for a NaN (or infinite) x; -inf is caught by the comparison first.
-  return pselect(pcmp_lt(x, lo), pset1<Packet>(S(-1)), padd(r, psub(x, x)));
+  return pselect(pcmp_lt(x, lo), pset1<Packet>(S(Split ? 0 : -1)), padd(r, psub(x, x)));
 }
 
-template <class Scalar>
+template <class Scalar, bool Split = false>
 struct expm1_nonpositive_op {
   Scalar operator()(const Scalar& x) const {
     return scalar_via_packet(*this, x, [](const Scalar& v) {
-      return v < exp_arg_floor<Scalar>() ? Scalar(-1) : std::expm1(v);
+      if (v < exp_arg_floor<Scalar>()) return Scalar(Split ? 0 : -1);
+      return Split && v < decay_split_point<Scalar>() ? std::exp(v) : std::expm1(v);
     });
   }
 
   template <class Packet>
   EIGEN_STRONG_INLINE Packet packetOp(const Packet& x) const {
-    return pexpm1_nonpositive(x);
+    return pexpm1_nonpositive<Split>(x);
   }
 };
 
@@ -226,8 +234,8 @@ struct functor_traits<linattn::detail::elu_plus_one_op<Scalar>> {
     PacketAccess = packet_traits<Scalar>::Vectorizable && packet_traits<Scalar>::HasExp,
   };
 };
-template <class Scalar>
-struct functor_traits<linattn::detail::expm1_nonpositive_op<Scalar>> {
+template <class Scalar, bool Split>
+struct functor_traits<linattn::detail::expm1_nonpositive_op<Scalar, Split>> {
   enum {
     Cost = 20 * NumTraits<Scalar>::AddCost,
     PacketAccess = packet_traits<Scalar>::Vectorizable && packet_traits<Scalar>::HasExp,

@@ -67,12 +67,16 @@ void exp_nonpositive_inplace(X&& x) {
   x = x.unaryExpr(exp_nonpositive_op<S>());
 }
 
-// expm1 of every entry (all <= 0): the decay factors of the recurrent kernels, applied as
-// S + e S, so that weak gates keep their digits (see expm1_nonpositive_op).
-template <class X>
-void expm1_nonpositive_inplace(X&& x) {
+// The decay factors of the recurrent kernels, e^g = h + l for every log gate g (all <= 0): l
+// replaces g, h (1 or 0, same shape) is written to `h`. l = expm1(g) with h = 1 for mild gates
+// (e^g >= 0.71), l = e^g with h = 0 for stronger ones, so that l keeps its digits whatever g:
+// a factor applied as h S + l S is exact to rounding, where e^g itself would round 1 - e^g to
+// a relative u / |g| (see expm1_nonpositive_op).
+template <class X, class H>
+void split_decay_inplace(X&& g, H&& h) {
   using S = typename std::decay_t<X>::Scalar;
-  x = x.unaryExpr(expm1_nonpositive_op<S>());
+  h = (g.array() >= decay_split_point<S>()).template cast<S>().matrix();
+  g = g.unaryExpr(expm1_nonpositive_op<S, true>());
 }
 
 // The running sums every decay factor is the exponential of, each column added along its own
@@ -307,14 +311,14 @@ void gated_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV&
 #pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
 #endif
 // One token through the row-major state (F x M, leading dimension ld), in one pass:
-//   S(d, :) <- (S(d, :) + e_d S(d, :)) + pk(d) v   and   o += w(d) S(d, :),
-// e_d = em1[d] (per-feature gates) or em1[0], e = expm1(g) = a - 1: the decay enters through
-// its distance from 1, which float keeps to full precision for any gate (a itself would round
-// 1 - a to a relative u / |g|, an error the state compounds over its 1 / |g| tokens of memory).
-// Two FMAs an entry, as a S + pk v; S + e S is 0 exactly for a reset (e = -1). Four packets of
-// columns at a time with the outputs in registers; each entry of S is loaded and stored once.
+//   S(d, :) <- (h_d S(d, :) + l_d S(d, :)) + pk(d) v   and   o += w(d) S(d, :),
+// with the decay factor e^g = h_d + l_d split as split_decay_inplace does (hd[d], ld_[d] for
+// per-feature gates, else entry 0): a mild decay enters through its distance from 1, which
+// float keeps to full precision (e^g itself would round 1 - e^g to a relative u / |g|, an error
+// the state compounds over its 1 / |g| tokens of memory). Four packets of columns at a time
+// with the outputs in registers; each entry of S is loaded and stored once.
 template <class Scalar>
-void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* em1,
+void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* hd, const Scalar* em1,
                        bool per_feature, const Scalar* pk, const Scalar* w, const Scalar* v,
                        Scalar* o) {
   using namespace Eigen::internal;
@@ -329,14 +333,14 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* em1,
       Packet o0 = pset1<Packet>(Scalar(0)), o1 = o0, o2 = o0, o3 = o0;
       for (Index d = 0; d < F; ++d) {
         Scalar* row = S + d * ld + c0;
-        const Packet e = pset1<Packet>(em1[d * as]), kd = pset1<Packet>(pk[d]),
-                     wd = pset1<Packet>(w[d]);
+        const Packet e = pset1<Packet>(em1[d * as]), h = pset1<Packet>(hd[d * as]),
+                     kd = pset1<Packet>(pk[d]), wd = pset1<Packet>(w[d]);
         const Packet s0 = ploadu<Packet>(row), s1 = ploadu<Packet>(row + P),
                      s2 = ploadu<Packet>(row + 2 * P), s3 = ploadu<Packet>(row + 3 * P);
-        const Packet x0 = pmadd(kd, v0, pmadd(e, s0, s0));
-        const Packet x1 = pmadd(kd, v1, pmadd(e, s1, s1));
-        const Packet x2 = pmadd(kd, v2, pmadd(e, s2, s2));
-        const Packet x3 = pmadd(kd, v3, pmadd(e, s3, s3));
+        const Packet x0 = pmadd(kd, v0, pmadd(e, s0, pmul(h, s0)));
+        const Packet x1 = pmadd(kd, v1, pmadd(e, s1, pmul(h, s1)));
+        const Packet x2 = pmadd(kd, v2, pmadd(e, s2, pmul(h, s2)));
+        const Packet x3 = pmadd(kd, v3, pmadd(e, s3, pmul(h, s3)));
         pstoreu(row, x0);
         pstoreu(row + P, x1);
         pstoreu(row + 2 * P, x2);
@@ -358,7 +362,8 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* em1,
         Scalar* row = S + d * ld + c0;
         const Packet s0 = ploadu<Packet>(row);
         const Packet x0 =
-            pmadd(pset1<Packet>(pk[d]), v0, pmadd(pset1<Packet>(em1[d * as]), s0, s0));
+            pmadd(pset1<Packet>(pk[d]), v0,
+                  pmadd(pset1<Packet>(em1[d * as]), s0, pmul(pset1<Packet>(hd[d * as]), s0)));
         pstoreu(row, x0);
         o0 = pmadd(pset1<Packet>(w[d]), x0, o0);
       }
@@ -369,7 +374,7 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* em1,
     Scalar acc = 0;
     for (Index d = 0; d < F; ++d) {
       Scalar& x = S[d * ld + c0];
-      const Scalar decayed = em1[d * as] * x + x;
+      const Scalar decayed = em1[d * as] * x + hd[d * as] * x;
       x = pk[d] * v[c0] + decayed;
       acc += w[d] * x;
     }
@@ -380,17 +385,17 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* em1,
 #pragma GCC diagnostic pop
 #endif
 
-// The read weights of one token: w = s·φq, or for normalize = true, after z <- (z + e ∘ z) + φk
-// (e = expm1(g), as in gated_update_read), w = φq / (φq·z) (guarded; 0 for a degenerate
+// The read weights of one token: w = s·φq, or for normalize = true, after z <- (h ∘ z + l ∘ z)
+// + φk (the decay split as in gated_update_read), w = φq / (φq·z) (guarded; 0 for a degenerate
 // denominator).
 template <class Scalar>
-void gated_token_weights(const Scalar* pq, const Scalar* pk, const Scalar* em1,
+void gated_token_weights(const Scalar* pq, const Scalar* pk, const Scalar* hd, const Scalar* em1,
                          bool per_feature, Index F, const GatedConfig<Scalar>& cfg, Scalar* z,
                          Scalar* w) {
   if (cfg.normalize) {
     Scalar den = 0;
     for (Index d = 0; d < F; ++d) {
-      const Scalar decayed = em1[per_feature ? d : 0] * z[d] + z[d];
+      const Scalar decayed = em1[per_feature ? d : 0] * z[d] + hd[per_feature ? d : 0] * z[d];
       z[d] = decayed + pk[d];
       den += pq[d] * z[d];
     }
@@ -401,28 +406,29 @@ void gated_token_weights(const Scalar* pq, const Scalar* pk, const Scalar* em1,
   }
 }
 
-// x <- x (1 + e) for the n entries of both parts of a state (hi + lo), with the rounding of the
-// high part's product kept in the low part: hi' = hi + e·hi rounded, lo' = lo + e·lo +
-// (hi + e·hi - hi'), the last term exact with FMA. So a weak decay applied once per block loses
-// nothing to the rounding of hi, which would otherwise be a bias of up to u per block.
+// x <- x (h + l) for the n entries of both parts of a state (hi + lo; the factor split as in
+// split_decay_inplace), with the rounding of the high part's product kept in the low part:
+// hi' = h hi + l hi rounded, lo' = h lo + l lo + (h hi + l hi - hi'), the last term exact with
+// FMA (h hi - hi' is exact: h is 0, or 1 with hi' within a factor 2 of hi). So a mild decay
+// applied once per block loses nothing to the rounding of hi, a bias of up to u per block.
 template <class Scalar>
-void decay_parts(Scalar* hi, Scalar* lo, Index n, Scalar e) {
+void decay_parts(Scalar* hi, Scalar* lo, Index n, Scalar h1, Scalar e) {
   using namespace Eigen::internal;
   using Packet = typename packet_traits<Scalar>::type;
   constexpr Index P = packet_traits<Scalar>::size;
   Index i = 0;
   if constexpr (P > 1) {
-    const Packet pe = pset1<Packet>(e);
+    const Packet pe = pset1<Packet>(e), ph = pset1<Packet>(h1);
     for (; i + P <= n; i += P) {
       const Packet h = ploadu<Packet>(hi + i), l = ploadu<Packet>(lo + i);
-      const Packet x = pmadd(pe, h, h);
-      pstoreu(lo + i, padd(pmadd(pe, l, l), pmadd(pe, h, psub(h, x))));
+      const Packet hh = pmul(ph, h), x = pmadd(pe, h, hh);
+      pstoreu(lo + i, padd(pmadd(pe, l, pmul(ph, l)), pmadd(pe, h, psub(hh, x))));
       pstoreu(hi + i, x);
     }
   }
   for (; i < n; ++i) {
-    const Scalar h = hi[i], x = e * h + h;
-    lo[i] = (e * lo[i] + lo[i]) + (e * h + (h - x));
+    const Scalar h = hi[i], hh = h1 * h, x = e * h + hh;
+    lo[i] = (e * lo[i] + h1 * lo[i]) + (e * h + (hh - x));
     hi[i] = x;
   }
 }
@@ -434,13 +440,13 @@ void decay_parts(Scalar* hi, Scalar* lo, Index n, Scalar e) {
 //    P_t = exp(Σ_{l<=t} g_l) over the block, S_t = P_t (S_0 + Σ_{s<=t} (φk_s / P_s) v_sᵀ), so
 //    the block is the undecayed recurrence (recurrent_block, the tokens summed into the low
 //    part, then one fold) on keys φk_s / P_s and queries w_t ∘ P_t, factors within e^{±8}; the
-//    block's decay is applied once at its end, as 1 + expm1(Σ g) (decay_parts). Nothing is
+//    block's decay is applied once at its end, split as h + l (decay_parts). Nothing is
 //    rounded per token against the large state: for |g| down to 1e-7 float stays as exact as
 //    the chunked form (a per-token factor e^g would be rounded to a relative u / |g| of 1 - e^g,
 //    compounded over the state's 1 / |g| tokens of memory), and g = 0 gives the compensated
 //    sums of causal linear attention (a plain running sum drifts by percents over 2^22 tokens).
-//  - stronger gates: one token at a time through the fused pass gated_update_read (S + e S with
-//    e = expm1(g)); the low part (the residual of the last fold) decays with the state, once
+//  - stronger gates: one token at a time through the fused pass gated_update_read (h S + l S,
+//    the factor split by split_decay_inplace); the low part (the residual of the last fold) decays with the state, once
 //    per block.
 template <class Phi, class DQ, class DK, class DV, class DG, class Scalar, class Out>
 void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& G,
@@ -481,21 +487,25 @@ void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
       pqt *= cfg.scale;
     recurrent_block(st.S.data(), st.S_lo.data(), st.S.outerStride(), F, M, pqt.data(),
                     pkt.data(), F, 1, b, vb, M, ob, M);
-    expm1_nonpositive_inplace(total.array());
+    auto th = ws.vector(kSlotRowB, gw);
+    split_decay_inplace(total, th);
     const Index ld = st.S.outerStride();
     for (Index d = 0; d < F; ++d) {
-      const Scalar e = total(cfg.per_feature ? d : 0);
-      if (e != Scalar(0)) decay_parts(st.S.data() + d * ld, st.S_lo.data() + d * ld, M, e);
-      if (cfg.normalize && e != Scalar(0)) decay_parts(st.z.data() + d, st.z_lo.data() + d, 1, e);
+      const Index j = cfg.per_feature ? d : 0;
+      if (th(j) == Scalar(1) && total(j) == Scalar(0)) continue;  // no decay (g = 0)
+      decay_parts(st.S.data() + d * ld, st.S_lo.data() + d * ld, M, th(j), total(j));
+      if (cfg.normalize) decay_parts(st.z.data() + d, st.z_lo.data() + d, 1, th(j), total(j));
     }
   } else {
-    expm1_nonpositive_inplace(at.array());
+    auto ah = ws.matrix(kSlotBackwardB, gw, b);  // the decay factors' h, beside at's l
+    split_decay_inplace(at, ah);
     auto w = ws.vector(kSlotRowA, F);
     for (Index i = 0; i < b; ++i) {
       const Scalar* a = at.data() + i * gw;
-      gated_token_weights(pqt.data() + i * F, pkt.data() + i * F, a, cfg.per_feature, F, cfg,
+      const Scalar* h = ah.data() + i * gw;
+      gated_token_weights(pqt.data() + i * F, pkt.data() + i * F, h, a, cfg.per_feature, F, cfg,
                           st.z.data(), w.data());
-      gated_update_read(st.S.data(), st.S.outerStride(), F, M, a, cfg.per_feature,
+      gated_update_read(st.S.data(), st.S.outerStride(), F, M, h, a, cfg.per_feature,
                         pkt.data() + i * F, w.data(), vb + i * M, ob + i * M);
     }
     exp_nonpositive_inplace(total.array());
