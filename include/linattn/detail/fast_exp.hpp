@@ -160,9 +160,9 @@ EIGEN_STRONG_INLINE Packet pexpm1_nonpositive(const Packet& x) {
         p = pmadd(p, y, pset1<Packet>(S(c)));
     } else {
       p = pset1<Packet>(S(1.0 / 6227020800.0));
-      for (const double c : {1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0,
-                             1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0,
-                             1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5})
+      for (const double c :
+           {1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0,
+            1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5})
         p = pmadd(p, y, pset1<Packet>(S(c)));
     }
     return pmadd(pmul(y, y), p, y);

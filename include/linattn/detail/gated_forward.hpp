@@ -169,7 +169,8 @@ void gated_chunk_scalar(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
   auto ob = dst.middleRows(r0, b);
   ob.noalias() = pq * st.S;
   ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
-  const Scalar decay = exp_nonpositive_op<Scalar>()(total);  // 0 below exp_arg_floor, never a denormal
+  const Scalar decay =
+      exp_nonpositive_op<Scalar>()(total);  // 0 below exp_arg_floor, never a denormal
   st.S *= decay;
   st.S_lo *= decay;
   pk.array().colwise() *= ek.array();
@@ -315,9 +316,12 @@ void gated_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV&
 // with the decay factor e^g = h_d + l_d split as split_decay_inplace does (hd[d], ld_[d] for
 // per-feature gates, else entry 0): a mild decay enters through its distance from 1, which
 // float keeps to full precision (e^g itself would round 1 - e^g to a relative u / |g|, an error
-// the state compounds over its 1 / |g| tokens of memory). Four packets of columns at a time
-// with the outputs in registers; each entry of S is loaded and stored once.
-template <class Scalar>
+// the state compounds over its 1 / |g| tokens of memory). Without Split, em1 holds e^g itself
+// and hd is not read: S(d, :) <- e^g S(d, :) + pk(d) v, one operation an entry fewer (a kernel
+// bound by its arithmetic), for blocks of strong scalar decays, whose rounding of e^g compounds
+// over at most the block's tokens (every later block is exact or as strong). Four packets of
+// columns at a time with the outputs in registers; each entry of S is loaded and stored once.
+template <bool Split, class Scalar>
 void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* hd, const Scalar* em1,
                        bool per_feature, const Scalar* pk, const Scalar* w, const Scalar* v,
                        Scalar* o) {
@@ -327,20 +331,32 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* hd, 
   const Index as = per_feature ? 1 : 0;
   Index c0 = 0;
   if constexpr (P > 1) {
+    const Packet one = pset1<Packet>(Scalar(1));
     for (; c0 + 4 * P <= M; c0 += 4 * P) {
       const Packet v0 = ploadu<Packet>(v + c0), v1 = ploadu<Packet>(v + c0 + P),
                    v2 = ploadu<Packet>(v + c0 + 2 * P), v3 = ploadu<Packet>(v + c0 + 3 * P);
       Packet o0 = pset1<Packet>(Scalar(0)), o1 = o0, o2 = o0, o3 = o0;
       for (Index d = 0; d < F; ++d) {
         Scalar* row = S + d * ld + c0;
-        const Packet e = pset1<Packet>(em1[d * as]), h = pset1<Packet>(hd[d * as]),
-                     kd = pset1<Packet>(pk[d]), wd = pset1<Packet>(w[d]);
+        const Packet e = pset1<Packet>(em1[d * as]), kd = pset1<Packet>(pk[d]),
+                     wd = pset1<Packet>(w[d]);
         const Packet s0 = ploadu<Packet>(row), s1 = ploadu<Packet>(row + P),
                      s2 = ploadu<Packet>(row + 2 * P), s3 = ploadu<Packet>(row + 3 * P);
-        const Packet x0 = pmadd(kd, v0, pmadd(e, s0, pmul(h, s0)));
-        const Packet x1 = pmadd(kd, v1, pmadd(e, s1, pmul(h, s1)));
-        const Packet x2 = pmadd(kd, v2, pmadd(e, s2, pmul(h, s2)));
-        const Packet x3 = pmadd(kd, v3, pmadd(e, s3, pmul(h, s3)));
+        // h S as a bitwise and (h is 0 or 1): two FMAs an entry, as a S + pk v took, and no
+        // branch on h, which mixed per-feature gates would mispredict.
+        Packet x0, x1, x2, x3;
+        if constexpr (Split) {
+          const Packet hm = pcmp_eq(pset1<Packet>(hd[d * as]), one);
+          x0 = pmadd(kd, v0, pmadd(e, s0, pand(hm, s0)));
+          x1 = pmadd(kd, v1, pmadd(e, s1, pand(hm, s1)));
+          x2 = pmadd(kd, v2, pmadd(e, s2, pand(hm, s2)));
+          x3 = pmadd(kd, v3, pmadd(e, s3, pand(hm, s3)));
+        } else {
+          x0 = pmadd(e, s0, pmul(kd, v0));
+          x1 = pmadd(e, s1, pmul(kd, v1));
+          x2 = pmadd(e, s2, pmul(kd, v2));
+          x3 = pmadd(e, s3, pmul(kd, v3));
+        }
         pstoreu(row, x0);
         pstoreu(row + P, x1);
         pstoreu(row + 2 * P, x2);
@@ -360,10 +376,13 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* hd, 
       Packet o0 = pset1<Packet>(Scalar(0));
       for (Index d = 0; d < F; ++d) {
         Scalar* row = S + d * ld + c0;
-        const Packet s0 = ploadu<Packet>(row);
-        const Packet x0 =
-            pmadd(pset1<Packet>(pk[d]), v0,
-                  pmadd(pset1<Packet>(em1[d * as]), s0, pmul(pset1<Packet>(hd[d * as]), s0)));
+        const Packet s0 = ploadu<Packet>(row), e = pset1<Packet>(em1[d * as]);
+        Packet x0;
+        if constexpr (Split)
+          x0 = pmadd(pset1<Packet>(pk[d]), v0,
+                     pmadd(e, s0, pand(pcmp_eq(pset1<Packet>(hd[d * as]), one), s0)));
+        else
+          x0 = pmadd(e, s0, pmul(pset1<Packet>(pk[d]), v0));
         pstoreu(row, x0);
         o0 = pmadd(pset1<Packet>(w[d]), x0, o0);
       }
@@ -374,8 +393,12 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* hd, 
     Scalar acc = 0;
     for (Index d = 0; d < F; ++d) {
       Scalar& x = S[d * ld + c0];
-      const Scalar decayed = em1[d * as] * x + hd[d * as] * x;
-      x = pk[d] * v[c0] + decayed;
+      if constexpr (Split) {
+        const Scalar decayed = hd[d * as] != Scalar(0) ? em1[d * as] * x + x : em1[d * as] * x;
+        x = pk[d] * v[c0] + decayed;
+      } else {
+        x = em1[d * as] * x + pk[d] * v[c0];
+      }
       acc += w[d] * x;
     }
     o[c0] = acc;
@@ -388,14 +411,15 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* hd, 
 // The read weights of one token: w = s·φq, or for normalize = true, after z <- (h ∘ z + l ∘ z)
 // + φk (the decay split as in gated_update_read), w = φq / (φq·z) (guarded; 0 for a degenerate
 // denominator).
-template <class Scalar>
+template <bool Split, class Scalar>
 void gated_token_weights(const Scalar* pq, const Scalar* pk, const Scalar* hd, const Scalar* em1,
                          bool per_feature, Index F, const GatedConfig<Scalar>& cfg, Scalar* z,
                          Scalar* w) {
   if (cfg.normalize) {
     Scalar den = 0;
     for (Index d = 0; d < F; ++d) {
-      const Scalar decayed = em1[per_feature ? d : 0] * z[d] + hd[per_feature ? d : 0] * z[d];
+      const Scalar l = em1[per_feature ? d : 0];
+      const Scalar decayed = Split ? l * z[d] + hd[per_feature ? d : 0] * z[d] : l * z[d];
       z[d] = decayed + pk[d];
       den += pq[d] * z[d];
     }
@@ -446,8 +470,9 @@ void decay_parts(Scalar* hi, Scalar* lo, Index n, Scalar h1, Scalar e) {
 //    compounded over the state's 1 / |g| tokens of memory), and g = 0 gives the compensated
 //    sums of causal linear attention (a plain running sum drifts by percents over 2^22 tokens).
 //  - stronger gates: one token at a time through the fused pass gated_update_read (h S + l S,
-//    the factor split by split_decay_inplace); the low part (the residual of the last fold) decays with the state, once
-//    per block.
+//    the factor split by split_decay_inplace, for per-feature gates; e^g S for a scalar decay,
+//    whose block is then strong on average); the low part (the residual of the last fold) decays
+//    with the state, once per block.
 template <class Phi, class DQ, class DK, class DV, class DG, class Scalar, class Out>
 void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& G,
                           Index r0, Index b, LinearAttentionState<Scalar>& st, Out& dst,
@@ -464,6 +489,7 @@ void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   copy_to_row_major(G.middleRows(r0, b), at.data());
   auto total = ws.vector(kSlotNormalizer, gw);
   total.setZero();  // column by column: Eigen's rowwise().sum() of a column-major block is a strided reduction
+                    // strided reduction
   for (Index i = 0; i < b; ++i) total += at.col(i);
   Scalar* vb = ws.matrix(kSlotScores, b, M).data();
   Scalar* ob = ws.matrix(kSlotPrefix, b, M).data();
@@ -481,12 +507,11 @@ void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
       }
     }
     if (cfg.normalize)
-      prefix_normalize_tokens<false>(st.z.data(), st.z_lo.data(), F, pqt.data(), pkt.data(), F,
-                                     b);
+      prefix_normalize_tokens<false>(st.z.data(), st.z_lo.data(), F, pqt.data(), pkt.data(), F, b);
     else if (cfg.scale != Scalar(1))
       pqt *= cfg.scale;
-    recurrent_block(st.S.data(), st.S_lo.data(), st.S.outerStride(), F, M, pqt.data(),
-                    pkt.data(), F, 1, b, vb, M, ob, M);
+    recurrent_block(st.S.data(), st.S_lo.data(), st.S.outerStride(), F, M, pqt.data(), pkt.data(),
+                    F, 1, b, vb, M, ob, M);
     auto th = ws.vector(kSlotRowB, gw);
     split_decay_inplace(total, th);
     const Index ld = st.S.outerStride();
@@ -498,15 +523,26 @@ void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
     }
   } else {
     auto ah = ws.matrix(kSlotBackwardB, gw, b);  // the decay factors' h, beside at's l
-    split_decay_inplace(at, ah);
-    auto w = ws.vector(kSlotRowA, F);
-    for (Index i = 0; i < b; ++i) {
-      const Scalar* a = at.data() + i * gw;
-      const Scalar* h = ah.data() + i * gw;
-      gated_token_weights(pqt.data() + i * F, pkt.data() + i * F, h, a, cfg.per_feature, F, cfg,
-                          st.z.data(), w.data());
-      gated_update_read(st.S.data(), st.S.outerStride(), F, M, h, a, cfg.per_feature,
-                        pkt.data() + i * F, w.data(), vb + i * M, ob + i * M);
+    const auto tokens = [&](auto split) {
+      constexpr bool Split = decltype(split)::value;
+      auto w = ws.vector(kSlotRowA, F);
+      for (Index i = 0; i < b; ++i) {
+        const Scalar* a = at.data() + i * gw;
+        const Scalar* h = ah.data() + i * gw;
+        gated_token_weights<Split>(pqt.data() + i * F, pkt.data() + i * F, h, a, cfg.per_feature, F,
+                                   cfg, st.z.data(), w.data());
+        gated_update_read<Split>(st.S.data(), st.S.outerStride(), F, M, h, a, cfg.per_feature,
+                                 pkt.data() + i * F, w.data(), vb + i * M, ob + i * M);
+      }
+    };
+    // Per-feature gates split every factor: a strong feature makes the block strong, while the
+    // other features may be as mild as any (their memory spans many blocks).
+    if (cfg.per_feature) {
+      split_decay_inplace(at, ah);
+      tokens(std::true_type{});
+    } else {
+      exp_nonpositive_inplace(at.array());
+      tokens(std::false_type{});
     }
     exp_nonpositive_inplace(total.array());
     if (cfg.per_feature) {
