@@ -177,8 +177,10 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// sub-chunk factored about its last row, and pairs inside a sub-chunk from their own sums
 /// (spec §9.2), so that log gates of -20 per token stay exact in float. Recurrent runs one
 /// token at a time in one fused pass over the state (the decode step's kernel); Auto picks it
-/// for states up to 128 x 128. Both agree to rounding. Unlike the undecayed kernels, the
-/// recurrent form keeps no compensated sum: the decay bounds the state's memory.
+/// for states up to 128 x 128. Both agree to rounding. The recurrent form runs blocks of mild
+/// (or zero) gates as the undecayed compensated recurrence on rescaled keys and queries, the
+/// block's decay applied once, so that weak gates (RetNet's slowest heads, |g| down to 1e-7)
+/// and gates of 0 stay exact to float rounding (spec §9.1).
 ///
 /// \throws std::invalid_argument on mismatched shapes (naming the function and every shape),
 /// log gates that are not N x 1 or N x F or have an entry > 0, NaN or ±inf, a state of the

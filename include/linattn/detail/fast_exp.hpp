@@ -128,6 +128,71 @@ struct exp_nonpositive_op {
   }
 };
 
+// expm1(x) = e^x - 1 for x <= 0 with a small relative error for every x, so that a decay
+// factor applied as S + e S (e = expm1(g)) is exact to rounding even when 1 - e^g is below
+// float's rounding of 1 (|g| < 6e-8), where e^g itself would carry a relative error of u / |g|
+// into 1 - e^g. For x >= -ln 2 / 2 a Taylor polynomial (its remainder below 0.02 ulp); below,
+// e^x - 1 (no cancellation there: |result| >= 0.29). Below exp_arg_floor the result is exactly
+// -1 (the factor is exactly 0); NaN stays NaN. Each lane takes one of the two formulas by its
+// own value, so the result does not depend on the packet width (the scalar path is the packet
+// code, as for the functors above). With Split, the low part l of a decay factor e^x = h + l
+// instead: l = expm1(x), h = 1 where x >= decay_split_point (e^x >= 0.71); l = e^x, h = 0 below
+// (where 1 + expm1(x) would cancel): l is exact to rounding relative to itself either way.
+template <class S>
+constexpr S decay_split_point() noexcept {
+  return S(-0.34657359027997264);  // -ln 2 / 2
+}
+template <bool Split = false, class Packet>
+EIGEN_STRONG_INLINE Packet pexpm1_nonpositive(const Packet& x) {
+  using namespace Eigen::internal;
+  using S = typename unpacket_traits<Packet>::type;
+  const Packet zero = pzero(x), one = pset1<Packet>(S(1));
+  const Packet lo = pset1<Packet>(exp_arg_floor<S>());
+  const Packet y = pmax(pmin(x, zero), lo);
+  const Packet small = pcmp_le(pset1<Packet>(decay_split_point<S>()), y);
+  const auto large = [&] { return Split ? pexp_nonpositive(y) : psub(pexp_nonpositive(y), one); };
+  const auto taylor = [&] {
+    // e^y - 1 = y + y² Σ_{n>=2} y^{n-2} / n!, to y^8 / 8! (float) or y^13 / 13! (double).
+    Packet p;
+    if constexpr (std::is_same_v<S, float>) {
+      p = pset1<Packet>(S(1.0 / 40320));
+      for (const double c : {1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5})
+        p = pmadd(p, y, pset1<Packet>(S(c)));
+    } else {
+      p = pset1<Packet>(S(1.0 / 6227020800.0));
+      for (const double c :
+           {1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0,
+            1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5})
+        p = pmadd(p, y, pset1<Packet>(S(c)));
+    }
+    return pmadd(pmul(y, y), p, y);
+  };
+  Packet r;
+  if (!predux_any(pandnot(pcmp_eq(y, y), small)))  // mild gates: the polynomial only
+    r = taylor();
+  else if (!predux_any(small))
+    r = large();
+  else
+    r = pselect(small, taylor(), large());
+  // x - x is 0, or NaN for a NaN (or infinite) x; -inf is caught by the comparison first.
+  return pselect(pcmp_lt(x, lo), pset1<Packet>(S(Split ? 0 : -1)), padd(r, psub(x, x)));
+}
+
+template <class Scalar, bool Split = false>
+struct expm1_nonpositive_op {
+  Scalar operator()(const Scalar& x) const {
+    return scalar_via_packet(*this, x, [](const Scalar& v) {
+      if (v < exp_arg_floor<Scalar>()) return Scalar(Split ? 0 : -1);
+      return Split && v < decay_split_point<Scalar>() ? std::exp(v) : std::expm1(v);
+    });
+  }
+
+  template <class Packet>
+  EIGEN_STRONG_INLINE Packet packetOp(const Packet& x) const {
+    return pexpm1_nonpositive<Split>(x);
+  }
+};
+
 // x(:, j) <- exp(x(:, j) - shift) for every column j of a column-major x, with shift a vector
 // of x.rows() entries (each row has its own shift, at most its maximum, so every argument is
 // <= 0); with row_sums, also row_sums += the new rows' sums, in the same pass. Column by
@@ -164,6 +229,13 @@ void exp_shifted_cols(X&& x, const Shift& shift) {
 namespace Eigen::internal {
 template <class Scalar>
 struct functor_traits<linattn::detail::elu_plus_one_op<Scalar>> {
+  enum {
+    Cost = 20 * NumTraits<Scalar>::AddCost,
+    PacketAccess = packet_traits<Scalar>::Vectorizable && packet_traits<Scalar>::HasExp,
+  };
+};
+template <class Scalar, bool Split>
+struct functor_traits<linattn::detail::expm1_nonpositive_op<Scalar, Split>> {
   enum {
     Cost = 20 * NumTraits<Scalar>::AddCost,
     PacketAccess = packet_traits<Scalar>::Vectorizable && packet_traits<Scalar>::HasExp,

@@ -24,6 +24,7 @@
 #include "../workspace.hpp"
 #include "blocking.hpp"
 #include "fast_exp.hpp"
+#include "recurrent_block.hpp"
 
 namespace linattn::detail {
 
@@ -64,6 +65,18 @@ template <class X>
 void exp_nonpositive_inplace(X&& x) {
   using S = typename std::decay_t<X>::Scalar;
   x = x.unaryExpr(exp_nonpositive_op<S>());
+}
+
+// The decay factors of the recurrent kernels, e^g = h + l for every log gate g (all <= 0): l
+// replaces g, h (1 or 0, same shape) is written to `h`. l = expm1(g) with h = 1 for mild gates
+// (e^g >= 0.71), l = e^g with h = 0 for stronger ones, so that l keeps its digits whatever g:
+// a factor applied as h S + l S is exact to rounding, where e^g itself would round 1 - e^g to
+// a relative u / |g| (see expm1_nonpositive_op).
+template <class X, class H>
+void split_decay_inplace(X&& g, H&& h) {
+  using S = typename std::decay_t<X>::Scalar;
+  h = (g.array() >= decay_split_point<S>()).template cast<S>().matrix();
+  g = g.unaryExpr(expm1_nonpositive_op<S, true>());
 }
 
 // The running sums every decay factor is the exponential of, each column added along its own
@@ -156,7 +169,8 @@ void gated_chunk_scalar(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
   auto ob = dst.middleRows(r0, b);
   ob.noalias() = pq * st.S;
   ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
-  const Scalar decay = std::exp(total);
+  const Scalar decay =
+      exp_nonpositive_op<Scalar>()(total);  // 0 below exp_arg_floor, never a denormal
   st.S *= decay;
   st.S_lo *= decay;
   pk.array().colwise() *= ek.array();
@@ -298,11 +312,17 @@ void gated_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV&
 #pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
 #endif
 // One token through the row-major state (F x M, leading dimension ld), in one pass:
-//   S(d, :) <- a_d S(d, :) + pk(d) v   and   o += w(d) S(d, :),
-// a_d = alpha[d] (per-feature gates) or alpha[0]. Four packets of columns at a time with the
-// outputs in registers; each entry of S is loaded and stored once.
-template <class Scalar>
-void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* alpha,
+//   S(d, :) <- (h_d S(d, :) + l_d S(d, :)) + pk(d) v   and   o += w(d) S(d, :),
+// with the decay factor e^g = h_d + l_d split as split_decay_inplace does (hd[d], ld_[d] for
+// per-feature gates, else entry 0): a mild decay enters through its distance from 1, which
+// float keeps to full precision (e^g itself would round 1 - e^g to a relative u / |g|, an error
+// the state compounds over its 1 / |g| tokens of memory). Without Split, em1 holds e^g itself
+// and hd is not read: S(d, :) <- e^g S(d, :) + pk(d) v, one operation an entry fewer (a kernel
+// bound by its arithmetic), for blocks of strong scalar decays, whose rounding of e^g compounds
+// over at most the block's tokens (every later block is exact or as strong). Four packets of
+// columns at a time with the outputs in registers; each entry of S is loaded and stored once.
+template <bool Split, class Scalar>
+void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* hd, const Scalar* em1,
                        bool per_feature, const Scalar* pk, const Scalar* w, const Scalar* v,
                        Scalar* o) {
   using namespace Eigen::internal;
@@ -311,18 +331,32 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* alph
   const Index as = per_feature ? 1 : 0;
   Index c0 = 0;
   if constexpr (P > 1) {
+    const Packet one = pset1<Packet>(Scalar(1));
     for (; c0 + 4 * P <= M; c0 += 4 * P) {
       const Packet v0 = ploadu<Packet>(v + c0), v1 = ploadu<Packet>(v + c0 + P),
                    v2 = ploadu<Packet>(v + c0 + 2 * P), v3 = ploadu<Packet>(v + c0 + 3 * P);
       Packet o0 = pset1<Packet>(Scalar(0)), o1 = o0, o2 = o0, o3 = o0;
       for (Index d = 0; d < F; ++d) {
         Scalar* row = S + d * ld + c0;
-        const Packet a = pset1<Packet>(alpha[d * as]), kd = pset1<Packet>(pk[d]),
+        const Packet e = pset1<Packet>(em1[d * as]), kd = pset1<Packet>(pk[d]),
                      wd = pset1<Packet>(w[d]);
-        const Packet x0 = pmadd(a, ploadu<Packet>(row), pmul(kd, v0));
-        const Packet x1 = pmadd(a, ploadu<Packet>(row + P), pmul(kd, v1));
-        const Packet x2 = pmadd(a, ploadu<Packet>(row + 2 * P), pmul(kd, v2));
-        const Packet x3 = pmadd(a, ploadu<Packet>(row + 3 * P), pmul(kd, v3));
+        const Packet s0 = ploadu<Packet>(row), s1 = ploadu<Packet>(row + P),
+                     s2 = ploadu<Packet>(row + 2 * P), s3 = ploadu<Packet>(row + 3 * P);
+        // h S as a bitwise and (h is 0 or 1): two FMAs an entry, as a S + pk v took, and no
+        // branch on h, which mixed per-feature gates would mispredict.
+        Packet x0, x1, x2, x3;
+        if constexpr (Split) {
+          const Packet hm = pcmp_eq(pset1<Packet>(hd[d * as]), one);
+          x0 = pmadd(kd, v0, pmadd(e, s0, pand(hm, s0)));
+          x1 = pmadd(kd, v1, pmadd(e, s1, pand(hm, s1)));
+          x2 = pmadd(kd, v2, pmadd(e, s2, pand(hm, s2)));
+          x3 = pmadd(kd, v3, pmadd(e, s3, pand(hm, s3)));
+        } else {
+          x0 = pmadd(e, s0, pmul(kd, v0));
+          x1 = pmadd(e, s1, pmul(kd, v1));
+          x2 = pmadd(e, s2, pmul(kd, v2));
+          x3 = pmadd(e, s3, pmul(kd, v3));
+        }
         pstoreu(row, x0);
         pstoreu(row + P, x1);
         pstoreu(row + 2 * P, x2);
@@ -342,8 +376,13 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* alph
       Packet o0 = pset1<Packet>(Scalar(0));
       for (Index d = 0; d < F; ++d) {
         Scalar* row = S + d * ld + c0;
-        const Packet x0 = pmadd(pset1<Packet>(alpha[d * as]), ploadu<Packet>(row),
-                                pmul(pset1<Packet>(pk[d]), v0));
+        const Packet s0 = ploadu<Packet>(row), e = pset1<Packet>(em1[d * as]);
+        Packet x0;
+        if constexpr (Split)
+          x0 = pmadd(pset1<Packet>(pk[d]), v0,
+                     pmadd(e, s0, pand(pcmp_eq(pset1<Packet>(hd[d * as]), one), s0)));
+        else
+          x0 = pmadd(e, s0, pmul(pset1<Packet>(pk[d]), v0));
         pstoreu(row, x0);
         o0 = pmadd(pset1<Packet>(w[d]), x0, o0);
       }
@@ -354,7 +393,12 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* alph
     Scalar acc = 0;
     for (Index d = 0; d < F; ++d) {
       Scalar& x = S[d * ld + c0];
-      x = alpha[d * as] * x + pk[d] * v[c0];
+      if constexpr (Split) {
+        const Scalar decayed = hd[d * as] != Scalar(0) ? em1[d * as] * x + x : em1[d * as] * x;
+        x = pk[d] * v[c0] + decayed;
+      } else {
+        x = em1[d * as] * x + pk[d] * v[c0];
+      }
       acc += w[d] * x;
     }
     o[c0] = acc;
@@ -364,16 +408,19 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* alph
 #pragma GCC diagnostic pop
 #endif
 
-// The read weights of one token: w = s·φq, or for normalize = true, after z <- a ∘ z + φk,
-// w = φq / (φq·z) (guarded; 0 for a degenerate denominator).
-template <class Scalar>
-void gated_token_weights(const Scalar* pq, const Scalar* pk, const Scalar* alpha,
+// The read weights of one token: w = s·φq, or for normalize = true, after z <- (h ∘ z + l ∘ z)
+// + φk (the decay split as in gated_update_read), w = φq / (φq·z) (guarded; 0 for a degenerate
+// denominator).
+template <bool Split, class Scalar>
+void gated_token_weights(const Scalar* pq, const Scalar* pk, const Scalar* hd, const Scalar* em1,
                          bool per_feature, Index F, const GatedConfig<Scalar>& cfg, Scalar* z,
                          Scalar* w) {
   if (cfg.normalize) {
     Scalar den = 0;
     for (Index d = 0; d < F; ++d) {
-      z[d] = alpha[per_feature ? d : 0] * z[d] + pk[d];
+      const Scalar l = em1[per_feature ? d : 0];
+      const Scalar decayed = Split ? l * z[d] + hd[per_feature ? d : 0] * z[d] : l * z[d];
+      z[d] = decayed + pk[d];
       den += pq[d] * z[d];
     }
     const Scalar inv = guarded_inverse(den);
@@ -383,9 +430,49 @@ void gated_token_weights(const Scalar* pq, const Scalar* pk, const Scalar* alpha
   }
 }
 
-// Rows [r0, r0 + b) one token at a time (the RNN form): queries and keys mapped token-major,
-// values and outputs through row-major buffers. The state's high part is the running state;
-// the low part (the residual of the last fold) decays with it, once per block.
+// x <- x (h + l) for the n entries of both parts of a state (hi + lo; the factor split as in
+// split_decay_inplace), with the rounding of the high part's product kept in the low part:
+// hi' = h hi + l hi rounded, lo' = h lo + l lo + (h hi + l hi - hi'), the last term exact with
+// FMA (h hi - hi' is exact: h is 0, or 1 with hi' within a factor 2 of hi). So a mild decay
+// applied once per block loses nothing to the rounding of hi, a bias of up to u per block.
+template <class Scalar>
+void decay_parts(Scalar* hi, Scalar* lo, Index n, Scalar h1, Scalar e) {
+  using namespace Eigen::internal;
+  using Packet = typename packet_traits<Scalar>::type;
+  constexpr Index P = packet_traits<Scalar>::size;
+  Index i = 0;
+  if constexpr (P > 1) {
+    const Packet pe = pset1<Packet>(e), ph = pset1<Packet>(h1);
+    for (; i + P <= n; i += P) {
+      const Packet h = ploadu<Packet>(hi + i), l = ploadu<Packet>(lo + i);
+      const Packet hh = pmul(ph, h), x = pmadd(pe, h, hh);
+      pstoreu(lo + i, padd(pmadd(pe, l, pmul(ph, l)), pmadd(pe, h, psub(hh, x))));
+      pstoreu(hi + i, x);
+    }
+  }
+  for (; i < n; ++i) {
+    const Scalar h = hi[i], hh = h1 * h, x = e * h + hh;
+    lo[i] = (e * lo[i] + h1 * lo[i]) + (e * h + (hh - x));
+    hi[i] = x;
+  }
+}
+
+// Rows [r0, r0 + b) of the RNN form: queries and keys mapped token-major, values and outputs
+// through row-major buffers. Two kernels, by the block's decay range ρ (its largest column sum
+// of -g):
+//  - ρ <= gated_factor_span (weak and zero gates: every RetNet head, most GLA features): with
+//    P_t = exp(Σ_{l<=t} g_l) over the block, S_t = P_t (S_0 + Σ_{s<=t} (φk_s / P_s) v_sᵀ), so
+//    the block is the undecayed recurrence (recurrent_block, the tokens summed into the low
+//    part, then one fold) on keys φk_s / P_s and queries w_t ∘ P_t, factors within e^{±8}; the
+//    block's decay is applied once at its end, split as h + l (decay_parts). Nothing is
+//    rounded per token against the large state: for |g| down to 1e-7 float stays as exact as
+//    the chunked form (a per-token factor e^g would be rounded to a relative u / |g| of 1 - e^g,
+//    compounded over the state's 1 / |g| tokens of memory), and g = 0 gives the compensated
+//    sums of causal linear attention (a plain running sum drifts by percents over 2^22 tokens).
+//  - stronger gates: one token at a time through the fused pass gated_update_read (h S + l S,
+//    the factor split by split_decay_inplace, for per-feature gates; e^g S for a scalar decay,
+//    whose block is then strong on average); the low part (the residual of the last fold) decays
+//    with the state, once per block.
 template <class Phi, class DQ, class DK, class DV, class DG, class Scalar, class Out>
 void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& G,
                           Index r0, Index b, LinearAttentionState<Scalar>& st, Out& dst,
@@ -402,26 +489,69 @@ void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   copy_to_row_major(G.middleRows(r0, b), at.data());
   auto total = ws.vector(kSlotNormalizer, gw);
   total.setZero();  // column by column: Eigen's rowwise().sum() of a column-major block is a strided reduction
+                    // strided reduction
   for (Index i = 0; i < b; ++i) total += at.col(i);
-  exp_nonpositive_inplace(at.array());
   Scalar* vb = ws.matrix(kSlotScores, b, M).data();
   Scalar* ob = ws.matrix(kSlotPrefix, b, M).data();
   copy_to_row_major(V.middleRows(r0, b), vb);
-  auto w = ws.vector(kSlotRowA, F);
-  for (Index i = 0; i < b; ++i) {
-    const Scalar* a = at.data() + i * gw;
-    gated_token_weights(pqt.data() + i * F, pkt.data() + i * F, a, cfg.per_feature, F, cfg,
-                        st.z.data(), w.data());
-    gated_update_read(st.S.data(), st.S.outerStride(), F, M, a, cfg.per_feature,
-                      pkt.data() + i * F, w.data(), vb + i * M, ob + i * M);
-  }
-  exp_nonpositive_inplace(total.array());
-  if (cfg.per_feature) {
-    st.S_lo.array().colwise() *= total.array();
-    st.z_lo.array() *= total.array();
+  if (-total.minCoeff() <= gated_factor_span<Scalar>()) {
+    // at.col(i) <- c_i = Σ_{l<=i} g_l (summed along the block), then φk_i / P_i and φq_i ∘ P_i.
+    for (Index i = 1; i < b; ++i) at.col(i) += at.col(i - 1);
+    for (Index i = 0; i < b; ++i) {
+      if (cfg.per_feature) {
+        pkt.col(i).array() *= (-at.col(i)).array().exp();
+        pqt.col(i).array() *= at.col(i).array().unaryExpr(exp_nonpositive_op<Scalar>());
+      } else {
+        pkt.col(i) *= std::exp(-at(0, i));
+        pqt.col(i) *= exp_nonpositive_op<Scalar>()(at(0, i));
+      }
+    }
+    if (cfg.normalize)
+      prefix_normalize_tokens<false>(st.z.data(), st.z_lo.data(), F, pqt.data(), pkt.data(), F, b);
+    else if (cfg.scale != Scalar(1))
+      pqt *= cfg.scale;
+    recurrent_block(st.S.data(), st.S_lo.data(), st.S.outerStride(), F, M, pqt.data(), pkt.data(),
+                    F, 1, b, vb, M, ob, M);
+    auto th = ws.vector(kSlotRowB, gw);
+    split_decay_inplace(total, th);
+    const Index ld = st.S.outerStride();
+    for (Index d = 0; d < F; ++d) {
+      const Index j = cfg.per_feature ? d : 0;
+      if (th(j) == Scalar(1) && total(j) == Scalar(0)) continue;  // no decay (g = 0)
+      decay_parts(st.S.data() + d * ld, st.S_lo.data() + d * ld, M, th(j), total(j));
+      if (cfg.normalize) decay_parts(st.z.data() + d, st.z_lo.data() + d, 1, th(j), total(j));
+    }
   } else {
-    st.S_lo *= total(0);
-    st.z_lo *= total(0);
+    auto ah = ws.matrix(kSlotBackwardB, gw, b);  // the decay factors' h, beside at's l
+    const auto tokens = [&](auto split) {
+      constexpr bool Split = decltype(split)::value;
+      auto w = ws.vector(kSlotRowA, F);
+      for (Index i = 0; i < b; ++i) {
+        const Scalar* a = at.data() + i * gw;
+        const Scalar* h = ah.data() + i * gw;
+        gated_token_weights<Split>(pqt.data() + i * F, pkt.data() + i * F, h, a, cfg.per_feature, F,
+                                   cfg, st.z.data(), w.data());
+        gated_update_read<Split>(st.S.data(), st.S.outerStride(), F, M, h, a, cfg.per_feature,
+                                 pkt.data() + i * F, w.data(), vb + i * M, ob + i * M);
+      }
+    };
+    // Per-feature gates split every factor: a strong feature makes the block strong, while the
+    // other features may be as mild as any (their memory spans many blocks).
+    if (cfg.per_feature) {
+      split_decay_inplace(at, ah);
+      tokens(std::true_type{});
+    } else {
+      exp_nonpositive_inplace(at.array());
+      tokens(std::false_type{});
+    }
+    exp_nonpositive_inplace(total.array());
+    if (cfg.per_feature) {
+      st.S_lo.array().colwise() *= total.array();
+      st.z_lo.array() *= total.array();
+    } else {
+      st.S_lo *= total(0);
+      st.z_lo *= total(0);
+    }
   }
   fold_state(st.S, st.S_lo, st.z, st.z_lo);
   copy_from_row_major(ob, b, M, dst.middleRows(r0, b));
