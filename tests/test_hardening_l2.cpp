@@ -220,7 +220,8 @@ void check_eps(double eps, const std::string& tag) {
     EXPECT_LE(eb, 8 * (D + 2) * u) << tag << " D=" << D;
     if (eps > 0) {
       // Smooth at 0: the gradient of a zero row is ∇φ / sqrt(eps).
-      const LMat z = dphi.row(7).template cast<LD>() / std::sqrt(static_cast<LD>(static_cast<S>(eps)));
+      const LMat z =
+          dphi.row(7).template cast<LD>() / std::sqrt(static_cast<LD>(static_cast<S>(eps)));
       EXPECT_LE(row_relative_error(dx.row(7).template cast<LD>(), z), 4 * u) << tag;
     } else {
       EXPECT_TRUE((dx.row(7).array() == S(0)).all()) << tag << ": zero row, gradient 0";
@@ -293,12 +294,18 @@ TEST(L2NormalizeEps, TinyRowsWithATinyEps) {
 TEST(L2NormalizeEps, RejectsNegativeAndNonFiniteEps) {
   for (const double bad : {-1e-6, -1.0, std::numeric_limits<double>::quiet_NaN(),
                            std::numeric_limits<double>::infinity()})
-    test::expect_invalid([&] { linattn::L2Normalize<> phi(bad); (void)phi; },
-                         std::vector<std::string>{"L2Normalize", "eps"},
-                         "eps = " + std::to_string(bad));
-  test::expect_invalid([] { linattn::L2Normalize<linattn::Silu> phi(linattn::Silu{}, -1); (void)phi; },
-                       std::vector<std::string>{"L2Normalize", "eps = -1", "finite and >= 0"},
-                       "eps = -1");
+    test::expect_invalid(
+        [&] {
+          linattn::L2Normalize<> phi(bad);
+          (void)phi;
+        },
+        std::vector<std::string>{"L2Normalize", "eps"}, "eps = " + std::to_string(bad));
+  test::expect_invalid(
+      [] {
+        linattn::L2Normalize<linattn::Silu> phi(linattn::Silu{}, -1);
+        (void)phi;
+      },
+      std::vector<std::string>{"L2Normalize", "eps = -1", "finite and >= 0"}, "eps = -1");
 }
 
 }  // namespace

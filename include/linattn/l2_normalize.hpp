@@ -81,13 +81,13 @@ typename Row::Scalar squared_norm_in_order(const Row& row) {
 /// by row; F = inner.feature_dim(D); \f$\epsilon \ge 0\f$ (`eps()`, 0 by default).
 ///
 /// With \f$\epsilon = 0\f$ (the default) the rows are divided by their norm:
-/// \f$\varphi(x) = g / \|g\|_2\f$. With \f$\epsilon > 0\f$ the \f$\epsilon\f$ is added to the squared
-/// norm before the square root, as flash-linear-attention's `l2norm` (its
+/// \f$\varphi(x) = g / \|g\|_2\f$. With \f$\epsilon > 0\f$ the \f$\epsilon\f$ is added to the
+/// squared norm before the square root, as flash-linear-attention's `l2norm` (its
 /// `use_qk_l2norm_in_kernel`) and transformers' Qwen3-Next compute it with
-/// \f$\epsilon = 10^{-6}\f$: \f$\varphi(x) = g \cdot (\sum_f g_f^2 + \epsilon)^{-1/2}\f$, in the scalar
-/// type of the call (`L2Normalize<>(1e-6)`). (ggml's `l2_norm` divides by
-/// \f$\max(\|g\|, \epsilon)\f$ instead, another function: the same as \f$\epsilon = 0\f$ here for every
-/// row of norm at least its \f$\epsilon\f$.)
+/// \f$\epsilon = 10^{-6}\f$: \f$\varphi(x) = g \cdot (\sum_f g_f^2 + \epsilon)^{-1/2}\f$, in the
+/// scalar type of the call (`L2Normalize<>(1e-6)`). (ggml's `l2_norm` divides by \f$\max(\|g\|,
+/// \epsilon)\f$ instead, another function: the same as \f$\epsilon = 0\f$ here for every row of
+/// norm at least its \f$\epsilon\f$.)
 ///
 /// `L2Normalize<>` (Inner = Identity) is the query and key map of the delta rule in DeltaNet,
 /// Gated DeltaNet and Qwen3-Next, whose kernels L2-normalise q and k only: the SiLU of those
@@ -189,16 +189,15 @@ struct L2Normalize {
     }
   }
 
-  /// \f$\nabla_g = (\nabla_\varphi - \varphi\,(\varphi^\top\nabla_\varphi)) / \sqrt{\|g\|^2 + \epsilon}\f$
-  /// row by row (the Jacobian \f$(I - \varphi\varphi^\top)/\sqrt{\|g\|^2+\epsilon}\f$, symmetric; with
-  /// \f$\epsilon = 0\f$, \f$(I - \hat g \hat g^\top)/\|g\|\f$), then
-  /// \f$\nabla_x = \texttt{inner.backward}(x, \nabla_g)\f$. g is recomputed from x, a block of
-  /// rows at a time, in buffers on the stack: no allocation when F <= 2048 (beyond, each call
-  /// allocates two blocks of 256 x F). Rows of any magnitude are handled as in `map`; a zero row
-  /// has gradient 0 for \f$\epsilon = 0\f$ and \f$\nabla_\varphi/\sqrt\epsilon\f$ otherwise. For a row
-  /// with a tiny \f$\|g\|^2 + \epsilon\f$ (a denormal) the gradient, about
-  /// \f$|\nabla_\varphi| / \sqrt{\|g\|^2+\epsilon}\f$, overflows to ±inf when it exceeds the largest
-  /// finite value.
+  /// \f$\nabla_g = (\nabla_\varphi - \varphi\,(\varphi^\top\nabla_\varphi)) / \sqrt{\|g\|^2 +
+  /// \epsilon}\f$ row by row (the Jacobian \f$(I - \varphi\varphi^\top)/\sqrt{\|g\|^2+\epsilon}\f$,
+  /// symmetric; with \f$\epsilon = 0\f$, \f$(I - \hat g \hat g^\top)/\|g\|\f$), then \f$\nabla_x =
+  /// \texttt{inner.backward}(x, \nabla_g)\f$. g is recomputed from x, a block of rows at a time, in
+  /// buffers on the stack: no allocation when F <= 2048 (beyond, each call allocates two blocks of
+  /// 256 x F). Rows of any magnitude are handled as in `map`; a zero row has gradient 0 for
+  /// \f$\epsilon = 0\f$ and \f$\nabla_\varphi/\sqrt\epsilon\f$ otherwise. For a row with a tiny
+  /// \f$\|g\|^2 + \epsilon\f$ (a denormal) the gradient, about \f$|\nabla_\varphi| /
+  /// \sqrt{\|g\|^2+\epsilon}\f$, overflows to ±inf when it exceeds the largest finite value.
   template <class DX, class DG>
   void backward(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi,
                 MatrixRef<typename DX::Scalar> grad_x) const {

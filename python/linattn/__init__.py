@@ -23,11 +23,11 @@ with its message under the Python function's name and the call's shapes.
 Denominators (normalised linear attention, ``linear_attention`` and ``gated_linear_attention``
 with ``normalize=True``): out_i = φ(q_i)ᵀS / φ(q_i)ᵀz, and a row whose denominator
 den_i = φ(q_i)ᵀz is degenerate is a row of zeros, never NaN or inf: den_i below the smallest
-normal number of the dtype (0, subnormal, negative or NaN), or, for maps whose features can be
-negative (identity, silu, cosine, taylor2), den_i ≤ 2·F·ε·Σ_f |φ(q_i)_f|·|z_f| (rounding noise;
-ε the dtype's machine epsilon, F the feature count). Every other row is divided as computed
-(the C++ library's guard, docs/SPEC.md §2, "Denominators"; the same in every algorithm and in
-``RecurrentState.step``). With maps of features of both signs a negative denominator is
+normal number of the dtype (0, subnormal, negative or NaN), or, in ``linear_attention`` and
+``RecurrentState.step`` with maps whose features can be negative (identity, silu, cosine,
+taylor2), den_i ≤ 2·F·ε·Σ_f |φ(q_i)_f|·|z_f| (rounding noise; ε the dtype's machine epsilon, F
+the feature count). Every other row is divided as computed (the C++ library's guard,
+docs/SPEC.md §2, "Denominators"; the same in every algorithm and in the decode step). With maps of features of both signs a negative denominator is
 common: with the identity map and raw N(0, 1) inputs about half of the rows have q_i·Σ_j k_j
 < 0 and come out as zeros. Use a map with positive features (elu, the default; relu, dpfp,
 softmax_split) for normalised attention, or an unnormalised kernel (the gated kernels with

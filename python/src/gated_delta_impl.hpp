@@ -33,7 +33,8 @@ template <class Fn>
 void with_delta_map(const char* fn, const std::string& name, double eps, Fn&& f) {
   if (name == "identity") {
     if (eps != 0)
-      throw std::invalid_argument(std::string(fn) + ": l2norm_eps needs feature_map 'l2norm' or "
+      throw std::invalid_argument(std::string(fn) +
+                                  ": l2norm_eps needs feature_map 'l2norm' or "
                                   "'l2norm_silu', got 'identity'");
     return f(linattn::Identity{});
   }
@@ -110,10 +111,9 @@ py::tuple gated_backward(const Array<Scalar>& q, const Array<Scalar>& k, const A
 }
 
 template <class Scalar>
-Array<Scalar> delta_forward(const Array<Scalar>& q, const Array<Scalar>& k,
-                            const Array<Scalar>& v, const Array<Scalar>& beta,
-                            const std::optional<Array<Scalar>>& log_a, Index heads,
-                            const std::string& map, double scale,
+Array<Scalar> delta_forward(const Array<Scalar>& q, const Array<Scalar>& k, const Array<Scalar>& v,
+                            const Array<Scalar>& beta, const std::optional<Array<Scalar>>& log_a,
+                            Index heads, const std::string& map, double scale,
                             const std::optional<Offsets>& offsets, double eps) {
   const Operands<Scalar> x("delta_rule_attention", q, k, v, offsets, offsets);
   const auto B = rows_of(x.fn, "beta", beta);
@@ -183,11 +183,11 @@ void register_gated_delta(py::module_& m) {
         py::arg("g"), py::arg("dout"), py::arg("heads"), py::arg("feature_map"),
         py::arg("scale"), py::arg("normalize"), py::arg("offsets"));
   m.def("delta_forward", &delta_forward<Scalar>, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("beta"), py::arg("g"), py::arg("heads"), py::arg("feature_map"),
-        py::arg("scale"), py::arg("offsets"), py::arg("eps") = 0.0);
+        py::arg("beta"), py::arg("g"), py::arg("heads"), py::arg("feature_map"), py::arg("scale"),
+        py::arg("offsets"), py::arg("eps") = 0.0);
   m.def("delta_backward", &delta_backward<Scalar>, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("beta"), py::arg("g"), py::arg("dout"), py::arg("heads"),
-        py::arg("feature_map"), py::arg("scale"), py::arg("offsets"), py::arg("eps") = 0.0);
+        py::arg("beta"), py::arg("g"), py::arg("dout"), py::arg("heads"), py::arg("feature_map"),
+        py::arg("scale"), py::arg("offsets"), py::arg("eps") = 0.0);
 }
 
 }  // namespace linattn_python
