@@ -175,7 +175,9 @@ def _first_bad(fn: str, name: str, a: np.ndarray, ok: np.ndarray, rule: str, sha
         return
     idx = tuple(int(i) for i in np.argwhere(~ok)[0])
     where = ", ".join(map(str, idx))
-    raise ValueError(f"{fn}: {name}[{where}] = {a[idx]}: {rule} (got {shapes})")
+    # str(): the shortest repr of the array's own dtype (a float32 entry formatted as a Python float
+    # would print its double expansion).
+    raise ValueError(f"{fn}: {name}[{where}] = {str(a[idx])}: {rule} (got {shapes})")
 
 
 def _check_log_gates(fn: str, g: np.ndarray, shapes) -> None:

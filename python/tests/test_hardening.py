@@ -206,6 +206,10 @@ def test_errors_name_the_python_function_arguments_and_shapes():
     with pytest.raises(ValueError, match=r"delta_rule_attention: g\[0, 4, 1\] = 1e-30: g holds log gates .*finite "
                                          r"and <= 0 \(got " + shapes):
         linattn.delta_rule_attention(q, k, v, beta, bad)
+    with pytest.raises(ValueError, match=r"delta_rule_attention: beta\[0, 0, 0\] = -1e-07: beta must be in \[0, 2\]"):
+        b32 = beta.astype(np.float32)
+        b32[0, 0, 0] = np.float32(-1e-7)  # the float32's shortest repr, not its double expansion
+        linattn.delta_rule_attention(*(a.astype(np.float32) for a in (q, k, v)), b32)
     b2 = beta.copy()
     b2[0, 2, 0] = np.nextafter(2.0, 3.0)
     with pytest.raises(ValueError, match=r"beta\[0, 2, 0\] = 2.0000000000000004: beta must be in \[0, 2\]"):
