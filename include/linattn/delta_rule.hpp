@@ -7,8 +7,10 @@
 ///     \qquad \mathrm{out}_t = s\,\varphi(q_t)^\top S_t, \f]
 /// with \f$\beta_t \in [0, 2]\f$ and \f$a_t = e^{g_t}\f$, \f$g_t \le 0\f$ (Gated DeltaNet), or
 /// \f$a_t = 1\f$ (DeltaNet, no decay). With \f$\beta_t = 1\f$ and a unit key the value stored
-/// under \f$\hat k_t\f$ is replaced by \f$v_t\f$. Models map q and k with `L2Normalize<Silu>`
-/// and scale by \f$1/\sqrt{D}\f$ (DeltaOptions::scale). docs/SPEC.md §9.3 has the chunked form.
+/// under \f$\hat k_t\f$ is replaced by \f$v_t\f$. The models apply a short convolution and a SiLU
+/// to q, k and v, then map q and k (only) with `L2Normalize<>` (FLA: `L2Normalize<>(1e-6)`) and
+/// scale by \f$1/\sqrt{D}\f$ (DeltaOptions::scale); `L2Normalize<Silu>` is that map and the SiLU
+/// of q and k in one, for q and k taken before the SiLU. docs/SPEC.md §9.3 has the chunked form.
 #pragma once
 
 #include <Eigen/Core>
@@ -249,7 +251,7 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// beta outside [0, 2] or NaN, a log_a > 0, NaN or ±inf, a state of the wrong shape, an output
 /// that overlaps an input, or a negative chunk size; before anything is written.
 /// \code
-/// // Gated DeltaNet, one head (Qwen3-Next's map and scale).
+/// // Gated DeltaNet, one head: q, k before their SiLU (after it: L2Normalize<>(1e-6)).
 /// linattn::LinearAttentionState<float> state;
 /// linattn::Workspace<float> ws;
 /// linattn::DeltaOptions opts;

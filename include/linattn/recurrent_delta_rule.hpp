@@ -40,7 +40,7 @@ namespace linattn {
 /// decode in a compact file (the F x M state and the position).
 ///
 /// \tparam Phi a feature map without per-feature key softmax (Identity by default; models use
-///         L2Normalize<Silu>)
+///         L2Normalize<> after their convolution and SiLU, or L2Normalize<Silu> before the SiLU)
 /// \tparam Scalar float or double
 /// \code
 /// linattn::RecurrentDeltaRule<linattn::L2Normalize<linattn::Silu>, float> rnn(128, 128);

@@ -1,6 +1,7 @@
 /// \file silu.hpp
-/// \brief The SiLU (swish) feature map \f$\varphi(x) = x\,\sigma(x)\f$, the inner map of Gated
-/// DeltaNet's query and key normalisation (L2Normalize<Silu>).
+/// \brief The SiLU (swish) feature map \f$\varphi(x) = x\,\sigma(x)\f$; L2Normalize<Silu>
+/// normalises SiLU features (the models' SiLU and the delta rule's L2 normalisation of q and k in
+/// one map).
 #pragma once
 
 #include <Eigen/Core>
@@ -102,9 +103,12 @@ struct silu_grad_op {
 /// \brief \f$\varphi(x) = x\,\sigma(x) = \dfrac{x}{1 + e^{-x}}\f$ (SiLU, or swish), elementwise,
 /// F = D.
 ///
-/// The inner map of Gated DeltaNet (Yang et al., 2024), which normalises its SiLU features:
-/// use it as `L2Normalize<Silu>` there. Alone it is a feature map with features of both signs
-/// (\f$\min_x x\sigma(x) \approx -0.2785\f$ at \f$x \approx -1.2785\f$), so with the normalised
+/// DeltaNet, Gated DeltaNet (Yang et al., 2024) and Qwen3-Next apply a SiLU after the short
+/// convolution over q, k and v, as part of the model, and their kernel then L2-normalises q and
+/// k only: after that SiLU the kernel's map is `L2Normalize<>`; `L2Normalize<Silu>` applies both
+/// to q and k taken before it (v then needs its own SiLU). Alone it is a feature map with
+/// features of both signs (\f$\min_x x\sigma(x) \approx -0.2785\f$ at \f$x \approx -1.2785\f$),
+/// so with the normalised
 /// kernels (linear_attention(), causal_linear_attention()) a denominator can cancel and the
 /// kernels then treat one that is rounding noise as 0 (docs/SPEC.md §2, "Denominators").
 ///

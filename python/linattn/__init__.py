@@ -14,8 +14,31 @@ in place (the C++ kernels see them as the packed row-major N x (H·D) matrix); a
 is first copied by ``numpy.ascontiguousarray``: one copy of that input per call. The kernels
 release the GIL and run their heads (and sequences) on ``get_num_threads()`` threads.
 
-Shape errors raise ``ValueError`` with the C++ library's message (the function and every shape),
-dtype errors ``TypeError``.
+Errors: shapes and parameter values are checked here, before any kernel runs, and raise
+``ValueError`` naming the Python function, the argument by its name here (q, k, v, g, beta,
+cu_seqlens, ...), the offending entry (``beta[0, 3, 1] = -0.086973``) and the shapes of the
+call's arrays; dtype errors raise ``TypeError``. A check only the C++ library makes is raised
+with its message under the Python function's name and the call's shapes.
+
+Denominators (normalised linear attention, ``linear_attention`` and ``gated_linear_attention``
+with ``normalize=True``): out_i = φ(q_i)ᵀS / φ(q_i)ᵀz, and a row whose denominator
+den_i = φ(q_i)ᵀz is degenerate is a row of zeros, never NaN or inf: den_i below the smallest
+normal number of the dtype (0, subnormal, negative or NaN), or, in ``linear_attention`` and
+``RecurrentState.step`` with maps whose features can be negative (identity, silu, cosine,
+taylor2), den_i ≤ 2·F·ε·Σ_f |φ(q_i)_f|·|z_f| (rounding noise; ε the dtype's machine epsilon, F
+the feature count). Every other row is divided as computed (the C++ library's guard,
+docs/SPEC.md §2, "Denominators"; the same in every algorithm and in the decode step). With maps of features of both signs a negative denominator is
+common: with the identity map and raw N(0, 1) inputs about half of the rows have q_i·Σ_j k_j
+< 0 and come out as zeros. Use a map with positive features (elu, the default; relu, dpfp,
+softmax_split) for normalised attention, or an unnormalised kernel (the gated kernels with
+normalize=False, the delta rule) for identity features.
+
+Threads: ``set_num_threads(n)`` is linattn's own setting, applied to each kernel call on the
+thread that runs it and undone when the call returns: importing torch (which shares OpenMP
+with linattn and sets its thread count at import), ``torch.set_num_threads`` or an
+``omp_set_num_threads`` elsewhere neither changes linattn's count nor is changed by linattn's
+calls. Until ``set_num_threads`` is called the count is the first entry of OMP_NUM_THREADS
+when it is set, else every processor OpenMP may use.
 
 Padding: ``key_padding_mask`` (bool, True marks a padding key, as in PyTorch's
 ``nn.MultiheadAttention``) has one entry per key row: shape [S] for [N, D] and [N, H, D] inputs
@@ -33,6 +56,8 @@ these functions with FLA's conventions and return ``(o, None)``.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -72,9 +97,14 @@ __version__: str = _ext.__version__
 #: features, with a seed and a feature count) has no name here.
 FEATURE_MAPS = ("elu", "softmax_split", "cosine", "silu", "identity", "relu", "dpfp", "dpfp2",
                 "dpfp3", "taylor2")
-#: The maps of the gated kernels (identity: RetNet, Mamba-2, GLA; elu) and of the delta rule
-#: (identity for keys the caller normalised, l2norm = x/|x|, l2norm_silu = silu(x)/|silu(x)|:
-#: Gated DeltaNet's, Qwen3-Next).
+#: The maps of the gated kernels (identity: RetNet, Mamba-2, GLA; elu) and of the delta rule,
+#: applied to q and k (never to v): identity (q and k the caller normalised), l2norm =
+#: x / sqrt(|x|² + l2norm_eps) and l2norm_silu = silu(x) / sqrt(|silu(x)|² + l2norm_eps).
+#: DeltaNet, Gated DeltaNet and Qwen3-Next apply a short convolution and a SiLU to q, k and v
+#: before the kernel, which then only L2-normalises q and k (FLA's use_qk_l2norm_in_kernel,
+#: with eps = 1e-6): after that convolution and SiLU the kernel's map is l2norm (the FLA names
+#: below with use_qk_l2norm_in_kernel=True), not l2norm_silu, which would apply the SiLU a
+#: second time. l2norm_silu is for q and k taken before any SiLU (v then gets none here).
 GATED_FEATURE_MAPS = ("identity", "elu")
 DELTA_FEATURE_MAPS = ("identity", "l2norm", "l2norm_silu")
 
@@ -82,12 +112,17 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def set_num_threads(n: int) -> None:
-    """Threads of the kernels (OpenMP); 1 runs everything on the calling thread."""
+    """Threads of the kernels (OpenMP); 1 runs everything on the calling thread. linattn's own
+    setting, for every Python thread: applied to each kernel call and undone after it, so that
+    neither torch (``import torch``, ``torch.set_num_threads``) nor anything else that sets
+    OpenMP's thread count changes it, and linattn's calls do not change theirs."""
     _ext.set_num_threads(int(n))
 
 
 def get_num_threads() -> int:
-    """Threads the kernels use (1 when the module was built without OpenMP)."""
+    """Threads the kernels use: the last ``set_num_threads``, else the first entry of
+    OMP_NUM_THREADS when set, else every processor OpenMP may use (1 when the module was built
+    without OpenMP). Importing torch does not change it."""
     return _ext.get_num_threads()
 
 
@@ -104,22 +139,87 @@ class _Shapes:
     """ "q (2, 5, 8), k ...": the arguments' shapes as an error message names them."""
 
     def __init__(self, names, arrays):
-        self.names, self.arrays = names, arrays
+        self.names, self.arrays = list(names), list(arrays)
+
+    def with_(self, **named) -> "_Shapes":
+        """These shapes and those of further (non-None) arguments."""
+        extra = [(n, np.asarray(a)) for n, a in named.items() if a is not None]
+        return _Shapes(self.names + [n for n, _ in extra], self.arrays + [a for _, a in extra])
 
     def __str__(self) -> str:
         return ", ".join(f"{n} {a.shape}" for n, a in zip(self.names, self.arrays))
+
+
+def _kernel(fn: str, shapes, f, *args):
+    """f(*args) (an extension function), its ValueError raised again under the Python function's
+    name with the call's shapes. The checks of this module run first; what reaches here is a
+    check only the C++ library makes, whose message names the C++ function and its operands (Q,
+    K, V: q, k, v as packed N x (H·D) rows; log_a, log_gates: g)."""
+    try:
+        return f(*args)
+    except ValueError as e:
+        msg = str(e)
+        m = re.match(r"(linattn::)?([\w:.]+): ", msg)
+        origin, body = (m.group(0)[:-2], msg[m.end():]) if m else ("", msg)
+        for cpp, py in (("log_a", "g"), ("log_gates", "g"), ("log-decays", "g (log decays)")):
+            body = body.replace(cpp, py)
+        where = f"called with {shapes}"
+        if origin and origin != fn:
+            where += f"; raised by the C++ {origin}, whose Q, K, V are q, k, v as packed N x (H·D) rows"
+        raise ValueError(f"{fn}: {body} [{where}]") from None
+
+
+def _first_bad(fn: str, name: str, a: np.ndarray, ok: np.ndarray, rule: str, shapes) -> None:
+    """ValueError for the first entry of `a` where `ok` is False: "beta[0, 3, 1] = -0.08: ..."."""
+    if ok.all():
+        return
+    idx = tuple(int(i) for i in np.argwhere(~ok)[0])
+    where = ", ".join(map(str, idx))
+    # str(): the shortest repr of the array's own dtype (a float32 entry formatted as a Python float
+    # would print its double expansion).
+    raise ValueError(f"{fn}: {name}[{where}] = {str(a[idx])}: {rule} (got {shapes})")
+
+
+def _check_log_gates(fn: str, g: np.ndarray, shapes) -> None:
+    with np.errstate(invalid="ignore"):
+        _first_bad(fn, "g", g, np.isfinite(g) & (g <= 0), "g holds log gates (log decays), which must be "
+                   "finite and <= 0", shapes)
+
+
+def _check_beta(fn: str, beta: np.ndarray, shapes) -> None:
+    with np.errstate(invalid="ignore"):
+        _first_bad(fn, "beta", beta, (beta >= 0) & (beta <= 2), "beta must be in [0, 2]", shapes)
+
+
+def _offsets_of(fn: str, cu_seqlens, rows: int, shapes) -> np.ndarray:
+    """cu_seqlens as int64 offsets: 1-D, B + 1 >= 2 non-decreasing entries from 0 to `rows`."""
+    a = np.asarray(cu_seqlens)
+    if a.ndim != 1 or a.size < 2 or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{fn}: cu_seqlens must be a 1-D integer array of B + 1 >= 2 offsets, got "
+                         f"{a.dtype} of shape {a.shape} (with {shapes})")
+    cu = np.ascontiguousarray(a, dtype=np.int64)
+    if cu[0] != 0 or cu[-1] != rows:
+        raise ValueError(f"{fn}: cu_seqlens must run from 0 to {rows} (the packed rows of q), got {cu[0]} ... "
+                         f"{cu[-1]} (with {shapes})")
+    steps = np.diff(cu)
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0)) + 1
+        raise ValueError(f"{fn}: cu_seqlens must be non-decreasing, got {cu[i - 1]} then {cu[i]} at entry {i} "
+                         f"(with {shapes})")
+    return cu
 
 
 class _Packed:
     """The arguments of one call as the C++ kernels take them: 2-D row-major arrays of H·D
     columns and the offsets of the sequences."""
 
-    def __init__(self, fn: str, q, k, v, cu_seqlens, dout=None):
+    def __init__(self, fn: str, q, k, v, cu_seqlens, dout=None, causal: bool = False):
         names = dict(q=q, k=k, v=v) if dout is None else dict(q=q, k=k, v=v, dout=dout)
         arrays = _arrays(fn, **names)
         q, k, v = arrays[:3]
         nd = q.ndim
         shapes = _Shapes(names, arrays)  # formatted only for an error message
+        self.fn, self.shapes = fn, shapes
         if nd not in (2, 3, 4) or any(a.ndim != nd for a in arrays):
             raise ValueError(f"{fn}: q, k and v must all be [N, D], [N, H, D] or [B, T, H, D], got {shapes}")
         heads = 1 if nd == 2 else q.shape[-2]
@@ -129,6 +229,16 @@ class _Packed:
             raise ValueError(f"{fn}: q, k and v must have the same batch size, got {shapes}")
         if k.shape[:-1] != v.shape[:-1]:
             raise ValueError(f"{fn}: k and v must have the same rows (and heads), got {shapes}")
+        if k.shape[-1] != q.shape[-1]:
+            raise ValueError(f"{fn}: q and k must have the same last dimension D, got {shapes}")
+        if q.shape[-1] == 0:
+            raise ValueError(f"{fn}: the key dimension D (the last of q and k) must be positive, got {shapes}")
+        if causal and k.shape[:-1] != q.shape[:-1]:
+            raise ValueError(f"{fn}: causal attention needs k and v with q's tokens (S = T, the same "
+                             f"sequences), got {shapes}")
+        if cu_seqlens is not None and k.shape[:-1] != q.shape[:-1]:
+            raise ValueError(f"{fn}: with cu_seqlens, q, k and v must have the same rows (the offsets serve "
+                             f"all three), got {shapes}")
         self.heads = heads
         self.q_shape, self.k_shape, self.v_shape = q.shape, k.shape, v.shape
         self.out_shape = q.shape[:-1] + (v.shape[-1],)
@@ -137,9 +247,9 @@ class _Packed:
         self.arrays = [self._rows(a) for a in arrays]
         self.q_offsets = self.k_offsets = None
         if cu_seqlens is not None:
-            cu = np.ascontiguousarray(cu_seqlens, dtype=np.int64)
             if nd == 4 and q.shape[0] != 1:
                 raise ValueError(f"{fn}: with cu_seqlens, [B, T, H, D] inputs must have B = 1, got {shapes}")
+            cu = _offsets_of(fn, cu_seqlens, self.arrays[0].shape[0], shapes)
             self.q_offsets = self.k_offsets = cu
         elif nd == 4:
             B = q.shape[0]
@@ -181,11 +291,11 @@ def linear_attention(q, k, v, feature_map: str = "elu", causal: bool = False, cu
     >>> out, state = linattn.linear_attention(q, k, v, causal=True, output_final_state=True)
     """
     fn = "causal_linear_attention" if causal else "linear_attention"
-    p = _Packed(fn, q, k, v, cu_seqlens)
+    p = _Packed(fn, q, k, v, cu_seqlens, causal=bool(causal))
     keep = _keep(fn, p, key_padding_mask)
     if initial_state is None and not output_final_state:
-        out = _ext.linear_forward(*p.arrays, p.heads, str(feature_map), bool(causal), p.q_offsets,
-                                  p.k_offsets, keep)
+        out = _kernel(fn, p.shapes, _ext.linear_forward, *p.arrays, p.heads, str(feature_map), bool(causal),
+                      p.q_offsets, p.k_offsets, keep)
         return out.reshape(p.out_shape)
     if not causal:
         raise ValueError(f"{fn}: initial_state and output_final_state need causal=True")
@@ -200,7 +310,7 @@ def linear_attention(q, k, v, feature_map: str = "elu", causal: bool = False, cu
             raise ValueError(f"{fn}: initial_state has feature_map '{initial_state.feature_map}' and dtype "
                              f"{initial_state.dtype}, the call '{feature_map}' and {p.arrays[0].dtype}")
         state = initial_state.copy()
-    out = state._d.prefill(*p.arrays, keep, p.q_offsets).reshape(p.out_shape)
+    out = _kernel(fn, p.shapes, state._d.prefill, *p.arrays, keep, p.q_offsets).reshape(p.out_shape)
     return (out, state) if output_final_state else out
 
 
@@ -209,10 +319,10 @@ def linear_attention_backward(q, k, v, dout, feature_map: str = "elu", causal: b
     """Gradients (dq, dk, dv) of linear_attention() for ∂L/∂out = dout (the output's shape);
     masked keys get zero gradients. With a mask the heads run one after the other."""
     fn = "causal_linear_attention_backward" if causal else "linear_attention_backward"
-    p = _Packed(fn, q, k, v, cu_seqlens, dout)
+    p = _Packed(fn, q, k, v, cu_seqlens, dout, causal=bool(causal))
     keep = _keep(fn, p, key_padding_mask)
-    dq, dk, dv = _ext.linear_backward(*p.arrays, p.heads, str(feature_map), bool(causal), p.q_offsets,
-                                      p.k_offsets, keep)
+    dq, dk, dv = _kernel(fn, p.shapes, _ext.linear_backward, *p.arrays, p.heads, str(feature_map), bool(causal),
+                         p.q_offsets, p.k_offsets, keep)
     return dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape)
 
 
@@ -222,27 +332,31 @@ def softmax_attention(q, k, v, causal: bool = False, cu_seqlens=None, key_paddin
     key_padding_mask (non-causal only; True = padding): the kept keys are gathered (one copy of
     them), a query with none left gets zeros."""
     fn = "causal_softmax_attention" if causal else "softmax_attention"
-    p = _Packed(fn, q, k, v, cu_seqlens)
+    p = _Packed(fn, q, k, v, cu_seqlens, causal=bool(causal))
     keep = _keep(fn, p, key_padding_mask)
-    out = _ext.softmax_forward(*p.arrays, p.heads, bool(causal), p.q_offsets, p.k_offsets, keep)
+    out = _kernel(fn, p.shapes, _ext.softmax_forward, *p.arrays, p.heads, bool(causal), p.q_offsets, p.k_offsets,
+                  keep)
     return out.reshape(p.out_shape)
 
 
 def softmax_attention_backward(q, k, v, dout, causal: bool = False, cu_seqlens=None, key_padding_mask=None):
     """Gradients (dq, dk, dv) of softmax_attention() for ∂L/∂out = dout."""
     fn = "causal_softmax_attention_backward" if causal else "softmax_attention_backward"
-    p = _Packed(fn, q, k, v, cu_seqlens, dout)
+    p = _Packed(fn, q, k, v, cu_seqlens, dout, causal=bool(causal))
     keep = _keep(fn, p, key_padding_mask)
-    dq, dk, dv = _ext.softmax_backward(*p.arrays, p.heads, bool(causal), p.q_offsets, p.k_offsets, keep)
+    dq, dk, dv = _kernel(fn, p.shapes, _ext.softmax_backward, *p.arrays, p.heads, bool(causal), p.q_offsets,
+                         p.k_offsets, keep)
     return dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape)
 
 
-def _params(fn: str, p: _Packed, name: str, x, dtype, per_feature_ok: bool, feature_dim: int | None = None):
+def _params(fn: str, p: _Packed, name: str, x, dtype, per_feature_ok: bool, feature_dim: int | None = None,
+            shapes=None):
     """A per-token parameter as the 2-D packed array the kernels take: of q's leading shape (one
     per token and head) or, for per-feature gates, of q's leading shape + (F,)."""
     a = np.asarray(x)
     if a.dtype != dtype:
         raise TypeError(f"{fn}: {name} must have q's dtype {dtype}, got {a.dtype}")
+    shapes = p.shapes if shapes is None else shapes
     lead = tuple(p.q_shape[:-1])
     rows = int(np.prod(lead[:-1])) if len(lead) > 1 else lead[0]
     heads = lead[-1] if len(lead) > 1 else 1
@@ -251,7 +365,8 @@ def _params(fn: str, p: _Packed, name: str, x, dtype, per_feature_ok: bool, feat
     if per_feature_ok and a.shape == lead + (feature_dim,):
         return np.ascontiguousarray(a).reshape(rows, heads * feature_dim)
     want = f"{lead}" + (f" or {lead + (feature_dim,)}" if per_feature_ok else "")
-    raise ValueError(f"{fn}: {name} must have shape {want}, got {a.shape}")
+    raise ValueError(f"{fn}: {name} must have shape {want} (q's leading dimensions: one entry per token and "
+                     f"head{', or per feature' if per_feature_ok else ''}), got {a.shape} (with {shapes})")
 
 
 def _scale(scale, q) -> float:
@@ -265,44 +380,79 @@ def gated_linear_attention(q, k, v, g, feature_map: str = "identity", scale=None
     token and head) or q's shape (one per token, head and feature, F = D). scale: 1/√D when
     None (the models' convention)."""
     fn = "gated_linear_attention"
-    p = _Packed(fn, q, k, v, cu_seqlens)
-    G = _params(fn, p, "g", g, p.arrays[0].dtype, True, np.asarray(q).shape[-1])
-    out = _ext.gated_forward(*p.arrays, G, p.heads, str(feature_map), _scale(scale, q), bool(normalize), p.q_offsets)
+    p = _Packed(fn, q, k, v, cu_seqlens, causal=True)
+    shapes = p.shapes.with_(g=g)
+    G = _params(fn, p, "g", g, p.arrays[0].dtype, True, np.asarray(q).shape[-1], shapes)
+    _check_log_gates(fn, np.asarray(g), shapes)
+    out = _kernel(fn, shapes, _ext.gated_forward, *p.arrays, G, p.heads, str(feature_map), _scale(scale, q),
+                  bool(normalize), p.q_offsets)
     return out.reshape(p.out_shape)
 
 
 def gated_linear_attention_backward(q, k, v, g, dout, feature_map: str = "identity", scale=None, normalize: bool = False, cu_seqlens=None):
     """Gradients (dq, dk, dv, dg) of gated_linear_attention() for ∂L/∂out = dout."""
     fn = "gated_linear_attention_backward"
-    p = _Packed(fn, q, k, v, cu_seqlens, dout)
-    G = _params(fn, p, "g", g, p.arrays[0].dtype, True, np.asarray(q).shape[-1])
-    dq, dk, dv, dg = _ext.gated_backward(*p.arrays[:3], G, p.arrays[3], p.heads, str(feature_map), _scale(scale, q), bool(normalize), p.q_offsets)
+    p = _Packed(fn, q, k, v, cu_seqlens, dout, causal=True)
+    shapes = p.shapes.with_(g=g)
+    G = _params(fn, p, "g", g, p.arrays[0].dtype, True, np.asarray(q).shape[-1], shapes)
+    _check_log_gates(fn, np.asarray(g), shapes)
+    dq, dk, dv, dg = _kernel(fn, shapes, _ext.gated_backward, *p.arrays[:3], G, p.arrays[3], p.heads,
+                             str(feature_map), _scale(scale, q), bool(normalize), p.q_offsets)
     return dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape), dg.reshape(np.shape(g))
 
 
-def delta_rule_attention(q, k, v, beta, g=None, feature_map: str = "l2norm_silu", scale=None, cu_seqlens=None):
+def _delta_params(fn: str, p: _Packed, beta, g, feature_map, l2norm_eps):
+    """beta and g (or None) packed and checked, and the map's eps, for the delta rule."""
+    shapes = p.shapes.with_(beta=beta, g=g)
+    dtype = p.arrays[0].dtype
+    B = _params(fn, p, "beta", beta, dtype, False, None, shapes)
+    A = None if g is None else _params(fn, p, "g", g, dtype, False, None, shapes)
+    _check_beta(fn, np.asarray(beta), shapes)
+    if g is not None:
+        _check_log_gates(fn, np.asarray(g), shapes)
+    eps = float(l2norm_eps)
+    if not (0 <= eps < float("inf")):
+        raise ValueError(f"{fn}: l2norm_eps = {eps}: l2norm_eps must be finite and >= 0")
+    if eps != 0 and str(feature_map) not in ("l2norm", "l2norm_silu"):
+        raise ValueError(f"{fn}: l2norm_eps = {eps} needs feature_map 'l2norm' or 'l2norm_silu', got "
+                         f"'{feature_map}'")
+    return B, A, eps, shapes
+
+
+def delta_rule_attention(q, k, v, beta, g=None, feature_map: str = "l2norm_silu", scale=None, cu_seqlens=None,
+                         l2norm_eps: float = 0.0):
     """The delta rule (DeltaNet; Gated DeltaNet with g): with k̂ = φ(k),
     S_t = exp(g_t)(I − β_t k̂_t k̂_tᵀ) S_{t−1} + β_t k̂_t v_tᵀ, out_t = scale·φ(q_t)ᵀ S_t.
     beta in [0, 2] and g (log decays ≤ 0, or None: no decay) have q's leading shape (one per
-    token and head). scale: 1/√D when None. Chunked or recurrent, whichever is faster."""
+    token and head). scale: 1/√D when None. Chunked or recurrent, whichever is faster.
+
+    feature_map, applied to q and k only (v is used as given): "l2norm_silu" (the default)
+    silu(x) / sqrt(|silu(x)|² + l2norm_eps); "l2norm" x / sqrt(|x|² + l2norm_eps); "identity"
+    (q and k normalised by the caller). l2norm_eps = 0 divides by the norm; FLA and transformers
+    use 1e-6. The models (DeltaNet, Gated DeltaNet, Qwen3-Next) put a short convolution and a
+    SiLU on q, k and v before the kernel, which then only L2-normalises q and k: pass the
+    convolved and activated q, k, v with "l2norm" and l2norm_eps=1e-6 (as
+    ``chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)`` does), not "l2norm_silu",
+    which would apply the SiLU to q and k a second time; "l2norm_silu" is for q and k taken
+    before their SiLU (apply v's yourself)."""
     fn = "delta_rule_attention"
-    p = _Packed(fn, q, k, v, cu_seqlens)
-    dtype = p.arrays[0].dtype
-    B = _params(fn, p, "beta", beta, dtype, False)
-    A = None if g is None else _params(fn, p, "g", g, dtype, False)
-    out = _ext.delta_forward(*p.arrays, B, A, p.heads, str(feature_map), _scale(scale, q), p.q_offsets)
+    p = _Packed(fn, q, k, v, cu_seqlens, causal=True)
+    B, A, eps, shapes = _delta_params(fn, p, beta, g, feature_map, l2norm_eps)
+    out = _kernel(fn, shapes, _ext.delta_forward, *p.arrays, B, A, p.heads, str(feature_map), _scale(scale, q),
+                  p.q_offsets, eps)
     return out.reshape(p.out_shape)
 
 
-def delta_rule_attention_backward(q, k, v, beta, g, dout, feature_map: str = "l2norm_silu", scale=None, cu_seqlens=None):
+def delta_rule_attention_backward(q, k, v, beta, g, dout, feature_map: str = "l2norm_silu", scale=None, cu_seqlens=None,
+                                  l2norm_eps: float = 0.0):
     """Gradients (dq, dk, dv, dbeta, dg) of delta_rule_attention() for ∂L/∂out = dout; dg is
-    None when g is."""
+    None when g is. The map's gradient includes l2norm_eps (the Jacobian of
+    x / sqrt(|x|² + eps) is (I − φφᵀ) / sqrt(|x|² + eps))."""
     fn = "delta_rule_attention_backward"
-    p = _Packed(fn, q, k, v, cu_seqlens, dout)
-    dtype = p.arrays[0].dtype
-    B = _params(fn, p, "beta", beta, dtype, False)
-    A = None if g is None else _params(fn, p, "g", g, dtype, False)
-    dq, dk, dv, db, dg = _ext.delta_backward(*p.arrays[:3], B, A, p.arrays[3], p.heads, str(feature_map), _scale(scale, q), p.q_offsets)
+    p = _Packed(fn, q, k, v, cu_seqlens, dout, causal=True)
+    B, A, eps, shapes = _delta_params(fn, p, beta, g, feature_map, l2norm_eps)
+    dq, dk, dv, db, dg = _kernel(fn, shapes, _ext.delta_backward, *p.arrays[:3], B, A, p.arrays[3], p.heads,
+                                 str(feature_map), _scale(scale, q), p.q_offsets, eps)
     return (dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape),
             db.reshape(np.shape(beta)), None if dg is None else dg.reshape(np.shape(g)))
 
@@ -386,12 +536,36 @@ class RecurrentState:
         q, k, v = _arrays(fn, q=q, k=k, v=v)
         if q.dtype != self.dtype:
             raise TypeError(f"{fn}: the state holds {self.dtype}, the tokens are {q.dtype}")
+        shapes = _Shapes("qkv", (q, k, v))
         if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim or (q.ndim == 4 and q.shape[1] != 1):
-            raise ValueError(f"{fn}: q, k, v must be [R, H, D] (or [R, 1, H, D]), got q {q.shape}, k {k.shape}, "
-                             f"v {v.shape}")
+            raise ValueError(f"{fn}: q, k, v must be [R, H, D] (or [R, 1, H, D]), got {shapes}")
+        H, D, M, B = self.num_heads, self.key_dim, self.value_dim, self.batch_size
+        if q.shape[-2:] != (H, D) or k.shape[-2:] != (H, D) or v.shape[-2:] != (H, M):
+            raise ValueError(f"{fn}: the state has H = {H} heads of D = {D}, M = {M}: q and k must end in ({H}, {D}) "
+                             f"and v in ({H}, {M}), got {shapes}")
+        R = q.shape[0]
+        if k.shape[0] != R or v.shape[0] != R:
+            raise ValueError(f"{fn}: q, k and v must have the same rows R (one token per sequence), got {shapes}")
+        idx = None
+        if slots is None:
+            if R != B:
+                raise ValueError(f"{fn}: without slots, q, k, v have one row per sequence of the state (B = {B}), "
+                                 f"got {shapes}")
+        else:
+            idx = np.ascontiguousarray(slots, dtype=np.int64)
+            if idx.ndim != 1 or idx.shape[0] != R:
+                raise ValueError(f"{fn}: slots must be 1-D with one entry per row of q (R = {R}), got slots of shape "
+                                 f"{idx.shape} (with {shapes})")
+            bad = (idx < 0) | (idx >= B)
+            if bad.any():
+                r = int(np.argmax(bad))
+                raise ValueError(f"{fn}: slots[{r}] = {idx[r]}: slots must be in [0, {B}) (the state's sequences)")
+            uniq, first = np.unique(idx, return_index=True)
+            if uniq.size != R:
+                r = int(np.setdiff1d(np.arange(R), first)[0])
+                raise ValueError(f"{fn}: slots[{r}] = {idx[r]} is repeated: each sequence takes one token per step")
         rows = [np.ascontiguousarray(a).reshape(a.shape[0], -1) for a in (q, k, v)]
-        idx = None if slots is None else np.ascontiguousarray(slots, dtype=np.int64)
-        out = self._d.step(*rows, idx)
+        out = _kernel(fn, shapes, self._d.step, *rows, idx)
         return out.reshape(q.shape[:-2] + (self.num_heads, self.value_dim))
 
     def reset(self, b: int | None = None) -> None:
@@ -442,10 +616,16 @@ def _restore(heads, key_dim, value_dim, feature_map, dtype, data):
     return state
 
 
+#: The eps of flash-linear-attention's l2norm (fla.modules.l2norm, and transformers' Qwen3-Next
+#: torch_chunk_gated_delta_rule): x / sqrt(Σ x² + 1e-6), the map of use_qk_l2norm_in_kernel.
+_FLA_L2NORM_EPS = 1e-6
+
+
 def _fla_names(gated, delta, module: str) -> dict:
     """flash-linear-attention's kernel names over `gated` (gated_linear_attention) and `delta`
     (delta_rule_attention): FLA's argument order and defaults (identity maps, scale 1/√K, q and
-    k normalised by the caller unless use_qk_l2norm_in_kernel), returning (o, None)."""
+    k normalised by the caller unless use_qk_l2norm_in_kernel, then FLA's l2norm with its eps of
+    1e-6), returning (o, None)."""
 
     def no_state(fn, initial_state, output_final_state):
         if initial_state is not None or output_final_state:
@@ -464,17 +644,21 @@ def _fla_names(gated, delta, module: str) -> dict:
 
     def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
                          cu_seqlens=None, use_qk_l2norm_in_kernel=False):
-        """DeltaNet: beta [B, T, H]."""
+        """DeltaNet: beta [B, T, H]. use_qk_l2norm_in_kernel=True: q and k (only) mapped by FLA's
+        l2norm, x / sqrt(|x|² + 1e-6) (feature_map "l2norm", l2norm_eps = 1e-6); False: q and k
+        as given (identity)."""
         no_state("chunk_delta_rule", initial_state, output_final_state)
-        fmap = "l2norm" if use_qk_l2norm_in_kernel else "identity"
-        return delta(q, k, v, beta, None, fmap, scale, cu_seqlens), None
+        fmap, eps = ("l2norm", _FLA_L2NORM_EPS) if use_qk_l2norm_in_kernel else ("identity", 0.0)
+        return delta(q, k, v, beta, None, fmap, scale, cu_seqlens, l2norm_eps=eps), None
 
     def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False):
-        """Gated DeltaNet: g (log decays) and beta [B, T, H]."""
+        """Gated DeltaNet, Qwen3-Next: g (log decays) and beta [B, T, H]; q, k, v after the model's
+        short convolution and SiLU. use_qk_l2norm_in_kernel=True: q and k (only) mapped by FLA's
+        l2norm, x / sqrt(|x|² + 1e-6); False: q and k as given."""
         no_state("chunk_gated_delta_rule", initial_state, output_final_state)
-        fmap = "l2norm" if use_qk_l2norm_in_kernel else "identity"
-        return delta(q, k, v, beta, g, fmap, scale, cu_seqlens), None
+        fmap, eps = ("l2norm", _FLA_L2NORM_EPS) if use_qk_l2norm_in_kernel else ("identity", 0.0)
+        return delta(q, k, v, beta, g, fmap, scale, cu_seqlens, l2norm_eps=eps), None
 
     return dict(gla=chunk_gla, simple_gla=chunk_simple_gla, delta_rule=chunk_delta_rule,
                 gated_delta_rule=chunk_gated_delta_rule)

@@ -7,9 +7,11 @@ trains. Imported on its own (``import linattn.torch``), only when torch is insta
 and layouts are those of the numpy functions of ``linattn`` (docs there). CPU tensors of
 float32 or float64; contiguous tensors are shared with the kernels without a copy (through
 ``Tensor.numpy()`` and ``torch.from_numpy``), others are made contiguous first (one copy).
-CUDA (or any non-CPU) tensors raise ``ValueError``, other dtypes ``TypeError``; shape errors
-raise ``ValueError`` with the C++ message. The backward passes are the library's gradient
-kernels (first derivatives only).
+CUDA (or any non-CPU) tensors raise ``ValueError``, other dtypes ``TypeError``; shape and value
+errors raise ``ValueError`` naming the numpy function, the argument and the shapes (the numpy
+functions' checks). The backward passes are the library's gradient kernels (first derivatives
+only). Normalised attention gives zero rows where a denominator is degenerate (negative ones
+included) and linattn keeps its own thread count beside torch's: see the numpy module's docs.
 """
 
 from __future__ import annotations
@@ -127,10 +129,12 @@ def gated_linear_attention(q, k, v, g, feature_map: str = "identity", scale=None
                          q, k, v, g)
 
 
-def delta_rule_attention(q, k, v, beta, g=None, feature_map: str = "l2norm_silu", scale=None, cu_seqlens=None):
-    """linattn.delta_rule_attention() on tensors, differentiable in q, k, v, beta and g."""
+def delta_rule_attention(q, k, v, beta, g=None, feature_map: str = "l2norm_silu", scale=None, cu_seqlens=None,
+                         l2norm_eps: float = 0.0):
+    """linattn.delta_rule_attention() on tensors, differentiable in q, k, v, beta and g (the map,
+    its l2norm_eps and which model uses which: docs there)."""
     options = dict(feature_map=str(feature_map), scale=None if scale is None else float(scale),
-                   cu_seqlens=_offsets(cu_seqlens))
+                   cu_seqlens=_offsets(cu_seqlens), l2norm_eps=float(l2norm_eps))
     return _Kernel.apply(_la.delta_rule_attention, _la.delta_rule_attention_backward,
                          ("q", "k", "v", "beta", "g"), options, q, k, v, beta, g)
 

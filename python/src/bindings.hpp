@@ -8,8 +8,10 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -26,30 +28,58 @@ namespace linattn_python {
 namespace py = pybind11;
 using linattn::Index;
 
-// linattn.set_num_threads(n) for every Python thread. OpenMP's thread count is a setting of each
-// OS thread (omp_set_num_threads changes the calling thread's), and a thread Python starts
-// begins from OMP_NUM_THREADS or all cores: without this, two Python threads each running a
-// kernel would each open a team of all cores (measured: 1.54x instead of 1.74x for two causal
-// forwards on two cores). 0: never set, OpenMP's default.
+// linattn's thread count, for every Python thread and every kernel call. OpenMP's thread count
+// is a setting of each OS thread (omp_set_num_threads changes the calling thread's), shared by
+// every library of the process on the same OpenMP runtime: torch sets it when it is imported
+// (and with torch.set_num_threads), a thread Python starts begins from OMP_NUM_THREADS or all
+// cores. So linattn keeps its own count, applies it on the thread that runs a kernel for the
+// call only and restores the thread's previous setting afterwards: another library's setting
+// does not change linattn's, and linattn's does not change theirs. Without a count per thread
+// two Python threads each running a kernel would each open a team of all cores (measured:
+// 1.54x instead of 1.74x for two causal forwards on two cores).
 inline std::atomic<int>& thread_count() {
   static std::atomic<int> n{0};
   return n;
 }
 
-inline void apply_thread_count() {
+// The default when set_num_threads was never called, fixed when the module is imported and
+// independent of whatever else has changed OpenMP's setting by then: the first entry of
+// OMP_NUM_THREADS when it is a positive number, else every processor OpenMP may use.
+inline int default_thread_count() {
 #ifdef _OPENMP
-  const int n = thread_count().load(std::memory_order_relaxed);
-  if (n > 0 && omp_get_max_threads() != n) omp_set_num_threads(n);
+  if (const char* env = std::getenv("OMP_NUM_THREADS")) {
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    if (end != env && n > 0 && n <= 1 << 16 && (*end == '\0' || *end == ',')) return int(n);
+  }
+  return std::max(1, omp_get_num_procs());
+#else
+  return 1;
 #endif
 }
 
-// Around every kernel call: the GIL released (other Python threads run meanwhile) and the
-// thread count of linattn.set_num_threads applied on the thread that runs the kernel.
-struct Unlocked {
-  Unlocked() { apply_thread_count(); }
+// Around every kernel call: the GIL released (other Python threads run meanwhile) and linattn's
+// thread count applied on the thread that runs the kernel, the thread's own restored after.
+class Unlocked {
+ public:
+  Unlocked() {
+#ifdef _OPENMP
+    previous_ = omp_get_max_threads();
+    const int n = thread_count().load(std::memory_order_relaxed);
+    if (n > 0 && n != previous_) omp_set_num_threads(n);
+#endif
+  }
+  ~Unlocked() {
+#ifdef _OPENMP
+    if (omp_get_max_threads() != previous_) omp_set_num_threads(previous_);
+#endif
+  }
   Unlocked(const Unlocked&) = delete;
   Unlocked& operator=(const Unlocked&) = delete;
-  py::gil_scoped_release release;
+
+ private:
+  py::gil_scoped_release release_;
+  int previous_ = 1;
 };
 
 template <class Scalar>

@@ -28,11 +28,18 @@ void with_gated_map(const char* fn, const std::string& name, Fn&& f) {
                               "' for the gated kernels (one of: identity, elu)");
 }
 
+// The delta rule's maps of q and k; eps: L2Normalize's (x / sqrt(|x|² + eps); FLA's 1e-6).
 template <class Fn>
-void with_delta_map(const char* fn, const std::string& name, Fn&& f) {
-  if (name == "identity") return f(linattn::Identity{});
-  if (name == "l2norm") return f(linattn::L2Normalize<linattn::Identity>{});
-  if (name == "l2norm_silu") return f(linattn::L2Normalize<linattn::Silu>{});
+void with_delta_map(const char* fn, const std::string& name, double eps, Fn&& f) {
+  if (name == "identity") {
+    if (eps != 0)
+      throw std::invalid_argument(std::string(fn) +
+                                  ": l2norm_eps needs feature_map 'l2norm' or "
+                                  "'l2norm_silu', got 'identity'");
+    return f(linattn::Identity{});
+  }
+  if (name == "l2norm") return f(linattn::L2Normalize<linattn::Identity>(eps));
+  if (name == "l2norm_silu") return f(linattn::L2Normalize<linattn::Silu>(linattn::Silu{}, eps));
   throw std::invalid_argument(std::string(fn) + ": unknown feature_map '" + name +
                               "' for the delta rule (one of: identity, l2norm, l2norm_silu)");
 }
@@ -104,11 +111,10 @@ py::tuple gated_backward(const Array<Scalar>& q, const Array<Scalar>& k, const A
 }
 
 template <class Scalar>
-Array<Scalar> delta_forward(const Array<Scalar>& q, const Array<Scalar>& k,
-                            const Array<Scalar>& v, const Array<Scalar>& beta,
-                            const std::optional<Array<Scalar>>& log_a, Index heads,
-                            const std::string& map, double scale,
-                            const std::optional<Offsets>& offsets) {
+Array<Scalar> delta_forward(const Array<Scalar>& q, const Array<Scalar>& k, const Array<Scalar>& v,
+                            const Array<Scalar>& beta, const std::optional<Array<Scalar>>& log_a,
+                            Index heads, const std::string& map, double scale,
+                            const std::optional<Offsets>& offsets, double eps) {
   const Operands<Scalar> x("delta_rule_attention", q, k, v, offsets, offsets);
   const auto B = rows_of(x.fn, "beta", beta);
   const auto A = params_of(x.fn, "g", log_a, x.Q.rows());
@@ -118,7 +124,7 @@ Array<Scalar> delta_forward(const Array<Scalar>& q, const Array<Scalar>& k,
   auto O = rows_of(out);
   {
     Unlocked unlocked;
-    with_delta_map(x.fn, map, [&](const auto& phi) {
+    with_delta_map(x.fn, map, eps, [&](const auto& phi) {
       linattn::MultiHeadWorkspace<Scalar> ws;
       linattn::batched_delta_rule_attention(x.Q, x.K, x.V, B, A, x.q_offsets, heads, phi, O, ws,
                                             opts);
@@ -131,7 +137,7 @@ template <class Scalar>
 py::tuple delta_backward(const Array<Scalar>& q, const Array<Scalar>& k, const Array<Scalar>& v,
                          const Array<Scalar>& beta, const std::optional<Array<Scalar>>& log_a,
                          const Array<Scalar>& dout, Index heads, const std::string& map,
-                         double scale, const std::optional<Offsets>& offsets) {
+                         double scale, const std::optional<Offsets>& offsets, double eps) {
   const Operands<Scalar> x("delta_rule_attention_backward", q, k, v, offsets, offsets);
   const auto B = rows_of(x.fn, "beta", beta);
   const auto A = params_of(x.fn, "g", log_a, x.Q.rows());
@@ -149,7 +155,7 @@ py::tuple delta_backward(const Array<Scalar>& q, const Array<Scalar>& k, const A
   auto dA = rows_of(da);
   {
     Unlocked unlocked;
-    with_delta_map(x.fn, map, [&](const auto& phi) {
+    with_delta_map(x.fn, map, eps, [&](const auto& phi) {
       linattn::MultiHeadWorkspace<Scalar> ws;
       x.each_sequence([&](Index q0, Index n, Index k0, Index l) {
         auto dq = g.dQ.middleRows(q0, n);
@@ -177,11 +183,11 @@ void register_gated_delta(py::module_& m) {
         py::arg("g"), py::arg("dout"), py::arg("heads"), py::arg("feature_map"),
         py::arg("scale"), py::arg("normalize"), py::arg("offsets"));
   m.def("delta_forward", &delta_forward<Scalar>, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("beta"), py::arg("g"), py::arg("heads"), py::arg("feature_map"),
-        py::arg("scale"), py::arg("offsets"));
+        py::arg("beta"), py::arg("g"), py::arg("heads"), py::arg("feature_map"), py::arg("scale"),
+        py::arg("offsets"), py::arg("eps") = 0.0);
   m.def("delta_backward", &delta_backward<Scalar>, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("beta"), py::arg("g"), py::arg("dout"), py::arg("heads"),
-        py::arg("feature_map"), py::arg("scale"), py::arg("offsets"));
+        py::arg("beta"), py::arg("g"), py::arg("dout"), py::arg("heads"), py::arg("feature_map"),
+        py::arg("scale"), py::arg("offsets"), py::arg("eps") = 0.0);
 }
 
 }  // namespace linattn_python

@@ -20,13 +20,11 @@ void set_num_threads(int n) {
                                 std::to_string(n));
   // For every Python thread, applied where a kernel runs (bindings.hpp, Unlocked).
   thread_count().store(n, std::memory_order_relaxed);
-  apply_thread_count();
 }
 
 int get_num_threads() {
 #ifdef _OPENMP
-  const int n = thread_count().load(std::memory_order_relaxed);
-  return n > 0 ? n : omp_get_max_threads();
+  return thread_count().load(std::memory_order_relaxed);
 #else
   return 1;
 #endif
@@ -58,6 +56,7 @@ PYBIND11_MODULE(_linattn, m) {
   lp::register_gated_delta_f64(m);
   lp::register_recurrent_f32(m);
   lp::register_recurrent_f64(m);
+  lp::thread_count().store(lp::default_thread_count(), std::memory_order_relaxed);
   m.def("set_num_threads", &lp::set_num_threads, pybind11::arg("n"));
   m.def("get_num_threads", &lp::get_num_threads);
   m.def("_threads_in_kernel", &lp::threads_in_kernel);

@@ -153,7 +153,7 @@ def test_errors():
     beta = np.full(q.shape[:-1], 0.5)
     with pytest.raises(ValueError, match="beta"):
         linattn.delta_rule_attention(q, k, v, 4.5 * beta)  # β = 2.25 outside [0, 2]: the C++ check
-    with pytest.raises(ValueError, match="log_a"):
+    with pytest.raises(ValueError, match=r"g\[0, 0, 0\] = 0.1: g holds log gates"):
         linattn.delta_rule_attention(q, k, v, beta, np.full(q.shape[:-1], 0.1))  # g > 0
     with pytest.raises(ValueError, match=r"beta must have shape \(2, 23, 2\)"):
         linattn.delta_rule_attention(q, k, v, beta[:, :5])
