@@ -61,6 +61,7 @@ void gated_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   static_assert(std::is_same_v<Storage, typename DG::Scalar>,
                 "linattn: log_gates must have the scalar type of Q, K and V");
   check_qkv(fn, Q, K, V, /*causal=*/true);
+  check_head_dims(fn, Q, V, 1, opts.key_dim, opts.value_dim, "the log gates");
   check_feature_map(fn, phi, Q.cols());
   const Index N = Q.rows(), D = Q.cols(), M = V.cols(), F = phi.feature_dim(D);
   check_log_gates(fn, log_gates, N, 1, F,
@@ -69,6 +70,8 @@ void gated_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
                       ")");
   check_output(fn, out, N, M);
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V, "log_gates", log_gates);
+  StateApart("out", out, "Q", Q, "K", K, "V", V, "log_gates", log_gates)
+      .check(fn, st, "state");
   check_chunk_size(fn, opts);
   gated_prepare_state(fn, st, phi, D, M, log_gates.cols());
   // As views (detail/views.hpp), one row segment each: the types of the multi-head form's
@@ -102,6 +105,7 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
                 "linattn: log_gates must have the scalar type of Q, K and V");
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
   const Index D = dims.first, M = dims.second;
+  check_head_dims(fn, Q, V, heads, opts.key_dim, opts.value_dim, "the log gates");
   check_feature_map(fn, phi, D);
   const Index F = phi.feature_dim(D);
   check_log_gates(fn, log_gates, Q.rows(), heads, heads * F,
@@ -116,6 +120,9 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
   const Index B = static_cast<Index>(offsets.size()) - 1;
   const Index gw = log_gates.cols() / heads;
   if (states) {
+    const StateApart apart("out", out, "Q", Q, "K", K, "V", V, "log_gates", log_gates);
+    for (std::size_t i = 0; i < states->size(); ++i)
+      apart.check(fn, (*states)[i], "states", Index(i));
     check_states(fn, *states, B, heads, phi, D, M);
     for (std::size_t i = 0; i < states->size(); ++i) {
       const Index have = (*states)[i].log_decay.size();
