@@ -9,7 +9,9 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -220,14 +222,14 @@ void check_delta_backward_one_token(Index H) {
   }
 }
 
-TEST(hardening_one_token, DeltaForwardSeveralHeads) {
+TEST(hardening_shapes_one_token, DeltaForwardSeveralHeads) {
   for (Index H : {1, 2, 8}) {
     IF_FLOAT(check_delta_one_token<float>(H));
     IF_DOUBLE(check_delta_one_token<double>(H));
   }
 }
 
-TEST(hardening_one_token, DeltaBackwardSeveralHeads) {
+TEST(hardening_shapes_one_token, DeltaBackwardSeveralHeads) {
   for (Index H : {1, 2, 8}) {
     IF_FLOAT(check_delta_backward_one_token<float>(H));
     IF_DOUBLE(check_delta_backward_one_token<double>(H));
@@ -291,7 +293,7 @@ void check_gated_one_token(Index H, bool per_feature) {
   }
 }
 
-TEST(hardening_one_token, GatedSeveralHeads) {
+TEST(hardening_shapes_one_token, GatedSeveralHeads) {
   for (Index H : {1, 2, 8})
     for (bool per_feature : {false, true}) {
       IF_FLOAT(check_gated_one_token<float>(H, per_feature));
@@ -366,7 +368,7 @@ void check_varlen_batch() {
   }
 }
 
-TEST(hardening_one_token, VarlenBatchWithOneTokenSequence) {
+TEST(hardening_shapes_one_token, VarlenBatchWithOneTokenSequence) {
   IF_FLOAT(check_varlen_batch<float>());
   IF_DOUBLE(check_varlen_batch<double>());
 }
@@ -375,7 +377,7 @@ TEST(hardening_one_token, VarlenBatchWithOneTokenSequence) {
 // Values in messages: the shortest decimal that reads back as the value.
 // ---------------------------------------------------------------------------------------------
 
-TEST(hardening_messages, ValuesRoundTrip) {
+TEST(hardening_shapes_messages, ValuesRoundTrip) {
   const Eigen::MatrixXf Q = Eigen::MatrixXf::Ones(4, 2), V = Eigen::MatrixXf::Ones(4, 3);
   Eigen::VectorXf beta = Eigen::VectorXf::Constant(4, 0.5f), log_a = Eigen::VectorXf::Zero(4);
   beta(2) = 2.0000002f;  // the float next above 2
@@ -416,7 +418,7 @@ TEST(hardening_messages, ValuesRoundTrip) {
 // Stated head sizes: a GVA-shaped call (Q, K of 2 heads; V, beta, g of 4) is rejected.
 // ---------------------------------------------------------------------------------------------
 
-TEST(hardening_heads, StatedHeadSizesRejectSharedKeyHeads) {
+TEST(hardening_shapes_heads, StatedHeadSizesRejectSharedKeyHeads) {
   const Index N = 5, Hk = 2, Hv = 4, D = 8, M = 8;
   const Eigen::MatrixXf Q = frand(N, Hk * D, 500).cast<float>(),
                         K = frand(N, Hk * D, 501).cast<float>(),
@@ -506,7 +508,7 @@ TEST(hardening_heads, StatedHeadSizesRejectSharedKeyHeads) {
 // Operands that share memory with a carried state: rejected before anything is written.
 // ---------------------------------------------------------------------------------------------
 
-TEST(hardening_aliasing, OperandsOverTheCarriedState) {
+TEST(hardening_shapes_aliasing, OperandsOverTheCarriedState) {
   // N = F = 4 rows (Identity: F = D), M = 3: an N x M output fits over S (F x M, row-major).
   const Index N = 4, D = 4, M = 3;
   const Eigen::MatrixXf Q = frand(N, D, 600).cast<float>(), K = frand(N, D, 601).cast<float>(),

@@ -241,7 +241,8 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 ///        compensated sum: the overwrite and the decay bound its memory); z, m and log_decay are
 ///        left as they were. combine() does not apply to delta-rule states (a segment maps S to
 ///        P S + H with an F x F matrix P, which the state does not carry).
-/// \param out N x M; must not overlap Q, K, V, beta or log_a.
+/// \param out N x M; must not overlap Q, K, V, beta, log_a or the state's arrays (nor may the
+///        inputs overlap the state: the call writes it).
 ///
 /// Algorithms (DeltaOptions::algorithm): Chunked forms, per chunk of C rows (32 by default),
 /// the pseudo-values U = (I + strict_tril(diag(β)(K̂K̂ᵀ ∘ E)))⁻¹ diag(β)(V − diag(e) K̂ S) by one
@@ -315,6 +316,12 @@ Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \brief The multi-head delta rule, heads packed side by side (Q, K: N x H·D; V, out: N x H·M;
 /// beta: N x H; log_a: N x H, or empty for no decay), each head from a zero state, in parallel
 /// over heads.
+///
+/// For H > 1 beta and log_a are N x H always: a 1 x H operand is one token of H heads (only a
+/// single head's N entries may also come as a row). The layout gives D = Q.cols() / H and
+/// M = V.cols() / H; it cannot tell fewer key heads shared by H value heads (GVA), which
+/// would run as H heads of a fraction of each key: state DeltaOptions::key_dim (and
+/// value_dim) to have such a call rejected.
 /// \code
 /// linattn::MultiHeadWorkspace<float> ws;
 /// Eigen::MatrixXf out(N, 8 * 128);

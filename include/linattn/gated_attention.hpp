@@ -174,7 +174,8 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 ///        row: S (and z when normalising; otherwise z is left as it was), and
 ///        `state.log_decay` (1 or F entries) increased by the column sums of `log_gates`
 ///        (what combine() of decayed segments needs; spec §9.4).
-/// \param out N x M; must not overlap Q, K, V or log_gates.
+/// \param out N x M; must not overlap Q, K, V, log_gates or the state's arrays (nor may the
+///        inputs overlap the state: the call writes it).
 ///
 /// Algorithms (GatedOptions::algorithm): Chunked runs GEMMs per chunk of C rows (64 by
 /// default), with every decay factor formed as the exponential of a sum of log gates <= 0 (no
@@ -247,7 +248,11 @@ Matrix<typename DQ::Scalar> gated_linear_attention(const Eigen::MatrixBase<DQ>& 
 /// \brief Multi-head gated linear attention, heads packed side by side (Q, K: N x H·D; V, out:
 /// N x H·M), each head from a zero state, in parallel over heads.
 /// \param log_gates N x H (a log-decay per head and token) or N x H·F (head h's per-feature
-///        gates in columns [h·F, (h+1)·F)).
+///        gates in columns [h·F, (h+1)·F)), for every N (one token: 1 x H).
+///
+/// The layout gives D = Q.cols() / H and M = V.cols() / H; it cannot tell fewer key heads
+/// shared by H value heads (GVA): state GatedOptions::key_dim (and value_dim) to have such a
+/// call rejected.
 /// \code
 /// linattn::MultiHeadWorkspace<float> ws;
 /// Eigen::MatrixXf out(N, 8 * 64);
