@@ -3,15 +3,13 @@
 // a varlen batch with a one-token sequence, against the long-double references; values in
 // messages printed to round-trip; stated head sizes that reject a GVA-shaped call; operands
 // that share memory with a carried state.
-#include <linattn/linattn.hpp>
-
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>
-
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <linattn/linattn.hpp>
 #include <string>
 #include <vector>
 
@@ -115,7 +113,8 @@ void check_delta_one_token(Index H) {
   }
   // A taller row-major matrix whose row 5 holds the parameters: a one-row block of it (a
   // sequence of one token in a packed batch) has an outer stride of H.
-  RowMat<S> tall_beta = (frand(9, H, 7, 0.1, 1.9)).cast<S>(), tall_a = (frand(9, H, 8, -1, 0)).cast<S>();
+  RowMat<S> tall_beta = (frand(9, H, 7, 0.1, 1.9)).cast<S>(),
+            tall_a = (frand(9, H, 8, -1, 0)).cast<S>();
   tall_beta.row(5) = c.beta.cast<S>();
   tall_a.row(5) = c.log_a.cast<S>();
   const Exact<S> beta(c.beta), log_a(c.log_a);
@@ -140,13 +139,13 @@ void check_delta_one_token(Index H) {
       states[std::size_t(h)].S = c.S0[std::size_t(h)].cast<S>();
     }
     std::vector<State<S>> copy = states;
-    linattn::multihead_delta_rule_attention(Q, K, V, beta.map, log_a.map, H, SiluL2{}, states,
-                                            out, ws, o);
+    linattn::multihead_delta_rule_attention(Q, K, V, beta.map, log_a.map, H, SiluL2{}, states, out,
+                                            ws, o);
     EXPECT_LE(rel(out.template cast<double>(), want_carried), bound<S>()) << "states";
     const std::vector<int> offsets = {0, 1};
     linattn::batched_delta_rule_attention(Q, K, V, tall_beta.middleRows(5, 1),
-                                          tall_a.middleRows(5, 1), offsets, H, SiluL2{}, copy,
-                                          out, ws, o);
+                                          tall_a.middleRows(5, 1), offsets, H, SiluL2{}, copy, out,
+                                          ws, o);
     EXPECT_LE(rel(out.template cast<double>(), want_carried), bound<S>()) << "batched, states";
     for (Index h = 0; h < H; ++h)
       EXPECT_EQ(test::max_abs_diff(states[std::size_t(h)].S, copy[std::size_t(h)].S), 0.0) << h;
@@ -180,10 +179,10 @@ void check_delta_backward_one_token(Index H) {
   o.scale = 0.5;
   MatD dQ(1, H * c.D), dK(1, H * c.D), dV(1, H * c.M), dbeta(1, H), dlog_a(1, H);
   for (Index h = 0; h < H; ++h) {
-    const auto g = dref::backward(SiluL2{}, c.Q.middleCols(h * c.D, c.D),
-                                  c.K.middleCols(h * c.D, c.D), c.V.middleCols(h * c.M, c.M),
-                                  VecD(c.beta.col(h)), VecD(c.log_a.col(h)), o.scale,
-                                  c.W.middleCols(h * c.M, c.M));
+    const auto g =
+        dref::backward(SiluL2{}, c.Q.middleCols(h * c.D, c.D), c.K.middleCols(h * c.D, c.D),
+                       c.V.middleCols(h * c.M, c.M), VecD(c.beta.col(h)), VecD(c.log_a.col(h)),
+                       o.scale, c.W.middleCols(h * c.M, c.M));
     dQ.middleCols(h * c.D, c.D) = g.dQ;
     dK.middleCols(h * c.D, c.D) = g.dK;
     dV.middleCols(h * c.M, c.M) = g.dV;
@@ -195,8 +194,8 @@ void check_delta_backward_one_token(Index H) {
   Exact<S> gb(MatD::Zero(1, H)), ga(MatD::Constant(1, H, 7.0));
   Mat<S> gq(1, H * c.D), gk(1, H * c.D), gv(1, H * c.M);
   linattn::MultiHeadWorkspace<S> ws;
-  linattn::multihead_delta_rule_attention_backward(Q, K, V, beta.map, log_a.map, W, H, SiluL2{},
-                                                   gq, gk, gv, gb.map, ga.map, ws, o);
+  linattn::multihead_delta_rule_attention_backward(Q, K, V, beta.map, log_a.map, W, H, SiluL2{}, gq,
+                                                   gk, gv, gb.map, ga.map, ws, o);
   EXPECT_LE(rel(gq.template cast<double>(), dQ), bound<S>());
   EXPECT_LE(rel(gk.template cast<double>(), dK), bound<S>());
   EXPECT_LE(rel(gv.template cast<double>(), dV), bound<S>());
@@ -215,8 +214,8 @@ void check_delta_backward_one_token(Index H) {
     st.S = c.S0[0].cast<S>();
     const auto r = dref::backward(SiluL2{}, c.Q, c.K, c.V, VecD(c.beta.col(0)),
                                   VecD(c.log_a.col(0)), o.scale, c.W, c.S0[0]);
-    const auto s = linattn::delta_rule_attention_backward(Q, K, V, beta.map, log_a.map, W,
-                                                          SiluL2{}, st, o);
+    const auto s =
+        linattn::delta_rule_attention_backward(Q, K, V, beta.map, log_a.map, W, SiluL2{}, st, o);
     EXPECT_LE(rel(s.dbeta.template cast<double>(), r.dbeta), bound<S>());
     EXPECT_LE(rel(s.dlog_a.template cast<double>(), r.dlog_a), bound<S>());
   }
@@ -271,13 +270,13 @@ void check_gated_one_token(Index H, bool per_feature) {
     EXPECT_LE(rel(out.template cast<double>(), want), bound<S>());
     std::vector<State<S>> states;
     const std::vector<long> offsets = {0, 1};
-    linattn::batched_gated_linear_attention(Q, K, V, G.map, offsets, H, Identity{}, states, out,
-                                            ws, o);
+    linattn::batched_gated_linear_attention(Q, K, V, G.map, offsets, H, Identity{}, states, out, ws,
+                                            o);
     EXPECT_LE(rel(out.template cast<double>(), want), bound<S>()) << "batched";
     Mat<S> gq(1, H * D), gk(1, H * D), gv(1, H * M);
     Exact<S> gg(MatD::Zero(1, H * gw));
-    linattn::multihead_gated_linear_attention_backward(Q, K, V, G.map, W, H, Identity{}, gq, gk,
-                                                       gv, gg.map, ws, o);
+    linattn::multihead_gated_linear_attention_backward(Q, K, V, G.map, W, H, Identity{}, gq, gk, gv,
+                                                       gg.map, ws, o);
     // dlog_gates against the analytic reference; dQ, dK, dV against each head's own call.
     EXPECT_LE(test::max_abs_diff(gg.map.template cast<double>(), dG),
               bound<S>() * std::max(1.0, dG.cwiseAbs().maxCoeff()));
@@ -338,11 +337,10 @@ void check_varlen_batch() {
       SCOPED_TRACE("sequence " + std::to_string(b) + ", head " + std::to_string(h));
       const MatD want = c.reference(h, false, o.scale, r0, n);
       EXPECT_LE(rel(out.block(r0, h * c.M, n, c.M).template cast<double>(), want), bound<S>());
-      const auto g = dref::backward(SiluL2{}, c.Q.block(r0, h * c.D, n, c.D),
-                                    c.K.block(r0, h * c.D, n, c.D), c.V.block(r0, h * c.M, n, c.M),
-                                    VecD(c.beta.block(r0, h, n, 1)),
-                                    VecD(c.log_a.block(r0, h, n, 1)), o.scale,
-                                    c.W.block(r0, h * c.M, n, c.M));
+      const auto g =
+          dref::backward(SiluL2{}, c.Q.block(r0, h * c.D, n, c.D), c.K.block(r0, h * c.D, n, c.D),
+                         c.V.block(r0, h * c.M, n, c.M), VecD(c.beta.block(r0, h, n, 1)),
+                         VecD(c.log_a.block(r0, h, n, 1)), o.scale, c.W.block(r0, h * c.M, n, c.M));
       EXPECT_LE(rel(gq.block(r0, h * c.D, n, c.D).template cast<double>(), g.dQ), bound<S>());
       EXPECT_LE(rel(gv.block(r0, h * c.M, n, c.M).template cast<double>(), g.dV), bound<S>());
       EXPECT_LE(rel(gb.block(r0, h, n, 1).template cast<double>(), g.dbeta), bound<S>());
@@ -395,9 +393,9 @@ TEST(hardening_shapes_messages, ValuesRoundTrip) {
   const Eigen::MatrixXd Qd = Eigen::MatrixXd::Ones(3, 4), Vd = Eigen::MatrixXd::Ones(3, 6);
   Eigen::MatrixXd bd = Eigen::MatrixXd::Constant(3, 2, 0.5), ad = Eigen::MatrixXd::Zero(3, 2);
   bd(1, 1) = 2.0000000000000004;
-  test::expect_invalid(
-      [&] { linattn::multihead_delta_rule_attention(Qd, Qd, Vd, bd, ad, 2); },
-      Needles{"multihead_delta_rule_attention", "beta(1, 1) = 2.0000000000000004"}, "double");
+  test::expect_invalid([&] { linattn::multihead_delta_rule_attention(Qd, Qd, Vd, bd, ad, 2); },
+                       Needles{"multihead_delta_rule_attention", "beta(1, 1) = 2.0000000000000004"},
+                       "double");
   bd(1, 1) = -0.1;
   test::expect_invalid([&] { linattn::multihead_delta_rule_attention(Qd, Qd, Vd, bd, ad, 2); },
                        Needles{"beta(1, 1) = -0.1:"}, "-0.1");
@@ -432,8 +430,12 @@ TEST(hardening_shapes_heads, StatedHeadSizesRejectSharedKeyHeads) {
   GatedOptions go;
   go.key_dim = D;
   go.value_dim = M;
-  const Needles gva = {"Q and K hold 2 head(s) of key_dim = 8", "give H = 4", "GVA",
-                       "Q is 5x16", "V is 5x32", "heads = 4"};
+  const Needles gva = {"Q and K hold 2 head(s) of key_dim = 8",
+                       "give H = 4",
+                       "GVA",
+                       "Q is 5x16",
+                       "V is 5x32",
+                       "heads = 4"};
   linattn::MultiHeadWorkspace<float> ws;
   Eigen::MatrixXf out(N, Hv * M);
   test::expect_invalid(
@@ -449,32 +451,38 @@ TEST(hardening_shapes_heads, StatedHeadSizesRejectSharedKeyHeads) {
   const std::vector<int> offsets = {0, 2, N};
   test::expect_invalid(
       [&] {
-        linattn::batched_delta_rule_attention(Q, K, V, beta, log_a, offsets, Hv, SiluL2{}, out,
-                                              ws, o);
+        linattn::batched_delta_rule_attention(Q, K, V, beta, log_a, offsets, Hv, SiluL2{}, out, ws,
+                                              o);
       },
       gva, "batched delta");
   test::expect_invalid(
-      [&] { linattn::multihead_delta_rule_attention_backward(Q, K, V, beta, log_a, W, Hv,
-                                                             SiluL2{}, o); },
+      [&] {
+        linattn::multihead_delta_rule_attention_backward(Q, K, V, beta, log_a, W, Hv, SiluL2{}, o);
+      },
       gva, "delta backward");
   test::expect_invalid(
-      [&] { linattn::multihead_gated_linear_attention(Q, K, V, log_a, Hv, Identity{}, out, ws,
-                                                      go); },
+      [&] {
+        linattn::multihead_gated_linear_attention(Q, K, V, log_a, Hv, Identity{}, out, ws, go);
+      },
       gva, "multihead gated");
   test::expect_invalid(
-      [&] { linattn::batched_gated_linear_attention(Q, K, V, log_a, offsets, Hv, Identity{}, out,
-                                                    ws, go); },
+      [&] {
+        linattn::batched_gated_linear_attention(Q, K, V, log_a, offsets, Hv, Identity{}, out, ws,
+                                                go);
+      },
       gva, "batched gated");
   test::expect_invalid(
-      [&] { linattn::multihead_gated_linear_attention_backward(Q, K, V, log_a, W, Hv,
-                                                               Identity{}, go); },
+      [&] {
+        linattn::multihead_gated_linear_attention_backward(Q, K, V, log_a, W, Hv, Identity{}, go);
+      },
       gva, "gated backward");
   // A value size that does not divide: named as such.
   o.value_dim = 5;
   o.key_dim = 4;
   test::expect_invalid(
-      [&] { linattn::multihead_delta_rule_attention(Q, K, V, beta, log_a, Hv, SiluL2{}, out, ws,
-                                                    o); },
+      [&] {
+        linattn::multihead_delta_rule_attention(Q, K, V, beta, log_a, Hv, SiluL2{}, out, ws, o);
+      },
       Needles{"V holds 32 columns, not heads x value_dim = 20"}, "value_dim");
   // Stated sizes that fit: the same bits as unstated (four heads of D = 4, M = 8; and D != M).
   o.key_dim = 4;
@@ -487,9 +495,9 @@ TEST(hardening_shapes_heads, StatedHeadSizesRejectSharedKeyHeads) {
   go.key_dim = 4;
   go.value_dim = 8;
   linattn::multihead_gated_linear_attention(Q, K, V, log_a, Hv, Identity{}, stated, ws, go);
-  EXPECT_EQ(test::max_abs_diff(stated, linattn::multihead_gated_linear_attention(Q, K, V, log_a,
-                                                                                 Hv)),
-            0.0);
+  EXPECT_EQ(
+      test::max_abs_diff(stated, linattn::multihead_gated_linear_attention(Q, K, V, log_a, Hv)),
+      0.0);
   // One head: the sizes are Q's and V's columns.
   DeltaOptions one;
   one.key_dim = 8;
@@ -499,9 +507,8 @@ TEST(hardening_shapes_heads, StatedHeadSizesRejectSharedKeyHeads) {
       Needles{"delta_rule_attention", "Q and K hold 2 head(s) of key_dim = 8", "give H = 1"},
       "single head");
   one.key_dim = -1;
-  test::expect_invalid(
-      [&] { linattn::delta_rule_attention(Q, K, V, b1, none, Identity{}, one); },
-      Needles{"key_dim and value_dim must be >= 0"}, "negative");
+  test::expect_invalid([&] { linattn::delta_rule_attention(Q, K, V, b1, none, Identity{}, one); },
+                       Needles{"key_dim and value_dim must be >= 0"}, "negative");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -540,8 +547,8 @@ TEST(hardening_shapes_aliasing, OperandsOverTheCarriedState) {
         "delta");
     EXPECT_TRUE(unchanged(st, before));
     test::expect_invalid(
-        [&] { linattn::gated_linear_attention(Q, K, V, log_a, Identity{}, st, out, ws); },
-        over_s, "gated");
+        [&] { linattn::gated_linear_attention(Q, K, V, log_a, Identity{}, st, out, ws); }, over_s,
+        "gated");
     EXPECT_TRUE(unchanged(st, before));
     test::expect_invalid(
         [&] { linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}, st, out, ws); },
@@ -552,7 +559,9 @@ TEST(hardening_shapes_aliasing, OperandsOverTheCarriedState) {
     Eigen::MatrixXf out2(N, M);
     const Eigen::MatrixXf K3 = frand(N, M, 604).cast<float>();
     test::expect_invalid(
-        [&] { linattn::delta_rule_attention(q_over, K3, V, beta, log_a, Identity{}, st, out2, ws); },
+        [&] {
+          linattn::delta_rule_attention(q_over, K3, V, beta, log_a, Identity{}, st, out2, ws);
+        },
         Needles{"Q overlaps the memory of state.S_lo"}, "Q over S_lo");
     EXPECT_TRUE(unchanged(st, before));
   }
@@ -565,14 +574,13 @@ TEST(hardening_shapes_aliasing, OperandsOverTheCarriedState) {
     const Needles over = {"out overlaps the memory of states[0].S"};
     test::expect_invalid(
         [&] {
-          linattn::multihead_delta_rule_attention(Q, K, V, beta, log_a, 1, Identity{}, states,
-                                                  out, ws);
+          linattn::multihead_delta_rule_attention(Q, K, V, beta, log_a, 1, Identity{}, states, out,
+                                                  ws);
         },
         over, "multihead delta");
     test::expect_invalid(
         [&] {
-          linattn::multihead_gated_linear_attention(Q, K, V, log_a, 1, Identity{}, states, out,
-                                                    ws);
+          linattn::multihead_gated_linear_attention(Q, K, V, log_a, 1, Identity{}, states, out, ws);
         },
         over, "multihead gated");
     const std::vector<int> offsets = {0, N};
@@ -602,14 +610,14 @@ TEST(hardening_shapes_aliasing, OperandsOverTheCarriedState) {
         over, "delta backward");
     test::expect_invalid(
         [&] {
-          linattn::gated_linear_attention_backward(Q, K, V, log_a, dOut, Identity{}, initial,
-                                                   none, dQ, dK, dV, dlog_a, d_initial, ws);
+          linattn::gated_linear_attention_backward(Q, K, V, log_a, dOut, Identity{}, initial, none,
+                                                   dQ, dK, dV, dlog_a, d_initial, ws);
         },
         over, "gated backward");
     test::expect_invalid(
         [&] {
-          linattn::causal_linear_attention_backward(Q, K, V, dOut, linattn::EluPlusOne{},
-                                                    initial, none, dQ, dK, dV, d_initial, ws);
+          linattn::causal_linear_attention_backward(Q, K, V, dOut, linattn::EluPlusOne{}, initial,
+                                                    none, dQ, dK, dV, d_initial, ws);
         },
         over, "causal backward");
   }

@@ -35,8 +35,8 @@ std::string shape_of(const Eigen::EigenBase<Derived>& m) {
 // The shortest %g precision that round-trips; bf16 and half go through float.
 template <class T>
 std::string value_string(T x) {
-  using W = std::conditional_t<std::is_same_v<T, double> || std::is_same_v<T, long double>, T,
-                               float>;
+  using W =
+      std::conditional_t<std::is_same_v<T, double> || std::is_same_v<T, long double>, T, float>;
   const W w = static_cast<W>(x);
   if (w != w) return "nan";
   if (w == std::numeric_limits<W>::infinity()) return "inf";
@@ -100,8 +100,8 @@ void check_head_dims(const char* function, const Eigen::MatrixBase<DQ>& Q,
                      const char* params) {
   if (key_dim == 0 && value_dim == 0) return;
   const auto shapes = [&] {
-    return " (Q is " + shape_of(Q) + ", V is " + shape_of(V) + ", heads = " +
-           std::to_string(heads) + ", key_dim = " + std::to_string(key_dim) +
+    return " (Q is " + shape_of(Q) + ", V is " + shape_of(V) +
+           ", heads = " + std::to_string(heads) + ", key_dim = " + std::to_string(key_dim) +
            ", value_dim = " + std::to_string(value_dim) + ")";
   };
   if (key_dim < 0 || value_dim < 0)
@@ -112,8 +112,8 @@ void check_head_dims(const char* function, const Eigen::MatrixBase<DQ>& Q,
     if (cols % dim == 0)
       throw_invalid(function, std::string(what) + " " + std::to_string(cols / dim) +
                                   " head(s) of " + dim_name + " = " + std::to_string(dim) +
-                                  " but " + params + " and heads give H = " +
-                                  std::to_string(heads) +
+                                  " but " + params +
+                                  " and heads give H = " + std::to_string(heads) +
                                   ": heads shared by several others (GVA) are not supported; "
                                   "repeat each shared head for every head it serves" +
                                   shapes());

@@ -70,8 +70,7 @@ void gated_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
                       ")");
   check_output(fn, out, N, M);
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V, "log_gates", log_gates);
-  StateApart("out", out, "Q", Q, "K", K, "V", V, "log_gates", log_gates)
-      .check(fn, st, "state");
+  StateApart("out", out, "Q", Q, "K", K, "V", V, "log_gates", log_gates).check(fn, st, "state");
   check_chunk_size(fn, opts);
   gated_prepare_state(fn, st, phi, D, M, log_gates.cols());
   // As views (detail/views.hpp), one row segment each: the types of the multi-head form's
