@@ -404,12 +404,12 @@ struct StateApart {
   struct Operand {
     const char* name;
     MemoryRegion region;
+    std::uintptr_t lo, hi;  // the region's address range; empty (lo == hi) if not checked
     Index rows, cols;
   };
   static constexpr int kMax = 8;
   Operand ops[kMax];
   int count = 0;
-  std::uintptr_t lo = std::numeric_limits<std::uintptr_t>::max(), hi = 0;
 
   template <class... Rest>
   explicit StateApart(const Rest&... rest) {
@@ -420,16 +420,16 @@ struct StateApart {
   template <class D, class... Rest>
   void add(const char* name, const Eigen::DenseBase<D>& x, const Rest&... rest) {
     Operand& o = ops[count++];
-    o = {name, memory_region(x), x.rows(), x.cols()};
+    o = {name, memory_region(x), 0, 0, x.rows(), x.cols()};
     if (o.region.known && !o.region.empty) {
-      lo = std::min(lo, o.region.base);
-      hi = std::max(hi, o.region.base + static_cast<std::uintptr_t>(o.region.extent()));
+      o.lo = o.region.base;
+      o.hi = o.region.base + static_cast<std::uintptr_t>(o.region.extent());
     }
     add(rest...);
   }
 
-  // `state` names the state in a message ("the state", "initial"), `index` its place in a
-  // vector of states (-1: none).
+  // `state` names the state in a message ("state", "initial"), `index` its place in a vector
+  // of states (-1: none).
   template <class State>
   void check(const char* fn, const State& st, const char* state, Index index = -1) const {
     part(fn, state, index, "S", st.S);
@@ -439,22 +439,24 @@ struct StateApart {
     part(fn, state, index, "m", st.m);
     part(fn, state, index, "log_decay", st.log_decay);
   }
+  // A state's arrays are contiguous: their address range first, the exact test only where it
+  // meets an operand's.
   template <class A>
   void part(const char* fn, const char* state, Index index, const char* name, const A& a) const {
-    if (a.size() == 0 || lo >= hi) return;
+    if (a.size() == 0) return;
     const std::uintptr_t b = reinterpret_cast<std::uintptr_t>(a.data());
-    if (b >= hi || b + sizeof(typename A::Scalar) * static_cast<std::uintptr_t>(a.size()) <= lo)
-      return;
-    const MemoryRegion r = memory_region(a);
-    for (int i = 0; i < count; ++i)
-      if (regions_overlap(ops[i].region, r))
-        throw_invalid(fn, std::string(ops[i].name) + " overlaps the memory of " + state +
-                              (index >= 0 ? "[" + std::to_string(index) + "]" : std::string()) +
-                              "." + name + " (" + ops[i].name + " is " +
-                              shape_string(ops[i].rows, ops[i].cols) + ", " + name + " is " +
-                              shape_of(a) +
-                              "): the operands must not share memory with the state the call "
-                              "carries; pass a separate buffer");
+    const std::uintptr_t e = b + sizeof(typename A::Scalar) * static_cast<std::uintptr_t>(a.size());
+    for (int i = 0; i < count; ++i) {
+      if (e <= ops[i].lo || b >= ops[i].hi || !regions_overlap(ops[i].region, memory_region(a)))
+        continue;
+      throw_invalid(fn, std::string(ops[i].name) + " overlaps the memory of " + state +
+                            (index >= 0 ? "[" + std::to_string(index) + "]" : std::string()) +
+                            "." + name + " (" + ops[i].name + " is " +
+                            shape_string(ops[i].rows, ops[i].cols) + ", " + name + " is " +
+                            shape_of(a) +
+                            "): the operands must not share memory with the state the call "
+                            "carries; pass a separate buffer");
+    }
   }
 };
 
