@@ -398,8 +398,8 @@ void check_no_overlap(const char* function, const Eigen::DenseBase<DOut>& out, c
 // Rejects operands that share memory with a carried state: the kernels write the state's
 // arrays while they read the inputs and write the output (in an order that differs between
 // algorithms), so an output that is a Map over state.S would be overwritten, or overwrite the
-// state, silently. Built once per call from the named operands; check() then costs an
-// address-range test per array of a state that lies away from every operand.
+// state, silently. Built once per call from the named operands; check() then costs one
+// address-range test per (array, operand) pair that lies apart.
 struct StateApart {
   struct Operand {
     const char* name;
