@@ -487,6 +487,7 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
   const int threads = sequence_split_threads(par, N, F * M);
   check_output(function, out, N, M);
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
+  StateApart("out", out, "Q", Q, "K", K, "V", V).check(function, st, "state");
   const auto map = erase_map<compute_scalar_t<typename DQ::Scalar>>(phi);
   if constexpr (is_low_precision_v<typename DQ::Scalar>) {
     if (threads <= 1) {

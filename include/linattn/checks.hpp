@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -24,6 +27,35 @@ inline std::string shape_string(Index rows, Index cols) {
 template <class Derived>
 std::string shape_of(const Eigen::EigenBase<Derived>& m) {
   return shape_string(m.rows(), m.cols());
+}
+
+// A floating value in a message, in the fewest significant digits that read back as the same
+// value of its type: "2.0000002" for the float next above 2 and "1e-30" for 1e-30 (six fixed
+// decimals would show "2.000000" and "0.000000": values that pass the check they fail).
+// The shortest %g precision that round-trips; bf16 and half go through float.
+template <class T>
+std::string value_string(T x) {
+  using W =
+      std::conditional_t<std::is_same_v<T, double> || std::is_same_v<T, long double>, T, float>;
+  const W w = static_cast<W>(x);
+  if (w != w) return "nan";
+  if (w == std::numeric_limits<W>::infinity()) return "inf";
+  if (w == -std::numeric_limits<W>::infinity()) return "-inf";
+  char buf[64];
+  for (int p = 1;; ++p) {
+    if constexpr (std::is_same_v<W, long double>)
+      std::snprintf(buf, sizeof buf, "%.*Lg", p, w);
+    else
+      std::snprintf(buf, sizeof buf, "%.*g", p, static_cast<double>(w));
+    W back;
+    if constexpr (std::is_same_v<W, float>)
+      back = std::strtof(buf, nullptr);
+    else if constexpr (std::is_same_v<W, double>)
+      back = std::strtod(buf, nullptr);
+    else
+      back = std::strtold(buf, nullptr);
+    if (static_cast<T>(back) == x || p >= std::numeric_limits<W>::max_digits10) return buf;
+  }
 }
 
 // std::invalid_argument, or the error handler without exceptions (error.hpp).
@@ -57,6 +89,40 @@ void check_qkv(const char* function, const Eigen::MatrixBase<DQ>& Q,
     throw_invalid(function,
                   "causal attention needs as many queries as keys (N == L)" + shapes());
   if (Q.cols() == 0) throw_invalid(function, "the key dimension D must be positive" + shapes());
+}
+
+// The head sizes a caller stated (DeltaOptions / GatedOptions::key_dim, value_dim; 0: not
+// stated) against the packed Q (N x H·D) and V (N x H·M) of H heads; `params` names the
+// operands that give H ("beta", "the log gates").
+template <class DQ, class DV>
+void check_head_dims(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                     const Eigen::MatrixBase<DV>& V, Index heads, Index key_dim, Index value_dim,
+                     const char* params) {
+  if (key_dim == 0 && value_dim == 0) return;
+  const auto shapes = [&] {
+    return " (Q is " + shape_of(Q) + ", V is " + shape_of(V) +
+           ", heads = " + std::to_string(heads) + ", key_dim = " + std::to_string(key_dim) +
+           ", value_dim = " + std::to_string(value_dim) + ")";
+  };
+  if (key_dim < 0 || value_dim < 0)
+    throw_invalid(function, "key_dim and value_dim must be >= 0 (0: not stated)" + shapes());
+  // "Q and K hold", key_dim; "V holds", value_dim.
+  const auto held = [&](const char* what, Index cols, Index dim, const char* dim_name) {
+    if (dim == 0 || cols == heads * dim) return;
+    if (cols % dim == 0)
+      throw_invalid(function, std::string(what) + " " + std::to_string(cols / dim) +
+                                  " head(s) of " + dim_name + " = " + std::to_string(dim) +
+                                  " but " + params +
+                                  " and heads give H = " + std::to_string(heads) +
+                                  ": heads shared by several others (GVA) are not supported; "
+                                  "repeat each shared head for every head it serves" +
+                                  shapes());
+    throw_invalid(function, std::string(what) + " " + std::to_string(cols) +
+                                " columns, not heads x " + dim_name + " = " +
+                                std::to_string(heads * dim) + shapes());
+  };
+  held("Q and K hold", Q.cols(), key_dim, "key_dim");
+  held("V holds", V.cols(), value_dim, "value_dim");
 }
 
 template <class DOut>
@@ -328,5 +394,70 @@ void check_no_overlap(const char* function, const Eigen::DenseBase<DOut>& out, c
                                 "); write into a separate buffer");
   check_no_overlap(function, out, rest...);
 }
+
+// Rejects operands that share memory with a carried state: the kernels write the state's
+// arrays while they read the inputs and write the output (in an order that differs between
+// algorithms), so an output that is a Map over state.S would be overwritten, or overwrite the
+// state, silently. Built once per call from the named operands; check() then costs one
+// address-range test per (array, operand) pair that lies apart.
+struct StateApart {
+  struct Operand {
+    const char* name;
+    MemoryRegion region;
+    std::uintptr_t lo, hi;  // the region's address range; empty (lo == hi) if not checked
+    Index rows, cols;
+  };
+  static constexpr int kMax = 8;
+  Operand ops[kMax];
+  int count = 0;
+
+  template <class... Rest>
+  explicit StateApart(const Rest&... rest) {
+    static_assert(sizeof...(Rest) <= 2 * kMax, "linattn: too many operands for StateApart");
+    add(rest...);
+  }
+  void add() {}
+  template <class D, class... Rest>
+  void add(const char* name, const Eigen::DenseBase<D>& x, const Rest&... rest) {
+    Operand& o = ops[count++];
+    o = {name, memory_region(x), 0, 0, x.rows(), x.cols()};
+    if (o.region.known && !o.region.empty) {
+      o.lo = o.region.base;
+      o.hi = o.region.base + static_cast<std::uintptr_t>(o.region.extent());
+    }
+    add(rest...);
+  }
+
+  // `state` names the state in a message ("state", "initial"), `index` its place in a vector
+  // of states (-1: none).
+  template <class State>
+  void check(const char* fn, const State& st, const char* state, Index index = -1) const {
+    part(fn, state, index, "S", st.S);
+    part(fn, state, index, "S_lo", st.S_lo);
+    part(fn, state, index, "z", st.z);
+    part(fn, state, index, "z_lo", st.z_lo);
+    part(fn, state, index, "m", st.m);
+    part(fn, state, index, "log_decay", st.log_decay);
+  }
+  // A state's arrays are contiguous: their address range first, the exact test only where it
+  // meets an operand's.
+  template <class A>
+  void part(const char* fn, const char* state, Index index, const char* name, const A& a) const {
+    if (a.size() == 0) return;
+    const std::uintptr_t b = reinterpret_cast<std::uintptr_t>(a.data());
+    const std::uintptr_t e = b + sizeof(typename A::Scalar) * static_cast<std::uintptr_t>(a.size());
+    for (int i = 0; i < count; ++i) {
+      if (e <= ops[i].lo || b >= ops[i].hi || !regions_overlap(ops[i].region, memory_region(a)))
+        continue;
+      throw_invalid(fn, std::string(ops[i].name) + " overlaps the memory of " + state +
+                            (index >= 0 ? "[" + std::to_string(index) + "]" : std::string()) +
+                            "." + name + " (" + ops[i].name + " is " +
+                            shape_string(ops[i].rows, ops[i].cols) + ", " + name + " is " +
+                            shape_of(a) +
+                            "): the operands must not share memory with the state the call "
+                            "carries; pass a separate buffer");
+    }
+  }
+};
 
 }  // namespace linattn::detail

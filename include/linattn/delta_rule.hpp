@@ -43,11 +43,12 @@ inline void check_delta_chunk_size(const char* function, const DeltaOptions& opt
                                 std::to_string(opts.chunk_size));
 }
 
-// Entry (i, h) of a per-token parameter: an N x H matrix, or (one head) a vector of N entries
-// given as a column or a row.
+// Entry (i, h) of a per-token parameter of `heads` heads: N x H, always, for H > 1 (so that a
+// one-token call's 1 x H is never read as a row of N); one head's N entries may also be given
+// as a row. The shape is checked before (check_delta_params).
 template <class D>
-typename D::Scalar token_param(const D& x, Index i, Index h) {
-  return x.cols() == 1 || x.rows() != 1 ? x.coeff(i, h) : x.coeff(h, i);
+typename D::Scalar token_param(const D& x, Index i, Index h, Index heads) {
+  return heads == 1 && x.rows() == 1 ? x.coeff(0, i) : x.coeff(i, h);
 }
 
 // The name of entry (i, h) in a message: "beta(3)" for one head, "beta(3, 1)" for H.
@@ -80,32 +81,32 @@ void check_delta_params(const char* fn, const Eigen::MatrixBase<DB>& beta,
   using S = typename DB::Scalar;
   for (Index h = 0; h < heads; ++h)
     for (Index i = 0; i < N; ++i) {
-      const S b = token_param(beta.derived(), i, h);
+      const S b = token_param(beta.derived(), i, h, heads);
       if (!(b >= S(0) && b <= S(2)))
-        throw_invalid(fn, param_entry("beta", i, h, one) + " = " + std::to_string(b) +
+        throw_invalid(fn, param_entry("beta", i, h, one) + " = " + value_string(b) +
                               ": beta must be in [0, 2]" + shapes());
     }
   if (log_a.size() == 0) return;
   for (Index h = 0; h < heads; ++h)
     for (Index i = 0; i < N; ++i) {
-      const S g = token_param(log_a.derived(), i, h);
+      const S g = token_param(log_a.derived(), i, h, heads);
       if (!(g <= S(0)) || !(g - g == S(0)))
-        throw_invalid(fn, param_entry("log_a", i, h, one) + " = " + std::to_string(g) +
+        throw_invalid(fn, param_entry("log_a", i, h, one) + " = " + value_string(g) +
                               ": log-decays must be finite and <= 0" + shapes());
     }
 }
 
-// Head h's rows [r0, r0 + n) of beta (and of log_a when it has entries) as contiguous arrays
-// in the thread's workspace; the g pointer is null without decay.
+// Head h (of `heads`)'s rows [r0, r0 + n) of beta (and of log_a when it has entries) as
+// contiguous arrays in the thread's workspace; the g pointer is null without decay.
 template <class DB, class DA, class Scalar>
 std::pair<const Scalar*, const Scalar*> delta_head_params(const DB& beta, const DA& log_a,
-                                                          Index r0, Index n, Index h,
+                                                          Index r0, Index n, Index h, Index heads,
                                                           Workspace<Scalar>& ws) {
   auto b = ws.vector(kSlotBackwardA, n);
-  for (Index i = 0; i < n; ++i) b(i) = token_param(beta, r0 + i, h);
+  for (Index i = 0; i < n; ++i) b(i) = token_param(beta, r0 + i, h, heads);
   if (log_a.size() == 0) return {b.data(), nullptr};
   auto g = ws.vector(kSlotBackwardB, n);
-  for (Index i = 0; i < n; ++i) g(i) = token_param(log_a, r0 + i, h);
+  for (Index i = 0; i < n; ++i) g(i) = token_param(log_a, r0 + i, h, heads);
   return {b.data(), g.data()};
 }
 
@@ -147,15 +148,18 @@ void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
       std::is_same_v<Storage, typename DB::Scalar> && std::is_same_v<Storage, typename DA::Scalar>,
       "linattn: beta and log_a must have the scalar type of Q, K and V");
   check_qkv(fn, Q, K, V, /*causal=*/true);
+  check_head_dims(fn, Q, V, 1, opts.key_dim, opts.value_dim, "beta");
   check_feature_map(fn, phi, Q.cols());
   const Index N = Q.rows(), D = Q.cols(), M = V.cols();
   check_delta_params(fn, beta, log_a, N, 1, qkv_shapes(Q, K, V));
   check_output(fn, out, N, M);
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V, "beta", beta, "log_a", log_a);
+  StateApart("out", out, "Q", Q, "K", K, "V", V, "beta", beta, "log_a", log_a)
+      .check(fn, st, "state");
   check_delta_chunk_size(fn, opts);
   prepare_state(fn, st, phi, D, M);
   delta_absorb_low(st);
-  const auto params = delta_head_params(beta.derived(), log_a.derived(), 0, N, 0, ws);
+  const auto params = delta_head_params(beta.derived(), log_a.derived(), 0, N, 0, 1, ws);
   const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
   with_views(
       Q.derived(), K.derived(), V.derived(), writable(out),
@@ -184,6 +188,7 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
       "linattn: beta and log_a must have the scalar type of Q, K and V");
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
   const Index D = dims.first, M = dims.second;
+  check_head_dims(fn, Q, V, heads, opts.key_dim, opts.value_dim, "beta");
   check_feature_map(fn, phi, D);
   const Index F = phi.feature_dim(D);
   check_delta_params(fn, beta, log_a, Q.rows(), heads, qkv_shapes(Q, K, V));
@@ -193,6 +198,9 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
   check_delta_chunk_size(fn, opts);
   const Index B = static_cast<Index>(offsets.size()) - 1;
   if (states) {
+    const StateApart apart("out", out, "Q", Q, "K", K, "V", V, "beta", beta, "log_a", log_a);
+    for (std::size_t i = 0; i < states->size(); ++i)
+      apart.check(fn, (*states)[i], "states", Index(i));
     check_states(fn, *states, B, heads, phi, D, M);
     for (auto& st : *states) delta_absorb_low(st);
   }
@@ -206,7 +214,7 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
       const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
       LinearAttentionState<Scalar>* st = &task_state(states, t, ws, thread, F, M, 0);
       Workspace<Scalar>& tws = ws.for_thread(thread);
-      const auto params = delta_head_params(beta.derived(), log_a.derived(), r0, n, h, tws);
+      const auto params = delta_head_params(beta.derived(), log_a.derived(), r0, n, h, heads, tws);
       auto os = sub_view(o, r0, h * M, n, M);
       delta_run(map, sub_view(q, r0, h * D, n, D), sub_view(k, r0, h * D, n, D),
                 sub_view(v, r0, h * M, n, M), params.first, params.second, *st, os, tws, opts);
@@ -235,7 +243,8 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 ///        compensated sum: the overwrite and the decay bound its memory); z, m and log_decay are
 ///        left as they were. combine() does not apply to delta-rule states (a segment maps S to
 ///        P S + H with an F x F matrix P, which the state does not carry).
-/// \param out N x M; must not overlap Q, K, V, beta or log_a.
+/// \param out N x M; must not overlap Q, K, V, beta, log_a or the state's arrays (nor may the
+///        inputs overlap the state: the call writes it).
 ///
 /// Algorithms (DeltaOptions::algorithm): Chunked forms, per chunk of C rows (32 by default),
 /// the pseudo-values U = (I + strict_tril(diag(β)(K̂K̂ᵀ ∘ E)))⁻¹ diag(β)(V − diag(e) K̂ S) by one
@@ -309,6 +318,12 @@ Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \brief The multi-head delta rule, heads packed side by side (Q, K: N x H·D; V, out: N x H·M;
 /// beta: N x H; log_a: N x H, or empty for no decay), each head from a zero state, in parallel
 /// over heads.
+///
+/// For H > 1 beta and log_a are N x H always: a 1 x H operand is one token of H heads (only a
+/// single head's N entries may also come as a row). The layout gives D = Q.cols() / H and
+/// M = V.cols() / H; it cannot tell fewer key heads shared by H value heads (GVA), which
+/// would run as H heads of a fraction of each key: state DeltaOptions::key_dim (and
+/// value_dim) to have such a call rejected.
 /// \code
 /// linattn::MultiHeadWorkspace<float> ws;
 /// Eigen::MatrixXf out(N, 8 * 128);

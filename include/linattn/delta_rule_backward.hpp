@@ -28,9 +28,10 @@
 namespace linattn {
 namespace detail {
 
+// The writable twin of token_param(): N x H for H > 1, a column or row for one head.
 template <class D>
-typename D::Scalar& token_param_ref(D& x, Index i, Index h) {
-  return x.cols() == 1 || x.rows() != 1 ? x.coeffRef(i, h) : x.coeffRef(h, i);
+typename D::Scalar& token_param_ref(D& x, Index i, Index h, Index heads) {
+  return heads == 1 && x.rows() == 1 ? x.coeffRef(0, i) : x.coeffRef(i, h);
 }
 
 // The checks of a delta-rule backward call: the forward's shapes and values, dOut, the
@@ -56,6 +57,7 @@ void check_delta_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                 "linattn: beta, log_a and their gradients must have the scalar type of Q, K "
                 "and V");
   check_backward(fn, Q, K, V, dOut, dQ, dK, dV, /*causal=*/true);
+  check_head_dims(fn, Q, V, heads, opts.key_dim, opts.value_dim, "beta");
   check_feature_map(fn, phi, Q.cols() / heads);
   check_delta_params(fn, beta, log_a, Q.rows(), heads, qkv_shapes(Q, K, V));
   if (dbeta.rows() != beta.rows() || dbeta.cols() != beta.cols())
@@ -93,28 +95,28 @@ void check_delta_states(const char* fn, const LinearAttentionState<Scalar>& init
                           std::to_string(M));
 }
 
-// Head h of rows [0, N): its parameters to the thread's workspace, the kernel, ∂L/∂β and
-// ∂L/∂log a back into the caller's matrices.
+// Head h (of `heads`) of rows [0, N): its parameters to the thread's workspace, the kernel,
+// ∂L/∂β and ∂L/∂log a back into the caller's matrices.
 template <class Phi, class DQ, class DK, class DV, class DO, class DB, class DA, class OQ,
           class OK, class OV, class OB, class OA, class Scalar>
 void delta_backward_head(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DO& dOut,
-                         const DB& beta, const DA& log_a, Index h,
+                         const DB& beta, const DA& log_a, Index h, Index heads,
                          const LinearAttentionState<Scalar>* initial,
                          const StateGradient<Scalar>* d_final, OQ& dQ, OK& dK, OV& dV,
                          OB& dbeta, OA& dlog_a, StateGradient<Scalar>* d_initial,
                          Workspace<Scalar>& ws, const DeltaOptions& opts) {
   const Index N = Q.rows(), M = V.cols(), F = phi.feature_dim(Q.cols());
-  const auto params = delta_head_params(beta, log_a, 0, N, h, ws);
+  const auto params = delta_head_params(beta, log_a, 0, N, h, heads, ws);
   Workspace<Scalar>& xs = ws.template extension<DeltaScratch<Scalar>>().more;
   Scalar* db = xs.vector(kDeltaDBeta, N).data();
   Scalar* dg = params.second ? xs.vector(kDeltaDG, N).data() : nullptr;
   delta_backward_run(phi, Q, K, V, dOut, params.first, params.second, initial, d_final, dQ, dK,
                      dV, db, dg, d_initial, ws, opts, F, M);
   for (Index i = 0; i < N; ++i)
-    token_param_ref(dbeta, i, h) = static_cast<typename std::decay_t<OB>::Scalar>(db[i]);
+    token_param_ref(dbeta, i, h, heads) = static_cast<typename std::decay_t<OB>::Scalar>(db[i]);
   if (dg)
     for (Index i = 0; i < N; ++i)
-      token_param_ref(dlog_a, i, h) = static_cast<typename std::decay_t<OA>::Scalar>(dg[i]);
+      token_param_ref(dlog_a, i, h, heads) = static_cast<typename std::decay_t<OA>::Scalar>(dg[i]);
 }
 
 template <class Scalar, class DQ, class DK, class DV, class DB, class DA>
@@ -168,6 +170,8 @@ void delta_rule_attention_backward(
   detail::check_delta_backward(fn, Q, K, V, beta, log_a, dOut, phi, dQ, dK, dV, dbeta, dlog_a,
                                1, options);
   detail::check_delta_states(fn, initial, d_final, phi.feature_dim(Q.cols()), V.cols());
+  detail::StateApart("dQ", dQ, "dK", dK, "dV", dV, "dbeta", dbeta, "dlog_a", dlog_a)
+      .check(fn, initial, "initial");
   auto& gb = detail::writable(dbeta);
   auto& ga = detail::writable(dlog_a);
   const auto map = detail::erase_map_with_backward<compute_scalar_t<typename DQ::Scalar>>(phi);
@@ -176,7 +180,7 @@ void delta_rule_attention_backward(
       detail::writable(dK), detail::writable(dV),
       [&](const auto& q, const auto& k, const auto& v, const auto& go, auto& dq, auto& dk,
           auto& dv) {
-        detail::delta_backward_head(map, q, k, v, go, beta.derived(), log_a.derived(), 0,
+        detail::delta_backward_head(map, q, k, v, go, beta.derived(), log_a.derived(), 0, 1,
                                     &initial, &d_final, dq, dk, dv, gb, ga, &d_initial, ws,
                                     options);
       });
@@ -254,7 +258,7 @@ void multihead_delta_rule_attention_backward(
       detail::delta_backward_head(
           map, detail::sub_view(q, 0, h * D, N, D), detail::sub_view(k, 0, h * D, N, D),
           detail::sub_view(v, 0, h * M, N, M), detail::sub_view(go, 0, h * M, N, M),
-          beta.derived(), log_a.derived(), h,
+          beta.derived(), log_a.derived(), h, heads,
           static_cast<const LinearAttentionState<Scalar>*>(nullptr),
           static_cast<const StateGradient<Scalar>*>(nullptr), dqs, dks, dvs, gb, ga,
           static_cast<StateGradient<Scalar>*>(nullptr), ws.for_thread(thread), options);

@@ -61,6 +61,7 @@ void gated_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   static_assert(std::is_same_v<Storage, typename DG::Scalar>,
                 "linattn: log_gates must have the scalar type of Q, K and V");
   check_qkv(fn, Q, K, V, /*causal=*/true);
+  check_head_dims(fn, Q, V, 1, opts.key_dim, opts.value_dim, "the log gates");
   check_feature_map(fn, phi, Q.cols());
   const Index N = Q.rows(), D = Q.cols(), M = V.cols(), F = phi.feature_dim(D);
   check_log_gates(fn, log_gates, N, 1, F,
@@ -69,6 +70,7 @@ void gated_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
                       ")");
   check_output(fn, out, N, M);
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V, "log_gates", log_gates);
+  StateApart("out", out, "Q", Q, "K", K, "V", V, "log_gates", log_gates).check(fn, st, "state");
   check_chunk_size(fn, opts);
   gated_prepare_state(fn, st, phi, D, M, log_gates.cols());
   // As views (detail/views.hpp), one row segment each: the types of the multi-head form's
@@ -102,6 +104,7 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
                 "linattn: log_gates must have the scalar type of Q, K and V");
   const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
   const Index D = dims.first, M = dims.second;
+  check_head_dims(fn, Q, V, heads, opts.key_dim, opts.value_dim, "the log gates");
   check_feature_map(fn, phi, D);
   const Index F = phi.feature_dim(D);
   check_log_gates(fn, log_gates, Q.rows(), heads, heads * F,
@@ -116,6 +119,9 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
   const Index B = static_cast<Index>(offsets.size()) - 1;
   const Index gw = log_gates.cols() / heads;
   if (states) {
+    const StateApart apart("out", out, "Q", Q, "K", K, "V", V, "log_gates", log_gates);
+    for (std::size_t i = 0; i < states->size(); ++i)
+      apart.check(fn, (*states)[i], "states", Index(i));
     check_states(fn, *states, B, heads, phi, D, M);
     for (std::size_t i = 0; i < states->size(); ++i) {
       const Index have = (*states)[i].log_decay.size();
@@ -167,7 +173,8 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 ///        row: S (and z when normalising; otherwise z is left as it was), and
 ///        `state.log_decay` (1 or F entries) increased by the column sums of `log_gates`
 ///        (what combine() of decayed segments needs; spec §9.4).
-/// \param out N x M; must not overlap Q, K, V or log_gates.
+/// \param out N x M; must not overlap Q, K, V, log_gates or the state's arrays (nor may the
+///        inputs overlap the state: the call writes it).
 ///
 /// Algorithms (GatedOptions::algorithm): Chunked runs GEMMs per chunk of C rows (64 by
 /// default), with every decay factor formed as the exponential of a sum of log gates <= 0 (no
@@ -242,7 +249,11 @@ Matrix<typename DQ::Scalar> gated_linear_attention(const Eigen::MatrixBase<DQ>& 
 /// \brief Multi-head gated linear attention, heads packed side by side (Q, K: N x H·D; V, out:
 /// N x H·M), each head from a zero state, in parallel over heads.
 /// \param log_gates N x H (a log-decay per head and token) or N x H·F (head h's per-feature
-///        gates in columns [h·F, (h+1)·F)).
+///        gates in columns [h·F, (h+1)·F)), for every N (one token: 1 x H).
+///
+/// The layout gives D = Q.cols() / H and M = V.cols() / H; it cannot tell fewer key heads
+/// shared by H value heads (GVA): state GatedOptions::key_dim (and value_dim) to have such a
+/// call rejected.
 /// \code
 /// linattn::MultiHeadWorkspace<float> ws;
 /// Eigen::MatrixXf out(N, 8 * 64);

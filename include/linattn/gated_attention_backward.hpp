@@ -43,6 +43,7 @@ void check_gated_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   static_assert(std::is_same_v<Storage, typename DG::Scalar>,
                 "linattn: log_gates must have the scalar type of Q, K and V");
   check_backward(fn, Q, K, V, dOut, dQ, dK, dV, /*causal=*/true);
+  check_head_dims(fn, Q, V, heads, opts.key_dim, opts.value_dim, "the log gates");
   const Index D = Q.cols() / heads;
   check_feature_map(fn, phi, D);
   const Index F = phi.feature_dim(D);
@@ -168,6 +169,8 @@ void gated_linear_attention_backward(
                                options);
   const Index N = Q.rows(), M = V.cols();
   detail::check_gated_states(fn, initial, d_final, phi.feature_dim(Q.cols()), M);
+  detail::StateApart("dQ", dQ, "dK", dK, "dV", dV, "dlog_gates", dlog_gates)
+      .check(fn, initial, "initial");
   // As views (detail/views.hpp), one row segment each: the multi-head form's types.
   const detail::Viewed<DQ> q(Q.derived());
   const detail::Viewed<DK> k(K.derived());

@@ -31,6 +31,15 @@ struct GatedOptions {
   Index chunk_size = 0;
   /// Chunked (GEMMs per chunk), Recurrent (one token at a time), or Auto (by the state's size).
   CausalAlgorithm algorithm = CausalAlgorithm::Auto;
+  /// The size of one head's keys, D, and of its values, M, as the model defines them (0: not
+  /// stated; the kernels take D = Q.cols() / H and M = V.cols() / H). The packed layout alone
+  /// cannot tell H heads of D = Q.cols() / H from fewer key heads shared by H value heads
+  /// (grouped value heads, GVA: Qwen3-Next's 16 key heads for 32 value heads), which would
+  /// run silently as H heads of a fraction of each key. State them and a call whose Q and K
+  /// do not hold H heads of key_dim (V: of value_dim) is rejected (std::invalid_argument);
+  /// shared key heads are not supported: repeat each key head over its value heads.
+  Index key_dim = 0;
+  Index value_dim = 0;
 };
 
 /// \brief The gradients of a scalar loss with respect to the inputs of a gated call: `dQ`,

@@ -95,6 +95,8 @@ void causal_linear_attention_backward_impl(
   const auto state_shape = [&](Index rows, Index cols, Index n) {
     return rows == F && cols == M && n == F;
   };
+  if (initial != nullptr)
+    StateApart("dQ", dQ, "dK", dK, "dV", dV).check(function, *initial, "initial");
   if (initial != nullptr && !initial->empty() &&
       !(state_shape(initial->S.rows(), initial->S.cols(), initial->z.size()) &&
         initial->m.size() == (normalizes_keys_per_feature_v<Phi> ? F : 0) &&

@@ -214,7 +214,12 @@ void batched_causal_linear(
     throw_invalid(fn, "chunk_size must be >= 0 (0 = default), got " +
                           std::to_string(options.chunk_size));
   const Index B = static_cast<Index>(offsets.size()) - 1;
-  if (states) check_states(fn, *states, B, heads, phi, D, M);
+  if (states) {
+    const StateApart apart("out", out, "Q", Q, "K", K, "V", V);
+    for (std::size_t i = 0; i < states->size(); ++i)
+      apart.check(fn, (*states)[i], "states", Index(i));
+    check_states(fn, *states, B, heads, phi, D, M);
+  }
   // Viewed once, not per (sequence, head): see batched_linear.
   const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
   if constexpr (is_low_precision_v<Storage>) {

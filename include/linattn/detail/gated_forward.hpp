@@ -634,7 +634,7 @@ void check_log_gates(const char* function, const Eigen::MatrixBase<DG>& G, Index
       const S x = G(i, j);
       if (!(x <= S(0)) || !std::isfinite(x))
         throw_invalid(function, "log_gates(" + std::to_string(i) + ", " + std::to_string(j) +
-                                    ") = " + std::to_string(x) +
+                                    ") = " + value_string(x) +
                                     ": log-decays must be finite and <= 0" + shapes);
     }
 }
