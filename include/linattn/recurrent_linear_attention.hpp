@@ -39,7 +39,7 @@ bool finite_nonpositive(Scalar g) noexcept {
 template <class Scalar>
 [[noreturn]] void throw_step_value(const char* function, const std::string& entry, Scalar value,
                                    Index token, const char* rule) {
-  throw_invalid(function, entry + " = " + std::to_string(value) + " (token " +
+  throw_invalid(function, entry + " = " + value_string(value) + " (token " +
                               std::to_string(token) + "): " + rule);
 }
 

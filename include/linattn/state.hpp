@@ -145,7 +145,7 @@ template <class Scalar>
 std::string impossible_log_decay(const Vector<Scalar>& log_decay) {
   for (Index i = 0; i < log_decay.size(); ++i)
     if (!(log_decay(i) <= Scalar(0)))
-      return "log_decay(" + std::to_string(i) + ") = " + std::to_string(log_decay(i)) +
+      return "log_decay(" + std::to_string(i) + ") = " + value_string(log_decay(i)) +
              ": a total log-decay is a sum of log gates <= 0 (NaN, +inf and positive values "
              "are impossible)";
   return std::string();
