@@ -321,7 +321,9 @@ void delta_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Sc
   product<Scalar>(b, M, F, {pq.data(), 1, b}, strided_of(st.S), O.data(), 1, b, false, ws,
                   kSlotProductA);
   if (g) O = eq.asDiagonal() * O;
-  O.noalias() += A.template triangularView<Eigen::Lower>() * U;
+  // Row i reads rows j <= i of U only: causality holds for NaN and inf too.
+  lower_product<Scalar>(b, M, A.data(), b, {U.data(), 1, b}, O.data(), 1, b, true, ws,
+                        kSlotProductA);
   dst.middleRows(r0, b) = scale * O;
   delta_advance(total, st.S, st.S, ws, b);
 }
