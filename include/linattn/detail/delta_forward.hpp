@@ -353,6 +353,9 @@ void delta_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scal
   const Index C = recurrent ? kLinearRowBlock
                             : (opts.chunk_size > 0 ? opts.chunk_size : kDeltaDefaultChunk);
   const Index F = st.S.rows(), M = st.S.cols();
+  // No value columns: no output and a state of no columns, nothing to compute (and Eigen's
+  // triangular solve would bind a reference to an empty buffer's null data).
+  if (M == 0) return;
   DeltaPending<Scalar> pend;
   if (recurrent) {
     pend.k = ws.vector(kSlotRowA, F).data();

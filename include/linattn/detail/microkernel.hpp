@@ -94,27 +94,31 @@ EIGEN_ALWAYS_INLINE void micro_tile(Index k, const Scalar* a, Index lda, const S
     });
   }
   if constexpr (Tri == kTriLowerA) {
-    // Lane l of row packet r is row t0 + r·P + l: it takes step p when p <= that row.
+    // Lane l of row packet r is row t0 + r·P + l: it takes step p when p <= that row. A packet
+    // takes a step whole or not at all but for the P - 1 steps inside its own diagonal, which
+    // select per lane.
     [[maybe_unused]] const Packet lanes = plset<Packet>(Scalar(0));
     for (Index p = k_full; p < k; ++p) {
       Packet av[MR];
-      bool take[MR];
+      int mode[MR];  // 0: no lane takes step p, 1: some, 2: all
       [[maybe_unused]] Packet mask[MR];
       unrolled<MR>([&](auto r) {
         av[r] = ploadu<Packet>(a + p * lda + r * P);
         const Index first = p - t0 - Index(r) * P;  // the first lane that takes step p
-        take[r] = first < P;
-        if constexpr (P > 1) mask[r] = pcmp_le(pset1<Packet>(Scalar(first)), lanes);
+        mode[r] = first <= 0 ? 2 : (first < P ? 1 : 0);
+        if constexpr (P > 1)
+          if (mode[r] == 1) mask[r] = pcmp_le(pset1<Packet>(Scalar(first)), lanes);
       });
       const Index off = p * bk;
       unrolled<NR>([&](auto j) {
         const Packet bv = pset1<Packet>(bcol[j][off]);
         unrolled<MR>([&](auto r) {
-          if (!take[r]) return;
-          if constexpr (P > 1)
-            acc[r][j] = pselect(mask[r], pmadd(av[r], bv, acc[r][j]), acc[r][j]);
-          else
+          if (mode[r] == 2) {
             acc[r][j] = pmadd(av[r], bv, acc[r][j]);
+          } else if constexpr (P > 1) {
+            if (mode[r] == 1)
+              acc[r][j] = pselect(mask[r], pmadd(av[r], bv, acc[r][j]), acc[r][j]);
+          }
         });
       });
     }
