@@ -152,7 +152,7 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
     if (v == nullptr) {
       Scalar* vb = ws.matrix(kSlotScores, b, M).data();
       copy_to_row_major(vr, vb);
-      if (masked)  // zero, not skip: 0 * inf in a masked row would poison the state
+      if (masked)  // selected to 0: 0 * inf in a masked row would poison the state
         for (Index i = 0; i < b; ++i)
           if (!keep(r0 + i)) std::fill(vb + i * M, vb + (i + 1) * M, Scalar(0));
       v = vb;
@@ -538,9 +538,10 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
 ///
 /// Non-finite inputs (NaN, ±inf) never cause undefined behaviour; the rows that can see them
 /// (query i sees keys and values j ≤ i) and the state carried out are unspecified. Rows before
-/// the first non-finite key or value are exact with the recurrent algorithm; the chunked one
-/// may also spoil the earlier rows of that token's chunk (its in-chunk product multiplies the
-/// chunk's later values by zero weights, and 0 · inf is NaN).
+/// the first non-finite key or value are exact with either algorithm: the chunked one's
+/// in-chunk product reads rows j ≤ i only (a later value is never multiplied by a zero weight,
+/// where 0 · inf would be NaN). The key mask of masked_causal_linear_attention() isolates
+/// likewise: a masked key's row is never read into a sum, whatever it holds.
 ///
 /// Exceptions: argument errors are thrown before anything is written. A failure during the
 /// computation (std::bad_alloc while a new Workspace grows, or a throwing user feature map)
