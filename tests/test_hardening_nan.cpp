@@ -7,15 +7,13 @@
 //    row in the chunked form too, with every earlier row finite and equal to it;
 //  - M = 0 and N = 0 in every gated and delta-rule entry point (run under the full UBSan of
 //    LINATTN_SANITIZE: no null data bound to a reference).
-#include <linattn/linattn.hpp>
-
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>
-
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <linattn/linattn.hpp>
 #include <string>
 #include <vector>
 
@@ -67,16 +65,20 @@ std::vector<Family<S>> families(Index N, Index D) {
       co.algorithm = algo;
       co.chunk_size = chunk;
       const Index cc = algo == CausalAlgorithm::Chunked ? (chunk ? chunk : 48) : 0;
-      fs.push_back({"causal EluPlusOne " + tag, cc, [co](const auto& Q, const auto& K, const auto& V, bool rm) {
-                      return in_layout<S>(rm, Q, K, V, [&](const auto& q, const auto& k, const auto& v) {
-                        return Mat<S>(linattn::causal_linear_attention(q, k, v, linattn::EluPlusOne{}, co));
-                      });
-                    }});
+      fs.push_back(
+          {"causal EluPlusOne " + tag, cc,
+           [co](const auto& Q, const auto& K, const auto& V, bool rm) {
+             return in_layout<S>(rm, Q, K, V, [&](const auto& q, const auto& k, const auto& v) {
+               return Mat<S>(linattn::causal_linear_attention(q, k, v, linattn::EluPlusOne{}, co));
+             });
+           }});
       fs.push_back({"causal SoftmaxSplit " + tag, cc,
                     [co](const auto& Q, const auto& K, const auto& V, bool rm) {
-                      return in_layout<S>(rm, Q, K, V, [&](const auto& q, const auto& k, const auto& v) {
-                        return Mat<S>(linattn::causal_linear_attention(q, k, v, linattn::SoftmaxSplit{}, co));
-                      });
+                      return in_layout<S>(rm, Q, K, V,
+                                          [&](const auto& q, const auto& k, const auto& v) {
+                                            return Mat<S>(linattn::causal_linear_attention(
+                                                q, k, v, linattn::SoftmaxSplit{}, co));
+                                          });
                     },
                     true});
       linattn::GatedOptions go;
@@ -86,36 +88,45 @@ std::vector<Family<S>> families(Index N, Index D) {
       for (const bool norm : {false, true}) {
         go.normalize = norm;
         const std::string gn = norm ? " normalized " : " ";
-        fs.push_back({"gated scalar" + gn + tag, gc, [go, g](const auto& Q, const auto& K, const auto& V, bool rm) {
-                        return in_layout<S>(rm, Q, K, V, [&](const auto& q, const auto& k, const auto& v) {
-                          return Mat<S>(linattn::gated_linear_attention(q, k, v, g, linattn::EluPlusOne{}, go));
-                        });
+        fs.push_back({"gated scalar" + gn + tag, gc,
+                      [go, g](const auto& Q, const auto& K, const auto& V, bool rm) {
+                        return in_layout<S>(rm, Q, K, V,
+                                            [&](const auto& q, const auto& k, const auto& v) {
+                                              return Mat<S>(linattn::gated_linear_attention(
+                                                  q, k, v, g, linattn::EluPlusOne{}, go));
+                                            });
                       }});
-        fs.push_back({"gated per-feature" + gn + tag, gc, [go, gf](const auto& Q, const auto& K, const auto& V, bool rm) {
-                        return in_layout<S>(rm, Q, K, V, [&](const auto& q, const auto& k, const auto& v) {
-                          return Mat<S>(linattn::gated_linear_attention(q, k, v, gf, linattn::EluPlusOne{}, go));
-                        });
+        fs.push_back({"gated per-feature" + gn + tag, gc,
+                      [go, gf](const auto& Q, const auto& K, const auto& V, bool rm) {
+                        return in_layout<S>(rm, Q, K, V,
+                                            [&](const auto& q, const auto& k, const auto& v) {
+                                              return Mat<S>(linattn::gated_linear_attention(
+                                                  q, k, v, gf, linattn::EluPlusOne{}, go));
+                                            });
                       }});
       }
       go.normalize = false;
-      fs.push_back({"gated per-feature strong " + tag, gc, [go, gs](const auto& Q, const auto& K, const auto& V, bool rm) {
-                      return in_layout<S>(rm, Q, K, V, [&](const auto& q, const auto& k, const auto& v) {
-                        return Mat<S>(linattn::gated_linear_attention(q, k, v, gs, linattn::Identity{}, go));
-                      });
-                    }});
+      fs.push_back(
+          {"gated per-feature strong " + tag, gc,
+           [go, gs](const auto& Q, const auto& K, const auto& V, bool rm) {
+             return in_layout<S>(rm, Q, K, V, [&](const auto& q, const auto& k, const auto& v) {
+               return Mat<S>(linattn::gated_linear_attention(q, k, v, gs, linattn::Identity{}, go));
+             });
+           }});
       linattn::DeltaOptions dop;
       dop.algorithm = algo;
       dop.chunk_size = chunk;
       const Index dc = algo == CausalAlgorithm::Chunked ? (chunk ? chunk : 32) : 0;
       for (const bool decay : {false, true}) {
         const Mat<S> la = decay ? g : Mat<S>(0, 1);
-        fs.push_back({std::string("delta ") + (decay ? "gated " : "") + tag, dc,
-                      [dop, beta, la](const auto& Q, const auto& K, const auto& V, bool rm) {
-                        return in_layout<S>(rm, Q, K, V, [&](const auto& q, const auto& k, const auto& v) {
-                          return Mat<S>(linattn::delta_rule_attention(q, k, v, beta, la,
-                                                                      linattn::L2Normalize<linattn::Identity>{}, dop));
-                        });
-                      }});
+        fs.push_back(
+            {std::string("delta ") + (decay ? "gated " : "") + tag, dc,
+             [dop, beta, la](const auto& Q, const auto& K, const auto& V, bool rm) {
+               return in_layout<S>(rm, Q, K, V, [&](const auto& q, const auto& k, const auto& v) {
+                 return Mat<S>(linattn::delta_rule_attention(
+                     q, k, v, beta, la, linattn::L2Normalize<linattn::Identity>{}, dop));
+               });
+             }});
       }
     }
   }
@@ -125,13 +136,14 @@ std::vector<Family<S>> families(Index N, Index D) {
 // Rows before the poisoned row `r` must be exactly those of the clean run (or, where a chunk is
 // redone token by token, equal to them to rounding).
 template <class S>
-void check_prefix(const Mat<S>& clean, const Mat<S>& poisoned, Index r, bool exact, const std::string& what) {
+void check_prefix(const Mat<S>& clean, const Mat<S>& poisoned, Index r, bool exact,
+                  const std::string& what) {
   ASSERT_EQ(poisoned.rows(), clean.rows()) << what;
   if (r == 0) return;
   const auto a = clean.topRows(r), b = poisoned.topRows(r);
   if (exact) {
-    EXPECT_TRUE(test::same_bits(a, b)) << what << ": rows before " << r << " changed, max diff "
-                                       << test::max_abs_diff(a, b);
+    EXPECT_TRUE(test::same_bits(a, b))
+        << what << ": rows before " << r << " changed, max diff " << test::max_abs_diff(a, b);
   } else {
     EXPECT_TRUE(test::all_finite(b)) << what;
     EXPECT_LE(test::max_abs_diff(a, b), test::bound<S>(2e-5, 1e-12)) << what;
@@ -178,7 +190,8 @@ TEST(hardening_nan, NonFiniteValuesKeepCausality) {
 // The default causal call at D = M = 160 (Auto picks Chunked: F·M > 128²).
 TEST(hardening_nan, DefaultCausalCallLargeStateKeepsCausality) {
   const Index N = 150, D = 160, M = 160;
-  const Mat<float> Q = test::random_matrix<float>(N, D, 921), K = test::random_matrix<float>(N, D, 922);
+  const Mat<float> Q = test::random_matrix<float>(N, D, 921),
+                   K = test::random_matrix<float>(N, D, 922);
   const Mat<float> V = test::random_matrix<float>(N, M, 923);
   const Mat<float> clean = linattn::causal_linear_attention(Q, K, V);
   for (const Index r : {Index(40), Index(48), Index(95)}) {
@@ -200,7 +213,8 @@ void check_mask_isolation() {
   const Index N = 150, D = 12, M = 10;
   const Mat<S> Q = test::random_matrix<S>(N, D, 931), K = test::random_matrix<S>(N, D, 932);
   const Mat<S> V = test::random_matrix<S>(N, M, 933);
-  Eigen::Array<bool, Eigen::Dynamic, 1> pad = Eigen::Array<bool, Eigen::Dynamic, 1>::Constant(N, true);
+  Eigen::Array<bool, Eigen::Dynamic, 1> pad =
+      Eigen::Array<bool, Eigen::Dynamic, 1>::Constant(N, true);
   pad.tail(37).setConstant(false);  // padding at the end
   Eigen::Array<bool, Eigen::Dynamic, 1> sparse = pad;
   for (Index j = 0; j < N; j += 5) sparse(j) = false;
@@ -212,13 +226,16 @@ void check_mask_isolation() {
           Kp.row(j).setConstant(bad);
           Vp.row(j).setConstant(bad);
         }
-      const std::string tag = std::string(test::scalar_name<S>()) + (keep.count() > 120 ? " padding" : " sparse") +
+      const std::string tag = std::string(test::scalar_name<S>()) +
+                              (keep.count() > 120 ? " padding" : " sparse") +
                               (std::isnan(bad) ? " NaN" : " inf");
-      EXPECT_TRUE(test::same_bits(linattn::masked_linear_attention(Q, Kp, Vp, keep, linattn::EluPlusOne{}),
-                                  linattn::masked_linear_attention(Q, K, V, keep, linattn::EluPlusOne{})))
+      EXPECT_TRUE(
+          test::same_bits(linattn::masked_linear_attention(Q, Kp, Vp, keep, linattn::EluPlusOne{}),
+                          linattn::masked_linear_attention(Q, K, V, keep, linattn::EluPlusOne{})))
           << tag << " non-causal";
-      EXPECT_TRUE(test::same_bits(linattn::masked_linear_attention(Q, Kp, Vp, keep, linattn::SoftmaxSplit{}),
-                                  linattn::masked_linear_attention(Q, K, V, keep, linattn::SoftmaxSplit{})))
+      EXPECT_TRUE(test::same_bits(
+          linattn::masked_linear_attention(Q, Kp, Vp, keep, linattn::SoftmaxSplit{}),
+          linattn::masked_linear_attention(Q, K, V, keep, linattn::SoftmaxSplit{})))
           << tag << " non-causal SoftmaxSplit";
       for (const CausalAlgorithm algo :
            {CausalAlgorithm::Auto, CausalAlgorithm::Chunked, CausalAlgorithm::Recurrent}) {
@@ -226,7 +243,8 @@ void check_mask_isolation() {
           linattn::CausalOptions co;
           co.algorithm = algo;
           co.chunk_size = chunk;
-          const std::string t = tag + " causal algo " + std::to_string(int(algo)) + " C=" + std::to_string(chunk);
+          const std::string t =
+              tag + " causal algo " + std::to_string(int(algo)) + " C=" + std::to_string(chunk);
           EXPECT_TRUE(test::same_bits(
               linattn::masked_causal_linear_attention(Q, Kp, Vp, keep, linattn::EluPlusOne{}, co),
               linattn::masked_causal_linear_attention(Q, K, V, keep, linattn::EluPlusOne{}, co)))
@@ -253,14 +271,18 @@ void check_mask_isolation() {
       const std::vector<Index> offsets = {0, 70, N};
       linattn::MultiHeadWorkspace<S> ws;
       RowMat<S> a(N, H * M), b(N, H * M);
-      linattn::masked_batched_linear_attention(Q2, Kp2, Vp2, offsets, offsets, keep, H, linattn::EluPlusOne{}, a, ws);
-      linattn::masked_batched_linear_attention(Q2, K2, V2, offsets, offsets, keep, H, linattn::EluPlusOne{}, b, ws);
+      linattn::masked_batched_linear_attention(Q2, Kp2, Vp2, offsets, offsets, keep, H,
+                                               linattn::EluPlusOne{}, a, ws);
+      linattn::masked_batched_linear_attention(Q2, K2, V2, offsets, offsets, keep, H,
+                                               linattn::EluPlusOne{}, b, ws);
       EXPECT_TRUE(test::same_bits(a, b)) << tag << " batched non-causal";
       for (const CausalAlgorithm algo : {CausalAlgorithm::Chunked, CausalAlgorithm::Recurrent}) {
         linattn::CausalOptions co;
         co.algorithm = algo;
-        linattn::masked_batched_causal_linear_attention(Q2, Kp2, Vp2, offsets, keep, H, linattn::EluPlusOne{}, a, ws, co);
-        linattn::masked_batched_causal_linear_attention(Q2, K2, V2, offsets, keep, H, linattn::EluPlusOne{}, b, ws, co);
+        linattn::masked_batched_causal_linear_attention(Q2, Kp2, Vp2, offsets, keep, H,
+                                                        linattn::EluPlusOne{}, a, ws, co);
+        linattn::masked_batched_causal_linear_attention(Q2, K2, V2, offsets, keep, H,
+                                                        linattn::EluPlusOne{}, b, ws, co);
         EXPECT_TRUE(test::same_bits(a, b)) << tag << " batched causal algo " << int(algo);
       }
     }
@@ -275,9 +297,11 @@ TEST(hardening_nan, MaskedRowsOfNaNAndInfChangeNothing) {
 // The default causal call at D = M = 160 with padding of NaN values.
 TEST(hardening_nan, MaskedDefaultCausalCallLargeState) {
   const Index N = 130, D = 160, M = 160;
-  const Mat<float> Q = test::random_matrix<float>(N, D, 941), K = test::random_matrix<float>(N, D, 942);
+  const Mat<float> Q = test::random_matrix<float>(N, D, 941),
+                   K = test::random_matrix<float>(N, D, 942);
   const Mat<float> V = test::random_matrix<float>(N, M, 943);
-  Eigen::Array<bool, Eigen::Dynamic, 1> keep = Eigen::Array<bool, Eigen::Dynamic, 1>::Constant(N, true);
+  Eigen::Array<bool, Eigen::Dynamic, 1> keep =
+      Eigen::Array<bool, Eigen::Dynamic, 1>::Constant(N, true);
   keep.segment(20, 9).setConstant(false);
   keep.tail(30).setConstant(false);
   Mat<float> Vp = V;
@@ -300,7 +324,8 @@ Index first_non_finite_row(const Mat<float>& x) {
 
 TEST(hardening_nan, DeltaRawKeysChunkedAsFiniteAsRecurrence) {
   const Index N = 256, D = 64, M = 64;
-  const Mat<float> Q = test::random_matrix<float>(N, D, 951), V = test::random_matrix<float>(N, M, 953);
+  const Mat<float> Q = test::random_matrix<float>(N, D, 951),
+                   V = test::random_matrix<float>(N, M, 953);
   Mat<float> K = test::random_matrix<float>(N, D, 952);
   K.rowwise().normalize();
   K *= 10.0f;  // ‖k‖ = 10
@@ -311,13 +336,15 @@ TEST(hardening_nan, DeltaRawKeysChunkedAsFiniteAsRecurrence) {
       linattn::DeltaOptions rec, chk;
       rec.algorithm = CausalAlgorithm::Recurrent;
       chk.algorithm = CausalAlgorithm::Chunked;
-      const Mat<float> r = linattn::delta_rule_attention(Q, K, V, beta, la, linattn::Identity{}, rec);
+      const Mat<float> r =
+          linattn::delta_rule_attention(Q, K, V, beta, la, linattn::Identity{}, rec);
       const std::string tag = "beta " + std::to_string(b) + (decay ? " decay" : "");
       const Index fr = first_non_finite_row(r);
       ASSERT_LT(fr, N) << tag << ": the recurrence was expected to overflow";
       for (const Index chunk : {Index(0), Index(16), Index(64)}) {
         chk.chunk_size = chunk;
-        const Mat<float> c = linattn::delta_rule_attention(Q, K, V, beta, la, linattn::Identity{}, chk);
+        const Mat<float> c =
+            linattn::delta_rule_attention(Q, K, V, beta, la, linattn::Identity{}, chk);
         const Index fc = first_non_finite_row(c);
         // The same row up to the rounding of the overflowing step itself.
         EXPECT_GE(fc, fr - 1) << tag << " C=" << chunk;
@@ -347,9 +374,12 @@ TEST(hardening_nan, EmptyOperandsInGatedAndDeltaEntryPoints) {
          {CausalAlgorithm::Auto, CausalAlgorithm::Chunked, CausalAlgorithm::Recurrent}) {
       const std::string tag = "N=" + std::to_string(s.N) + " M=" + std::to_string(s.M) + " algo " +
                               std::to_string(int(algo));
-      const Mat<float> Q = test::random_matrix<float>(s.N, s.D, 961), K = test::random_matrix<float>(s.N, s.D, 962);
-      const Mat<float> V = test::random_matrix<float>(s.N, s.M, 963), dO = test::random_matrix<float>(s.N, s.M, 964);
-      const Mat<float> beta = Mat<float>::Constant(s.N, 1, 0.5f), g = Mat<float>::Constant(s.N, 1, -0.1f);
+      const Mat<float> Q = test::random_matrix<float>(s.N, s.D, 961),
+                       K = test::random_matrix<float>(s.N, s.D, 962);
+      const Mat<float> V = test::random_matrix<float>(s.N, s.M, 963),
+                       dO = test::random_matrix<float>(s.N, s.M, 964);
+      const Mat<float> beta = Mat<float>::Constant(s.N, 1, 0.5f),
+                       g = Mat<float>::Constant(s.N, 1, -0.1f);
       const Mat<float> gf = Mat<float>::Constant(s.N, s.D, -0.1f), none(0, 1);
       linattn::DeltaOptions dop;
       dop.algorithm = algo;
@@ -357,8 +387,13 @@ TEST(hardening_nan, EmptyOperandsInGatedAndDeltaEntryPoints) {
       go.algorithm = algo;
       // Single head, forward and backward.
       for (const Mat<float>* la : {&g, &none}) {
-        EXPECT_EQ(linattn::delta_rule_attention(Q, K, V, beta, *la, linattn::L2Normalize<linattn::Identity>{}, dop).cols(), s.M) << tag;
-        const auto gr = linattn::delta_rule_attention_backward(Q, K, V, beta, *la, dO, linattn::Identity{}, dop);
+        EXPECT_EQ(linattn::delta_rule_attention(Q, K, V, beta, *la,
+                                                linattn::L2Normalize<linattn::Identity>{}, dop)
+                      .cols(),
+                  s.M)
+            << tag;
+        const auto gr = linattn::delta_rule_attention_backward(Q, K, V, beta, *la, dO,
+                                                               linattn::Identity{}, dop);
         if (s.M == 0) {
           EXPECT_EQ(test::max_abs(gr.dQ), 0.0) << tag;
           EXPECT_EQ(test::max_abs(gr.dK), 0.0) << tag;
@@ -369,7 +404,8 @@ TEST(hardening_nan, EmptyOperandsInGatedAndDeltaEntryPoints) {
         for (const bool norm : {false, true}) {
           go.normalize = norm;
           linattn::LinearAttentionState<float> st;
-          const Mat<float> out = linattn::gated_linear_attention(Q, K, V, *gates, linattn::EluPlusOne{}, st, go);
+          const Mat<float> out =
+              linattn::gated_linear_attention(Q, K, V, *gates, linattn::EluPlusOne{}, st, go);
           EXPECT_EQ(out.cols(), s.M) << tag;
           if (norm && s.N > 0) {
             // M = 0 still carries z: the same z as with values.
@@ -378,7 +414,8 @@ TEST(hardening_nan, EmptyOperandsInGatedAndDeltaEntryPoints) {
             linattn::gated_linear_attention(Q, K, V1, *gates, linattn::EluPlusOne{}, st1, go);
             EXPECT_LE(test::max_abs_diff(st.z, st1.z), 1e-5 * (1 + test::max_abs(st1.z))) << tag;
           }
-          const auto gg = linattn::gated_linear_attention_backward(Q, K, V, *gates, dO, linattn::EluPlusOne{}, go);
+          const auto gg = linattn::gated_linear_attention_backward(Q, K, V, *gates, dO,
+                                                                   linattn::EluPlusOne{}, go);
           EXPECT_EQ(gg.dV.cols(), s.M) << tag;
           if (s.M == 0) EXPECT_EQ(test::max_abs(gg.dQ), 0.0) << tag;
         }
@@ -386,18 +423,26 @@ TEST(hardening_nan, EmptyOperandsInGatedAndDeltaEntryPoints) {
       go.normalize = false;
       // Multi-head and batched (two heads, two sequences).
       const Index H = 2;
-      const Mat<float> Q2 = test::random_matrix<float>(s.N, H * s.D, 966), K2 = test::random_matrix<float>(s.N, H * s.D, 967);
-      const Mat<float> V2 = test::random_matrix<float>(s.N, H * s.M, 968), d2 = test::random_matrix<float>(s.N, H * s.M, 969);
-      const Mat<float> b2 = Mat<float>::Constant(s.N, H, 0.5f), g2 = Mat<float>::Constant(s.N, H, -0.1f);
+      const Mat<float> Q2 = test::random_matrix<float>(s.N, H * s.D, 966),
+                       K2 = test::random_matrix<float>(s.N, H * s.D, 967);
+      const Mat<float> V2 = test::random_matrix<float>(s.N, H * s.M, 968),
+                       d2 = test::random_matrix<float>(s.N, H * s.M, 969);
+      const Mat<float> b2 = Mat<float>::Constant(s.N, H, 0.5f),
+                       g2 = Mat<float>::Constant(s.N, H, -0.1f);
       const std::vector<Index> offsets = {0, s.N / 2, s.N};
       linattn::MultiHeadWorkspace<float> ws;
       Mat<float> o2(s.N, H * s.M);
-      linattn::multihead_delta_rule_attention(Q2, K2, V2, b2, g2, H, linattn::Identity{}, o2, ws, dop);
-      linattn::multihead_delta_rule_attention_backward(Q2, K2, V2, b2, g2, d2, H, linattn::Identity{}, dop);
-      linattn::batched_delta_rule_attention(Q2, K2, V2, b2, g2, offsets, H, linattn::Identity{}, o2, ws, dop);
+      linattn::multihead_delta_rule_attention(Q2, K2, V2, b2, g2, H, linattn::Identity{}, o2, ws,
+                                              dop);
+      linattn::multihead_delta_rule_attention_backward(Q2, K2, V2, b2, g2, d2, H,
+                                                       linattn::Identity{}, dop);
+      linattn::batched_delta_rule_attention(Q2, K2, V2, b2, g2, offsets, H, linattn::Identity{}, o2,
+                                            ws, dop);
       linattn::multihead_gated_linear_attention(Q2, K2, V2, g2, H, linattn::Identity{}, o2, ws, go);
-      linattn::multihead_gated_linear_attention_backward(Q2, K2, V2, g2, d2, H, linattn::Identity{}, go);
-      linattn::batched_gated_linear_attention(Q2, K2, V2, g2, offsets, H, linattn::Identity{}, o2, ws, go);
+      linattn::multihead_gated_linear_attention_backward(Q2, K2, V2, g2, d2, H, linattn::Identity{},
+                                                         go);
+      linattn::batched_gated_linear_attention(Q2, K2, V2, g2, offsets, H, linattn::Identity{}, o2,
+                                              ws, go);
       // The decode steps.
       if (s.N > 0) {
         linattn::RecurrentDeltaRule<linattn::Identity, float> dr(s.D, s.M, dop);

@@ -476,8 +476,9 @@ void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, SMat& S_lo, 
         transpose_copy(pk.data(), pk.outerStride(), b, F, buf, F);
         pkt = buf;
       }
-      absorb_token_major(pkt, F, F, b, kept_value_rows(V.middleRows(j0, b), j0, keep, ws, kSlotProductB),
-                         S_lo, z_lo, ws);
+      absorb_token_major(pkt, F, F, b,
+                         kept_value_rows(V.middleRows(j0, b), j0, keep, ws, kSlotProductB), S_lo,
+                         z_lo, ws);
       fold_state(S, S_lo, z, z_lo);
     };
     if constexpr (normalizes_keys_per_feature_v<Phi>) {

@@ -74,9 +74,9 @@ inline constexpr int kTriUpperB = 2;
 // With Tri, the steps p >= t0 (the tile's diagonal block; the caller stops k at its end) select
 // the lanes inside the triangle: the same fused multiply-adds as without, on fewer entries.
 template <class Packet, int MR, int NR, int Tri = kTriNone, class Scalar>
-EIGEN_ALWAYS_INLINE void micro_tile(Index k, const Scalar* a, Index lda, const Scalar* b,
-                                    Index bk, Index bn, Index nr, Scalar* c, Index ldc,
-                                    bool accumulate, Index t0 = 0) {
+EIGEN_ALWAYS_INLINE void micro_tile(Index k, const Scalar* a, Index lda, const Scalar* b, Index bk,
+                                    Index bn, Index nr, Scalar* c, Index ldc, bool accumulate,
+                                    Index t0 = 0) {
   using namespace Eigen::internal;
   constexpr Index P = unpacket_traits<Packet>::size;
   const Scalar* bcol[NR];
@@ -116,8 +116,7 @@ EIGEN_ALWAYS_INLINE void micro_tile(Index k, const Scalar* a, Index lda, const S
           if (mode[r] == 2) {
             acc[r][j] = pmadd(av[r], bv, acc[r][j]);
           } else if constexpr (P > 1) {
-            if (mode[r] == 1)
-              acc[r][j] = pselect(mask[r], pmadd(av[r], bv, acc[r][j]), acc[r][j]);
+            if (mode[r] == 1) acc[r][j] = pselect(mask[r], pmadd(av[r], bv, acc[r][j]), acc[r][j]);
           }
         });
       });
@@ -149,8 +148,8 @@ EIGEN_ALWAYS_INLINE void micro_tile(Index k, const Scalar* a, Index lda, const S
 
 // Rows [i0, i0 + MR·P) of C, every column; t0: row i0's index in the triangle (kTriLowerA).
 template <class Packet, int MR, int Tri, class Scalar>
-void micro_rows(Index n, Index k, const Scalar* a, Index lda, const Scalar* b, Index bk,
-                Index bn, Scalar* c, Index ldc, bool accumulate, Index t0) {
+void micro_rows(Index n, Index k, const Scalar* a, Index lda, const Scalar* b, Index bk, Index bn,
+                Scalar* c, Index ldc, bool accumulate, Index t0) {
   constexpr Index rows = MR * Eigen::internal::unpacket_traits<Packet>::size;
   for (Index j0 = 0; j0 < n; j0 += kMicroCols) {
     const Index nr = std::min<Index>(kMicroCols, n - j0);
@@ -158,8 +157,8 @@ void micro_rows(Index n, Index k, const Scalar* a, Index lda, const Scalar* b, I
       micro_tile<Packet, MR, kMicroCols, Tri>(std::min(k, t0 + rows), a, lda, b + j0 * bn, bk, bn,
                                               nr, c + j0 * ldc, ldc, accumulate, t0);
     else if constexpr (Tri == kTriUpperB)
-      micro_tile<Packet, MR, kMicroCols, Tri>(std::min(k, j0 + nr), a, lda, b + j0 * bn, bk, bn,
-                                              nr, c + j0 * ldc, ldc, accumulate, j0);
+      micro_tile<Packet, MR, kMicroCols, Tri>(std::min(k, j0 + nr), a, lda, b + j0 * bn, bk, bn, nr,
+                                              c + j0 * ldc, ldc, accumulate, j0);
     else
       micro_tile<Packet, MR, kMicroCols>(k, a, lda, b + j0 * bn, bk, bn, nr, c + j0 * ldc, ldc,
                                          accumulate);
@@ -193,11 +192,12 @@ void micro_edge_rows(Index m, Index n, Index k, const Scalar* a, Index lda, cons
 /// from 0, then added to C: the same shape gives the same bits whatever the strides (a head of a
 /// packed buffer and a single-head call agree exactly). Rows past the last full packet go
 /// through narrower packets or scalars, where the compiler decides whether a·b + c is fused.
-/// gemm_acc_tri<Tri> (kTriLowerA: m = k, kTriUpperB: n = k) sums only the triangle's terms, in the same order:
-/// the full product's bits when the entries outside it are 0 and the other operand is finite.
+/// gemm_acc_tri<Tri> (kTriLowerA: m = k, kTriUpperB: n = k) sums only the triangle's terms, in the
+/// same order: the full product's bits when the entries outside it are 0 and the other operand is
+/// finite.
 template <int Tri, class Scalar>
-void gemm_acc_tri(Index m, Index n, Index k, const Scalar* a, Index lda, const Scalar* b,
-                  Index bk, Index bn, Scalar* c, Index ldc, bool accumulate) {
+void gemm_acc_tri(Index m, Index n, Index k, const Scalar* a, Index lda, const Scalar* b, Index bk,
+                  Index bn, Scalar* c, Index ldc, bool accumulate) {
   using namespace Eigen::internal;
   using Packet = typename packet_traits<Scalar>::type;
   constexpr Index P = unpacket_traits<Packet>::size;
@@ -206,8 +206,8 @@ void gemm_acc_tri(Index m, Index n, Index k, const Scalar* a, Index lda, const S
   if constexpr (P > 1) {
     constexpr Index MRP = kMicroRowPackets * P;
     for (; i + MRP <= m; i += MRP)
-      micro_rows<Packet, kMicroRowPackets, Tri>(n, k, a + i, lda, b, bk, bn, c + i, ldc,
-                                                accumulate, i);
+      micro_rows<Packet, kMicroRowPackets, Tri>(n, k, a + i, lda, b, bk, bn, c + i, ldc, accumulate,
+                                                i);
     if constexpr (kMicroRowPackets > 2) {
       for (; i + 2 * P <= m; i += 2 * P)
         micro_rows<Packet, 2, Tri>(n, k, a + i, lda, b, bk, bn, c + i, ldc, accumulate, i);

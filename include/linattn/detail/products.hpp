@@ -115,7 +115,8 @@ void lower_product(Index m, Index n, const Scalar* l, Index ldl, Strided<Scalar>
   } else {
     eigen_assert(ccs == 1);
     // Cᵀ = Bᵀ Lᵀ: column i of Cᵀ sums over p <= i.
-    const Strided<Scalar> bt = column_contiguous(Strided<Scalar>{b.data, b.cs, b.rs}, n, m, ws, slot);
+    const Strided<Scalar> bt =
+        column_contiguous(Strided<Scalar>{b.data, b.cs, b.rs}, n, m, ws, slot);
     gemm_acc_tri<kTriUpperB>(n, m, m, bt.data, bt.cs, l, ldl, 1, c, crs, accumulate);
   }
 }
