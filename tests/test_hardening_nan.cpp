@@ -2,7 +2,8 @@
 //  - causality for NaN and inf: a non-finite query, key or value at row r leaves every row
 //    before r exactly as on clean inputs, in every algorithm and chunk position (first, last and
 //    an inner row of a chunk), in both storage orders;
-//  - key masks isolate: NaN / inf in the keys and values of masked rows change nothing;
+//  - key masks isolate: NaN / inf in the keys and values of masked rows change nothing, in the
+//    forward kernels and the masked gradients;
 //  - the delta rule on unnormalised keys (β‖k̂‖² > 2) goes non-finite at the recurrence's own
 //    row in the chunked form too, with every earlier row finite and equal to it;
 //  - M = 0 and N = 0 in every gated and delta-rule entry point (run under the full UBSan of
@@ -292,6 +293,42 @@ void check_mask_isolation() {
 TEST(hardening_nan, MaskedRowsOfNaNAndInfChangeNothing) {
   IF_FLOAT(check_mask_isolation<float>());
   IF_DOUBLE(check_mask_isolation<double>());
+}
+
+// The masked gradients: NaN in masked rows reaches no gradient.
+TEST(hardening_nan, MaskedBackwardIgnoresNaNRows) {
+  const Index N = 150, D = 12, M = 10;
+  const Mat<float> Q = test::random_matrix<float>(N, D, 971),
+                   K = test::random_matrix<float>(N, D, 972);
+  const Mat<float> V = test::random_matrix<float>(N, M, 973),
+                   dO = test::random_matrix<float>(N, M, 974);
+  Eigen::Array<bool, Eigen::Dynamic, 1> keep =
+      Eigen::Array<bool, Eigen::Dynamic, 1>::Constant(N, true);
+  keep.tail(30).setConstant(false);
+  keep(10) = false;
+  Mat<float> Kp = K, Vp = V;
+  for (Index j = 0; j < N; ++j)
+    if (!keep(j)) {
+      Kp.row(j).setConstant(std::numeric_limits<float>::quiet_NaN());
+      Vp.row(j).setConstant(std::numeric_limits<float>::quiet_NaN());
+    }
+  const auto same = [](const auto& a, const auto& b, const std::string& what) {
+    EXPECT_TRUE(test::same_bits(a.dQ, b.dQ)) << what << " dQ";
+    EXPECT_TRUE(test::same_bits(a.dK, b.dK)) << what << " dK";
+    EXPECT_TRUE(test::same_bits(a.dV, b.dV)) << what << " dV";
+  };
+  same(linattn::masked_linear_attention_backward(Q, Kp, Vp, dO, keep, linattn::EluPlusOne{}),
+       linattn::masked_linear_attention_backward(Q, K, V, dO, keep, linattn::EluPlusOne{}),
+       "non-causal");
+  for (const CausalAlgorithm algo : {CausalAlgorithm::Chunked, CausalAlgorithm::Recurrent}) {
+    linattn::CausalOptions co;
+    co.algorithm = algo;
+    same(linattn::masked_causal_linear_attention_backward(Q, Kp, Vp, dO, keep,
+                                                          linattn::EluPlusOne{}, co),
+         linattn::masked_causal_linear_attention_backward(Q, K, V, dO, keep, linattn::EluPlusOne{},
+                                                          co),
+         "causal algo " + std::to_string(int(algo)));
+  }
 }
 
 // The default causal call at D = M = 160 with padding of NaN values.
