@@ -3,17 +3,15 @@
 // 2- and 1-packet tiles, half packets, scalar rows; partial column tiles), every storage order
 // of A, B and C, accumulate and overwrite, k = 0; and the property the multi-head kernels rely
 // on: the same shape gives the same bits whatever the strides.
-#include <linattn/linattn.hpp>
-
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <iostream>
 #include <limits>
+#include <linattn/linattn.hpp>
 #include <string>
 #include <vector>
 
@@ -87,8 +85,8 @@ void check_gemm_shapes() {
           // The raw kernel: A column-major (padded rows), B either way, C column-major.
           for (bool b_row : {false, true}) {
             Buf<S> a(A, false, 3), b(B, b_row, 2), c(C0, false, 1);
-            gemm_acc(m, n, k, a.data.data(), a.cs, b.data.data(), b.rs, b.cs, c.data.data(),
-                     c.cs, accumulate);
+            gemm_acc(m, n, k, a.data.data(), a.cs, b.data.data(), b.rs, b.cs, c.data.data(), c.cs,
+                     accumulate);
             const double e = worst_error<S>(c.read(), A, B, C0, accumulate);
             worst = std::max(worst, e);
             ASSERT_LE(e, kTol * u) << "m=" << m << " n=" << n << " k=" << k;
@@ -137,15 +135,58 @@ TEST(MicroKernel, SameShapeSameBitsWhateverTheStrides) {
   for (Index m : {16, 33, 64, 70})
     for (Index k : {1, 128}) {
       const Index n = 11;
-      const Mat<float> A = test::random_matrix<float>(m, k, 71), B = test::random_matrix<float>(k, n, 72);
+      const Mat<float> A = test::random_matrix<float>(m, k, 71),
+                       B = test::random_matrix<float>(k, n, 72);
       Buf<float> a1(A, false, 0), a2(A, false, 5), b1(B, true, 0), b2(B, false, 3);
       Buf<float> c1(Mat<float>::Zero(m, n), false, 0), c2(Mat<float>::Zero(m, n), false, 9);
-      gemm_acc(m, n, k, a1.data.data(), a1.cs, b1.data.data(), b1.rs, b1.cs, c1.data.data(), c1.cs, false);
-      gemm_acc(m, n, k, a2.data.data(), a2.cs, b2.data.data(), b2.rs, b2.cs, c2.data.data(), c2.cs, false);
+      gemm_acc(m, n, k, a1.data.data(), a1.cs, b1.data.data(), b1.rs, b1.cs, c1.data.data(), c1.cs,
+               false);
+      gemm_acc(m, n, k, a2.data.data(), a2.cs, b2.data.data(), b2.rs, b2.cs, c2.data.data(), c2.cs,
+               false);
       const Mat<float> r1 = c1.read(), r2 = c2.read();
       EXPECT_EQ(std::memcmp(r1.data(), r2.data(), sizeof(float) * std::size_t(m * n)), 0)
           << "m=" << m << " k=" << k;
     }
 }
+
+// lower_product(): C (+)= L B with L lower triangular reads neither L's upper triangle nor, for
+// row i, the rows of B past i: with NaN there, C is product() on L with a zero upper triangle
+// and the clean B, bit for bit, in both storage orders of B and C (the causal kernels' in-chunk
+// product: a later token's NaN value must not reach an earlier row).
+template <class S>
+void check_lower_product() {
+  const S nan = std::numeric_limits<S>::quiet_NaN();
+  linattn::Workspace<S> ws;
+  for (Index m : {1, 5, 16, 17, 33, 48, 64, 70})
+    for (Index n : {1, 6, 19, 64}) {
+      const std::uint32_t seed = test::seed_of({m, n, 7});
+      const Mat<S> L0 = test::random_matrix<S>(m, m, seed);
+      const Mat<S> B = test::random_matrix<S>(m, n, seed + 1);
+      const Mat<S> C0 = test::random_matrix<S>(m, n, seed + 2);
+      const Mat<S> Lz = L0.template triangularView<Eigen::Lower>();
+      Mat<S> Ln = Lz;  // NaN above the diagonal
+      for (Index j = 1; j < m; ++j) Ln.col(j).head(j).setConstant(nan);
+      for (int layout = 0; layout < 4; ++layout)
+        for (bool accumulate : {false, true})
+          for (Index r : {Index(0), m / 2, m - 1}) {
+            Mat<S> Bn = B;
+            Bn.row(r).setConstant(nan);
+            Buf<S> lz(Lz, false, 0), ln(Ln, false, 0), b(B, layout & 1, 1), bn(Bn, layout & 1, 1);
+            Buf<S> c1(C0, layout & 2, 0), c2(C0, layout & 2, 0);
+            product<S>(m, n, m, lz.view(), b.view(), c1.data.data(), c1.rs, c1.cs, accumulate, ws,
+                       linattn::detail::kSlotProductA);
+            linattn::detail::lower_product<S>(m, n, ln.data.data(), m, bn.view(), c2.data.data(),
+                                              c2.rs, c2.cs, accumulate, ws,
+                                              linattn::detail::kSlotProductA);
+            const Mat<S> x1 = c1.read(), x2 = c2.read();
+            ASSERT_TRUE(test::same_bits(x1.topRows(r), x2.topRows(r)))
+                << "m=" << m << " n=" << n << " NaN row " << r << " layout=" << layout;
+            ASSERT_FALSE(x2.row(r).allFinite()) << "m=" << m << " n=" << n << " row " << r;
+          }
+    }
+}
+
+TEST(MicroKernel, LowerProductReadsOnlyTheTriangleFloat) { check_lower_product<float>(); }
+TEST(MicroKernel, LowerProductReadsOnlyTheTriangleDouble) { check_lower_product<double>(); }
 
 }  // namespace
