@@ -3,15 +3,17 @@
 // 2- and 1-packet tiles, half packets, scalar rows; partial column tiles), every storage order
 // of A, B and C, accumulate and overwrite, k = 0; and the property the multi-head kernels rely
 // on: the same shape gives the same bits whatever the strides.
+#include <linattn/linattn.hpp>
+
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <iostream>
 #include <limits>
-#include <linattn/linattn.hpp>
 #include <string>
 #include <vector>
 
@@ -85,8 +87,8 @@ void check_gemm_shapes() {
           // The raw kernel: A column-major (padded rows), B either way, C column-major.
           for (bool b_row : {false, true}) {
             Buf<S> a(A, false, 3), b(B, b_row, 2), c(C0, false, 1);
-            gemm_acc(m, n, k, a.data.data(), a.cs, b.data.data(), b.rs, b.cs, c.data.data(), c.cs,
-                     accumulate);
+            gemm_acc(m, n, k, a.data.data(), a.cs, b.data.data(), b.rs, b.cs, c.data.data(),
+                     c.cs, accumulate);
             const double e = worst_error<S>(c.read(), A, B, C0, accumulate);
             worst = std::max(worst, e);
             ASSERT_LE(e, kTol * u) << "m=" << m << " n=" << n << " k=" << k;
@@ -135,14 +137,11 @@ TEST(MicroKernel, SameShapeSameBitsWhateverTheStrides) {
   for (Index m : {16, 33, 64, 70})
     for (Index k : {1, 128}) {
       const Index n = 11;
-      const Mat<float> A = test::random_matrix<float>(m, k, 71),
-                       B = test::random_matrix<float>(k, n, 72);
+      const Mat<float> A = test::random_matrix<float>(m, k, 71), B = test::random_matrix<float>(k, n, 72);
       Buf<float> a1(A, false, 0), a2(A, false, 5), b1(B, true, 0), b2(B, false, 3);
       Buf<float> c1(Mat<float>::Zero(m, n), false, 0), c2(Mat<float>::Zero(m, n), false, 9);
-      gemm_acc(m, n, k, a1.data.data(), a1.cs, b1.data.data(), b1.rs, b1.cs, c1.data.data(), c1.cs,
-               false);
-      gemm_acc(m, n, k, a2.data.data(), a2.cs, b2.data.data(), b2.rs, b2.cs, c2.data.data(), c2.cs,
-               false);
+      gemm_acc(m, n, k, a1.data.data(), a1.cs, b1.data.data(), b1.rs, b1.cs, c1.data.data(), c1.cs, false);
+      gemm_acc(m, n, k, a2.data.data(), a2.cs, b2.data.data(), b2.rs, b2.cs, c2.data.data(), c2.cs, false);
       const Mat<float> r1 = c1.read(), r2 = c2.read();
       EXPECT_EQ(std::memcmp(r1.data(), r2.data(), sizeof(float) * std::size_t(m * n)), 0)
           << "m=" << m << " k=" << k;
