@@ -201,6 +201,18 @@ TEST(hardening_nan, DefaultCausalCallLargeStateKeepsCausality) {
     check_prefix<float>(clean, linattn::causal_linear_attention(Q, K, v), r, true,
                         "default call, v(" + std::to_string(r) + ", 7) = NaN");
   }
+  // The gated default call there is chunked too (scalar and per-feature gates).
+  const Mat<float> g = -0.05f * test::random_matrix<float>(N, 1, 924, 0, 1);
+  const Mat<float> gf = -0.05f * test::random_matrix<float>(N, D, 925, 0, 1);
+  for (const Mat<float>* gates : {&g, &gf}) {
+    const Mat<float> gclean = linattn::gated_linear_attention(Q, K, V, *gates);
+    for (const Index r : {Index(40), Index(64), Index(127)}) {
+      Mat<float> v = V;
+      v(r, 7) = std::numeric_limits<float>::infinity();
+      check_prefix<float>(gclean, linattn::gated_linear_attention(Q, K, v, *gates), r, true,
+                          "gated default call, v(" + std::to_string(r) + ", 7) = inf");
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
