@@ -240,7 +240,7 @@ void check_mask_isolation() {
           Vp.row(j).setConstant(bad);
         }
       const std::string tag = std::string(test::scalar_name<S>()) +
-                              (keep.count() > 120 ? " padding" : " sparse") +
+                              (keep.count() > 100 ? " padding" : " sparse") +
                               (std::isnan(bad) ? " NaN" : " inf");
       EXPECT_TRUE(
           test::same_bits(linattn::masked_linear_attention(Q, Kp, Vp, keep, linattn::EluPlusOne{}),
