@@ -466,7 +466,9 @@ TEST(hardening_nan, EmptyOperandsInGatedAndDeltaEntryPoints) {
           const auto gg = linattn::gated_linear_attention_backward(Q, K, V, *gates, dO,
                                                                    linattn::EluPlusOne{}, go);
           EXPECT_EQ(gg.dV.cols(), s.M) << tag;
-          if (s.M == 0) EXPECT_EQ(test::max_abs(gg.dQ), 0.0) << tag;
+          if (s.M == 0) {
+            EXPECT_EQ(test::max_abs(gg.dQ), 0.0) << tag;
+          }
         }
       }
       go.normalize = false;
