@@ -148,4 +148,44 @@ TEST(MicroKernel, SameShapeSameBitsWhateverTheStrides) {
     }
 }
 
+// lower_product(): C (+)= L B with L lower triangular reads neither L's upper triangle nor, for
+// row i, the rows of B past i: with NaN there, C is product() on L with a zero upper triangle
+// and the clean B, bit for bit, in both storage orders of B and C (the causal kernels' in-chunk
+// product: a later token's NaN value must not reach an earlier row).
+template <class S>
+void check_lower_product() {
+  const S nan = std::numeric_limits<S>::quiet_NaN();
+  linattn::Workspace<S> ws;
+  for (Index m : {1, 5, 16, 17, 33, 48, 64, 70})
+    for (Index n : {1, 6, 19, 64}) {
+      const std::uint32_t seed = test::seed_of({m, n, 7});
+      const Mat<S> L0 = test::random_matrix<S>(m, m, seed);
+      const Mat<S> B = test::random_matrix<S>(m, n, seed + 1);
+      const Mat<S> C0 = test::random_matrix<S>(m, n, seed + 2);
+      const Mat<S> Lz = L0.template triangularView<Eigen::Lower>();
+      Mat<S> Ln = Lz;  // NaN above the diagonal
+      for (Index j = 1; j < m; ++j) Ln.col(j).head(j).setConstant(nan);
+      for (int layout = 0; layout < 4; ++layout)
+        for (bool accumulate : {false, true})
+          for (Index r : {Index(0), m / 2, m - 1}) {
+            Mat<S> Bn = B;
+            Bn.row(r).setConstant(nan);
+            Buf<S> lz(Lz, false, 0), ln(Ln, false, 0), b(B, layout & 1, 1), bn(Bn, layout & 1, 1);
+            Buf<S> c1(C0, layout & 2, 0), c2(C0, layout & 2, 0);
+            product<S>(m, n, m, lz.view(), b.view(), c1.data.data(), c1.rs, c1.cs, accumulate, ws,
+                       linattn::detail::kSlotProductA);
+            linattn::detail::lower_product<S>(m, n, ln.data.data(), m, bn.view(), c2.data.data(),
+                                              c2.rs, c2.cs, accumulate, ws,
+                                              linattn::detail::kSlotProductA);
+            const Mat<S> x1 = c1.read(), x2 = c2.read();
+            ASSERT_TRUE(test::same_bits(x1.topRows(r), x2.topRows(r)))
+                << "m=" << m << " n=" << n << " NaN row " << r << " layout=" << layout;
+            ASSERT_FALSE(x2.row(r).allFinite()) << "m=" << m << " n=" << n << " row " << r;
+          }
+    }
+}
+
+TEST(MicroKernel, LowerProductReadsOnlyTheTriangleFloat) { check_lower_product<float>(); }
+TEST(MicroKernel, LowerProductReadsOnlyTheTriangleDouble) { check_lower_product<double>(); }
+
 }  // namespace

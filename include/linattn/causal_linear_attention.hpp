@@ -152,7 +152,7 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
     if (v == nullptr) {
       Scalar* vb = ws.matrix(kSlotScores, b, M).data();
       copy_to_row_major(vr, vb);
-      if (masked)  // zero, not skip: 0 * inf in a masked row would poison the state
+      if (masked)  // selected to 0: 0 * inf in a masked row would poison the state
         for (Index i = 0; i < b; ++i)
           if (!keep(r0 + i)) std::fill(vb + i * M, vb + (i + 1) * M, Scalar(0));
       v = vb;
@@ -178,9 +178,10 @@ void causal_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V
   }
 }
 
-// A chunk's output rows, out = φq S + A V, of both chunked forms: φq (b x F) and A (b x b, the
-// scaled scores with its strict upper triangle 0) column-major buffers, S the carried state, V
-// the chunk's values; written in place or through slot `slot` (write_rows).
+// A chunk's output rows, out = φq S + A V, of the chunked forms: φq (b x F) and A (b x b, the
+// scaled scores, lower triangular) column-major buffers, S the carried state, V the chunk's
+// values; written in place or through slot `slot` (write_rows). Row i reads rows j <= i of V
+// only (lower_product): causality holds for non-finite values too.
 template <class PQ, class AMat, class SMat, class Scalar, class Out>
 void write_chunk_rows(const PQ& pq, const AMat& A, const SMat& S, Strided<Scalar> vr, Out&& out,
                       Workspace<Scalar>& ws, int slot) {
@@ -188,7 +189,7 @@ void write_chunk_rows(const PQ& pq, const AMat& A, const SMat& S, Strided<Scalar
   write_rows(std::forward<Out>(out), ws, slot, [&](Scalar* o, Index crs, Index ccs) {
     product<Scalar>(b, M, F, {pq.data(), 1, b}, strided_of(S), o, crs, ccs, false, ws,
                     kSlotProductA);
-    product<Scalar>(b, M, b, {A.data(), 1, b}, vr, o, crs, ccs, true, ws, kSlotProductA);
+    lower_product<Scalar>(b, M, A.data(), b, vr, o, crs, ccs, true, ws, kSlotProductA);
   });
 }
 
@@ -233,13 +234,10 @@ void causal_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, Index r
   }
   invert_guarded(den);
   // Scaling the rows of φq and A divides the output rows without touching the output
-  // twice; with A's strict upper triangle 0, A multiplies V whole.
+  // twice; A's strict upper triangle is never read (lower_product).
   pq.array().colwise() *= den.array();
-  for (Index j = 0; j < b; ++j) {
-    A.col(j).head(j).setZero();
-    A.col(j).tail(b - j).array() *= den.tail(b - j).array();
-  }
-  const Strided<Scalar> vr = strided_rows(V.middleRows(r0, b), ws, kSlotProductB);
+  for (Index j = 0; j < b; ++j) A.col(j).tail(b - j).array() *= den.tail(b - j).array();
+  const Strided<Scalar> vr = kept_value_rows(V.middleRows(r0, b), r0, keep, ws, kSlotProductB);
   write_chunk_rows(pq, A, st.S, vr, dst.middleRows(r0, b), ws, kSlotPrefix);
   // The chunk's sums go into the low parts, then one exact fold: the state keeps its
   // precision however long the sequence (see LinearAttentionState).
@@ -286,7 +284,9 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
     }
     chunk_sum(d) = running;
   }
-  if (!(Z.minCoeff() >= std::exp(-per_feature_log_range<Scalar>()))) return false;
+  // A non-finite key (NaN, or +inf, whose maximum makes every other exponent -inf) fails the
+  // test too (NaN compares false): the token path keeps it from the chunk's earlier rows.
+  if (!(Z.array() >= std::exp(-per_feature_log_range<Scalar>())).all()) return false;
 
   for (Index d = 0; d < F; ++d) {
     if (scale(d) != Scalar(1)) {
@@ -307,8 +307,7 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
   // As causal_chunk, on the micro-kernel; E (b x F) is column-major, read as φkᵀ by broadcast.
   product<Scalar>(b, b, F, {pq.data(), 1, b}, {E.data(), b, 1}, A.data(), 1, b, false, ws,
                   kSlotProductA);
-  for (Index j = 1; j < b; ++j) A.col(j).head(j).setZero();
-  const Strided<Scalar> vr = strided_rows(V.middleRows(r0, b), ws, kSlotProductB);
+  const Strided<Scalar> vr = kept_value_rows(V.middleRows(r0, b), r0, keep, ws, kSlotProductB);
   write_chunk_rows(pq, A, st.S, vr, dst.middleRows(r0, b), ws, kSlotExtra);
   const Strided<Scalar> s_lo = strided_of(st.S_lo);
   product<Scalar>(F, M, b, {E.data(), b, 1}, vr, st.S_lo.data(), s_lo.rs, s_lo.cs, true, ws,
@@ -540,9 +539,10 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
 ///
 /// Non-finite inputs (NaN, ±inf) never cause undefined behaviour; the rows that can see them
 /// (query i sees keys and values j ≤ i) and the state carried out are unspecified. Rows before
-/// the first non-finite key or value are exact with the recurrent algorithm; the chunked one
-/// may also spoil the earlier rows of that token's chunk (its in-chunk product multiplies the
-/// chunk's later values by zero weights, and 0 · inf is NaN).
+/// the first non-finite key or value are exact with either algorithm: the chunked one's
+/// in-chunk product reads rows j ≤ i only (a later value is never multiplied by a zero weight,
+/// where 0 · inf would be NaN). The key mask of masked_causal_linear_attention() isolates
+/// likewise: a masked key's row is never read into a sum, whatever it holds.
 ///
 /// Exceptions: argument errors are thrown before anything is written. A failure during the
 /// computation (std::bad_alloc while a new Workspace grows, or a throwing user feature map)

@@ -11,6 +11,11 @@
 /// to q, k and v, then map q and k (only) with `L2Normalize<>` (FLA: `L2Normalize<>(1e-6)`) and
 /// scale by \f$1/\sqrt{D}\f$ (DeltaOptions::scale); `L2Normalize<Silu>` is that map and the SiLU
 /// of q and k in one, for q and k taken before the SiLU. docs/SPEC.md §9.3 has the chunked form.
+///
+/// The update is a contraction (the state stays bounded) when \f$\beta_t \|\hat k_t\|^2 \le 2\f$,
+/// as with unit keys. Beyond, the state grows geometrically and overflows in a few dozen tokens;
+/// linattn does not reject such keys, and every algorithm then stays exactly as finite as the
+/// recurrence: row i never reads a later row, so the rows before the overflow are finite.
 #pragma once
 
 #include <Eigen/Core>
@@ -252,9 +257,14 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// decay factor is the exponential of a sum of log decays <= 0). Recurrent runs one token at a
 /// time, each token one pass over the state (the decode step's kernel). Auto runs Recurrent
 /// for states up to 512 x 512 (measured faster on a CPU at every size up to that: the chunked
-/// form does more flops per token at a similar rate), Chunked beyond. Both agree to rounding. With unit keys (L2Normalize) every factor has norm
-/// <= 1; with raw keys the kernels do the same arithmetic and promise no bound (a state can
-/// grow without limit when β‖k̂‖² > 2), but form no NaN themselves from finite inputs.
+/// form does more flops per token at a similar rate), Chunked beyond. Both agree to rounding.
+///
+/// Unnormalised keys: with \f$\beta_t \|\hat k_t\|^2 \le 2\f$ (unit keys, β <= 2) every
+/// factor has norm <= 1. Beyond, the state grows by up to \f$|1 - \beta_t \|\hat k_t\|^2|\f$ a
+/// token and overflows to ±inf, then NaN (float, keys of norm 10, β = 1: within 50 tokens). Such
+/// keys are not rejected; both algorithms then go non-finite at the recurrence's own row (the
+/// chunked form's row i reads rows <= i only), and every row before it is finite. Causality holds
+/// for non-finite inputs too: a NaN or inf at row j leaves rows i < j exact.
 ///
 /// \throws std::invalid_argument on mismatched shapes (naming the function and every shape), a
 /// beta outside [0, 2] or NaN, a log_a > 0, NaN or ±inf, a state of the wrong shape, an output

@@ -145,9 +145,10 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
       const Index r0 = offsets[static_cast<std::size_t>(b)];
       const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
       LinearAttentionState<Scalar>* st = &task_state(states, t, ws, thread, F, M, gw);
-      auto os = dst.block(r0, h * M, n, M);
-      gated_run(map, q.view.block(r0, h * D, n, D), k.view.block(r0, h * D, n, D),
-                v.view.block(r0, h * M, n, M), g.view.block(r0, h * gw, n, gw), *st, os,
+      // sub_view, not block: an empty operand's memory may be null, where no offset applies.
+      auto os = sub_view(dst, r0, h * M, n, M);
+      gated_run(map, sub_view(q.view, r0, h * D, n, D), sub_view(k.view, r0, h * D, n, D),
+                sub_view(v.view, r0, h * M, n, M), sub_view(g.view, r0, h * gw, n, gw), *st, os,
                 ws.for_thread(thread), opts);
     });
   });

@@ -454,6 +454,29 @@ class KeyMask {
   Index offset_ = 0;
 };
 
+// The values x of keys [r0, r0 + rows) as the products read them (strided_rows()), with the
+// rows of masked keys (keep(r0 + t) false) 0 in a row-major copy in slot `slot`, made when the
+// block has one. A masked key's weight is 0, but padding often holds NaN or inf and 0 · NaN is
+// NaN: its value is selected away, never multiplied.
+template <class X, class Keep, class Scalar = typename std::decay_t<X>::Scalar>
+Strided<Scalar> kept_value_rows(const X& x, Index r0, const Keep& keep, Workspace<Scalar>& ws,
+                                int slot) {
+  if constexpr (!std::is_same_v<Keep, NoMask>) {
+    const Index rows = x.rows(), cols = x.cols();
+    Index t = 0;
+    while (t < rows && keep(r0 + t)) ++t;
+    if (t < rows) {
+      ws.reserve(slot, rows * cols);
+      Scalar* buf = ws.matrix(slot, rows, cols).data();
+      copy_to_row_major(x, buf);
+      for (; t < rows; ++t)
+        if (!keep(r0 + t)) std::fill(buf + t * cols, buf + (t + 1) * cols, Scalar(0));
+      return {buf, cols, 1};
+    }
+  }
+  return strided_rows(x, ws, slot);
+}
+
 // Non-causal absorption of keys: S += φ(K)ᵀ V and z += φ(K)ᵀ 1 blockwise, so that no L x F
 // matrix exists; for per-feature key softmax with running maxima. Each block's sums go into the
 // low parts, which are then folded into the high parts (one exact fold per block of keys, a few
@@ -484,7 +507,8 @@ void absorb_keys(const Phi& phi, const DK& K, const DV& V, SMat& S, SMat& S_lo, 
         transpose_copy(pk.data(), pk.outerStride(), b, F, buf, F);
         pkt = buf;
       }
-      absorb_token_major(pkt, F, F, b, strided_rows(V.middleRows(j0, b), ws, kSlotProductB), S_lo,
+      absorb_token_major(pkt, F, F, b,
+                         kept_value_rows(V.middleRows(j0, b), j0, keep, ws, kSlotProductB), S_lo,
                          z_lo, ws);
       fold_state(S, S_lo, z, z_lo);
     };

@@ -87,7 +87,8 @@ void causal_backward_product(
     auto c = ws.vector(kSlotRowB, b);
     auto ga = ws.matrix(kSlotExtra, b, F);
     auto zi = ws.matrix(kSlotKeys, b, F);
-    const Strided<Scalar> vr = strided_rows(V.middleRows(r0, b), ws, kSlotBackwardB);
+    // Masked keys' values selected to 0 (kept_value_rows): a NaN there must reach no sum.
+    const Strided<Scalar> vr = kept_value_rows(V.middleRows(r0, b), r0, keep, ws, kSlotBackwardB);
     const Strided<Scalar> vr_t{vr.data, vr.cs, vr.rs};  // V_Rᵀ
     map_chunk(phi, Q, K, keep, r0, b, a, kt);
     // zi: each row's z (the carried z plus the chunk's keys up to it); den = a zi.
@@ -140,7 +141,8 @@ void causal_backward_product(
     auto gh = ws.matrix(kSlotPrefix, b, M);
     auto c = ws.vector(kSlotRowB, b);
     auto gk = ws.matrix(kSlotExtra, b, F);
-    const Strided<Scalar> vr = strided_rows(V.middleRows(r0, b), ws, kSlotBackwardB);
+    // Masked keys' values selected to 0 (kept_value_rows): a NaN there must reach no sum.
+    const Strided<Scalar> vr = kept_value_rows(V.middleRows(r0, b), r0, keep, ws, kSlotBackwardB);
     const Strided<Scalar> vr_t{vr.data, vr.cs, vr.rs};  // V_Rᵀ
     map_chunk(phi, Q, K, keep, r0, b, a, kt);
     copy_rows(dV.middleRows(r0, b), gh);

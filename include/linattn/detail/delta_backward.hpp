@@ -44,6 +44,19 @@ void delta_backward_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
                         const DeltaOptions& opts, Index F, Index M) {
   Workspace<Scalar>& xs = ws.template extension<DeltaScratch<Scalar>>().more;
   const Index N = Q.rows();
+  if (M == 0) {
+    // No value columns: the outputs are empty and no input reaches the loss. Returned here
+    // because Eigen's triangular solves bind references to the null data of empty buffers.
+    dQ.setZero();
+    dK.setZero();
+    std::fill(dbeta, dbeta + N, Scalar(0));
+    if (g) std::fill(dg, dg + N, Scalar(0));
+    if (d_initial) {
+      d_initial->dS.setZero(F, M);
+      d_initial->dz.setZero(F);
+    }
+    return;
+  }
   const Index C = opts.chunk_size > 0 ? opts.chunk_size : kDeltaDefaultChunk;
   const Index chunks = (N + C - 1) / C;
   const Scalar s = static_cast<Scalar>(opts.scale);

@@ -321,7 +321,9 @@ void delta_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Sc
   product<Scalar>(b, M, F, {pq.data(), 1, b}, strided_of(st.S), O.data(), 1, b, false, ws,
                   kSlotProductA);
   if (g) O = eq.asDiagonal() * O;
-  O.noalias() += A.template triangularView<Eigen::Lower>() * U;
+  // Row i reads rows j <= i of U only: causality holds for NaN and inf too.
+  lower_product<Scalar>(b, M, A.data(), b, {U.data(), 1, b}, O.data(), 1, b, true, ws,
+                        kSlotProductA);
   dst.middleRows(r0, b) = scale * O;
   delta_advance(total, st.S, st.S, ws, b);
 }
@@ -351,6 +353,9 @@ void delta_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scal
   const Index C = recurrent ? kLinearRowBlock
                             : (opts.chunk_size > 0 ? opts.chunk_size : kDeltaDefaultChunk);
   const Index F = st.S.rows(), M = st.S.cols();
+  // No value columns: no output and a state of no columns, nothing to compute (and Eigen's
+  // triangular solve would bind a reference to an empty buffer's null data).
+  if (M == 0) return;
   DeltaPending<Scalar> pend;
   if (recurrent) {
     pend.k = ws.vector(kSlotRowA, F).data();

@@ -229,7 +229,7 @@ void gated_backward_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV
         dq = inv * dq + c * zx;
         qdx.col(i) = q.cwiseProduct(dq);
         dq += (vb.row(i).dot(gi) + c) * k;
-        dV.row(r0 + i) = gi;
+        if (M > 0) dV.row(r0 + i) = gi;  // no row of an empty dV (its data may be null)
         dK(r0 + i, 0) = c;
       } else {
         gated_update_read_dot(S.data(), S.outerStride(), F, M, a, pf, k.data(),
@@ -563,7 +563,9 @@ void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& 
       den.noalias() += qs * z;
       ColMajor num(ws.matrix(kSlotBackwardC, b, M).data(), b, M);
       num.noalias() = qs * S;
-      num.noalias() += A.template triangularView<Eigen::Lower>() * vr;
+      // Eigen's triangular product binds a reference to the data of an empty operand (null
+      // when M = 0): skipped when there is nothing to multiply.
+      if (M > 0) num.noalias() += A.template triangularView<Eigen::Lower>() * vr;
       invert_guarded(den);
       // c_i = -(g_i·out_i) / d_i = -inv_i² (g_i·num_i); ĝ_i = g_i · inv_i.
       cv = -(gp.cwiseProduct(num).rowwise().sum().array() * den.array().square()).matrix();
@@ -573,7 +575,10 @@ void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& 
     } else {
       gp *= cfg.scale;
     }
-    B.template triangularView<Eigen::Lower>() = gp * vr.transpose();
+    if (M > 0)  // as num above
+      B.template triangularView<Eigen::Lower>() = gp * vr.transpose();
+    else
+      B.setZero();
     if (norm)
       for (Index j = 0; j < b; ++j) B.col(j).tail(b - j) += cv.tail(b - j);
     if (!pf) {
@@ -651,7 +656,10 @@ void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& 
       gp = dOut.middleRows(r0, b);
       gp *= cfg.scale;
     }
-    B.template triangularView<Eigen::Lower>() = gp * vr.transpose();
+    if (M > 0)  // as num above
+      B.template triangularView<Eigen::Lower>() = gp * vr.transpose();
+    else
+      B.setZero();
     if (norm)
       for (Index j = 0; j < b; ++j) B.col(j).tail(b - j) += cv.tail(b - j);
     if (!pf) {
@@ -676,7 +684,8 @@ void gated_backward_chunked(const Phi& phi, const DQ& Q, const DK& K, const DV& 
     // ∇V = Aᵀ Ĝ + (φk ∘ E_k) R, into the caller's rows once Ĝ is read.
     scaled(pk, ek, ks);
     ColMajor dv(ws.matrix(kSlotBackwardC, b, M).data(), b, M);
-    dv.noalias() = A.template triangularView<Eigen::Lower>().transpose() * gp;
+    if (M > 0)  // as num above
+      dv.noalias() = A.template triangularView<Eigen::Lower>().transpose() * gp;
     dv.noalias() += ks * R;
     dV.middleRows(r0, b) = dv;
     // R' <- diag(decay) R' + (φq ∘ E_q)ᵀ G'

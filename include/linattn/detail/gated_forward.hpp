@@ -166,9 +166,9 @@ void gated_chunk_scalar(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
   }
   pq.array().colwise() *= eq.array();
   const auto vr = V.middleRows(r0, b);
-  auto ob = dst.middleRows(r0, b);
-  ob.noalias() = pq * st.S;
-  ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
+  // Row i reads rows j <= i of V only: causality holds for NaN and inf too.
+  write_chunk_rows(pq, A, st.S, strided_rows(vr, ws, kSlotProductB), dst.middleRows(r0, b), ws,
+                   kSlotBackwardC);
   const Scalar decay =
       exp_nonpositive_op<Scalar>()(total);  // 0 below exp_arg_floor, never a denormal
   st.S *= decay;
@@ -292,9 +292,8 @@ void gated_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV&
     pq *= cfg.scale;
   }
   const auto vr = V.middleRows(r0, b);
-  auto ob = dst.middleRows(r0, b);
-  ob.noalias() = pq * st.S;
-  ob.noalias() += A.template triangularView<Eigen::Lower>() * vr;
+  write_chunk_rows(pq, A, st.S, strided_rows(vr, ws, kSlotProductB), dst.middleRows(r0, b), ws,
+                   kSlotBackwardC);
   st.S.array().colwise() *= decay.array();
   st.S_lo.array().colwise() *= decay.array();
   pk.array() *= ck.array();

@@ -221,9 +221,10 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
           const Index h = hr.first + i;
           MatMap Si = S(i), S_lo(S_lo_all.data() + i * sS, F, M);
           VecMap zi = z(i), z_lo(z_lo_all.data() + i * sz, F);
-          absorb_token_major(pt.data() + i * D, pt.outerStride(), D, r,
-                             strided_rows(v.block(k0 + j0, h * M, r, M), w, kSlotProductB), S_lo,
-                             z_lo, w);
+          absorb_token_major(
+              pt.data() + i * D, pt.outerStride(), D, r,
+              kept_value_rows(v.block(k0 + j0, h * M, r, M), k0 + j0, keep, w, kSlotProductB), S_lo,
+              z_lo, w);
           fold_state(Si, S_lo, zi, z_lo);
         }
       }

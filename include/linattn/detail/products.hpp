@@ -99,6 +99,28 @@ void product(Index m, Index n, Index k, Strided<Scalar> a, Strided<Scalar> b, Sc
   }
 }
 
+// C (m x n) = L B (accumulate = false) or C += L B for a lower-triangular m x m L (column-major,
+// leading dimension ldl: a chunk's scores), C with unit stride in one dimension as in
+// product(). Row i of C sums L(i, p) B(p, :) over p <= i only: the entries above the diagonal
+// are not read and the rows of B past i never enter row i (the causal kernels' intra-chunk
+// product, where a later token's value may be NaN or inf). Same bits as product() on L with
+// a zero upper triangle when B is finite.
+template <class Scalar>
+void lower_product(Index m, Index n, const Scalar* l, Index ldl, Strided<Scalar> b, Scalar* c,
+                   Index crs, Index ccs, bool accumulate, Workspace<Scalar>& ws, int slot) {
+  if (m <= 0 || n <= 0) return;
+  ws.reserve(slot, std::max(m, n) * m);
+  if (crs == 1 && (ccs != 1 || m >= n)) {
+    gemm_acc_tri<kTriLowerA>(m, n, m, l, ldl, b.data, b.rs, b.cs, c, ccs, accumulate);
+  } else {
+    eigen_assert(ccs == 1);
+    // Cᵀ = Bᵀ Lᵀ: column i of Cᵀ sums over p <= i.
+    const Strided<Scalar> bt =
+        column_contiguous(Strided<Scalar>{b.data, b.cs, b.rs}, n, m, ws, slot);
+    gemm_acc_tri<kTriUpperB>(n, m, m, bt.data, bt.cs, l, ldl, 1, c, crs, accumulate);
+  }
+}
+
 // S (F x M) += Φ B and z += Φ 1 for the b tokens of a token-major F x b block Φ (column t:
 // token t's features, at pkt + t·ldk) and their values B (b x M). S is memory of either storage
 // order (a workspace buffer, a LinearAttentionState's row-major sums).
