@@ -169,10 +169,12 @@ void check_strong_decay_flushed(bool per_feature, Index chunk) {
       EXPECT_EQ(st.S_lo(d, m), S(0)) << tag << ": S_lo(" << d << ", " << m << ")";
     }
   // Row i reads the old state through exp((i + 1) g): exactly 0 once that is below the floor.
-  for (Index i = 0; i < N; ++i)
-    if ((i + 1) * g < double(linattn::detail::exp_arg_floor<S>()))
+  for (Index i = 0; i < N; ++i) {
+    if ((i + 1) * g < double(linattn::detail::exp_arg_floor<S>())) {
       for (Index m = 0; m < M; ++m)
         EXPECT_EQ(out(i, m), S(0)) << tag << ": out(" << i << ", " << m << ")";
+    }
+  }
 }
 
 TEST(hardening_gates, StrongChunkedDecayIsExactlyZero) {

@@ -6,6 +6,7 @@
 #include <Eigen/Core>
 
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "checks.hpp"
@@ -73,7 +74,6 @@ class RecurrentGatedAttention {
     pkv_.resize(F);
     w_.resize(F);
     alpha_.resize(F);
-    keep_.resize(F);
     v_.resize(value_dim);
     o_.resize(value_dim);
   }
@@ -112,13 +112,21 @@ class RecurrentGatedAttention {
     const Index gw = log_gate.size();
     alpha_.head(gw) = log_gate.reshaped().template cast<Scalar>();
     check_log_gates(fn, gw);
-    detail::split_decay_inplace(alpha_.head(gw), keep_.head(gw));  // e^g = keep + alpha
+    // The factors by the token's gates, as a prefill's strong block takes them (equal bits).
+    const bool expm1 = detail::token_factors_inplace(alpha_.head(gw));
     const detail::GatedConfig<Scalar> cfg = detail::gated_config<Scalar>(options_, gw);
-    detail::gated_token_weights<true>(pqv_.data(), pkv_.data(), keep_.data(), alpha_.data(),
-                                      per_feature, F, cfg, state_.z.data(), w_.data());
-    detail::gated_update_read<true>(state_.S.data(), state_.S.outerStride(), F, value_dim_,
-                                    keep_.data(), alpha_.data(), per_feature, pkv_.data(),
-                                    w_.data(), v_.data(), o_.data());
+    const auto run = [&](auto form) {
+      constexpr bool Expm1 = decltype(form)::value;
+      detail::gated_token_weights<Expm1>(pqv_.data(), pkv_.data(), alpha_.data(), per_feature, F,
+                                         cfg, state_.z.data(), w_.data());
+      detail::gated_update_read<Expm1>(state_.S.data(), state_.S.outerStride(), F, value_dim_,
+                                       alpha_.data(), per_feature, pkv_.data(), w_.data(),
+                                       v_.data(), o_.data());
+    };
+    if (expm1)
+      run(std::true_type{});
+    else
+      run(std::false_type{});
     detail::writable(out).reshaped() = o_.template cast<typename DOut::Scalar>();
     // log_decay keeps F entries (a scalar decay adds to each): sized once, so that no step
     // allocates; combine() reads F equal entries as the scalar decay they are.
@@ -209,7 +217,7 @@ class RecurrentGatedAttention {
   Index position_ = 0;
   State state_;
   detail::TokenFeatures<Scalar> token_;
-  Vector<Scalar> pqv_, pkv_, w_, alpha_, keep_, v_, o_;
+  Vector<Scalar> pqv_, pkv_, w_, alpha_, v_, o_;
 };
 
 }  // namespace linattn

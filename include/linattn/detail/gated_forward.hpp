@@ -310,52 +310,64 @@ void gated_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV&
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
 #endif
+// A token's decay factors in place of its log gates g (1 or F entries), in the form its
+// kernel takes (gated_update_read): f = expm1(g) if any gate is mild (g >= decay_split_point,
+// e^g >= 0.71; returns true), else f = e^g. The choice is the token's own, so the decode step
+// and a prefill's strong block, both token by token, take the same factors.
+template <class G>
+bool token_factors_inplace(G&& g) {
+  using S = typename std::decay_t<G>::Scalar;
+  if (g.maxCoeff() >= decay_split_point<S>()) {
+    g = g.unaryExpr(expm1_nonpositive_op<S>());
+    return true;
+  }
+  exp_nonpositive_inplace(g.array());
+  return false;
+}
+
 // One token through the row-major state (F x M, leading dimension ld), in one pass:
-//   S(d, :) <- (h_d S(d, :) + l_d S(d, :)) + pk(d) v   and   o += w(d) S(d, :),
-// with the decay factor e^g = h_d + l_d split as split_decay_inplace does (hd[d], ld_[d] for
-// per-feature gates, else entry 0): a mild decay enters through its distance from 1, which
-// float keeps to full precision (e^g itself would round 1 - e^g to a relative u / |g|, an error
-// the state compounds over its 1 / |g| tokens of memory). Without Split, em1 holds e^g itself
-// and hd is not read: S(d, :) <- e^g S(d, :) + pk(d) v, one operation an entry fewer (a kernel
-// bound by its arithmetic), for blocks of strong scalar decays, whose rounding of e^g compounds
-// over at most the block's tokens (every later block is exact or as strong). Four packets of
-// columns at a time with the outputs in registers; each entry of S is loaded and stored once.
-template <bool Split, class Scalar>
-void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* hd, const Scalar* em1,
-                       bool per_feature, const Scalar* pk, const Scalar* w, const Scalar* v,
-                       Scalar* o) {
+//   S(d, :) <- e^{g_d} S(d, :) + pk(d) v   and   o += w(d) S(d, :),
+// with the factors f (f[d] for per-feature gates, else f[0]) as token_factors_inplace gives
+// them, two operations an entry either way:
+//  - Expm1 (a token with a mild gate): f = expm1(g), each row updated as pk(d) v + (f S + S).
+//    A mild decay enters through its distance from 1, which float keeps to full precision
+//    (e^g itself would round 1 - e^g to a relative u / |g|, an error the state compounds over
+//    its 1 / |g| tokens of memory); a strong one's 1 + f is within u / 2 of e^g absolutely, the
+//    rounding of one product of the state (whose memory is then short), and exactly 0 below
+//    exp_arg_floor (f = -1).
+//  - else (every gate strong) f = e^g, each row updated as f S + pk v: rounded to a relative u,
+//    over a short memory; a tenth faster (the token's product is off the state's dependency
+//    chain).
+// (A split e^g = h + l, h S selected per row, took a third operation an entry: a third more
+// time on a kernel bound by its arithmetic.) Four packets of columns at a time with the outputs
+// in registers; each entry of S is loaded and stored once.
+template <bool Expm1, class Scalar>
+void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* f, bool per_feature,
+                       const Scalar* pk, const Scalar* w, const Scalar* v, Scalar* o) {
   using namespace Eigen::internal;
   using Packet = typename packet_traits<Scalar>::type;
   constexpr Index P = packet_traits<Scalar>::size;
   const Index as = per_feature ? 1 : 0;
+  const auto entry = [](const Packet& e, const Packet& s, const Packet& kd, const Packet& vc) {
+    if constexpr (Expm1)
+      return pmadd(kd, vc, pmadd(e, s, s));
+    else
+      return pmadd(e, s, pmul(kd, vc));
+  };
   Index c0 = 0;
   if constexpr (P > 1) {
-    const Packet one = pset1<Packet>(Scalar(1));
     for (; c0 + 4 * P <= M; c0 += 4 * P) {
       const Packet v0 = ploadu<Packet>(v + c0), v1 = ploadu<Packet>(v + c0 + P),
                    v2 = ploadu<Packet>(v + c0 + 2 * P), v3 = ploadu<Packet>(v + c0 + 3 * P);
       Packet o0 = pset1<Packet>(Scalar(0)), o1 = o0, o2 = o0, o3 = o0;
       for (Index d = 0; d < F; ++d) {
         Scalar* row = S + d * ld + c0;
-        const Packet e = pset1<Packet>(em1[d * as]), kd = pset1<Packet>(pk[d]),
+        const Packet e = pset1<Packet>(f[d * as]), kd = pset1<Packet>(pk[d]),
                      wd = pset1<Packet>(w[d]);
-        const Packet s0 = ploadu<Packet>(row), s1 = ploadu<Packet>(row + P),
-                     s2 = ploadu<Packet>(row + 2 * P), s3 = ploadu<Packet>(row + 3 * P);
-        // h S as a bitwise and (h is 0 or 1): two FMAs an entry, as a S + pk v took, and no
-        // branch on h, which mixed per-feature gates would mispredict.
-        Packet x0, x1, x2, x3;
-        if constexpr (Split) {
-          const Packet hm = pcmp_eq(pset1<Packet>(hd[d * as]), one);
-          x0 = pmadd(kd, v0, pmadd(e, s0, pand(hm, s0)));
-          x1 = pmadd(kd, v1, pmadd(e, s1, pand(hm, s1)));
-          x2 = pmadd(kd, v2, pmadd(e, s2, pand(hm, s2)));
-          x3 = pmadd(kd, v3, pmadd(e, s3, pand(hm, s3)));
-        } else {
-          x0 = pmadd(e, s0, pmul(kd, v0));
-          x1 = pmadd(e, s1, pmul(kd, v1));
-          x2 = pmadd(e, s2, pmul(kd, v2));
-          x3 = pmadd(e, s3, pmul(kd, v3));
-        }
+        const Packet x0 = entry(e, ploadu<Packet>(row), kd, v0);
+        const Packet x1 = entry(e, ploadu<Packet>(row + P), kd, v1);
+        const Packet x2 = entry(e, ploadu<Packet>(row + 2 * P), kd, v2);
+        const Packet x3 = entry(e, ploadu<Packet>(row + 3 * P), kd, v3);
         pstoreu(row, x0);
         pstoreu(row + P, x1);
         pstoreu(row + 2 * P, x2);
@@ -375,13 +387,8 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* hd, 
       Packet o0 = pset1<Packet>(Scalar(0));
       for (Index d = 0; d < F; ++d) {
         Scalar* row = S + d * ld + c0;
-        const Packet s0 = ploadu<Packet>(row), e = pset1<Packet>(em1[d * as]);
-        Packet x0;
-        if constexpr (Split)
-          x0 = pmadd(pset1<Packet>(pk[d]), v0,
-                     pmadd(e, s0, pand(pcmp_eq(pset1<Packet>(hd[d * as]), one), s0)));
-        else
-          x0 = pmadd(e, s0, pmul(pset1<Packet>(pk[d]), v0));
+        const Packet x0 =
+            entry(pset1<Packet>(f[d * as]), ploadu<Packet>(row), pset1<Packet>(pk[d]), v0);
         pstoreu(row, x0);
         o0 = pmadd(pset1<Packet>(w[d]), x0, o0);
       }
@@ -392,11 +399,11 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* hd, 
     Scalar acc = 0;
     for (Index d = 0; d < F; ++d) {
       Scalar& x = S[d * ld + c0];
-      if constexpr (Split) {
-        const Scalar decayed = hd[d * as] != Scalar(0) ? em1[d * as] * x + x : em1[d * as] * x;
+      if constexpr (Expm1) {
+        const Scalar decayed = f[d * as] * x + x;
         x = pk[d] * v[c0] + decayed;
       } else {
-        x = em1[d * as] * x + pk[d] * v[c0];
+        x = f[d * as] * x + pk[d] * v[c0];
       }
       acc += w[d] * x;
     }
@@ -407,18 +414,17 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* hd, 
 #pragma GCC diagnostic pop
 #endif
 
-// The read weights of one token: w = s·φq, or for normalize = true, after z <- (h ∘ z + l ∘ z)
-// + φk (the decay split as in gated_update_read), w = φq / (φq·z) (guarded; 0 for a degenerate
-// denominator).
-template <bool Split, class Scalar>
-void gated_token_weights(const Scalar* pq, const Scalar* pk, const Scalar* hd, const Scalar* em1,
-                         bool per_feature, Index F, const GatedConfig<Scalar>& cfg, Scalar* z,
-                         Scalar* w) {
+// The read weights of one token: w = s·φq, or for normalize = true, after z <- e^g z + φk (the
+// factors f as in gated_update_read: (f z + z) + φk with Expm1, else f z + φk), w = φq / (φq·z)
+// (guarded; 0 for a degenerate denominator).
+template <bool Expm1, class Scalar>
+void gated_token_weights(const Scalar* pq, const Scalar* pk, const Scalar* f, bool per_feature,
+                         Index F, const GatedConfig<Scalar>& cfg, Scalar* z, Scalar* w) {
   if (cfg.normalize) {
     Scalar den = 0;
     for (Index d = 0; d < F; ++d) {
-      const Scalar l = em1[per_feature ? d : 0];
-      const Scalar decayed = Split ? l * z[d] + hd[per_feature ? d : 0] * z[d] : l * z[d];
+      const Scalar e = f[per_feature ? d : 0];
+      const Scalar decayed = Expm1 ? e * z[d] + z[d] : e * z[d];
       z[d] = decayed + pk[d];
       den += pq[d] * z[d];
     }
@@ -468,10 +474,9 @@ void decay_parts(Scalar* hi, Scalar* lo, Index n, Scalar h1, Scalar e) {
 //    the chunked form (a per-token factor e^g would be rounded to a relative u / |g| of 1 - e^g,
 //    compounded over the state's 1 / |g| tokens of memory), and g = 0 gives the compensated
 //    sums of causal linear attention (a plain running sum drifts by percents over 2^22 tokens).
-//  - stronger gates: one token at a time through the fused pass gated_update_read (h S + l S,
-//    the factor split by split_decay_inplace, for per-feature gates; e^g S for a scalar decay,
-//    whose block is then strong on average); the low part (the residual of the last fold) decays
-//    with the state, once per block.
+//  - stronger gates: one token at a time through the fused pass gated_update_read, its factors
+//    expm1(g) or e^g by the token's gates, as in the decode step; the low part (the residual of
+//    the last fold) decays with the state, once per block.
 template <class Phi, class DQ, class DK, class DV, class DG, class Scalar, class Out>
 void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& G,
                           Index r0, Index b, LinearAttentionState<Scalar>& st, Out& dst,
@@ -487,7 +492,7 @@ void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   auto at = ws.matrix(kSlotBackwardA, gw, b);  // column i: token i's gates
   copy_to_row_major(G.middleRows(r0, b), at.data());
   auto total = ws.vector(kSlotNormalizer, gw);
-  total.setZero();  // column by column: Eigen's rowwise().sum() of a column-major block is a strided reduction
+  total.setZero();  // column by column: Eigen's rowwise().sum() of a column-major block is a
                     // strided reduction
   for (Index i = 0; i < b; ++i) total += at.col(i);
   Scalar* vb = ws.matrix(kSlotScores, b, M).data();
@@ -521,27 +526,23 @@ void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
       if (cfg.normalize) decay_parts(st.z.data() + d, st.z_lo.data() + d, 1, th(j), total(j));
     }
   } else {
-    auto ah = ws.matrix(kSlotBackwardB, gw, b);  // the decay factors' h, beside at's l
-    const auto tokens = [&](auto split) {
-      constexpr bool Split = decltype(split)::value;
-      auto w = ws.vector(kSlotRowA, F);
-      for (Index i = 0; i < b; ++i) {
-        const Scalar* a = at.data() + i * gw;
-        const Scalar* h = ah.data() + i * gw;
-        gated_token_weights<Split>(pqt.data() + i * F, pkt.data() + i * F, h, a, cfg.per_feature, F,
-                                   cfg, st.z.data(), w.data());
-        gated_update_read<Split>(st.S.data(), st.S.outerStride(), F, M, h, a, cfg.per_feature,
-                                 pkt.data() + i * F, w.data(), vb + i * M, ob + i * M);
+    // Each token's factors by its own gates (token_factors_inplace), as the decode step takes
+    // them: a strong feature makes the block strong, while the other features may be as mild
+    // as any (their memory spans many blocks).
+    auto w = ws.vector(kSlotRowA, F);
+    for (Index i = 0; i < b; ++i) {
+      Scalar* a = at.data() + i * gw;
+      const Scalar* pq = pqt.data() + i * F;
+      const Scalar* pk = pkt.data() + i * F;
+      if (token_factors_inplace(Eigen::Map<Vector<Scalar>>(a, gw))) {
+        gated_token_weights<true>(pq, pk, a, cfg.per_feature, F, cfg, st.z.data(), w.data());
+        gated_update_read<true>(st.S.data(), st.S.outerStride(), F, M, a, cfg.per_feature, pk,
+                                w.data(), vb + i * M, ob + i * M);
+      } else {
+        gated_token_weights<false>(pq, pk, a, cfg.per_feature, F, cfg, st.z.data(), w.data());
+        gated_update_read<false>(st.S.data(), st.S.outerStride(), F, M, a, cfg.per_feature, pk,
+                                 w.data(), vb + i * M, ob + i * M);
       }
-    };
-    // Per-feature gates split every factor: a strong feature makes the block strong, while the
-    // other features may be as mild as any (their memory spans many blocks).
-    if (cfg.per_feature) {
-      split_decay_inplace(at, ah);
-      tokens(std::true_type{});
-    } else {
-      exp_nonpositive_inplace(at.array());
-      tokens(std::false_type{});
     }
     exp_nonpositive_inplace(total.array());
     if (cfg.per_feature) {
