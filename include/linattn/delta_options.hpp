@@ -1,56 +1,5 @@
-/// \file delta_options.hpp
-/// \brief Options and gradients of the delta-rule kernels (delta_rule.hpp).
+/// \file linattn/delta_options.hpp
+/// \brief Forwarding header, kept for one release: include <linattn/delta/options.hpp>.
 #pragma once
 
-#include "causal_linear_attention.hpp"
-#include "common.hpp"
-
-namespace linattn {
-
-/// \brief Options of delta_rule_attention() and its multi-head, batched, recurrent and backward
-/// forms (DeltaNet, Gated DeltaNet; docs/SPEC.md §9.3).
-///
-/// \f[ S_t = a_t (I - \beta_t \hat k_t \hat k_t^\top) S_{t-1} + \beta_t \hat k_t v_t^\top,
-///     \qquad \mathrm{out}_t = s\,\varphi(q_t)^\top S_t. \f]
-/// \code
-/// linattn::DeltaOptions opts;
-/// opts.scale = 1.0 / std::sqrt(128.0);  // Qwen3-Next scales the queries by 1/√D
-/// Eigen::MatrixXf out = linattn::delta_rule_attention(
-///     Q, K, V, beta, log_a, linattn::L2Normalize<linattn::Silu>{}, opts);
-/// \endcode
-struct DeltaOptions {
-  /// The output scale s: \f$\mathrm{out}_t = s\,\varphi(q_t)^\top S_t\f$ (models use \f$1/\sqrt{D}\f$).
-  double scale = 1.0;
-  /// Rows per chunk of the chunked algorithm; 0 picks the measured default.
-  Index chunk_size = 0;
-  /// Chunked (a triangular solve and GEMMs per chunk), Recurrent (one token at a time, the
-  /// decode step's kernel), or Auto (measured; docs/benchmarks.md).
-  CausalAlgorithm algorithm = CausalAlgorithm::Auto;
-  /// The size of one head's keys, D, and of its values, M, as the model defines them (0: not
-  /// stated; the kernels take D = Q.cols() / H and M = V.cols() / H). The packed layout alone
-  /// cannot tell H heads of D = Q.cols() / H from fewer key heads shared by H value heads
-  /// (grouped value heads, GVA: Qwen3-Next's 16 key heads for 32 value heads), which would
-  /// run silently as H heads of a fraction of each key. State them and a call whose Q and K
-  /// do not hold H heads of key_dim (V: of value_dim) is rejected (std::invalid_argument);
-  /// shared key heads are not supported: repeat each key head over its value heads.
-  Index key_dim = 0;
-  Index value_dim = 0;
-};
-
-/// \brief The gradients of a scalar loss with respect to the inputs of a delta-rule call.
-/// `dbeta` and `dlog_a` have the shapes of beta and log_a (`dlog_a` has 0 entries when the call
-/// had no decay).
-/// \code
-/// auto g = linattn::delta_rule_attention_backward(Q, K, V, beta, log_a, dOut);
-/// // g.dQ = ∂L/∂Q, g.dK = ∂L/∂K, g.dV = ∂L/∂V, g.dbeta = ∂L/∂β, g.dlog_a = ∂L/∂log a
-/// \endcode
-template <class Scalar>
-struct DeltaGradients {
-  Matrix<Scalar> dQ;      ///< N x D (N x H·D for the multi-head form)
-  Matrix<Scalar> dK;      ///< N x D
-  Matrix<Scalar> dV;      ///< N x M
-  Matrix<Scalar> dbeta;   ///< as beta: N x 1 (N x H)
-  Matrix<Scalar> dlog_a;  ///< as log_a: N x 1 (N x H), or empty without decay
-};
-
-}  // namespace linattn
+#include "delta/options.hpp"

@@ -1,0 +1,432 @@
+/// \file delta/delta_rule.hpp
+/// \brief The delta rule: DeltaNet and Gated DeltaNet (Qwen3-Next, Kimi Linear's base), chunked
+/// at GEMM speed, recurrent, multi-head and batched.
+///
+/// The state does not only accumulate, it overwrites: per token t, with \f$\hat k_t = \varphi(k_t)\f$,
+/// \f[ S_t = a_t (I - \beta_t \hat k_t \hat k_t^\top) S_{t-1} + \beta_t \hat k_t v_t^\top,
+///     \qquad \mathrm{out}_t = s\,\varphi(q_t)^\top S_t, \f]
+/// with \f$\beta_t \in [0, 2]\f$ and \f$a_t = e^{g_t}\f$, \f$g_t \le 0\f$ (Gated DeltaNet), or
+/// \f$a_t = 1\f$ (DeltaNet, no decay). With \f$\beta_t = 1\f$ and a unit key the value stored
+/// under \f$\hat k_t\f$ is replaced by \f$v_t\f$. The models apply a short convolution and a SiLU
+/// to q, k and v, then map q and k (only) with `L2Normalize<>` (FLA: `L2Normalize<>(1e-6)`) and
+/// scale by \f$1/\sqrt{D}\f$ (DeltaOptions::scale); `L2Normalize<Silu>` is that map and the SiLU
+/// of q and k in one, for q and k taken before the SiLU. docs/SPEC.md §9.3 has the chunked form.
+///
+/// The update is a contraction (the state stays bounded) when \f$\beta_t \|\hat k_t\|^2 \le 2\f$,
+/// as with unit keys. Beyond, the state grows geometrically and overflows in a few dozen tokens;
+/// linattn does not reject such keys, and every algorithm then stays exactly as finite as the
+/// recurrence: row i never reads a later row, so the rows before the overflow are finite.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <string>
+#include <vector>
+
+#include "../core/checks.hpp"
+#include "../core/common.hpp"
+#include "../maps/erased_map.hpp"
+#include "options.hpp"
+#include "detail/delta_forward.hpp"
+#include "../core/detail/decay.hpp"
+#include "../core/detail/result.hpp"
+#include "../core/detail/views.hpp"
+#include "../maps/feature_map.hpp"
+#include "../maps/identity.hpp"
+#include "../linear/heads.hpp"
+#include "../linear/multihead_workspace.hpp"
+#include "../core/parallel.hpp"
+#include "recurrent_delta_rule.hpp"
+#include "../core/state.hpp"
+#include "../core/workspace.hpp"
+#include "../maps/map_state.hpp"
+
+namespace linattn {
+namespace detail {
+
+inline void check_delta_chunk_size(const char* function, const DeltaOptions& opts) {
+  if (opts.chunk_size < 0)
+    throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
+                                std::to_string(opts.chunk_size));
+}
+
+// Entry (i, h) of a per-token parameter of `heads` heads: N x H, always, for H > 1 (so that a
+// one-token call's 1 x H is never read as a row of N); one head's N entries may also be given
+// as a row. The shape is checked before (check_delta_params).
+template <class D>
+typename D::Scalar token_param(const D& x, Index i, Index h, Index heads) {
+  return heads == 1 && x.rows() == 1 ? x.coeff(0, i) : x.coeff(i, h);
+}
+
+// The name of entry (i, h) in a message: "beta(3)" for one head, "beta(3, 1)" for H.
+inline std::string param_entry(const char* name, Index i, Index h, bool one_head) {
+  return std::string(name) + "(" + std::to_string(i) +
+         (one_head ? std::string() : ", " + std::to_string(h)) + ")";
+}
+
+// beta: N x H (H = 1: a vector of N entries, column or row), every entry in [0, 2];
+// log_a: of size 0 (no decay) or shaped as beta, every entry finite and <= 0. `shapes` names
+// the other operands for the message (called on failure only: no string is built otherwise).
+template <class DB, class DA, class Shapes>
+void check_delta_params(const char* fn, const Eigen::MatrixBase<DB>& beta,
+                        const Eigen::MatrixBase<DA>& log_a, Index N, Index heads,
+                        const Shapes& shapes) {
+  const bool one = heads == 1;
+  const auto fits = [&](Index r, Index c) {
+    return (r == N && c == heads) || (one && r == 1 && c == N);
+  };
+  const auto want = [&] {
+    return one ? "a vector of N = " + std::to_string(N) + " entries"
+               : shape_string(N, heads) + " (one entry per token and head, H = " +
+                     std::to_string(heads) + ")";
+  };
+  if (!fits(beta.rows(), beta.cols()))
+    throw_invalid(fn, "beta is " + shape_of(beta) + " but must be " + want() + shapes());
+  if (log_a.size() != 0 && !fits(log_a.rows(), log_a.cols()))
+    throw_invalid(fn, "log_a is " + shape_of(log_a) + " but must be empty (no decay) or " +
+                          want() + shapes());
+  using S = typename DB::Scalar;
+  for (Index h = 0; h < heads; ++h)
+    for (Index i = 0; i < N; ++i) {
+      const S b = token_param(beta.derived(), i, h, heads);
+      if (!(b >= S(0) && b <= S(2)))
+        throw_invalid(fn, param_entry("beta", i, h, one) + " = " + value_string(b) +
+                              ": beta must be in [0, 2]" + shapes());
+    }
+  if (log_a.size() == 0) return;
+  for (Index h = 0; h < heads; ++h)
+    for (Index i = 0; i < N; ++i) {
+      const S g = token_param(log_a.derived(), i, h, heads);
+      if (!(g <= S(0)) || !(g - g == S(0)))
+        throw_invalid(fn, param_entry("log_a", i, h, one) + " = " + value_string(g) +
+                              ": log-decays must be finite and <= 0" + shapes());
+    }
+}
+
+// Head h (of `heads`)'s rows [r0, r0 + n) of beta (and of log_a when it has entries) as
+// contiguous arrays in the thread's workspace; the g pointer is null without decay.
+template <class DB, class DA, class Scalar>
+std::pair<const Scalar*, const Scalar*> delta_head_params(const DB& beta, const DA& log_a,
+                                                          Index r0, Index n, Index h, Index heads,
+                                                          Workspace<Scalar>& ws) {
+  auto b = ws.vector(kSlotBackwardA, n);
+  for (Index i = 0; i < n; ++i) b(i) = token_param(beta, r0 + i, h, heads);
+  if (log_a.size() == 0) return {b.data(), nullptr};
+  auto g = ws.vector(kSlotBackwardB, n);
+  for (Index i = 0; i < n; ++i) g(i) = token_param(log_a, r0 + i, h, heads);
+  return {b.data(), g.data()};
+}
+
+// A carried state for the delta rule: sized or checked, its low parts added into S (the delta
+// rule keeps none: the overwrite and the decay bound the state's memory). z is not used.
+template <class Scalar>
+void delta_absorb_low(LinearAttentionState<Scalar>& st) {
+  st.S += st.S_lo;
+  st.S_lo.setZero();
+}
+
+template <class Phi, class Scalar>
+constexpr void static_check_delta() {
+  static_check_feature_map<Phi, compute_scalar_t<Scalar>>();
+  static_assert(!normalizes_keys_per_feature_v<Phi>,
+                "linattn: the delta rule needs a product feature map (sim = φ(q)·φ(k)); a map "
+                "with a per-feature key softmax (SoftmaxSplit) has no delta-rule form");
+}
+
+// " (Q is …, K is …, V is …)", built when a message needs it.
+template <class DQ, class DK, class DV>
+auto qkv_shapes(const DQ& Q, const DK& K, const DV& V) {
+  return [&Q, &K, &V] {
+    return " (Q is " + shape_of(Q) + ", K is " + shape_of(K) + ", V is " + shape_of(V) + ")";
+  };
+}
+
+template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
+void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                  const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+                  const Eigen::MatrixBase<DA>& log_a, const Phi& phi,
+                  LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& st,
+                  const Eigen::MatrixBase<DOut>& out,
+                  Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const DeltaOptions& opts) {
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
+  static_check_delta<Phi, Scalar>();
+  static_assert(
+      std::is_same_v<Storage, typename DB::Scalar> && std::is_same_v<Storage, typename DA::Scalar>,
+      "linattn: beta and log_a must have the scalar type of Q, K and V");
+  check_qkv(fn, Q, K, V, /*causal=*/true);
+  check_head_dims(fn, Q, V, 1, opts.key_dim, opts.value_dim, "beta");
+  check_feature_map(fn, phi, Q.cols());
+  const Index N = Q.rows(), D = Q.cols(), M = V.cols();
+  check_delta_params(fn, beta, log_a, N, 1, qkv_shapes(Q, K, V));
+  check_output(fn, out, N, M);
+  check_no_overlap(fn, out, "Q", Q, "K", K, "V", V, "beta", beta, "log_a", log_a);
+  StateApart("out", out, "Q", Q, "K", K, "V", V, "beta", beta, "log_a", log_a)
+      .check(fn, st, "state");
+  check_delta_chunk_size(fn, opts);
+  prepare_state(fn, st, phi, D, M);
+  delta_absorb_low(st);
+  const auto params = delta_head_params(beta.derived(), log_a.derived(), 0, N, 0, 1, ws);
+  const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
+  with_views(
+      Q.derived(), K.derived(), V.derived(), writable(out),
+      [&](const auto& q, const auto& k, const auto& v, auto& o) {
+        delta_run(map, q, k, v, params.first, params.second, st, o, ws, opts);
+      },
+      &ws.storage_copies());
+}
+
+// The multi-head and batched forms: (sequence, head) pairs in parallel, each the single-head
+// kernel on its blocks.
+template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
+void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+                   const Eigen::MatrixBase<DA>& log_a, const OffsetsRef& offsets, Index heads,
+                   const Phi& phi,
+                   std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>* states,
+                   const Eigen::MatrixBase<DOut>& out,
+                   MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                   const DeltaOptions& opts, const ParallelOptions& par) {
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
+  static_check_delta<Phi, Scalar>();
+  static_assert(
+      std::is_same_v<Storage, typename DB::Scalar> && std::is_same_v<Storage, typename DA::Scalar>,
+      "linattn: beta and log_a must have the scalar type of Q, K and V");
+  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
+  const Index D = dims.first, M = dims.second;
+  check_head_dims(fn, Q, V, heads, opts.key_dim, opts.value_dim, "beta");
+  check_feature_map(fn, phi, D);
+  const Index F = phi.feature_dim(D);
+  check_delta_params(fn, beta, log_a, Q.rows(), heads, qkv_shapes(Q, K, V));
+  check_output(fn, out, Q.rows(), V.cols());
+  check_no_overlap(fn, out, "Q", Q, "K", K, "V", V, "beta", beta, "log_a", log_a);
+  check_offsets(fn, "offsets", offsets, Q.rows());
+  check_delta_chunk_size(fn, opts);
+  const Index B = static_cast<Index>(offsets.size()) - 1;
+  if (states) {
+    const StateApart apart("out", out, "Q", Q, "K", K, "V", V, "beta", beta, "log_a", log_a);
+    for (std::size_t i = 0; i < states->size(); ++i)
+      apart.check(fn, (*states)[i], "states", Index(i));
+    check_states(fn, *states, B, heads, phi, D, M);
+    for (auto& st : *states) delta_absorb_low(st);
+  }
+  const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
+  const auto run = [&](const auto& q, const auto& k, const auto& v, auto& o) {
+    // The delta rule reads the state before each write: about twice a causal head's work.
+    const double work = 2.0 * double(heads) * causal_head_work(Q.rows(), F, M);
+    parallel_tasks<Scalar>(B * heads, work, par, ws, [&](Index t, int thread) {
+      const Index b = t / heads, h = t % heads;
+      const Index r0 = offsets[static_cast<std::size_t>(b)];
+      const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
+      LinearAttentionState<Scalar>* st = &task_state(states, t, ws, thread, F, M, 0);
+      Workspace<Scalar>& tws = ws.for_thread(thread);
+      const auto params = delta_head_params(beta.derived(), log_a.derived(), r0, n, h, heads, tws);
+      auto os = sub_view(o, r0, h * M, n, M);
+      delta_run(map, sub_view(q, r0, h * D, n, D), sub_view(k, r0, h * D, n, D),
+                sub_view(v, r0, h * M, n, M), params.first, params.second, *st, os, tws, opts);
+    });
+  };
+  with_views(Q.derived(), K.derived(), V.derived(), writable(out), run, &ws.storage_copies());
+}
+
+}  // namespace detail
+
+/// \brief The delta rule continuing from `state`, written into a caller's output;
+/// allocation-free once `ws` and `state` have the shape.
+///
+/// \f[ S_t = a_t (I - \beta_t \hat k_t \hat k_t^\top) S_{t-1} + \beta_t \hat k_t v_t^\top,
+///     \qquad \mathrm{out}_t = s\,\varphi(q_t)^\top S_t \f]
+/// (\f$\hat k_t = \varphi(k_t)\f$, \f$a_t = e^{g_t}\f$, s = DeltaOptions::scale).
+///
+/// \param beta N entries in [0, 2] (a column or row vector): the writing strength. β = 0
+///        leaves the state only decayed; β = 1 with a unit key replaces the value stored under
+///        it; β = 2 reflects.
+/// \param log_a N log-decays \f$g_t \le 0\f$, finite (Gated DeltaNet), or a vector of size 0
+///        (DeltaNet: no decay). Both checked in O(N): std::invalid_argument names the first bad
+///        entry.
+/// \param state the state to continue from (empty: zero); on return the state after the last
+///        row. Only S is used: its low part is added into it (the delta rule keeps no
+///        compensated sum: the overwrite and the decay bound its memory); z, m and log_decay are
+///        left as they were. combine() does not apply to delta-rule states (a segment maps S to
+///        P S + H with an F x F matrix P, which the state does not carry).
+/// \param out N x M; must not overlap Q, K, V, beta, log_a or the state's arrays (nor may the
+///        inputs overlap the state: the call writes it).
+///
+/// Algorithms (DeltaOptions::algorithm): Chunked forms, per chunk of C rows (32 by default),
+/// the pseudo-values U = (I + strict_tril(diag(β)(K̂K̂ᵀ ∘ E)))⁻¹ diag(β)(V − diag(e) K̂ S) by one
+/// blocked triangular solve and the outputs and next state by GEMMs (docs/SPEC.md §9.3; every
+/// decay factor is the exponential of a sum of log decays <= 0). Recurrent runs one token at a
+/// time, each token one pass over the state (the decode step's kernel). Auto runs Recurrent
+/// for states up to 512 x 512 (measured faster on a CPU at every size up to that: the chunked
+/// form does more flops per token at a similar rate), Chunked beyond. Both agree to rounding.
+///
+/// Unnormalised keys: with \f$\beta_t \|\hat k_t\|^2 \le 2\f$ (unit keys, β <= 2) every
+/// factor has norm <= 1. Beyond, the state grows by up to \f$|1 - \beta_t \|\hat k_t\|^2|\f$ a
+/// token and overflows to ±inf, then NaN (float, keys of norm 10, β = 1: within 50 tokens). Such
+/// keys are not rejected; both algorithms then go non-finite at the recurrence's own row (the
+/// chunked form's row i reads rows <= i only), and every row before it is finite. Causality holds
+/// for non-finite inputs too: a NaN or inf at row j leaves rows i < j exact.
+///
+/// \throws std::invalid_argument on mismatched shapes (naming the function and every shape), a
+/// beta outside [0, 2] or NaN, a log_a > 0, NaN or ±inf, a state of the wrong shape, an output
+/// that overlaps an input, or a negative chunk size; before anything is written.
+/// \code
+/// // Gated DeltaNet, one head: q, k before their SiLU (after it: L2Normalize<>(1e-6)).
+/// linattn::LinearAttentionState<float> state;
+/// linattn::Workspace<float> ws;
+/// linattn::DeltaOptions opts;
+/// opts.scale = 1.0 / std::sqrt(double(D));
+/// Eigen::MatrixXf out(N, M);
+/// linattn::delta_rule_attention(Q, K, V, beta, log_a, linattn::L2Normalize<linattn::Silu>{},
+///                               state, out, ws, opts);
+/// \endcode
+template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
+void delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                          const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+                          const Eigen::MatrixBase<DA>& log_a, const Phi& phi,
+                          LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
+                          const Eigen::MatrixBase<DOut>& out,
+                          Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                          const DeltaOptions& options = {}) {
+  detail::delta_single("delta_rule_attention", Q, K, V, beta, log_a, phi, state, out, ws,
+                       options);
+}
+
+/// \brief The delta rule continuing from `state` (updated in place), returning the N x M
+/// output (see the out-parameter form).
+template <class DQ, class DK, class DV, class DB, class DA, class Phi>
+Matrix<typename DQ::Scalar> delta_rule_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a, const Phi& phi,
+    LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>& state,
+    const DeltaOptions& options = {}) {
+  detail::check_qkv("delta_rule_attention", Q, K, V, /*causal=*/true);
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
+  delta_rule_attention(Q, K, V, beta, log_a, phi, state, out, ws, options);
+  return out;
+}
+
+/// \brief The delta rule from a zero state, returning the N x M output.
+/// \code
+/// // DeltaNet (no decay) on unit keys.
+/// Eigen::VectorXf beta = Eigen::VectorXf::Constant(N, 0.5f), no_decay;
+/// Eigen::MatrixXf out = linattn::delta_rule_attention(Q, K, V, beta, no_decay,
+///                                                     linattn::L2Normalize<linattn::Identity>{});
+/// \endcode
+template <class DQ, class DK, class DV, class DB, class DA, class Phi = Identity>
+Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
+                                                 const Eigen::MatrixBase<DK>& K,
+                                                 const Eigen::MatrixBase<DV>& V,
+                                                 const Eigen::MatrixBase<DB>& beta,
+                                                 const Eigen::MatrixBase<DA>& log_a,
+                                                 const Phi& phi = Phi{},
+                                                 const DeltaOptions& options = {}) {
+  LinearAttentionState<compute_scalar_t<typename DQ::Scalar>> state;
+  return delta_rule_attention(Q, K, V, beta, log_a, phi, state, options);
+}
+
+/// \brief The multi-head delta rule, heads packed side by side (Q, K: N x H·D; V, out: N x H·M;
+/// beta: N x H; log_a: N x H, or empty for no decay), each head from a zero state, in parallel
+/// over heads.
+///
+/// For H > 1 beta and log_a are N x H always: a 1 x H operand is one token of H heads (only a
+/// single head's N entries may also come as a row). The layout gives D = Q.cols() / H and
+/// M = V.cols() / H; it cannot tell fewer key heads shared by H value heads (GVA), which
+/// would run as H heads of a fraction of each key: state DeltaOptions::key_dim (and
+/// value_dim) to have such a call rejected.
+/// \code
+/// linattn::MultiHeadWorkspace<float> ws;
+/// Eigen::MatrixXf out(N, 8 * 128);
+/// linattn::multihead_delta_rule_attention(Q, K, V, beta, log_a, 8,
+///                                         linattn::L2Normalize<linattn::Silu>{}, out, ws, opts);
+/// \endcode
+template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
+void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                    const Eigen::MatrixBase<DV>& V,
+                                    const Eigen::MatrixBase<DB>& beta,
+                                    const Eigen::MatrixBase<DA>& log_a, Index heads, const Phi& phi,
+                                    const Eigen::MatrixBase<DOut>& out,
+                                    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                                    const DeltaOptions& options = {},
+                                    const ParallelOptions& par = {}) {
+  const Index offsets[2] = {0, Q.rows()};
+  detail::batched_delta("multihead_delta_rule_attention", Q, K, V, beta, log_a,
+                        detail::OffsetsRef(offsets, 2), heads, phi, nullptr, out, ws, options,
+                        par);
+}
+
+/// \brief The multi-head delta rule carrying the H heads' states in and out (an empty vector
+/// is resized to H zero states; head h continues from states[h]).
+template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
+void multihead_delta_rule_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a, Index heads,
+    const Phi& phi,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const DeltaOptions& options = {},
+    const ParallelOptions& par = {}) {
+  const Index offsets[2] = {0, Q.rows()};
+  detail::batched_delta("multihead_delta_rule_attention", Q, K, V, beta, log_a,
+                        detail::OffsetsRef(offsets, 2), heads, phi, &states, out, ws, options,
+                        par);
+}
+
+/// \brief The multi-head delta rule, returning N x (H·M).
+/// \code
+/// Eigen::MatrixXf out = linattn::multihead_delta_rule_attention(Q, K, V, beta, log_a, 8);
+/// \endcode
+template <class DQ, class DK, class DV, class DB, class DA, class Phi = Identity>
+Matrix<typename DQ::Scalar> multihead_delta_rule_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+    const Eigen::MatrixBase<DA>& log_a, Index heads, const Phi& phi = Phi{},
+    const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
+  multihead_delta_rule_attention(Q, K, V, beta, log_a, heads, phi, out, ws, options, par);
+  return out;
+}
+
+/// \brief The delta rule over B packed sequences (rows [offsets[b], offsets[b+1]), offsets of
+/// any integer type, as cu_seqlens) and H heads, each sequence from a zero state;
+/// (sequence, head) pairs in parallel.
+/// \code
+/// Eigen::VectorXi cu_seqlens(3);
+/// cu_seqlens << 0, 100, 128;
+/// linattn::batched_delta_rule_attention(Q, K, V, beta, log_a, cu_seqlens, 8,
+///                                       linattn::L2Normalize<linattn::Silu>{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DB, class DA, class Off, class Phi, class DOut>
+void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                  const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+                                  const Eigen::MatrixBase<DA>& log_a, const Off& offsets,
+                                  Index heads, const Phi& phi, const Eigen::MatrixBase<DOut>& out,
+                                  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                                  const DeltaOptions& options = {},
+                                  const ParallelOptions& par = {}) {
+  const char* fn = "batched_delta_rule_attention";
+  detail::batched_delta(fn, Q, K, V, beta, log_a, detail::offsets_of(fn, "offsets", offsets),
+                        heads, phi, nullptr, out, ws, options, par);
+}
+
+/// \brief batched_delta_rule_attention() carrying the B·H states in and out (sequence-major,
+/// head h of sequence b at b·H + h; an empty vector is resized to B·H zero states): a server's
+/// prefill, whose states then continue in RecurrentDeltaRule decoders.
+template <class DQ, class DK, class DV, class DB, class DA, class Off, class Phi, class DOut>
+void batched_delta_rule_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a, const Off& offsets,
+    Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const DeltaOptions& options = {},
+    const ParallelOptions& par = {}) {
+  const char* fn = "batched_delta_rule_attention";
+  detail::batched_delta(fn, Q, K, V, beta, log_a, detail::offsets_of(fn, "offsets", offsets),
+                        heads, phi, &states, out, ws, options, par);
+}
+
+}  // namespace linattn

@@ -1,0 +1,362 @@
+/// \file delta/detail/delta_forward.hpp
+/// \brief The kernels of the delta rule (internal): the fused recurrent step and the chunked
+/// form (WY / UT transform), with or without a scalar decay per token (docs/SPEC.md §9.3).
+///
+/// Per token, with k̂ = φ(k), a = exp(g) (1 without decay) and β in [0, 2]:
+///   S_t = a S_{t-1} + k̂ δᵀ,   δ = β (v − a S_{t-1}ᵀ k̂),   out_t = s φ(q)ᵀ S_t,
+/// which is a (I − β k̂ k̂ᵀ) S_{t-1} + β k̂ vᵀ with the product by (I − β k̂ k̂ᵀ) never formed.
+/// Every state of a chunk is S_prev decayed plus a sum of rank-1 terms k̂_j u_jᵀ, and the
+/// "pseudo-values" u_j of a chunk solve one unit lower-triangular system: that is the chunked
+/// form. Every decay factor is the exponential of a sum of log decays <= 0 along its own stretch
+/// of tokens, as in the gated kernels (gated_forward.hpp).
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cstddef>
+
+#include "../../core/common.hpp"
+#include "../options.hpp"
+#include "../../maps/feature_map.hpp"
+#include "../../core/state.hpp"
+#include "../../core/workspace.hpp"
+#include "../../core/detail/blocking.hpp"
+#include "../../core/detail/fast_exp.hpp"
+#include "../../core/detail/decay.hpp"
+#include "../../core/detail/products.hpp"
+#include "../../core/tuning.hpp"
+
+namespace linattn::detail {
+
+// The recurrent form reads the state before a token and updates it lazily (spec §9.3, "What
+// linattn implements"): with w = s q̂_t,
+//   y_q = S_{t-1}ᵀ w,  y_k = S_{t-1}ᵀ k̂_t,  δ_t = β_t (v_t − a_t y_k),
+//   out_t = a_t y_q + (w·k̂_t) δ_t,          S_t = a_t S_{t-1} + k̂_t δ_tᵀ,
+// and the update of token t is applied in the sweep that reads for token t + 1. Every token then
+// costs one pass over the state (read and write), where reading k̂ᵀS and then updating costs two:
+// at F = M = 128 a column block of the state does not stay in L1 between two passes (rows 512 B
+// apart fall into 16 of its 64 sets). Measured: 1.5-1.8 µs per token against 1.9-2.2 for the
+// two-pass step (AVX2, float, F = M = 128).
+
+// Column blocks of the sweep: kDeltaSweepPackets packets wide (measured best of 1..4 with AVX2).
+inline constexpr int kDeltaSweepPackets = 4;
+
+// One pass over the row-major F x M state (row stride ld): if `pending`, S ← a_p S + k_p d_pᵀ
+// first (entry by entry, as the pass reaches it); then y_q = Sᵀ w and y_k = Sᵀ k.
+template <int NB, class Scalar>
+void delta_sweep_block(Scalar* S, Index ld, Index F, Index c0, bool pending, Scalar ap,
+                       const Scalar* kp, const Scalar* dp, const Scalar* w, const Scalar* k,
+                       Scalar* yq, Scalar* yk) {
+  using namespace Eigen::internal;
+  using Packet = typename packet_traits<Scalar>::type;
+  constexpr Index P = packet_traits<Scalar>::size;
+  Packet d[NB], aq[NB], ak[NB];
+  for (int j = 0; j < NB; ++j) {
+    aq[j] = pset1<Packet>(Scalar(0));
+    ak[j] = aq[j];
+  }
+  if (pending) {
+    const Packet pa = pset1<Packet>(ap);
+    for (int j = 0; j < NB; ++j) d[j] = ploadu<Packet>(dp + c0 + j * P);
+    for (Index r = 0; r < F; ++r) {
+      Scalar* row = S + r * ld + c0;
+      const Packet kpr = pset1<Packet>(kp[r]), wr = pset1<Packet>(w[r]), kr = pset1<Packet>(k[r]);
+      for (int j = 0; j < NB; ++j) {
+        const Packet x = pmadd(kpr, d[j], pmul(pa, ploadu<Packet>(row + j * P)));
+        pstoreu(row + j * P, x);
+        aq[j] = pmadd(wr, x, aq[j]);
+        ak[j] = pmadd(kr, x, ak[j]);
+      }
+    }
+  } else {
+    for (Index r = 0; r < F; ++r) {
+      const Scalar* row = S + r * ld + c0;
+      const Packet wr = pset1<Packet>(w[r]), kr = pset1<Packet>(k[r]);
+      for (int j = 0; j < NB; ++j) {
+        const Packet x = ploadu<Packet>(row + j * P);
+        aq[j] = pmadd(wr, x, aq[j]);
+        ak[j] = pmadd(kr, x, ak[j]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    pstoreu(yq + c0 + j * P, aq[j]);
+    pstoreu(yk + c0 + j * P, ak[j]);
+  }
+}
+
+template <class Scalar>
+void delta_sweep(Scalar* S, Index ld, Index F, Index M, bool pending, Scalar ap, const Scalar* kp,
+                 const Scalar* dp, const Scalar* w, const Scalar* k, Scalar* yq, Scalar* yk) {
+  constexpr Index P = Eigen::internal::packet_traits<Scalar>::size;
+  constexpr int NB = kDeltaSweepPackets;
+  Index c0 = 0;
+  if constexpr (P > 1) {
+    for (; c0 + NB * P <= M; c0 += NB * P)
+      delta_sweep_block<NB>(S, ld, F, c0, pending, ap, kp, dp, w, k, yq, yk);
+    for (; c0 + P <= M; c0 += P)
+      delta_sweep_block<1>(S, ld, F, c0, pending, ap, kp, dp, w, k, yq, yk);
+  }
+  for (; c0 < M; ++c0) {
+    Scalar aq = 0, ak = 0;
+    for (Index r = 0; r < F; ++r) {
+      Scalar& x = S[r * ld + c0];
+      if (pending) x = kp[r] * dp[c0] + ap * x;
+      aq += w[r] * x;
+      ak += k[r] * x;
+    }
+    yq[c0] = aq;
+    yk[c0] = ak;
+  }
+}
+
+// S ← a_p S + k_p d_pᵀ: the last token's pending update.
+template <class Scalar>
+void delta_flush(Scalar* S, Index ld, Index F, Index M, Scalar ap, const Scalar* kp,
+                 const Scalar* dp) {
+  using namespace Eigen::internal;
+  using Packet = typename packet_traits<Scalar>::type;
+  constexpr Index P = packet_traits<Scalar>::size;
+  const Packet pa = pset1<Packet>(ap);
+  for (Index r = 0; r < F; ++r) {
+    Scalar* row = S + r * ld;
+    const Packet kr = pset1<Packet>(kp[r]);
+    Index c = 0;
+    if constexpr (P > 1)
+      for (; c + P <= M; c += P)
+        pstoreu(row + c, pmadd(kr, ploadu<Packet>(dp + c), pmul(pa, ploadu<Packet>(row + c))));
+    for (; c < M; ++c) row[c] = kp[r] * dp[c] + ap * row[c];
+  }
+}
+
+// The recurrent form's carry between tokens: the update of the last token read, not yet applied
+// to the state (k_p: F entries, d_p: M entries).
+template <class Scalar>
+struct DeltaPending {
+  bool pending = false;
+  Scalar a = 1;
+  Scalar* k = nullptr;
+  Scalar* d = nullptr;
+};
+
+// One token (token-major features: w = s q̂, k̂; v and out: M entries; yq, yk: M-entry scratch).
+// Reads for this token (applying the pending update on the way), makes this token's update the
+// pending one.
+template <class Scalar>
+void delta_token(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p, Scalar a,
+                 Scalar beta, const Scalar* w, const Scalar* k, const Scalar* v, Scalar* out,
+                 Scalar* yq, Scalar* yk) {
+  delta_sweep(S, ld, F, M, p.pending, p.a, p.k, p.d, w, k, yq, yk);
+  Scalar wk = 0;
+  for (Index r = 0; r < F; ++r) wk += w[r] * k[r];
+  for (Index c = 0; c < M; ++c) {
+    const Scalar d = beta * (v[c] - a * yk[c]);
+    p.d[c] = d;
+    out[c] = a * yq[c] + wk * d;
+  }
+  std::copy(k, k + F, p.k);
+  p.a = a;
+  p.pending = true;
+}
+
+// Applies the pending update, if any.
+template <class Scalar>
+void delta_settle(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p) {
+  if (p.pending) delta_flush(S, ld, F, M, p.a, p.k, p.d);
+  p.pending = false;
+}
+
+// The decay of one token: exp(g) for g <= 0 (exactly 0 below the exp floor), 1 without decay.
+template <class Scalar>
+Scalar delta_decay(const Scalar* g, Index t) {
+  return g ? exp_nonpositive_op<Scalar>()(g[t]) : Scalar(1);
+}
+
+// Rows [r0, r0 + b) one token at a time: queries (scaled by s) and keys mapped token-major,
+// values and outputs through row-major buffers. beta and g (nullptr: no decay) hold the head's
+// N entries; the last token's update is left pending in `pend`.
+template <class Phi, class DQ, class DK, class DV, class Scalar, class Out>
+void delta_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                          const Scalar* beta, const Scalar* g, Index r0, Index b,
+                          LinearAttentionState<Scalar>& st, Out& dst, Workspace<Scalar>& ws,
+                          Scalar scale, DeltaPending<Scalar>& pend) {
+  const Index F = st.S.rows(), M = st.S.cols();
+  auto pqt = ws.matrix(kSlotExtra, F, b);
+  auto pkt = ws.matrix(kSlotKeys, F, b);
+  map_token_major(phi, Q.middleRows(r0, b), pqt, ws.matrix(kSlotPhiQ, b, F), QuerySide{false});
+  map_token_major(phi, K.middleRows(r0, b), pkt, ws.matrix(kSlotPhiK, b, F), KeySide{false});
+  pqt *= scale;
+  Scalar* vb = ws.matrix(kSlotScores, b, M).data();
+  Scalar* ob = ws.matrix(kSlotPrefix, b, M).data();
+  copy_to_row_major(V.middleRows(r0, b), vb);
+  Scalar* yq = ws.vector(kSlotProductA, M).data();
+  Scalar* yk = ws.vector(kSlotProductB, M).data();
+  for (Index i = 0; i < b; ++i)
+    delta_token(st.S.data(), st.S.outerStride(), F, M, pend, delta_decay(g, r0 + i),
+                beta[r0 + i], pqt.data() + i * F, pkt.data() + i * F, vb + i * M, ob + i * M,
+                yq, yk);
+  copy_from_row_major(ob, b, M, dst.middleRows(r0, b));
+}
+
+// The chunked form's buffers beyond the workspace's slots: a second set of slots, kept in the
+// workspace (allocation-free when reused).
+template <class Scalar>
+struct DeltaScratch final : WorkspaceExtension<Scalar> {
+  Workspace<Scalar> more;
+  std::size_t bytes() const noexcept override { return more.bytes(); }
+};
+
+enum DeltaSlot : int {
+  kDeltaME = 0,      // strict_tril(K̂K̂ᵀ ∘ E): L before the rows are scaled by β
+  kDeltaE = 1,       // E_ij = exp(Σ_{j<l<=i} g_l), i >= j
+  kDeltaDU = 2,      // ∂L/∂U, then ∂L/∂R after the transposed solve; the forward's output rows
+  kDeltaDA = 3,      // ∂L/∂A (lower), then ∘ E
+  kDeltaDL = 4,      // ∂L/∂L (strictly lower)
+  kDeltaDPQ = 5,     // ∂L/∂φ(Q) of the chunk
+  kDeltaDPK = 6,     // ∂L/∂φ(K) of the chunk
+  kDeltaT = 7,       // b x F products with a state
+  kDeltaDBeta = 8,   // ∂L/∂β of the head (N)
+  kDeltaDG = 9,      // ∂L/∂g of the head (N)
+  kDeltaDGam = 10,   // ∂L/∂γ_i, γ_i = Σ_{l<=i} g_l within the chunk
+  kDeltaDEq = 11,    // ∂L/∂eq_i
+  kDeltaKdS = 12,    // K̂ ∂L/∂S_out (b x M)
+};
+
+template <class Scalar>
+using RowMap = Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+
+// Recomputes chunk [r0, r0 + b) from the state S0 that entered it (spec §9.3):
+//   pk = φ(K), E, eq, ek (ones without decay), ME = strict_tril(K̂K̂ᵀ ∘ E), L = diag(β) ME,
+//   X = V − diag(eq) K̂ S0, U = L⁻¹ diag(β) X; with queries also pq = φ(Q) and
+//   A = tril(Q̂K̂ᵀ ∘ E). Returns exp(Σ g), the state's decay over the chunk.
+template <class Phi, class DQ, class DK, class DV, class Scalar, class S0T>
+Scalar delta_recompute(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                       const Scalar* beta, const Scalar* g, Index r0, Index b, const S0T& S0,
+                       bool queries, Workspace<Scalar>& ws, Workspace<Scalar>& xs) {
+  const Index F = S0.rows(), M = S0.cols();
+  auto pk = ws.matrix(kSlotPhiK, b, F);
+  map_keys(phi, K.middleRows(r0, b), pk, false);
+  auto ME = xs.matrix(kDeltaME, b, b);
+  auto L = ws.matrix(kSlotExtra, b, b);
+  auto eq = ws.vector(kSlotNormalizer, b);
+  auto ek = ws.vector(kSlotNormalizerLow, b);
+  ME.template triangularView<Eigen::Lower>() = pk * pk.transpose();
+  auto A = ws.matrix(kSlotScores, b, b);
+  if (queries) {
+    auto pq = ws.matrix(kSlotPhiQ, b, F);
+    map_queries(phi, Q.middleRows(r0, b), pq, false);
+    A.template triangularView<Eigen::Lower>() = pq * pk.transpose();
+  }
+  Scalar total = 1;
+  if (g) {
+    auto E = xs.matrix(kDeltaE, b, b);
+    auto t = ws.vector(kSlotStateLow, b);
+    const Eigen::Map<const Vector<Scalar>> gc(g + r0, b);
+    forward_sums(gc, 0, b, eq);
+    backward_sums(gc, 0, b - 1, ek);
+    total = exp_nonpositive_op<Scalar>()(eq(b - 1));
+    exp_nonpositive_inplace(eq.array());
+    exp_nonpositive_inplace(ek.array());
+    for (Index j = 0; j < b; ++j) {
+      scalar_decay_column(gc, j, b, t);
+      E.col(j).tail(b - j) = t.head(b - j);
+      ME.col(j).tail(b - j).array() *= t.head(b - j).array();
+      if (queries) A.col(j).tail(b - j).array() *= t.head(b - j).array();
+    }
+  } else {
+    eq.setOnes();
+    ek.setOnes();
+  }
+  const Eigen::Map<const Vector<Scalar>> bc(beta + r0, b);
+  for (Index j = 0; j + 1 < b; ++j)
+    L.col(j).tail(b - 1 - j) = ME.col(j).tail(b - 1 - j).cwiseProduct(bc.tail(b - 1 - j));
+  auto X = ws.matrix(kSlotKeys, b, M);
+  auto U = ws.matrix(kSlotPrefix, b, M);
+  const Strided<Scalar> s0 = strided_of(S0);
+  product<Scalar>(b, M, F, {pk.data(), 1, b}, s0, U.data(), 1, b, false, ws, kSlotProductA);
+  X = V.middleRows(r0, b) - eq.asDiagonal() * U;
+  U = bc.asDiagonal() * X;
+  L.template triangularView<Eigen::UnitLower>().solveInPlace(U);
+  return total;
+}
+
+// The state after the chunk just recomputed: S1 = total S0 + (diag(ek) K̂)ᵀ U (pk is scaled in
+// place).
+template <class Scalar, class S0T, class S1T>
+void delta_advance(Scalar total, const S0T& S0, S1T& S1, Workspace<Scalar>& ws, Index b) {
+  const Index F = S0.rows(), M = S0.cols();
+  auto pk = ws.matrix(kSlotPhiK, b, F);
+  auto ek = ws.vector(kSlotNormalizerLow, b);
+  auto U = ws.matrix(kSlotPrefix, b, M);
+  pk = ek.asDiagonal() * pk;
+  S1 = total * S0;
+  const Strided<Scalar> s1 = strided_of(S1);
+  product<Scalar>(F, M, b, {pk.data(), b, 1}, {U.data(), 1, b}, S1.data(), s1.rs, s1.cs, true, ws,
+                  kSlotProductA);
+}
+
+// One chunk [r0, r0 + b) of the forward (spec §9.3): delta_recompute from the carried state,
+//   out = s [diag(eq) Q̂ S_prev + tril(Q̂K̂ᵀ ∘ E) U],
+// then delta_advance. U is the WY form's T V − W S_prev (T = L⁻¹ diag(β), W = T diag(eq) K̂)
+// with T and W not formed: one blocked triangular solve with b x M right-hand sides instead of
+// two products by T.
+template <class Phi, class DQ, class DK, class DV, class Scalar, class Out>
+void delta_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scalar* beta,
+                 const Scalar* g, Index r0, Index b, LinearAttentionState<Scalar>& st, Out& dst,
+                 Workspace<Scalar>& ws, Scalar scale) {
+  Workspace<Scalar>& xs = ws.template extension<DeltaScratch<Scalar>>().more;
+  const Index F = st.S.rows(), M = st.S.cols();
+  const Scalar total = delta_recompute(phi, Q, K, V, beta, g, r0, b, st.S, true, ws, xs);
+  auto pq = ws.matrix(kSlotPhiQ, b, F);
+  auto A = ws.matrix(kSlotScores, b, b);
+  auto U = ws.matrix(kSlotPrefix, b, M);
+  auto eq = ws.vector(kSlotNormalizer, b);
+  auto O = xs.matrix(kDeltaDU, b, M);
+  product<Scalar>(b, M, F, {pq.data(), 1, b}, strided_of(st.S), O.data(), 1, b, false, ws,
+                  kSlotProductA);
+  if (g) O = eq.asDiagonal() * O;
+  // Row i reads rows j <= i of U only: causality holds for NaN and inf too.
+  lower_product<Scalar>(b, M, A.data(), b, {U.data(), 1, b}, O.data(), 1, b, true, ws,
+                        kSlotProductA);
+  dst.middleRows(r0, b) = scale * O;
+  delta_advance(total, st.S, st.S, ws, b);
+}
+
+// Whether the recurrent algorithm runs: Recurrent, or Auto up to kDeltaAutoRecurrentMaxState.
+inline bool delta_runs_recurrent(const DeltaOptions& opts, Index state_size) {
+  return opts.algorithm == CausalAlgorithm::Recurrent ||
+         (opts.algorithm == CausalAlgorithm::Auto && state_size <= kDeltaAutoRecurrentMaxState);
+}
+
+// One head's rows, its state prepared (and folded: the delta rule keeps no low part; the decay
+// and the overwrite bound the state's memory). beta and g (nullptr: no decay) hold N entries.
+template <class Phi, class DQ, class DK, class DV, class Scalar, class Out>
+void delta_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scalar* beta,
+               const Scalar* g, LinearAttentionState<Scalar>& st, Out& dst,
+               Workspace<Scalar>& ws, const DeltaOptions& opts) {
+  const Index N = Q.rows();
+  const Scalar scale = static_cast<Scalar>(opts.scale);
+  const bool recurrent = delta_runs_recurrent(opts, st.S.size());
+  const Index C = recurrent ? kLinearRowBlock
+                            : (opts.chunk_size > 0 ? opts.chunk_size : kDeltaDefaultChunk);
+  const Index F = st.S.rows(), M = st.S.cols();
+  // No value columns: no output and a state of no columns, nothing to compute (and Eigen's
+  // triangular solve would bind a reference to an empty buffer's null data).
+  if (M == 0) return;
+  DeltaPending<Scalar> pend;
+  if (recurrent) {
+    pend.k = ws.vector(kSlotRowA, F).data();
+    pend.d = ws.vector(kSlotRowB, M).data();
+  }
+  for (Index r0 = 0; r0 < N; r0 += C) {
+    const Index b = std::min(C, N - r0);
+    if (recurrent)
+      delta_rows_recurrent(phi, Q, K, V, beta, g, r0, b, st, dst, ws, scale, pend);
+    else
+      delta_chunk(phi, Q, K, V, beta, g, r0, b, st, dst, ws, scale);
+  }
+  delta_settle(st.S.data(), st.S.outerStride(), F, M, pend);
+}
+
+}  // namespace linattn::detail

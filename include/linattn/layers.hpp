@@ -1,0 +1,9 @@
+/// \file linattn/layers.hpp
+/// \brief The layers module: Attention layers with their projections: LinearAttentionLayer and the
+/// batched layer.
+///
+/// Includes only this module and the modules below it (docs/ARCHITECTURE.md).
+#pragma once
+
+#include "layers/attention_layer.hpp"
+#include "layers/batched_layer.hpp"

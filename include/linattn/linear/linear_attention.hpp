@@ -1,0 +1,251 @@
+/// \file linear/linear_attention.hpp
+/// \brief Non-causal linear attention in O(N·F·M) time and O(F·M) extra memory.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <cassert>
+
+#include <algorithm>
+#include <limits>
+#include <string>
+
+#include "../core/checks.hpp"
+#include "../core/common.hpp"
+#include "../core/detail/blocking.hpp"
+#include "../maps/erased_map.hpp"
+#include "../core/detail/result.hpp"
+#include "detail/sequence_split.hpp"
+#include "../core/detail/views.hpp"
+#include "../maps/elu_plus_one.hpp"
+#include "../maps/feature_map.hpp"
+#include "../core/parallel.hpp"
+#include "../core/state.hpp"
+#include "../core/workspace.hpp"
+#include "../maps/map_state.hpp"
+
+namespace linattn {
+namespace detail {
+
+// out = the rows of q read through a folded state (S, z), 128 rows at a time (the second half
+// of non-causal attention, after absorb_keys).
+template <class Phi, class DQ, class SMat, class ZVec, class Out>
+void read_queries(const Phi& phi, const DQ& q, const SMat& S, const ZVec& z, Out&& dst,
+                  Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
+  const Index N = q.rows(), F = S.rows();
+  for (Index i0 = 0; i0 < N; i0 += kLinearRowBlock) {
+    const Index b = std::min(kLinearRowBlock, N - i0);
+    auto den = ws.vector(kSlotRowA, b);
+    prefetch_rows(q, i0 + b, std::min(kLinearRowBlock, N - i0 - b));  // the next block
+    with_mapped_rows(phi, q.middleRows(i0, b), F, kSlotPhiQ, ws,
+                     [&](auto&& pq) { read_state(phi, S, z, pq, den, dst.middleRows(i0, b), ws); },
+                     QuerySide{true});
+  }
+}
+
+template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
+void linear_attention_impl(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                           const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                           const Phi& phi, const Keep& keep, const Eigen::MatrixBase<DOut>& out,
+                           Workspace<compute_scalar_t<typename DQ::Scalar>>& ws) {
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
+  // The caller checked the operands (linear_attention_split()) on its own types: checking
+  // them again here would only instantiate the checks once more for the views.
+  (void)function;
+  assert(K.rows() == V.rows() && Q.cols() == K.cols() && out.rows() == Q.rows() &&
+         out.cols() == V.cols());
+  auto& dst = writable(out);
+  const Nested<DQ> q(Q.derived());
+  const Nested<DK> k(K.derived());
+  const Nested<DV> v(V.derived());
+  const Index M = v.cols();
+  const Index F = phi.feature_dim(q.cols());
+  auto S = ws.matrix(kSlotState, F, M);
+  auto S_lo = ws.matrix(kSlotStateLow, F, M);
+  auto z = ws.vector(kSlotNormalizer, F);
+  auto z_lo = ws.vector(kSlotNormalizerLow, F);
+  auto m = ws.vector(kSlotExtra, normalizes_keys_per_feature_v<Phi> ? F : 0);
+  S.setZero();
+  S_lo.setZero();
+  z.setZero();
+  z_lo.setZero();
+  m.setConstant(-std::numeric_limits<Scalar>::infinity());
+  absorb_keys(phi, k, v, S, S_lo, z, z_lo, m, keep, ws);
+  read_queries(phi, q, S, z, dst, ws);
+}
+
+// linear_attention_impl() on T threads when the sequences are long enough (spec §8): thread t
+// absorbs the t-th of the keys into a state of its own; after a barrier, each thread merges
+// the T states in a fixed order and reads the t-th of the queries. Same work as one thread,
+// plus T merges of F·M per thread. The operands are checked views (linear_attention_split()).
+template <class VQ, class VK, class VV, class Phi, class Keep, class VOut>
+void linear_attention_views(const char* function, const VQ& q, const VK& k, const VV& v,
+                            const Phi& phi, const Keep& keep, VOut& dst,
+                            Workspace<typename VQ::Scalar>& ws, int threads,
+                            const Executor* executor) {
+  using Scalar = typename VQ::Scalar;
+  const Index F = phi.feature_dim(q.cols()), M = v.cols(), N = q.rows(), L = k.rows();
+  if (threads <= 1) {
+    // As one row segment: the instantiation of the segments below (row_segment()).
+    linear_attention_impl(function, row_segment(q, 0, N), row_segment(k, 0, L),
+                          row_segment(v, 0, L), phi, shifted_keep(keep, 0),
+                          row_segment(dst, 0, N), ws);
+    return;
+  }
+  auto& x = ws.template extension<SplitScratch<Scalar>>();
+  x.prepare(threads, threads, F, M, normalizes_keys_per_feature_v<Phi>);
+  run_two_phases(
+      threads, executor,
+      [&](int t, int T) {
+        summarize_rows(phi, k, v, keep, split_rows(L, T, t, kLinearRowBlock),
+                       x.parts[static_cast<std::size_t>(t)], x.ws[static_cast<std::size_t>(t)]);
+      },
+      [&](int t, int T) {
+        auto& all = x.carried[static_cast<std::size_t>(t)];
+        scan_parts<Scalar>(nullptr, x, T, t, all);
+        all.fold();  // read_state() reads the high parts
+        const RowRange r = split_rows(N, T, t, kLinearRowBlock);
+        read_queries(phi, row_segment(q, r.begin, r.size), all.S, all.z,
+                     row_segment(dst, r.begin, r.size), x.ws[static_cast<std::size_t>(t)]);
+      });
+}
+
+// Checks the arguments, then runs linear_attention_views() on the operands as views
+// (detail/views.hpp): one instantiation of the kernels per map, mask, scalar type and storage
+// orders, whatever Eigen types the caller passes.
+template <class DQ, class DK, class DV, class Phi, class Keep, class DOut>
+void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                            const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                            const Phi& phi, const Keep& keep, const Eigen::MatrixBase<DOut>& out,
+                            Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                            const ParallelOptions& par) {
+  static_check_feature_map<Phi, compute_scalar_t<typename DQ::Scalar>>();
+  check_qkv(function, Q, K, V, /*causal=*/false);
+  check_feature_map(function, phi, Q.cols());
+  const Index F = phi.feature_dim(Q.cols()), M = V.cols(), N = Q.rows(), L = K.rows();
+  // A non-causal row (a key absorbed or a query read) costs half a causal row.
+  const int threads = sequence_split_threads(par, (N + L) / 2, F * M);
+  check_output(function, out, N, M);
+  check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
+  const auto map = erase_map<compute_scalar_t<typename DQ::Scalar>>(phi);
+  with_views(
+      Q.derived(), K.derived(), V.derived(), writable(out),
+      [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+        linear_attention_views(function, q, k, v, map, keep, dst, ws, threads, executor_of(par));
+      },
+      &ws.storage_copies());
+}
+
+}  // namespace detail
+
+/// \brief Non-causal linear attention, written into a caller's output, allocating nothing
+/// when `ws` already served a call of the same shape.
+///
+/// \f[ \mathrm{out}_i = \frac{\varphi(q_i)^\top S}{\max(\varphi(q_i)^\top z,\ \varepsilon)},
+///     \qquad S = \sum_j \varphi(k_j) v_j^\top,\quad z = \sum_j \varphi(k_j) \f]
+///
+/// Two GEMMs per block of 128 rows and never an N x L matrix: O((N + L)·F·M) time and
+/// O(F·M + 128·F) working memory, independent of N and L. For SoftmaxSplit,
+/// out = softmax_rows(Q) (softmax_cols(K)ᵀ V), with a running maximum per key feature.
+///
+/// \param Q    N x D queries; \param K L x D keys; \param V L x M values. N ≠ L is allowed
+///             (cross-attention). Any Eigen expression: blocks, Maps, row-major storage.
+/// \param phi  the feature map (see feature_map.hpp).
+/// \param out  N x M destination (a matrix, Block, Map or Ref); must not overlap Q, K, V
+///             (checked: std::invalid_argument). Disjoint blocks of one buffer are fine even
+///             when they interleave in memory, as Q, K, V and out of the packed multi-head
+///             layout (column blocks of one row-major matrix) do. An operand that is an
+///             expression rather than memory cannot be checked: a matrix product (`X * W`) is
+///             evaluated into a temporary before `out` is written, so it may read `out`'s
+///             memory; any other expression (`2 * V`, `A + B`, `V.reverse()`,
+///             `d.asDiagonal() * V`) must not read `out`'s memory (`.eval()` it first): a
+///             kernel may read it while `out` is being written (today's kernels evaluate such
+///             an operand into a temporary of their own first, one allocation per call, but
+///             that is not promised). Likewise an `out` that is an expression
+///             (`buf.reverse()`) is not checked; it is written through a temporary.
+/// \param ws   scratch memory reused across calls.
+/// \throws std::invalid_argument if the shapes disagree, D == 0, `out` is not N x M, or `out`
+/// overlaps Q, K or V.
+///
+/// With no keys (L = 0) every output row is 0; with no queries (N = 0) nothing is written.
+/// Non-finite inputs give unspecified (possibly non-finite) values, never undefined behaviour.
+///
+/// \code
+/// linattn::Workspace<float> ws;
+/// Eigen::MatrixXf out(Q.rows(), V.cols());
+/// linattn::linear_attention(Q, K, V, linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                      const Eigen::MatrixBase<DV>& V, const Phi& phi,
+                      const Eigen::MatrixBase<DOut>& out,
+                      Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                      const ParallelOptions& par = {}) {
+  detail::linear_attention_split("linear_attention", Q, K, V, phi, detail::NoMask{}, out, ws, par);
+}
+
+/// \brief Non-causal linear attention (see the overload above for the maths and the rules).
+///
+/// \code
+/// Eigen::MatrixXf Q = Eigen::MatrixXf::Random(1024, 64), K = Eigen::MatrixXf::Random(512, 64);
+/// Eigen::MatrixXf V = Eigen::MatrixXf::Random(512, 32);
+/// Eigen::MatrixXf out = linattn::linear_attention(Q, K, V);  // 1024 x 32, EluPlusOne
+/// \endcode
+template <class DQ, class DK, class DV, class Phi = EluPlusOne>
+Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                             const Eigen::MatrixBase<DK>& K,
+                                             const Eigen::MatrixBase<DV>& V,
+                                             const Phi& phi = Phi{},
+                                             const ParallelOptions& par = {}) {
+  detail::check_qkv("linear_attention", Q, K, V, /*causal=*/false);
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
+  linear_attention(Q, K, V, phi, out, ws, par);
+  return out;
+}
+
+/// \brief Non-causal linear attention with a key padding mask: key j takes part iff
+/// `key_mask(j)` is true; a masked key contributes nothing (as if it were removed). A query
+/// that sees no key gets a zero row.
+///
+/// \param out N x M; must not overlap Q, K, V or key_mask (checked: std::invalid_argument;
+///            see linear_attention() for expression operands).
+///
+/// Linear attention never forms the N x L weights, so only masks that factor through the
+/// keys (or, causally, through positions: see causal_linear_attention) can be applied; an
+/// arbitrary N x L mask cannot be expressed without giving up linear cost.
+/// \code
+/// Eigen::Array<bool, Eigen::Dynamic, 1> keep = Eigen::ArrayXi::LinSpaced(L, 0, L - 1) < length;
+/// auto out = linattn::masked_linear_attention(Q, K, V, keep, linattn::EluPlusOne{});
+/// \endcode
+template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
+void masked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                             const Eigen::MatrixBase<DV>& V,
+                             const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
+                             const Eigen::MatrixBase<DOut>& out,
+                             Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                             const ParallelOptions& par = {}) {
+  detail::check_key_mask("masked_linear_attention", key_mask, K.rows());
+  detail::check_no_overlap("masked_linear_attention", out, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const detail::KeyMask keep(mask);
+  detail::linear_attention_split("masked_linear_attention", Q, K, V, phi, keep, out, ws, par);
+}
+
+/// \brief Masked non-causal linear attention, returning the N x M result.
+template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
+Matrix<typename DQ::Scalar> masked_linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                                    const Eigen::MatrixBase<DK>& K,
+                                                    const Eigen::MatrixBase<DV>& V,
+                                                    const Eigen::DenseBase<DMask>& key_mask,
+                                                    const Phi& phi = Phi{},
+                                                    const ParallelOptions& par = {}) {
+  detail::check_qkv("masked_linear_attention", Q, K, V, /*causal=*/false);
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  Workspace<compute_scalar_t<typename DQ::Scalar>> ws;
+  masked_linear_attention(Q, K, V, key_mask, phi, out, ws, par);
+  return out;
+}
+
+}  // namespace linattn

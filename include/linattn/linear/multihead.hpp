@@ -1,0 +1,534 @@
+/// \file linear/multihead.hpp
+/// \brief Multi-head and variable-length batched entry points over the packed layout that
+/// inference engines use, parallel over heads and sequences with OpenMP when it is enabled:
+/// their argument checks here, the kernels in detail/multihead_kernels.hpp. Also includes
+/// MultiHeadWorkspace (multihead_workspace.hpp) and MultiHeadRecurrentLinearAttention
+/// (multihead_recurrent.hpp).
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cstddef>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "causal_linear_attention.hpp"
+#include "../core/checks.hpp"
+#include "../core/common.hpp"
+#include "../maps/erased_map.hpp"
+#include "detail/multihead_kernels.hpp"
+#include "../core/detail/result.hpp"
+#include "../core/detail/views.hpp"
+#include "../maps/elu_plus_one.hpp"
+#include "linear_attention.hpp"
+#include "multihead_recurrent.hpp"
+#include "multihead_workspace.hpp"
+#include "../core/parallel.hpp"
+#include "heads.hpp"
+#include "../core/state.hpp"
+#include "../core/workspace.hpp"
+#include "../maps/map_state.hpp"
+
+namespace linattn {
+namespace detail {
+
+
+// The batched kernels behind batched_*() and multihead_*(): `fn` names the public function in
+// error messages; q_offsets and k_offsets (OffsetsRef) hold one more entry than
+// the number of sequences, which must agree. keep(j) says whether packed key row j takes part.
+template <class DQ, class DK, class DV, class QOff, class KOff, class Phi, class Keep, class DOut>
+void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                    const Eigen::MatrixBase<DV>& V, const QOff& q_offsets, const KOff& k_offsets,
+                    Index heads, const Phi& phi, const Keep& keep,
+                    const Eigen::MatrixBase<DOut>& out,
+                    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                    const ParallelOptions& par) {
+  static_check_feature_map<Phi, compute_scalar_t<typename DQ::Scalar>>();
+  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, false);
+  const Index D = dims.first, M = dims.second;
+  check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
+  check_output(fn, out, Q.rows(), V.cols());
+  check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
+  check_offsets(fn, "q_offsets", q_offsets, Q.rows());
+  check_offsets(fn, "k_offsets", k_offsets, K.rows());
+  if (q_offsets.size() != k_offsets.size())
+    throw_invalid(fn, "q_offsets and k_offsets must describe the same number of sequences (" +
+                          std::to_string(q_offsets.size()) + " and " +
+                          std::to_string(k_offsets.size()) + " entries)");
+  // Once, here: every task takes a block of each input, and a block of a lazy expression
+  // (X * Wq) would evaluate the whole expression again for each (sequence, head). As views
+  // (detail/views.hpp), the kernels below are compiled once per storage order.
+  const auto map = erase_map<compute_scalar_t<typename DQ::Scalar>>(phi);
+  with_views(
+      Q.derived(), K.derived(), V.derived(), writable(out),
+      [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+        batched_linear_views(fn, q, k, v, q_offsets, k_offsets, heads, map, keep, dst, ws, par, D,
+                             M);
+      },
+      &ws.storage_copies());
+}
+
+// `states` (nullptr: every sequence starts from an empty state of the workspace's) holds the
+// B·H states of the caller, sequence-major, carried in and out.
+template <class DQ, class DK, class DV, class Off, class Phi, class Keep, class DOut>
+void batched_causal_linear(
+    const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Off& offsets, Index heads, const Phi& phi,
+    const Keep& keep,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>* states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const CausalOptions& options,
+    const ParallelOptions& par) {
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
+  static_check_feature_map<Phi, compute_scalar_t<Scalar>>();
+  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
+  const Index D = dims.first, M = dims.second;
+  check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
+  check_output(fn, out, Q.rows(), V.cols());
+  check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
+  check_offsets(fn, "offsets", offsets, Q.rows());
+  if (options.chunk_size < 0)
+    throw_invalid(fn, "chunk_size must be >= 0 (0 = default), got " +
+                          std::to_string(options.chunk_size));
+  const Index B = static_cast<Index>(offsets.size()) - 1;
+  if (states) {
+    const StateApart apart("out", out, "Q", Q, "K", K, "V", V);
+    for (std::size_t i = 0; i < states->size(); ++i)
+      apart.check(fn, (*states)[i], "states", Index(i));
+    check_states(fn, *states, B, heads, phi, D, M);
+  }
+  // Viewed once, not per (sequence, head): see batched_linear.
+  const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
+  if constexpr (is_low_precision_v<Storage>) {
+    // The operands stay in bf16 / half here (in place, or a copy of an expression): the kernel
+    // widens each head's rows a piece at a time (batched_causal_views).
+    with_storage_views(Q.derived(), K.derived(), V.derived(), writable(out),
+                       [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+                         batched_causal_views(fn, q, k, v, offsets, heads, map, keep, states, dst,
+                                              ws, options, par, D, M);
+                       });
+  } else {
+    with_views(Q.derived(), K.derived(), V.derived(), writable(out),
+               [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+                 batched_causal_views(fn, q, k, v, offsets, heads, map, keep, states, dst, ws,
+                                      options, par, D, M);
+               });
+  }
+}
+
+}  // namespace detail
+
+/// \brief Non-causal linear attention over B packed sequences and H heads, written into
+/// `out`. Query rows [q_offsets[b], q_offsets[b+1]) attend to key rows [k_offsets[b],
+/// k_offsets[b+1]); head h uses columns [h·D, (h+1)·D) of Q and K and [h·M, (h+1)·M) of V and
+/// out. No matrix, Map or block input is copied; an expression that is costly to re-read (a
+/// product such as X * Wq) is evaluated once into a temporary before the parallel region, as
+/// in every multi-head kernel. (sequence, head) pairs run in parallel. Equal to per-head,
+/// per-sequence linear_attention() calls; allocation-free with a reused MultiHeadWorkspace
+/// (and inputs that need no temporary). An exception in a task (a throwing feature map,
+/// std::bad_alloc) reaches the caller after the parallel region; `out` is then unspecified.
+/// \param out must not overlap Q, K, V (checked once, before any head runs:
+///            std::invalid_argument). A product operand is evaluated before any head runs and
+///            may read `out`'s memory; any other expression operand must not.
+/// \throws std::invalid_argument on inconsistent shapes or offsets, or an overlapping `out`.
+/// \code
+/// // Two sequences of 100 and 28 tokens, packed one after the other, 8 heads of D = M = 64.
+/// linattn::MultiHeadWorkspace<float> ws;
+/// Eigen::MatrixXf out(128, 8 * 64);
+/// linattn::batched_linear_attention(Q, K, V, {0, 100, 128}, {0, 100, 128}, 8,
+///                                   linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, const std::vector<Index>& q_offsets,
+                              const std::vector<Index>& k_offsets, Index heads, const Phi& phi,
+                              const Eigen::MatrixBase<DOut>& out,
+                              MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                              const ParallelOptions& par = {}) {
+  const char* fn = "batched_linear_attention";
+  detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
+                         detail::offsets_of(fn, "k_offsets", k_offsets), heads, phi,
+                         detail::NoMask{}, out, ws, par);
+}
+
+/// \brief batched_linear_attention() with offsets of any integer type, read in place: an
+/// Eigen vector (Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1>, a Map over a buffer,
+/// offsets_view()) or a std::vector of any integer type. Allocation-free as the other form.
+/// \throws std::invalid_argument as batched_linear_attention(), or if an offsets argument is
+/// not a vector.
+/// \code
+/// Eigen::Matrix<std::int32_t, Eigen::Dynamic, 1> cu(3);
+/// cu << 0, 100, 128;
+/// linattn::batched_linear_attention(Q, K, V, cu, cu, 8, linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class QOff, class KOff, class Phi, class DOut>
+void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, const QOff& q_offsets,
+                              const KOff& k_offsets, Index heads, const Phi& phi,
+                              const Eigen::MatrixBase<DOut>& out,
+                              MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                              const ParallelOptions& par = {}) {
+  const char* fn = "batched_linear_attention";
+  detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
+                         detail::offsets_of(fn, "k_offsets", k_offsets), heads, phi,
+                         detail::NoMask{}, out, ws, par);
+}
+
+/// \brief batched_linear_attention() with a key padding mask: `key_mask` has one bool per
+/// packed key row (K.rows() entries, true = the key takes part), shared by every head. Equal
+/// to masked_linear_attention() per sequence and head.
+/// \param out must not overlap Q, K, V or key_mask (std::invalid_argument).
+/// \code
+/// Eigen::Array<bool, Eigen::Dynamic, 1> keep = Eigen::Array<bool, Eigen::Dynamic, 1>::Ones(128);
+/// keep.segment(90, 10).setConstant(false);  // padding at the end of the first sequence
+/// linattn::masked_batched_linear_attention(Q, K, V, offsets, offsets, keep, 8,
+///                                          linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class QOff, class KOff, class DMask, class Phi, class DOut>
+void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                     const Eigen::MatrixBase<DV>& V, const QOff& q_offsets,
+                                     const KOff& k_offsets, const Eigen::DenseBase<DMask>& key_mask,
+                                     Index heads, const Phi& phi,
+                                     const Eigen::MatrixBase<DOut>& out,
+                                     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                                     const ParallelOptions& par = {}) {
+  const char* fn = "masked_batched_linear_attention";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, out, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const detail::KeyMask keep(mask);
+  detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
+                         detail::offsets_of(fn, "k_offsets", k_offsets), heads, phi, keep, out,
+                         ws, par);
+}
+
+/// \brief Causal linear attention over B packed sequences (rows [offsets[b], offsets[b+1]))
+/// and H heads, each sequence starting from an empty state. See batched_linear_attention().
+/// \param out must not overlap Q, K, V (checked once, before any head runs:
+///            std::invalid_argument). A product operand is evaluated before any head runs
+///            and may read `out`'s memory; any other expression operand must not.
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                     const Eigen::MatrixBase<DV>& V,
+                                     const std::vector<Index>& offsets, Index heads, const Phi& phi,
+                                     const Eigen::MatrixBase<DOut>& out,
+                                     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                                     const CausalOptions& options = {},
+                                     const ParallelOptions& par = {}) {
+  const char* fn = "batched_causal_linear_attention";
+  detail::batched_causal_linear(fn, Q, K, V, detail::offsets_of(fn, "offsets", offsets), heads,
+                                phi, detail::NoMask{}, nullptr, out, ws, options, par);
+}
+
+/// \brief batched_causal_linear_attention() with offsets of any integer type, read in place (an
+/// Eigen vector or Map, offsets_view(), a std::vector of any integer type).
+/// \code
+/// Eigen::VectorXi cu_seqlens(3);
+/// cu_seqlens << 0, 100, 128;
+/// linattn::batched_causal_linear_attention(Q, K, V, cu_seqlens, 8, linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class Off, class Phi, class DOut>
+void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                     const Eigen::MatrixBase<DV>& V, const Off& offsets,
+                                     Index heads, const Phi& phi,
+                                     const Eigen::MatrixBase<DOut>& out,
+                                     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                                     const CausalOptions& options = {},
+                                     const ParallelOptions& par = {}) {
+  const char* fn = "batched_causal_linear_attention";
+  detail::batched_causal_linear(fn, Q, K, V, detail::offsets_of(fn, "offsets", offsets), heads,
+                                phi, detail::NoMask{}, nullptr, out, ws, options, par);
+}
+
+/// \brief Batched causal linear attention that carries every (sequence, head) state in and out:
+/// the prefill of a server, whose states then go to BatchedRecurrentLinearAttention::set_states().
+///
+/// `states` holds B·H states, sequence-major (head h of sequence b at b·H + h); an empty entry
+/// starts from zero, and an empty vector is first resized to B·H empty states (the only
+/// allocation of a call that reuses its workspace and states). On return every entry is the
+/// state after the sequence's last row, folded, exactly as causal_linear_attention() with that
+/// state leaves it: bit for bit for the same CausalOptions and ParallelOptions (with fewer
+/// (sequence, head) pairs than threads, each pair's rows are split over the threads as
+/// causal_linear_attention() splits them; spec §8). Calling again continues every sequence.
+/// \throws std::invalid_argument as the other form, or on a count other than B·H (or 0) or a
+/// state that does not fit the map and shapes (naming the entry), before any state changes.
+/// An exception in a task (a throwing feature map, std::bad_alloc) leaves the states partly
+/// advanced.
+/// \code
+/// std::vector<linattn::LinearAttentionState<float>> states;  // B·H, filled by the call
+/// linattn::batched_causal_linear_attention(Q, K, V, cu_seqlens, 8, linattn::EluPlusOne{},
+///                                          states, out, ws);
+/// linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> decoder(B, 8, 64, 64);
+/// decoder.set_states(states);  // decode from the end of every prompt
+/// \endcode
+template <class DQ, class DK, class DV, class Off, class Phi, class DOut>
+void batched_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Off& offsets, Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  const char* fn = "batched_causal_linear_attention";
+  detail::batched_causal_linear(fn, Q, K, V, detail::offsets_of(fn, "offsets", offsets), heads,
+                                phi, detail::NoMask{}, &states, out, ws, options, par);
+}
+
+/// \brief batched_causal_linear_attention() with a key padding mask: one bool per packed row
+/// (Q.rows() entries, true = the key takes part), shared by every head. A masked row adds
+/// nothing to its sequence's state but its query still reads the state, as in
+/// masked_causal_linear_attention(), which each (sequence, head) equals.
+/// \param out must not overlap Q, K, V or key_mask (std::invalid_argument).
+/// \code
+/// linattn::masked_batched_causal_linear_attention(Q, K, V, cu_seqlens, keep, 8,
+///                                                 linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class Off, class DMask, class Phi, class DOut>
+void masked_batched_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Off& offsets, const Eigen::DenseBase<DMask>& key_mask, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  const char* fn = "masked_batched_causal_linear_attention";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, out, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const detail::KeyMask keep(mask);
+  detail::batched_causal_linear(fn, Q, K, V, detail::offsets_of(fn, "offsets", offsets), heads,
+                                phi, keep, nullptr, out, ws, options, par);
+}
+
+/// \brief masked_batched_causal_linear_attention() carrying the B·H states in and out (see the
+/// states form of batched_causal_linear_attention()).
+/// \code
+/// std::vector<linattn::LinearAttentionState<float>> states;
+/// linattn::masked_batched_causal_linear_attention(Q, K, V, cu_seqlens, keep, 8,
+///                                                 linattn::EluPlusOne{}, states, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class Off, class DMask, class Phi, class DOut>
+void masked_batched_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Off& offsets, const Eigen::DenseBase<DMask>& key_mask, Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  const char* fn = "masked_batched_causal_linear_attention";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, out, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const detail::KeyMask keep(mask);
+  detail::batched_causal_linear(fn, Q, K, V, detail::offsets_of(fn, "offsets", offsets), heads,
+                                phi, keep, &states, out, ws, options, par);
+}
+
+/// \brief Multi-head non-causal linear attention: Q N x (H·D), K L x (H·D), V L x (H·M),
+/// out N x (H·M), heads side by side; allocation-free with a reused MultiHeadWorkspace.
+/// \param out must not overlap Q, K, V (checked once, before any head runs:
+///            std::invalid_argument). A product operand is evaluated before any head runs
+///            and may read `out`'s memory; any other expression operand must not.
+/// \code
+/// linattn::MultiHeadWorkspace<float> ws;
+/// Eigen::MatrixXf out(N, 8 * 64);
+/// linattn::multihead_linear_attention(Q, K, V, 8, linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi,
+                                const Eigen::MatrixBase<DOut>& out,
+                                MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                                const ParallelOptions& par = {}) {
+  const Index q_offsets[2] = {0, Q.rows()}, k_offsets[2] = {0, K.rows()};
+  detail::batched_linear("multihead_linear_attention", Q, K, V,
+                         detail::OffsetsRef(q_offsets, 2),
+                         detail::OffsetsRef(k_offsets, 2), heads, phi, detail::NoMask{},
+                         out, ws, par);
+}
+
+/// \brief Multi-head non-causal linear attention, returning N x (H·M).
+template <class DQ, class DK, class DV, class Phi = EluPlusOne>
+Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q,
+                                                       const Eigen::MatrixBase<DK>& K,
+                                                       const Eigen::MatrixBase<DV>& V,
+                                                       Index heads, const Phi& phi = Phi{},
+                                                       const ParallelOptions& par = {}) {
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
+  multihead_linear_attention(Q, K, V, heads, phi, out, ws, par);
+  return out;
+}
+
+/// \brief Multi-head non-causal linear attention with a key padding mask (L bools, true = the
+/// key takes part, shared by every head): masked_linear_attention() per head.
+/// \code
+/// linattn::masked_multihead_linear_attention(Q, K, V, keep, 8, linattn::EluPlusOne{}, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
+void masked_multihead_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::DenseBase<DMask>& key_mask, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const ParallelOptions& par = {}) {
+  const char* fn = "masked_multihead_linear_attention";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, out, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const detail::KeyMask keep(mask);
+  const Index q_offsets[2] = {0, Q.rows()}, k_offsets[2] = {0, K.rows()};
+  detail::batched_linear(fn, Q, K, V, detail::OffsetsRef(q_offsets, 2),
+                         detail::OffsetsRef(k_offsets, 2), heads, phi, keep, out, ws,
+                         par);
+}
+
+/// \brief Masked multi-head non-causal linear attention, returning N x (H·M).
+template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
+Matrix<typename DQ::Scalar> masked_multihead_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask, Index heads,
+    const Phi& phi = Phi{}, const ParallelOptions& par = {}) {
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
+  masked_multihead_linear_attention(Q, K, V, key_mask, heads, phi, out, ws, par);
+  return out;
+}
+
+/// \brief Multi-head causal linear attention (each head from an empty state).
+/// \param out must not overlap Q, K, V (checked once, before any head runs:
+///            std::invalid_argument). A product operand is evaluated before any head runs
+///            and may read `out`'s memory; any other expression operand must not.
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    Index heads, const Phi& phi, const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  const Index offsets[2] = {0, Q.rows()};
+  detail::batched_causal_linear("multihead_causal_linear_attention", Q, K, V,
+                                detail::OffsetsRef(offsets, 2), heads, phi,
+                                detail::NoMask{}, nullptr, out, ws, options, par);
+}
+
+/// \brief Multi-head causal linear attention carrying the H heads' states in and out: `states`
+/// holds H states (an empty entry starts from zero; an empty vector is resized to H), and on
+/// return head h's final state, as causal_linear_attention() on head h's columns with
+/// states[h] leaves it (bit for bit on one thread with the same CausalOptions). A prompt
+/// prefilled in pieces equals the one-shot call; the states continue in a
+/// MultiHeadRecurrentLinearAttention (head(h).set_state()) or a BatchedRecurrentLinearAttention.
+/// \throws std::invalid_argument as the other form, or on a count other than H (or 0) or a
+/// state that does not fit, before any state changes.
+/// \code
+/// std::vector<linattn::LinearAttentionState<float>> states;  // H, filled by the call
+/// linattn::multihead_causal_linear_attention(Q, K, V, 8, linattn::EluPlusOne{}, states, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  const Index offsets[2] = {0, Q.rows()};
+  detail::batched_causal_linear("multihead_causal_linear_attention", Q, K, V,
+                                detail::OffsetsRef(offsets, 2), heads, phi,
+                                detail::NoMask{}, &states, out, ws, options, par);
+}
+
+/// \brief Multi-head causal linear attention carrying the heads' states in and out (see above),
+/// returning N x (H·M).
+template <class DQ, class DK, class DV, class Phi>
+Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
+  multihead_causal_linear_attention(Q, K, V, heads, phi, states, out, ws, options, par);
+  return out;
+}
+
+/// \brief Multi-head causal linear attention, returning N x (H·M).
+/// \code
+/// Eigen::MatrixXf out = linattn::multihead_causal_linear_attention(Q, K, V, 8);
+/// \endcode
+template <class DQ, class DK, class DV, class Phi = EluPlusOne>
+Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi = Phi{},
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
+  multihead_causal_linear_attention(Q, K, V, heads, phi, out, ws, options, par);
+  return out;
+}
+
+/// \brief Multi-head causal linear attention with a key padding mask (N bools, true = the key
+/// takes part, shared by every head): masked_causal_linear_attention() per head.
+/// \param out must not overlap Q, K, V or key_mask (std::invalid_argument).
+/// \code
+/// linattn::masked_multihead_causal_linear_attention(Q, K, V, keep, 8, linattn::EluPlusOne{},
+///                                                   out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
+void masked_multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::DenseBase<DMask>& key_mask, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  const char* fn = "masked_multihead_causal_linear_attention";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, out, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const detail::KeyMask keep(mask);
+  const Index offsets[2] = {0, Q.rows()};
+  detail::batched_causal_linear(fn, Q, K, V, detail::OffsetsRef(offsets, 2), heads, phi,
+                                keep, nullptr, out, ws, options, par);
+}
+
+/// \brief masked_multihead_causal_linear_attention() carrying the H states in and out (see the
+/// states form of multihead_causal_linear_attention()).
+/// \code
+/// std::vector<linattn::LinearAttentionState<float>> states;
+/// linattn::masked_multihead_causal_linear_attention(Q, K, V, keep, 8, linattn::EluPlusOne{},
+///                                                   states, out, ws);
+/// \endcode
+template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
+void masked_multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::DenseBase<DMask>& key_mask, Index heads, const Phi& phi,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+    const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  const char* fn = "masked_multihead_causal_linear_attention";
+  detail::check_key_mask(fn, key_mask, K.rows());
+  detail::check_no_overlap(fn, out, "the key mask", key_mask);
+  const detail::Nested<DMask> mask(key_mask.derived());
+  const detail::KeyMask keep(mask);
+  const Index offsets[2] = {0, Q.rows()};
+  detail::batched_causal_linear(fn, Q, K, V, detail::OffsetsRef(offsets, 2), heads, phi,
+                                keep, &states, out, ws, options, par);
+}
+
+/// \brief Masked multi-head causal linear attention, returning N x (H·M).
+template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
+Matrix<typename DQ::Scalar> masked_multihead_causal_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask, Index heads,
+    const Phi& phi = Phi{}, const CausalOptions& options = {}, const ParallelOptions& par = {}) {
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
+  masked_multihead_causal_linear_attention(Q, K, V, key_mask, heads, phi, out, ws, options, par);
+  return out;
+}
+
+}  // namespace linattn

@@ -1,0 +1,10 @@
+/// \file linattn/serving.hpp
+/// \brief The serving module: Serving sequences: the state as a sum (combine(), summarize()), and
+/// states saved and loaded.
+///
+/// Includes only this module and the modules below it (docs/ARCHITECTURE.md).
+#pragma once
+
+#include "serving/state_algebra.hpp"
+#include "serving/state_io.hpp"
+#include "serving/state_io_decoders.hpp"
