@@ -52,6 +52,10 @@ inline std::uint32_t crc32(const void* data, std::size_t n) noexcept {
 /// std::uint32_t c = linattn::checksum(tokens.data(), tokens.size() * sizeof(int));
 /// c = linattn::checksum(name.data(), name.size(), c);
 /// \endcode
+/// \param data the first byte.
+/// \param bytes how many bytes to read.
+/// \param previous the checksum of the bytes before them (0 to start).
+/// \return the CRC-32 of the bytes before them and these.
 inline std::uint32_t checksum(const void* data, std::size_t bytes,
                               std::uint32_t previous = 0) noexcept {
   return detail::io::crc32_update(previous ^ 0xFFFFFFFFu, static_cast<const unsigned char*>(data),
@@ -69,6 +73,9 @@ inline std::uint32_t checksum(const void* data, std::size_t bytes,
 /// const std::uint32_t crc = linattn::checksum(W);
 /// // later, after loading W back: if (linattn::checksum(W) != crc) ... (corrupted)
 /// \endcode
+/// \param x the float or double matrix or array to check.
+/// \param previous the checksum of the data before it (0 to start).
+/// \return the CRC-32 of the data before it and the scalars of x.
 template <class Derived>
 std::uint32_t checksum(const Eigen::DenseBase<Derived>& x, std::uint32_t previous = 0) {
   using Scalar = typename Derived::Scalar;

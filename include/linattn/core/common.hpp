@@ -39,6 +39,7 @@ using MatrixRef = Eigen::Ref<Matrix<Scalar>>;
 /// are non-negative, since each output is a convex combination of value rows. Every algorithm
 /// (non-causal, chunked, recurrent, the recurrent step) applies the same guard, so they agree
 /// to rounding. See docs/SPEC.md §2, "Denominators".
+/// \return the smallest normal Scalar.
 template <class Scalar>
 constexpr Scalar denominator_epsilon() noexcept {
   return std::numeric_limits<Scalar>::min();
@@ -46,6 +47,8 @@ constexpr Scalar denominator_epsilon() noexcept {
 
 /// The guarded reciprocal every kernel divides by: 1 / den, or 0 when den is degenerate (below
 /// denominator_epsilon(), or NaN).
+/// \param den the denominator.
+/// \return 1 / den, or 0 for a degenerate den.
 template <class Scalar>
 inline Scalar guarded_inverse(Scalar den) noexcept {
   return den >= denominator_epsilon<Scalar>() ? Scalar(1) / den : Scalar(0);
@@ -56,18 +59,25 @@ inline Scalar guarded_inverse(Scalar den) noexcept {
 /// accumulation run in float, as ggml and flash-linear-attention do), `Storage` itself for
 /// float and double. States, workspaces and feature-map scalars of a call on bf16 or half
 /// operands are float: `LinearAttentionState<linattn::compute_scalar_t<Eigen::bfloat16>>`.
+/// \tparam Storage the operands' scalar type.
 template <class Storage>
 struct compute_scalar {
+  /// The compute scalar: `Storage` itself.
   using type = Storage;
 };
+/// bf16 operands compute in float: bf16 has too few mantissa bits to accumulate in.
 template <>
 struct compute_scalar<Eigen::bfloat16> {
+  /// float.
   using type = float;
 };
+/// half operands compute in float: half has too few bits and too little range to accumulate in.
 template <>
 struct compute_scalar<Eigen::half> {
+  /// float.
   using type = float;
 };
+/// The scalar a kernel computes in for operands stored as `Storage` (compute_scalar).
 template <class Storage>
 using compute_scalar_t = typename compute_scalar<Storage>::type;
 

@@ -38,6 +38,8 @@
 #include <stdexcept>
 #include <string>
 
+/// 1 when linattn reports errors by exceptions in this translation unit, 0 when it calls the
+/// error handler instead (define LINATTN_NO_EXCEPTIONS, or compile without exceptions).
 #if defined(LINATTN_NO_EXCEPTIONS) || !(defined(__cpp_exceptions) || defined(__EXCEPTIONS))
 #define LINATTN_HAS_EXCEPTIONS 0
 #else
@@ -70,6 +72,7 @@ inline std::atomic<ErrorHandler>& error_handler_slot() noexcept {
 
 /// The handler that receives error messages in a build without exceptions (the default: print
 /// to stderr, then `std::abort()`).
+/// \return the handler now set (the default one unless set_error_handler() replaced it).
 inline ErrorHandler error_handler() noexcept {
   return detail::error_handler_slot().load(std::memory_order_acquire);
 }
@@ -77,6 +80,8 @@ inline ErrorHandler error_handler() noexcept {
 /// Sets the handler of error messages for a build without exceptions and returns the previous
 /// one; `nullptr` restores the default. Thread-safe. With exceptions enabled linattn throws and
 /// never calls it.
+/// \param handler the new handler, or nullptr for the default (print and abort).
+/// \return the handler it replaces.
 inline ErrorHandler set_error_handler(ErrorHandler handler) noexcept {
   return detail::error_handler_slot().exchange(handler ? handler : &detail::default_error_handler,
                                                std::memory_order_acq_rel);

@@ -36,6 +36,7 @@ struct StateGradient {
   Matrix<Scalar> dS;  ///< F x M
   Vector<Scalar> dz;  ///< F
 
+  /// \return true when dS and dz are both empty.
   /// True when it holds no gradient (read as zero).
   bool empty() const noexcept { return dS.size() == 0 && dz.size() == 0; }
 };

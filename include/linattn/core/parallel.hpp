@@ -35,10 +35,14 @@ namespace linattn {
 template <class Signature>
 class FunctionRef;
 
+/// The reference for a call signature `R(Args...)`: see FunctionRef.
+/// \tparam R the result type of a call.
+/// \tparam Args the argument types of a call.
 template <class R, class... Args>
 class FunctionRef<R(Args...)> {
  public:
   /// Refers to `f` (which must outlive every call through this reference).
+  /// \param f the callable; only its address is kept.
   template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, FunctionRef> &&
                                               std::is_invocable_r_v<R, F&, Args...>>>
   FunctionRef(F&& f) noexcept  // NOLINT: implicit, as std::function_ref
@@ -48,6 +52,9 @@ class FunctionRef<R(Args...)> {
               std::forward<Args>(args)...);
         }) {}
 
+  /// Calls the callable it refers to.
+  /// \param args passed on to the callable.
+  /// \return what the callable returns.
   R operator()(Args... args) const { return call_(object_, std::forward<Args>(args)...); }
 
  private:

@@ -71,6 +71,9 @@ struct LinearAttentionState {
   LinearAttentionState() = default;
 
   /// A zero state for F features and M values; `per_feature` adds the running maxima.
+  /// \param feature_dim F, the feature map's width (Phi::feature_dim of the key width).
+  /// \param value_dim M, the width of the values.
+  /// \param per_feature true for a map that normalises keys per feature (SoftmaxSplit).
   LinearAttentionState(Index feature_dim, Index value_dim, bool per_feature = false)
       : S(StateMatrix::Zero(feature_dim, value_dim)),
         z(Vector<Scalar>::Zero(feature_dim)),
@@ -79,6 +82,7 @@ struct LinearAttentionState {
     if (per_feature) m.setConstant(feature_dim, -std::numeric_limits<Scalar>::infinity());
   }
 
+  /// \return true when S and z are both empty.
   /// True before the state has been sized.
   bool empty() const noexcept { return S.size() == 0 && z.size() == 0; }
 

@@ -281,6 +281,12 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// linattn::delta_rule_attention(Q, K, V, beta, log_a, linattn::L2Normalize<linattn::Silu>{},
 ///                               state, out, ws, opts);
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
 template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
 void delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                           const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
@@ -295,6 +301,17 @@ void delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBas
 
 /// \brief The delta rule continuing from `state` (updated in place), returning the N x M
 /// output (see the out-parameter form).
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param beta N writing strengths in [0, 2], one per token: how far each step moves the state's
+///     value for its key.
+/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for none.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param state the state to continue from (empty: zero); holds the state after the last row on
+///     return.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class DB, class DA, class Phi>
 Matrix<typename DQ::Scalar> delta_rule_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -315,6 +332,15 @@ Matrix<typename DQ::Scalar> delta_rule_attention(
 /// Eigen::MatrixXf out = linattn::delta_rule_attention(Q, K, V, beta, no_decay,
 ///                                                     linattn::L2Normalize<linattn::Identity>{});
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param beta N writing strengths in [0, 2], one per token: how far each step moves the state's
+///     value for its key.
+/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for none.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class DB, class DA, class Phi = Identity>
 Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
                                                  const Eigen::MatrixBase<DK>& K,
@@ -342,6 +368,18 @@ Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
 /// linattn::multihead_delta_rule_attention(Q, K, V, beta, log_a, 8,
 ///                                         linattn::L2Normalize<linattn::Silu>{}, out, ws, opts);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param beta N x H writing strengths in [0, 2], per token and head.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
 void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                     const Eigen::MatrixBase<DV>& V,
@@ -359,6 +397,20 @@ void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen:
 
 /// \brief The multi-head delta rule carrying the H heads' states in and out (an empty vector
 /// is resized to H zero states; head h continues from states[h]).
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param beta N x H writing strengths in [0, 2], per token and head.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param states one state per head (per sequence and head when batched), continued from and
+///     updated in place.
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
 void multihead_delta_rule_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -378,6 +430,16 @@ void multihead_delta_rule_attention(
 /// \code
 /// Eigen::MatrixXf out = linattn::multihead_delta_rule_attention(Q, K, V, beta, log_a, 8);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param beta N x H writing strengths in [0, 2], per token and head.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV, class DB, class DA, class Phi = Identity>
 Matrix<typename DQ::Scalar> multihead_delta_rule_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -399,6 +461,20 @@ Matrix<typename DQ::Scalar> multihead_delta_rule_attention(
 /// linattn::batched_delta_rule_attention(Q, K, V, beta, log_a, cu_seqlens, 8,
 ///                                       linattn::L2Normalize<linattn::Silu>{}, out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param beta N x H writing strengths in [0, 2], per token and head.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
+///     offsets[b+1] - 1.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DB, class DA, class Off, class Phi, class DOut>
 void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
@@ -415,6 +491,22 @@ void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::M
 /// \brief batched_delta_rule_attention() carrying the B·H states in and out (sequence-major,
 /// head h of sequence b at b·H + h; an empty vector is resized to B·H zero states): a server's
 /// prefill, whose states then continue in RecurrentDeltaRule decoders.
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param beta N x H writing strengths in [0, 2], per token and head.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
+///     offsets[b+1] - 1.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param states one state per head (per sequence and head when batched), continued from and
+///     updated in place.
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DB, class DA, class Off, class Phi, class DOut>
 void batched_delta_rule_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,

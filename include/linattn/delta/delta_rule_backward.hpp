@@ -157,6 +157,18 @@ DeltaGradients<Scalar> delta_gradients_like(const DQ& Q, const DK& K, const DV& 
 /// \endcode
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi, class DdQ,
           class DdK, class DdV, class DdB, class DdA>
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param beta N writing strengths in [0, 2], one per token: how far each step moves the state's
+///     value for its key.
+/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for none.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param dQ receives the N x D gradient with respect to Q.
+/// \param dK receives the L x D gradient with respect to K.
+/// \param dV receives the L x M gradient with respect to V.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
 void delta_rule_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
     const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a,
@@ -190,6 +202,17 @@ void delta_rule_attention_backward(
 
 /// \brief Gradients of delta_rule_attention() continuing from `initial`, returned (see the
 /// out-parameter form).
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param beta N writing strengths in [0, 2], one per token: how far each step moves the state's
+///     value for its key.
+/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for none.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param initial the state the sequence starts from.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \return the gradients with respect to Q, K, V, beta and log_a.
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi>
 DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -214,6 +237,16 @@ DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
 ///                                                 linattn::L2Normalize<linattn::Silu>{});
 /// // g.dQ, g.dK, g.dV, g.dbeta (as beta), g.dlog_a (as log_a; empty without decay)
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param beta N writing strengths in [0, 2], one per token: how far each step moves the state's
+///     value for its key.
+/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for none.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \return the gradients with respect to Q, K, V, beta and log_a.
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi = Identity>
 DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -229,6 +262,22 @@ DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
 /// columns (beta, log_a and their gradients N x H; log_a and dlog_a may be empty).
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi, class DdQ,
           class DdK, class DdV, class DdB, class DdA>
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param beta N x H writing strengths in [0, 2], per token and head.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param dOut the N x H·M gradient of the loss with respect to the output.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param dQ receives the N x H·D gradient with respect to Q.
+/// \param dK receives the L x H·D gradient with respect to K.
+/// \param dV receives the L x H·M gradient with respect to V.
+/// \param dbeta receives the gradient with respect to beta.
+/// \param dlog_a receives the gradient with respect to log_a.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 void multihead_delta_rule_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
     const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a,
@@ -275,6 +324,17 @@ void multihead_delta_rule_attention_backward(
 /// \code
 /// auto g = linattn::multihead_delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, 8);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param beta N x H writing strengths in [0, 2], per token and head.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param dOut the N x H·M gradient of the loss with respect to the output.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the gradients with respect to Q, K, V, beta and log_a.
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi = Identity>
 DeltaGradients<typename DQ::Scalar> multihead_delta_rule_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,

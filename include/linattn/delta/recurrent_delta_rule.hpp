@@ -61,10 +61,17 @@ class RecurrentDeltaRule {
 
   /// A zero state for keys and queries of dimension D and values of dimension M.
   /// \throws std::invalid_argument if D <= 0 or M < 0.
+  /// \param key_dim D, the width of the query and key rows.
+  /// \param value_dim M, the width of the value rows and of each output.
+  /// \param options the algorithm and its chunk size (the defaults suit most shapes).
   RecurrentDeltaRule(Index key_dim, Index value_dim, const DeltaOptions& options = {})
       : RecurrentDeltaRule(key_dim, value_dim, Phi{}, options) {}
 
   /// As above, with a map that has parameters.
+  /// \param key_dim D, the width of the query and key rows.
+  /// \param value_dim M, the width of the value rows and of each output.
+  /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+  /// \param options the algorithm and its chunk size (the defaults suit most shapes).
   RecurrentDeltaRule(Index key_dim, Index value_dim, const Phi& phi,
                      const DeltaOptions& options = {})
       : phi_(phi), options_(options), key_dim_(key_dim), value_dim_(value_dim) {
@@ -89,6 +96,14 @@ class RecurrentDeltaRule {
   /// No allocation. \throws std::invalid_argument on a wrong size, a beta outside [0, 2] or a
   /// log_a that is not finite and <= 0 (naming the value and the token, position()); the
   /// decoder is then unchanged.
+  /// \param q the query row (D entries).
+  /// \param k the key row (D entries).
+  /// \param v the value row (M entries).
+  /// \param beta N writing strengths in [0, 2], one per token: how far each step moves the state's
+  ///     value for its key.
+  /// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for
+  ///     none.
+  /// \param out receives the N x M output; must not overlap the operands.
   template <class DQ, class DK, class DV, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, Scalar beta, Scalar log_a,
@@ -136,6 +151,7 @@ class RecurrentDeltaRule {
   /// rnn.step(q, k, v, beta, log_a, out);
   /// // `before` is still the state after t tokens; rnn.state() is the one after t + 1
   /// \endcode
+  /// \return the state after position() tokens.
   State state() const {
     State copy = state_;
     if (pending_.pending)
@@ -148,6 +164,10 @@ class RecurrentDeltaRule {
   /// low part is added into S; its z, m and log_decay, which the delta rule does not use, are
   /// not kept (state() has z zero). \throws std::invalid_argument if it does not fit or
   /// `position` is negative.
+  /// \param state the state to continue from (empty: zero); holds the state after the last row on
+  ///     return.
+  /// \param position the number of tokens the state has consumed, so that steps continue counting
+  ///     from it.
   void set_state(const State& state, Index position = 0) {
     const char* fn = "RecurrentDeltaRule::set_state";
     detail::check_position(fn, position);
@@ -164,11 +184,22 @@ class RecurrentDeltaRule {
   }
 
   /// Tokens consumed since construction, reset() or set_state().
+  /// \return the position, the index the next step's token will have.
   Index position() const noexcept { return position_; }
+  /// The width D of the query and key rows a step takes.
+  /// \return D.
   Index key_dim() const noexcept { return key_dim_; }
+  /// The width M of the value rows and of each output.
+  /// \return M.
   Index value_dim() const noexcept { return value_dim_; }
+  /// The number F of features of the map, the rows of the state.
+  /// \return F.
   Index feature_dim() const noexcept { return state_.S.rows(); }
+  /// The feature map the queries and keys go through.
+  /// \return the map, as given to the constructor.
   const Phi& feature_map() const noexcept { return phi_; }
+  /// The options every step uses.
+  /// \return the options, as given to the constructor.
   const DeltaOptions& options() const noexcept { return options_; }
 
  private:

@@ -204,6 +204,12 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// Eigen::MatrixXf out(N, M);
 /// linattn::gated_linear_attention(Q, K, V, log_a, linattn::Identity{}, state, out, ws, opts);
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
 template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                             const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,
@@ -218,6 +224,16 @@ void gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixB
 
 /// \brief Gated causal linear attention continuing from `state` (updated in place), returning
 /// the N x M output (see the out-parameter form).
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param log_gates the log-decays: N x 1 (one per token) or N x F (one per feature and token), all
+///     <= 0.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param state the state to continue from (empty: zero); holds the state after the last row on
+///     return.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class DG, class Phi>
 Matrix<typename DQ::Scalar> gated_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -237,6 +253,14 @@ Matrix<typename DQ::Scalar> gated_linear_attention(
 /// Eigen::VectorXf log_gamma = Eigen::VectorXf::Constant(N, std::log(1.0f - 1.0f / 32));
 /// Eigen::MatrixXf out = linattn::gated_linear_attention(Q, K, V, log_gamma);  // Identity map
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param log_gates the log-decays: N x 1 (one per token) or N x F (one per feature and token), all
+///     <= 0.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class DG, class Phi = Identity>
 Matrix<typename DQ::Scalar> gated_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                                    const Eigen::MatrixBase<DK>& K,
@@ -261,6 +285,16 @@ Matrix<typename DQ::Scalar> gated_linear_attention(const Eigen::MatrixBase<DQ>& 
 /// Eigen::MatrixXf out(N, 8 * 64);
 /// linattn::multihead_gated_linear_attention(Q, K, V, log_gates, 8, linattn::Identity{}, out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void multihead_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                       const Eigen::MatrixBase<DK>& K,
@@ -279,6 +313,19 @@ void multihead_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \brief Multi-head gated linear attention carrying the H heads' states in and out (an empty
 /// vector is resized to H zero states; head h continues from states[h] and leaves its final
 /// state there, as gated_linear_attention() on its columns does).
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param states one state per head (per sequence and head when batched), continued from and
+///     updated in place.
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void multihead_gated_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -297,6 +344,15 @@ void multihead_gated_linear_attention(
 /// \code
 /// Eigen::MatrixXf out = linattn::multihead_gated_linear_attention(Q, K, V, log_gates, 8);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV, class DG, class Phi = Identity>
 Matrix<typename DQ::Scalar> multihead_gated_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -317,6 +373,19 @@ Matrix<typename DQ::Scalar> multihead_gated_linear_attention(
 /// linattn::batched_gated_linear_attention(Q, K, V, log_gates, cu_seqlens, 8,
 ///                                         linattn::Identity{}, out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
+/// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
+///     offsets[b+1] - 1.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DG, class Off, class Phi, class DOut>
 void batched_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                     const Eigen::MatrixBase<DV>& V,
@@ -333,6 +402,21 @@ void batched_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen:
 /// \brief batched_gated_linear_attention() carrying the B·H states in and out (sequence-major,
 /// head h of sequence b at b·H + h; an empty vector is resized to B·H zero states): a server's
 /// prefill, whose states then continue in RecurrentGatedAttention decoders.
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
+/// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
+///     offsets[b+1] - 1.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param states one state per head (per sequence and head when batched), continued from and
+///     updated in place.
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DG, class Off, class Phi, class DOut>
 void batched_gated_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,

@@ -157,6 +157,15 @@ void gated_backward_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
 /// \endcode
 template <class DQ, class DK, class DV, class DG, class DO, class Phi, class DdQ, class DdK,
           class DdV, class DdG>
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param log_gates the log-decays: N x 1 (one per token) or N x F (one per feature and token), all
+///     <= 0.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
 void gated_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
     const Eigen::MatrixBase<DG>& log_gates, const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
@@ -203,6 +212,15 @@ void gated_linear_attention_backward(
 /// auto g = linattn::gated_linear_attention_backward(Q, K, V, log_gates, dOut);
 /// // g.dQ, g.dK, g.dV, g.dlog_gates (N x 1 or N x F, as log_gates)
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param log_gates the log-decays: N x 1 (one per token) or N x F (one per feature and token), all
+///     <= 0.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \return the gradients with respect to Q, K, V and the log gates.
 template <class DQ, class DK, class DV, class DG, class DO, class Phi = Identity>
 GatedGradients<typename DQ::Scalar> gated_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -225,6 +243,20 @@ GatedGradients<typename DQ::Scalar> gated_linear_attention_backward(
 /// on its columns.
 template <class DQ, class DK, class DV, class DG, class DO, class Phi, class DdQ, class DdK,
           class DdV, class DdG>
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
+/// \param dOut the N x H·M gradient of the loss with respect to the output.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param dQ receives the N x H·D gradient with respect to Q.
+/// \param dK receives the L x H·D gradient with respect to K.
+/// \param dV receives the L x H·M gradient with respect to V.
+/// \param dlog_gates receives the gradient with respect to log_gates.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 void multihead_gated_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
     const Eigen::MatrixBase<DG>& log_gates, const Eigen::MatrixBase<DO>& dOut, Index heads,
@@ -273,6 +305,16 @@ void multihead_gated_linear_attention_backward(
 /// \code
 /// auto g = linattn::multihead_gated_linear_attention_backward(Q, K, V, log_gates, dOut, 8);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
+/// \param dOut the N x H·M gradient of the loss with respect to the output.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the gradients with respect to Q, K, V and the log gates.
 template <class DQ, class DK, class DV, class DG, class DO, class Phi = Identity>
 GatedGradients<typename DQ::Scalar> multihead_gated_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,

@@ -58,10 +58,17 @@ class RecurrentGatedAttention {
 
   /// A zero state for keys and queries of dimension D and values of dimension M.
   /// \throws std::invalid_argument if D <= 0 or M < 0.
+  /// \param key_dim D, the width of the query and key rows.
+  /// \param value_dim M, the width of the value rows and of each output.
+  /// \param options the algorithm and its chunk size (the defaults suit most shapes).
   RecurrentGatedAttention(Index key_dim, Index value_dim, const GatedOptions& options = {})
       : RecurrentGatedAttention(key_dim, value_dim, Phi{}, options) {}
 
   /// As above, with a map that has parameters.
+  /// \param key_dim D, the width of the query and key rows.
+  /// \param value_dim M, the width of the value rows and of each output.
+  /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+  /// \param options the algorithm and its chunk size (the defaults suit most shapes).
   RecurrentGatedAttention(Index key_dim, Index value_dim, const Phi& phi,
                           const GatedOptions& options = {})
       : phi_(phi), options_(options), key_dim_(key_dim), value_dim_(value_dim) {
@@ -85,6 +92,11 @@ class RecurrentGatedAttention {
   /// No allocation. \throws std::invalid_argument on a wrong size or a log gate that is not
   /// finite and <= 0 (naming the entry, the value and the token, position()); the decoder is
   /// then unchanged.
+  /// \param q the query row (D entries).
+  /// \param k the key row (D entries).
+  /// \param v the value row (M entries).
+  /// \param log_gate the token's log-decay (1 or F entries, all <= 0).
+  /// \param out receives the N x M output; must not overlap the operands.
   template <class DQ, class DK, class DV, class DG, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& log_gate,
@@ -142,6 +154,11 @@ class RecurrentGatedAttention {
   /// \code
   /// rnn.step(q, k, v, log_a(t), out);
   /// \endcode
+  /// \param q the query row (D entries).
+  /// \param k the key row (D entries).
+  /// \param v the value row (M entries).
+  /// \param log_gate the token's log-decay (1 or F entries, all <= 0).
+  /// \param out receives the N x M output; must not overlap the operands.
   template <class DQ, class DK, class DV, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, Scalar log_gate, const Eigen::MatrixBase<DOut>& out) {
@@ -157,12 +174,17 @@ class RecurrentGatedAttention {
 
   /// The current state (S, z; low parts zero; log_decay the F per-feature sums of the log gates
   /// seen, a scalar decay counting for every feature).
+  /// \return the state after position() tokens, valid until the next step or reset.
   const State& state() const noexcept { return state_; }
 
   /// Continues from `state` (for example the one a gated_linear_attention() prefill left): its
   /// low parts are added into S and z. \throws std::invalid_argument if it does not fit,
   /// `position` is negative or an entry of its log_decay is NaN or > 0 (a total of log gates
   /// <= 0).
+  /// \param state the state to continue from (empty: zero); holds the state after the last row on
+  ///     return.
+  /// \param position the number of tokens the state has consumed, so that steps continue counting
+  ///     from it.
   void set_state(const State& state, Index position = 0) {
     const char* fn = "RecurrentGatedAttention::set_state";
     detail::check_state_values(fn, state, position);
@@ -186,11 +208,22 @@ class RecurrentGatedAttention {
   }
 
   /// Tokens consumed since construction, reset() or set_state().
+  /// \return the position, the index the next step's token will have.
   Index position() const noexcept { return position_; }
+  /// The width D of the query and key rows a step takes.
+  /// \return D.
   Index key_dim() const noexcept { return key_dim_; }
+  /// The width M of the value rows and of each output.
+  /// \return M.
   Index value_dim() const noexcept { return value_dim_; }
+  /// The number F of features of the map, the rows of the state.
+  /// \return F.
   Index feature_dim() const noexcept { return state_.S.rows(); }
+  /// The feature map the queries and keys go through.
+  /// \return the map, as given to the constructor.
   const Phi& feature_map() const noexcept { return phi_; }
+  /// The options every step uses.
+  /// \return the options, as given to the constructor.
   const GatedOptions& options() const noexcept { return options_; }
 
  private:

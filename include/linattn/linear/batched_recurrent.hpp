@@ -90,6 +90,11 @@ class BatchedRecurrentLinearAttention {
   /// `key_dim` and values of `value_dim` entries. Sizes the scratch of OpenMP's default number
   /// of threads, so that the first step() allocates nothing either.
   /// \throws std::invalid_argument if sequences < 0, heads <= 0, key_dim <= 0 or value_dim < 0.
+  /// \param sequences B, the number of sequences.
+  /// \param heads H, the number of heads of every sequence.
+  /// \param key_dim D, the width of each head's query and key rows.
+  /// \param value_dim M, the width of each head's value rows and outputs.
+  /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
   BatchedRecurrentLinearAttention(Index sequences, Index heads, Index key_dim, Index value_dim,
                                   FeatureMap phi = FeatureMap{})
       : phi_(std::move(phi)), heads_(heads), key_dim_(key_dim), value_dim_(value_dim) {
@@ -112,6 +117,10 @@ class BatchedRecurrentLinearAttention {
   /// \param par threads over the B·H (sequence, head) pairs; 1 runs them on the calling thread.
   /// \throws std::invalid_argument on wrong shapes or an `out` that overlaps q, k or v, with no
   /// sequence moved. Only a throwing feature map can stop a step part-way.
+  /// \param q B x H·D: row b is sequence b's query, heads side by side.
+  /// \param k B x H·D keys, as q.
+  /// \param v B x H·M values: row b is sequence b's value.
+  /// \param out receives the B x H·M outputs, row b for sequence b.
   template <class DQ, class DK, class DV, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOut>& out,
@@ -129,6 +138,12 @@ class BatchedRecurrentLinearAttention {
   /// \endcode
   /// \throws std::invalid_argument on wrong shapes, a slot outside [0, B) or a repeated slot,
   /// with no sequence moved.
+  /// \param slots the sequences, one per row of the batch, each 0 <= slots[i] < sequences().
+  /// \param q one H·D query row per entry of slots.
+  /// \param k one H·D key row per entry of slots.
+  /// \param v one H·M value row per entry of slots.
+  /// \param out receives one H·M output row per entry of slots.
+  /// \param par threads over the (sequence, head) pairs; 1 runs them on the calling thread.
   template <class DSlots, class DQ, class DK, class DV, class DOut>
   void step(const Eigen::DenseBase<DSlots>& slots, const Eigen::MatrixBase<DQ>& q,
             const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
@@ -175,6 +190,7 @@ class BatchedRecurrentLinearAttention {
     for (Index b = 0; b < sequences(); ++b) reset(b);
   }
   /// Sequence b back to no tokens (its slot is kept).
+  /// \param b the sequence (slot), 0 <= b < sequences().
   void reset(Index b) {
     check_sequence("BatchedRecurrentLinearAttention::reset", b);
     for (Index h = 0; h < heads_; ++h) {
@@ -186,6 +202,7 @@ class BatchedRecurrentLinearAttention {
 
   /// Appends an empty sequence and returns its number (B before the call). Allocates its H
   /// states.
+  /// \return the new sequence's number, the B before the call.
   Index add_sequence() {
     const Index b = sequences();
     resize(b + 1);
@@ -194,6 +211,7 @@ class BatchedRecurrentLinearAttention {
 
   /// Removes sequence b: the last sequence takes number b (its states move, nothing is copied)
   /// and B decreases by one, so that the rows of the next step stay packed. Allocates nothing.
+  /// \param b the sequence (slot), 0 <= b < sequences().
   void remove_sequence(Index b) {
     check_sequence("BatchedRecurrentLinearAttention::remove_sequence", b);
     const Index last = sequences() - 1;
@@ -210,6 +228,7 @@ class BatchedRecurrentLinearAttention {
 
   /// B sequences: the first min(B, sequences()) keep their states, new ones are empty.
   /// \throws std::invalid_argument if B < 0.
+  /// \param B the new number of sequences, >= 0.
   void resize(Index B) {
     if (B < 0)
       detail::throw_invalid("BatchedRecurrentLinearAttention::resize",
@@ -238,6 +257,10 @@ class BatchedRecurrentLinearAttention {
   /// \throws std::invalid_argument on a sequence or head out of range, a state that does not
   /// fit, a negative `position` or a log_decay entry that is NaN or > 0; the sequence is then
   /// unchanged.
+  /// \param b the sequence (slot), 0 <= b < sequences().
+  /// \param h the head, 0 <= h < heads().
+  /// \param state the state head h of sequence b continues from (copied).
+  /// \param position the tokens the state has consumed, which position(b) then reports.
   void set_state(Index b, Index h, const State& state, Index position = 0) {
     const char* fn = "BatchedRecurrentLinearAttention::set_state";
     check_sequence(fn, b);
@@ -255,6 +278,8 @@ class BatchedRecurrentLinearAttention {
   /// at b·H + h), the layout in which batched_causal_linear_attention() carries them out.
   /// \throws std::invalid_argument on a wrong count, a state that does not fit, a negative
   /// `position` or a log_decay entry that is NaN or > 0; then nothing changed.
+  /// \param states B·H states, sequence-major (head h of sequence b at b·H + h), copied.
+  /// \param position the tokens every state has consumed, which position(b) then reports.
   void set_states(const std::vector<State>& states, Index position = 0) {
     const char* fn = "BatchedRecurrentLinearAttention::set_states";
     if (static_cast<Index>(states.size()) != sequences() * heads_)
@@ -275,6 +300,9 @@ class BatchedRecurrentLinearAttention {
 
   /// A copy of the state of head h of sequence b with its latest tokens folded in (see
   /// RecurrentLinearAttention::state()); O(F·M).
+  /// \param b the sequence (slot), 0 <= b < sequences().
+  /// \param h the head, 0 <= h < heads().
+  /// \return the folded state of head h of sequence b.
   State state(Index b, Index h) const {
     const char* fn = "BatchedRecurrentLinearAttention::state";
     check_sequence(fn, b);
@@ -290,6 +318,7 @@ class BatchedRecurrentLinearAttention {
   }
 
   /// Folded copies of all B·H states, sequence-major (see set_states()).
+  /// \return the B·H states, as set_states() takes them.
   std::vector<State> states() const {
     std::vector<State> all;
     all.reserve(static_cast<std::size_t>(sequences() * heads_));
@@ -300,6 +329,7 @@ class BatchedRecurrentLinearAttention {
 
   /// Makes the scratch of `threads` threads now (step() makes what a larger thread count
   /// needs on its first call with it).
+  /// \param threads the number of threads whose scratch is kept.
   void reserve_threads(int threads) {
     const Index F = phi_.feature_dim(key_dim_);
     while (static_cast<int>(scratch_.size()) < std::max(threads, 1)) {
@@ -311,15 +341,29 @@ class BatchedRecurrentLinearAttention {
 
   /// Tokens of sequence b since it was added, reset() or set_state() (plus that call's
   /// `position`).
+  /// \param b the sequence (slot), 0 <= b < sequences().
+  /// \return the tokens sequence b has consumed.
   Index position(Index b) const {
     check_sequence("BatchedRecurrentLinearAttention::position", b);
     return positions_[static_cast<std::size_t>(b)];
   }
+  /// The number B of sequences (slots) it holds.
+  /// \return B.
   Index sequences() const noexcept { return sequences_; }
+  /// The number H of heads of every sequence.
+  /// \return H.
   Index heads() const noexcept { return heads_; }
+  /// The width D of each head's query and key rows.
+  /// \return D.
   Index key_dim() const noexcept { return key_dim_; }
+  /// The width M of each head's value rows and outputs.
+  /// \return M.
   Index value_dim() const noexcept { return value_dim_; }
+  /// The number F of features of the map, the rows of each state.
+  /// \return F.
   Index feature_dim() const { return phi_.feature_dim(key_dim_); }
+  /// The feature map the queries and keys go through.
+  /// \return the map, as given to the constructor.
   const FeatureMap& feature_map() const noexcept { return phi_; }
 
  private:

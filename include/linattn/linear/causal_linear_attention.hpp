@@ -530,6 +530,12 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
 /// Eigen::MatrixXf out(N, M);
 /// linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}, state, out, ws);
 /// \endcode
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param state the state to continue from (empty: zero); holds the state after the last row on
+///     return.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                              const Eigen::MatrixBase<DV>& V, const Phi& phi,
@@ -543,6 +549,15 @@ void causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matrix
 
 /// \brief Causal linear attention continuing from `state` (updated in place), returning the
 /// N x M output.
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param state the state to continue from (empty: zero); holds the state after the last row on
+///     return.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class Phi>
 Matrix<typename DQ::Scalar> causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -562,6 +577,13 @@ Matrix<typename DQ::Scalar> causal_linear_attention(
 /// opts.algorithm = linattn::CausalAlgorithm::Recurrent;
 /// Eigen::MatrixXf same = linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}, opts);
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class Phi = EluPlusOne>
 Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                                     const Eigen::MatrixBase<DK>& K,
@@ -579,6 +601,16 @@ Matrix<typename DQ::Scalar> causal_linear_attention(const Eigen::MatrixBase<DQ>&
 /// attention can express: masks must factor through positions, not be arbitrary N x N.
 /// \param out N x M; must not overlap Q, K, V or key_mask (checked: std::invalid_argument;
 ///            see linear_attention() for expression operands).
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param state the state to continue from (empty: zero); holds the state after the last row on
+///     return.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -595,6 +627,14 @@ void masked_causal_linear_attention(
 }
 
 /// \brief Masked causal linear attention from an empty state, returning the N x M output.
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
 Matrix<typename DQ::Scalar> masked_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,

@@ -50,6 +50,9 @@ class LinearCrossAttention {
 
   /// An empty memory for keys/queries of dimension key_dim and values of value_dim.
   /// \throws std::invalid_argument if key_dim <= 0 or value_dim < 0.
+  /// \param key_dim D, the width of the query and key rows.
+  /// \param value_dim M, the width of the value rows and of each output.
+  /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
   LinearCrossAttention(Index key_dim, Index value_dim, FeatureMap phi = FeatureMap{})
       : phi_(std::move(phi)), key_dim_(key_dim), value_dim_(value_dim) {
     detail::check_dims("LinearCrossAttention", key_dim, value_dim);
@@ -59,6 +62,8 @@ class LinearCrossAttention {
 
   /// Replaces the memory by K (L x key_dim) and V (L x value_dim).
   /// \throws std::invalid_argument on mismatched shapes; the memory is then unchanged.
+  /// \param K L x D keys.
+  /// \param V L x M values, one per key.
   template <class DK, class DV>
   void set_memory(const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V) {
     check_memory("LinearCrossAttention::set_memory", K, V);
@@ -71,6 +76,8 @@ class LinearCrossAttention {
   /// Appends K (L x key_dim) and V (L x value_dim) to the memory. Works on a copy of the
   /// state (F x M), so that a failure part-way leaves the memory unchanged.
   /// \throws std::invalid_argument on mismatched shapes; the memory is then unchanged.
+  /// \param K L x D keys.
+  /// \param V L x M values, one per key.
   template <class DK, class DV>
   void add_memory(const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V) {
     check_memory("LinearCrossAttention::add_memory", K, V);
@@ -91,6 +98,8 @@ class LinearCrossAttention {
   /// A compile-time vector is always one query. An empty memory gives zeros. `out` may
   /// alias q. Const and thread-safe.
   /// \throws std::invalid_argument on wrong shapes.
+  /// \param q the query row (D entries).
+  /// \param out receives the N x M output; must not overlap the operands.
   template <class DQ, class DOut>
   void query(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DOut>& out) const {
     query_impl(q, out, nullptr);
@@ -98,6 +107,9 @@ class LinearCrossAttention {
 
   /// As query(q, out), with scratch from `ws`: allocation-free for any shape once `ws` has
   /// served one of the same or a larger size. A Workspace is one thread's.
+  /// \param q the query row (D entries).
+  /// \param out receives the N x M output; must not overlap the operands.
+  /// \param ws scratch reused across calls, so that repeated calls allocate nothing.
   template <class DQ, class DOut>
   void query(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DOut>& out,
              Workspace<Scalar>& ws) const {
@@ -109,6 +121,8 @@ class LinearCrossAttention {
   template <class DQ>
   std::conditional_t<bool(DQ::IsVectorAtCompileTime), Vector<typename DQ::Scalar>,
                      Matrix<typename DQ::Scalar>>
+  /// \param q one query (D entries) or n query rows (n x D).
+  /// \return value_dim() entries for one query, n x value_dim() for n rows.
   query(const Eigen::MatrixBase<DQ>& q) const {
     using T = typename DQ::Scalar;  // Scalar, or bf16 / half queries of a float memory
     if constexpr (DQ::IsVectorAtCompileTime) {
@@ -124,10 +138,19 @@ class LinearCrossAttention {
   }
 
   /// The memory's summary state.
+  /// \return the state, valid until the next call that changes the memory.
   const State& state() const noexcept { return state_; }
+  /// The width D of the query and key rows.
+  /// \return D.
   Index key_dim() const noexcept { return key_dim_; }
+  /// The width M of the value rows and of each output.
+  /// \return M.
   Index value_dim() const noexcept { return value_dim_; }
+  /// The number F of features of the map, the rows of the state.
+  /// \return F.
   Index feature_dim() const noexcept { return state_.S.rows(); }
+  /// The feature map the queries and keys go through.
+  /// \return the map, as given to the constructor.
   const FeatureMap& feature_map() const noexcept { return phi_; }
 
  private:

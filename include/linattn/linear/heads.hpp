@@ -149,6 +149,9 @@ void check_states(const char* fn, std::vector<LinearAttentionState<Scalar>>& sta
 /// linattn::batched_causal_linear_attention(Q, K, V, linattn::offsets_view(cu_seqlens, B + 1),
 ///                                          8, linattn::EluPlusOne{}, out, ws);
 /// \endcode
+/// \param data the first offset.
+/// \param count the number of offsets, B + 1 for B sequences.
+/// \return a view of the offsets, valid as long as the buffer.
 template <class Int>
 Eigen::Map<const Eigen::Matrix<Int, Eigen::Dynamic, 1>> offsets_view(const Int* data,
                                                                      std::size_t count) {

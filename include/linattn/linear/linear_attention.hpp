@@ -176,6 +176,7 @@ void linear_attention_split(const char* function, const Eigen::MatrixBase<DQ>& Q
 /// Eigen::MatrixXf out(Q.rows(), V.cols());
 /// linattn::linear_attention(Q, K, V, linattn::EluPlusOne{}, out, ws);
 /// \endcode
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                       const Eigen::MatrixBase<DV>& V, const Phi& phi,
@@ -192,6 +193,12 @@ void linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK
 /// Eigen::MatrixXf V = Eigen::MatrixXf::Random(512, 32);
 /// Eigen::MatrixXf out = linattn::linear_attention(Q, K, V);  // 1024 x 32, EluPlusOne
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class Phi = EluPlusOne>
 Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                              const Eigen::MatrixBase<DK>& K,
@@ -219,6 +226,13 @@ Matrix<typename DQ::Scalar> linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// Eigen::Array<bool, Eigen::Dynamic, 1> keep = Eigen::ArrayXi::LinSpaced(L, 0, L - 1) < length;
 /// auto out = linattn::masked_linear_attention(Q, K, V, keep, linattn::EluPlusOne{});
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                              const Eigen::MatrixBase<DV>& V,
@@ -234,6 +248,13 @@ void masked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matrix
 }
 
 /// \brief Masked non-causal linear attention, returning the N x M result.
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
 Matrix<typename DQ::Scalar> masked_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                                     const Eigen::MatrixBase<DK>& K,

@@ -153,6 +153,11 @@ void linear_attention_backward_impl(const char* function, const Eigen::MatrixBas
 /// Eigen::MatrixXf dQ(N, D), dK(L, D), dV(L, M);
 /// linattn::linear_attention_backward(Q, K, V, dOut, linattn::EluPlusOne{}, dQ, dK, dV, ws);
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
 template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
 void linear_attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut,
@@ -164,6 +169,12 @@ void linear_attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matr
 }
 
 /// \brief Gradients of non-causal linear attention (see the out-parameter form).
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG, class Phi = EluPlusOne>
 AttentionGradients<typename DQ::Scalar> linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -179,6 +190,16 @@ AttentionGradients<typename DQ::Scalar> linear_attention_backward(
 /// \brief Gradients of masked_linear_attention() (masked keys get zero gradients).
 template <class DQ, class DK, class DV, class DG, class DMask, class Phi, class DdQ, class DdK,
           class DdV>
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param dQ receives the N x D gradient with respect to Q.
+/// \param dK receives the L x D gradient with respect to K.
+/// \param dV receives the L x M gradient with respect to V.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
 void masked_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
     const Eigen::MatrixBase<DG>& dOut, const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
@@ -195,6 +216,13 @@ void masked_linear_attention_backward(
 }
 
 /// \brief Gradients of masked_linear_attention(), returned.
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG, class DMask, class Phi = EluPlusOne>
 AttentionGradients<typename DQ::Scalar> masked_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -245,6 +273,13 @@ AttentionGradients<typename DQ::Scalar> masked_linear_attention_backward(
 /// linattn::causal_linear_attention_backward(Qa, Ka, Va, dOut_a, phi, s0, d_mid,
 ///                                           dQa, dKa, dVa, d_start, ws);
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
 template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
 void causal_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -261,6 +296,16 @@ void causal_linear_attention_backward(
 }
 
 /// \brief Gradients of causal linear attention from an empty state, into caller buffers.
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param dQ receives the N x D gradient with respect to Q.
+/// \param dK receives the L x D gradient with respect to K.
+/// \param dV receives the L x M gradient with respect to V.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
 template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
 void causal_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -276,6 +321,13 @@ void causal_linear_attention_backward(
 /// \code
 /// auto g = linattn::causal_linear_attention_backward(Q, K, V, dOut);  // EluPlusOne
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG, class Phi = EluPlusOne>
 AttentionGradients<typename DQ::Scalar> causal_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -293,6 +345,17 @@ AttentionGradients<typename DQ::Scalar> causal_linear_attention_backward(
 /// zero gradients), into caller buffers.
 template <class DQ, class DK, class DV, class DG, class DMask, class Phi, class DdQ, class DdK,
           class DdV>
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param dQ receives the N x D gradient with respect to Q.
+/// \param dK receives the L x D gradient with respect to K.
+/// \param dV receives the L x M gradient with respect to V.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
 void masked_causal_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
     const Eigen::MatrixBase<DG>& dOut, const Eigen::DenseBase<DMask>& key_mask, const Phi& phi,
@@ -311,6 +374,14 @@ void masked_causal_linear_attention_backward(
 }
 
 /// \brief Gradients of masked_causal_linear_attention(), returned.
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG, class DMask, class Phi = EluPlusOne>
 AttentionGradients<typename DQ::Scalar> masked_causal_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,

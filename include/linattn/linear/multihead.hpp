@@ -143,6 +143,17 @@ void batched_causal_linear(
 /// linattn::batched_linear_attention(Q, K, V, {0, 100, 128}, {0, 100, 128}, 8,
 ///                                   linattn::EluPlusOne{}, out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param q_offsets B + 1 query row offsets: sequence b's queries are rows [q_offsets[b],
+///     q_offsets[b+1]).
+/// \param k_offsets B + 1 key row offsets: sequence b's keys are rows [k_offsets[b],
+///     k_offsets[b+1]).
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, const std::vector<Index>& q_offsets,
@@ -166,6 +177,19 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
 /// cu << 0, 100, 128;
 /// linattn::batched_linear_attention(Q, K, V, cu, cu, 8, linattn::EluPlusOne{}, out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param q_offsets B + 1 query row offsets: sequence b's queries are rows [q_offsets[b],
+///     q_offsets[b+1]).
+/// \param k_offsets B + 1 key row offsets: sequence b's keys are rows [k_offsets[b],
+///     k_offsets[b+1]).
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class QOff, class KOff, class Phi, class DOut>
 void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, const QOff& q_offsets,
@@ -189,6 +213,18 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
 /// linattn::masked_batched_linear_attention(Q, K, V, offsets, offsets, keep, 8,
 ///                                          linattn::EluPlusOne{}, out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param q_offsets B + 1 query row offsets: sequence b's queries are rows [q_offsets[b],
+///     q_offsets[b+1]).
+/// \param k_offsets B + 1 key row offsets: sequence b's keys are rows [k_offsets[b],
+///     k_offsets[b+1]).
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class QOff, class KOff, class DMask, class Phi, class DOut>
 void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                      const Eigen::MatrixBase<DV>& V, const QOff& q_offsets,
@@ -212,6 +248,16 @@ void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
 ///            std::invalid_argument). A product operand is evaluated before any head runs
 ///            and may read `out`'s memory; any other expression operand must not.
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
+///     offsets[b+1] - 1.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                      const Eigen::MatrixBase<DV>& V,
@@ -232,6 +278,18 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
 /// cu_seqlens << 0, 100, 128;
 /// linattn::batched_causal_linear_attention(Q, K, V, cu_seqlens, 8, linattn::EluPlusOne{}, out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
+///     offsets[b+1] - 1.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Off, class Phi, class DOut>
 void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                      const Eigen::MatrixBase<DV>& V, const Off& offsets,
@@ -266,6 +324,20 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
 /// linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> decoder(B, 8, 64, 64);
 /// decoder.set_states(states);  // decode from the end of every prompt
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
+///     offsets[b+1] - 1.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param states one state per head (per sequence and head when batched), continued from and
+///     updated in place.
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Off, class Phi, class DOut>
 void batched_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -288,6 +360,17 @@ void batched_causal_linear_attention(
 /// linattn::masked_batched_causal_linear_attention(Q, K, V, cu_seqlens, keep, 8,
 ///                                                 linattn::EluPlusOne{}, out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
+///     offsets[b+1] - 1.
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Off, class DMask, class Phi, class DOut>
 void masked_batched_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -311,6 +394,21 @@ void masked_batched_causal_linear_attention(
 /// linattn::masked_batched_causal_linear_attention(Q, K, V, cu_seqlens, keep, 8,
 ///                                                 linattn::EluPlusOne{}, states, out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
+///     offsets[b+1] - 1.
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param states one state per head (per sequence and head when batched), continued from and
+///     updated in place.
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Off, class DMask, class Phi, class DOut>
 void masked_batched_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -338,6 +436,13 @@ void masked_batched_causal_linear_attention(
 /// Eigen::MatrixXf out(N, 8 * 64);
 /// linattn::multihead_linear_attention(Q, K, V, 8, linattn::EluPlusOne{}, out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                 const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi,
@@ -352,6 +457,13 @@ void multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
 }
 
 /// \brief Multi-head non-causal linear attention, returning N x (H·M).
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV, class Phi = EluPlusOne>
 Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q,
                                                        const Eigen::MatrixBase<DK>& K,
@@ -369,6 +481,16 @@ Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<D
 /// \code
 /// linattn::masked_multihead_linear_attention(Q, K, V, keep, 8, linattn::EluPlusOne{}, out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_multihead_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -388,6 +510,14 @@ void masked_multihead_linear_attention(
 }
 
 /// \brief Masked multi-head non-causal linear attention, returning N x (H·M).
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
 Matrix<typename DQ::Scalar> masked_multihead_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -403,6 +533,14 @@ Matrix<typename DQ::Scalar> masked_multihead_linear_attention(
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
 ///            std::invalid_argument). A product operand is evaluated before any head runs
 ///            and may read `out`'s memory; any other expression operand must not.
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void multihead_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -427,6 +565,18 @@ void multihead_causal_linear_attention(
 /// std::vector<linattn::LinearAttentionState<float>> states;  // H, filled by the call
 /// linattn::multihead_causal_linear_attention(Q, K, V, 8, linattn::EluPlusOne{}, states, out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param states one state per head (per sequence and head when batched), continued from and
+///     updated in place.
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void multihead_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -443,6 +593,16 @@ void multihead_causal_linear_attention(
 
 /// \brief Multi-head causal linear attention carrying the heads' states in and out (see above),
 /// returning N x (H·M).
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param states one state per head (per sequence and head when batched), continued from and
+///     updated in place.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV, class Phi>
 Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -459,6 +619,14 @@ Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
 /// \code
 /// Eigen::MatrixXf out = linattn::multihead_causal_linear_attention(Q, K, V, 8);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV, class Phi = EluPlusOne>
 Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -477,6 +645,15 @@ Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
 /// linattn::masked_multihead_causal_linear_attention(Q, K, V, keep, 8, linattn::EluPlusOne{},
 ///                                                   out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_multihead_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -501,6 +678,19 @@ void masked_multihead_causal_linear_attention(
 /// linattn::masked_multihead_causal_linear_attention(Q, K, V, keep, 8, linattn::EluPlusOne{},
 ///                                                   states, out, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param states one state per head (per sequence and head when batched), continued from and
+///     updated in place.
+/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
+///     operands.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_multihead_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -520,6 +710,15 @@ void masked_multihead_causal_linear_attention(
 }
 
 /// \brief Masked multi-head causal linear attention, returning N x (H·M).
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>
 Matrix<typename DQ::Scalar> masked_multihead_causal_linear_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,

@@ -95,6 +95,17 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 /// linattn::multihead_linear_attention_backward(Q, K, V, dOut, 8, linattn::EluPlusOne{},
 ///                                              dQ, dK, dV, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param dOut the N x H·M gradient of the loss with respect to the output.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param dQ receives the N x H·D gradient with respect to Q.
+/// \param dK receives the L x H·D gradient with respect to K.
+/// \param dV receives the L x H·M gradient with respect to V.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
 void multihead_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -107,6 +118,14 @@ void multihead_linear_attention_backward(
 }
 
 /// \brief Gradients of multihead_linear_attention(), returned.
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param dOut the N x H·M gradient of the loss with respect to the output.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG, class Phi = EluPlusOne>
 AttentionGradients<typename DQ::Scalar> multihead_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -122,6 +141,18 @@ AttentionGradients<typename DQ::Scalar> multihead_linear_attention_backward(
 /// into dQ, dK, dV; heads run in parallel, each with the O(F·M) working memory of
 /// causal_linear_attention_backward(), which it equals on each head's columns (see
 /// multihead_linear_attention_backward()).
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param dOut the N x H·M gradient of the loss with respect to the output.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param dQ receives the N x H·D gradient with respect to Q.
+/// \param dK receives the L x H·D gradient with respect to K.
+/// \param dV receives the L x H·M gradient with respect to V.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DG, class Phi, class DdQ, class DdK, class DdV>
 void multihead_causal_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -137,6 +168,15 @@ void multihead_causal_linear_attention_backward(
 /// \code
 /// auto g = linattn::multihead_causal_linear_attention_backward(Q, K, V, dOut, 8);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param dOut the N x H·M gradient of the loss with respect to the output.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG, class Phi = EluPlusOne>
 AttentionGradients<typename DQ::Scalar> multihead_causal_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,

@@ -35,6 +35,10 @@ class MultiHeadRecurrentLinearAttention {
  public:
   using Head = RecurrentLinearAttention<FeatureMap, Scalar>;
 
+  /// \param heads H, the number of heads (each a RecurrentLinearAttention).
+  /// \param key_dim D, the width of each head's query and key rows.
+  /// \param value_dim M, the width of each head's value rows and outputs.
+  /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
   MultiHeadRecurrentLinearAttention(Index heads, Index key_dim, Index value_dim,
                                     const FeatureMap& phi = FeatureMap{}) {
     if (heads <= 0)
@@ -52,6 +56,9 @@ class MultiHeadRecurrentLinearAttention {
   ///        (`2 * out`) must be evaluated first.
   /// \throws std::invalid_argument on wrong sizes, with no head moved. Only a feature map
   /// that throws can stop the step part-way (the heads before it have then moved).
+  /// \param q the token's H·D query entries, head h in [h·D, (h+1)·D).
+  /// \param k the token's H·D key entries, split as q.
+  /// \param v the token's H·M value entries, head h in [h·M, (h+1)·M).
   template <class DQ, class DK, class DV, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOut>& out) {
@@ -78,6 +85,10 @@ class MultiHeadRecurrentLinearAttention {
   }
 
   /// Consumes one token of every head and returns the H·M outputs.
+  /// \param q the token's H·D query entries, head h in [h·D, (h+1)·D).
+  /// \param k the token's H·D key entries, split as q.
+  /// \param v the token's H·M value entries, head h in [h·M, (h+1)·M).
+  /// \return the H·M output entries, split as v.
   template <class DQ, class DK, class DV>
   Vector<Scalar> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                       const Eigen::MatrixBase<DV>& v) {
@@ -86,15 +97,27 @@ class MultiHeadRecurrentLinearAttention {
     return out;
   }
 
+  /// Back to the start of a sequence in every head, keeping the shapes.
   void reset() {
     for (auto& h : heads_) h.reset();
   }
+  /// The number H of heads.
+  /// \return H.
   Index heads() const noexcept { return static_cast<Index>(heads_.size()); }
+  /// The width D of each head's query and key rows.
+  /// \return D.
   Index key_dim() const noexcept { return heads_.front().key_dim(); }
+  /// The width M of each head's value rows and outputs.
+  /// \return M.
   Index value_dim() const noexcept { return heads_.front().value_dim(); }
   /// Head h (its state, set_state() to continue from a parallel prefill).
   /// \throws std::out_of_range naming h and the head count unless 0 <= h < heads().
+  /// \param h the head, 0 <= h < heads().
+  /// \return the head's recurrent form.
   Head& head(Index h) { return heads_[checked_head(h)]; }
+  /// Head h, to read its state.
+  /// \param h the head, 0 <= h < heads().
+  /// \return the head's recurrent form.
   const Head& head(Index h) const { return heads_[checked_head(h)]; }
 
  private:

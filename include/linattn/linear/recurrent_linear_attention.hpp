@@ -89,6 +89,9 @@ class RecurrentLinearAttention {
 
   /// A zero state for keys/queries of dimension `key_dim` and values of dimension `value_dim`.
   /// \throws std::invalid_argument if key_dim <= 0 or value_dim < 0.
+  /// \param key_dim D, the width of the query and key rows.
+  /// \param value_dim M, the width of the value rows and of each output.
+  /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
   RecurrentLinearAttention(Index key_dim, Index value_dim, FeatureMap phi = FeatureMap{})
       : phi_(std::move(phi)), key_dim_(key_dim), value_dim_(value_dim) {
     detail::check_dims("RecurrentLinearAttention", key_dim, value_dim);
@@ -103,6 +106,10 @@ class RecurrentLinearAttention {
   /// (row or column vectors, any expression). `out` may share memory with q, k or v: all
   /// three are copied before `out` is written.
   /// \throws std::invalid_argument on a wrong size.
+  /// \param q the query row (D entries).
+  /// \param k the key row (D entries).
+  /// \param v the value row (M entries).
+  /// \param out receives the N x M output; must not overlap the operands.
   template <class DQ, class DK, class DV, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOut>& out) {
@@ -129,6 +136,10 @@ class RecurrentLinearAttention {
 
   /// Consumes one token and returns its output (allocates the returned vector), of the
   /// token's scalar type.
+  /// \param q the query row (D entries).
+  /// \param k the key row (D entries).
+  /// \param v the value row (M entries).
+  /// \return the token's M output entries.
   template <class DQ, class DK, class DV>
   Vector<typename DQ::Scalar> step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
                                    const Eigen::MatrixBase<DV>& v) {
@@ -148,6 +159,7 @@ class RecurrentLinearAttention {
   /// latest tokens folded in, so that S and z are the correctly rounded sums (see
   /// LinearAttentionState); O(F·M). Between folds the object keeps up to kFoldTokens - 1 of
   /// the latest tokens in the low parts of its own state.
+  /// \return the folded state after position() tokens.
   State state() const {
     State copy = state_;
     copy.fold();
@@ -161,6 +173,10 @@ class RecurrentLinearAttention {
   /// is only informative.
   /// \throws std::invalid_argument if the state does not fit this object's shapes, `position`
   /// is negative, or an entry of its log_decay is NaN or > 0 (a total of log gates <= 0).
+  /// \param state the state to continue from (empty: zero); holds the state after the last row on
+  ///     return.
+  /// \param position the number of tokens the state has consumed, so that steps continue counting
+  ///     from it.
   void set_state(const State& state, Index position = 0) {
     detail::check_state_values("RecurrentLinearAttention::set_state", state, position);
     State copy = state;
@@ -172,10 +188,19 @@ class RecurrentLinearAttention {
   }
 
   /// Tokens consumed since construction, reset() or set_state().
+  /// \return the position, the index the next step's token will have.
   Index position() const noexcept { return position_; }
+  /// The width D of the query and key rows.
+  /// \return D.
   Index key_dim() const noexcept { return key_dim_; }
+  /// The width M of the value rows and of each output.
+  /// \return M.
   Index value_dim() const noexcept { return value_dim_; }
+  /// The number F of features of the map, the rows of the state.
+  /// \return F.
   Index feature_dim() const noexcept { return state_.S.rows(); }
+  /// The feature map the queries and keys go through.
+  /// \return the map, as given to the constructor.
   const FeatureMap& feature_map() const noexcept { return phi_; }
 
  private:

@@ -53,15 +53,23 @@ class Dpfp {
   static constexpr bool nonnegative_features = true;
 
   /// \throws std::invalid_argument (naming Dpfp and the value) unless nu >= 1.
+  /// \param nu ν, the number of cyclic offsets (>= 1): F = 2·D·ν.
   explicit Dpfp(int nu = 1) : nu_(nu) {
     if (nu < 1) detail::throw_invalid("Dpfp", "nu must be >= 1, got nu = " + std::to_string(nu));
   }
 
   /// The number ν of cyclic offsets.
+  /// \return ν, as given to the constructor.
   int nu() const noexcept { return nu_; }
 
+  /// The width of the features for inputs of width D.
+  /// \param input_dim D, the width of a query or key row.
+  /// \return F = 2·D·ν: ν cyclic products of the 2·D rectified entries.
   Index feature_dim(Index input_dim) const noexcept { return 2 * input_dim * Index(nu_); }
 
+  /// Maps each row of x to its features.
+  /// \param x n x D query or key rows, any Eigen expression.
+  /// \param phi receives the n x F features, one row per row of x.
   template <class Derived>
   void map(const Eigen::MatrixBase<Derived>& x, MatrixRef<typename Derived::Scalar> phi) const {
     using S = typename Derived::Scalar;
@@ -102,6 +110,9 @@ class Dpfp {
   /// \f$x_d < 0\f$, and 0 at \f$x_d = 0\f$ (the subgradient convention of Relu: both ReLUs have
   /// derivative 0 there); NaN for a NaN entry. r is recomputed from x, a block of rows at a time
   /// in a stack buffer.
+  /// \param x the n x D rows the features were computed from.
+  /// \param grad_phi the n x F gradient with respect to φ(x).
+  /// \param grad_x receives the n x D gradient with respect to x.
   template <class DX, class DG>
   void backward(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi,
                 MatrixRef<typename DX::Scalar> grad_x) const {

@@ -36,8 +36,14 @@ struct EluPlusOne {
   /// exponential and no second read of the inputs.
   static constexpr bool derivative_from_features = true;
 
+  /// The width of the features for inputs of width D.
+  /// \param input_dim D, the width of a query or key row.
+  /// \return F = D: one feature per input entry.
   Index feature_dim(Index input_dim) const noexcept { return input_dim; }
 
+  /// Maps each row of x to its features.
+  /// \param x n x D query or key rows, any Eigen expression.
+  /// \param phi receives the n x F features, one row per row of x.
   template <class Derived>
   void map(const Eigen::MatrixBase<Derived>& x,
            MatrixRef<typename Derived::Scalar> phi) const {
@@ -47,6 +53,9 @@ struct EluPlusOne {
   }
 
   /// \f$\nabla_x = \nabla_\varphi \odot \varphi'(x)\f$ with \f$\varphi'(x) = e^{\min(x, 0)}\f$.
+  /// \param x the n x D rows the features were computed from.
+  /// \param grad_phi the n x F gradient with respect to φ(x).
+  /// \param grad_x receives the n x D gradient with respect to x.
   template <class DX, class DG>
   void backward(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi,
                 MatrixRef<typename DX::Scalar> grad_x) const {

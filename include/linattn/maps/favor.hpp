@@ -122,10 +122,14 @@ class Favor {
                 "linattn: Favor's scalar type must be float or double");
 
  public:
+  /// Every feature is an exponential, so positive: denominators never cancel (feature_map.hpp).
   static constexpr bool nonnegative_features = true;
 
   /// Draws m orthogonal random features of dimension D from `seed` (see the class).
   /// \throws std::invalid_argument naming Favor and the values if D < 1 or m < 1.
+  /// \param D the width of the query and key rows it will map.
+  /// \param m the number of random features F.
+  /// \param seed the draw: equal seeds give equal projections on every platform.
   Favor(Index D, Index m, std::uint64_t seed) {
     if (D < 1 || m < 1)
       detail::throw_invalid("Favor", "D and m must be at least 1 (D is " + std::to_string(D) +
@@ -134,13 +138,16 @@ class Favor {
   }
 
   /// A new draw of the same shape from `seed`.
+  /// \param seed the new draw, as for the constructor.
   void redraw(std::uint64_t seed) { draw(input_dim(), num_features(), seed); }
 
   /// W, m × D: row j is the random feature \f$w_j\f$.
+  /// \return W, valid until the next redraw() or set_projection().
   const Matrix<Scalar>& projection() const noexcept { return W_; }
 
   /// Replaces W by any m' × D matrix (m' ≥ 1; the number of features follows m').
   /// \throws std::invalid_argument naming Favor and both shapes if W has another D or no row.
+  /// \param W the new m' x D projection, one random feature per row.
   template <class Derived>
   void set_projection(const Eigen::MatrixBase<Derived>& W) {
     static_assert(std::is_same_v<typename Derived::Scalar, Scalar>,
@@ -154,11 +161,17 @@ class Favor {
     derive();
   }
 
+  /// The width D of the rows this map accepts.
+  /// \return D, the projection's columns.
   Index input_dim() const noexcept { return W_.cols(); }
+  /// The number of random features.
+  /// \return m, the projection's rows (F of feature_dim()).
   Index num_features() const noexcept { return W_.rows(); }
 
   /// F = m. \throws std::invalid_argument naming Favor and both D's if D is not the
   /// projection's (every kernel calls it at entry).
+  /// \param D the width of the rows to map.
+  /// \return m, the number of features.
   Index feature_dim(Index D) const {
     if (D != input_dim())
       detail::throw_invalid("Favor::feature_dim", "the inputs have D = " + std::to_string(D) +
@@ -169,17 +182,25 @@ class Favor {
   }
 
   /// The plain features \f$\exp(W x' - \|x'\|^2/2)/\sqrt{m}\f$ of the rows of x.
+  /// \param x n x D query or key rows.
+  /// \param phi receives the n x m features.
   template <class Derived>
   void map(const Eigen::MatrixBase<Derived>& x, MatrixRef<typename Derived::Scalar> phi) const {
     run_map(x, phi, Shift::None);
   }
   /// The query side: per-row shifted when `side.normalized`, else the plain features.
+  /// \param x n x D query rows.
+  /// \param phi receives the n x m features.
+  /// \param side whether the kernel normalises (the shift then cancels in the ratio).
   template <class Derived>
   void map(const Eigen::MatrixBase<Derived>& x, MatrixRef<typename Derived::Scalar> phi,
            QuerySide side) const {
     run_map(x, phi, side.normalized ? Shift::Query : Shift::None);
   }
   /// The key side: \f$e^{-\|x' - w_j\|^2/2}/\sqrt{m}\f$ when `side.normalized`, else plain.
+  /// \param x n x D key rows.
+  /// \param phi receives the n x m features.
+  /// \param side whether the kernel normalises (the shift then cancels in the ratio).
   template <class Derived>
   void map(const Eigen::MatrixBase<Derived>& x, MatrixRef<typename Derived::Scalar> phi,
            KeySide side) const {
@@ -187,18 +208,29 @@ class Favor {
   }
 
   /// \f$\nabla_x = D^{-1/4} \sum_j g_j \varphi_j (w_j - x')\f$ of the plain features.
+  /// \param x the n x D rows the features were computed from.
+  /// \param grad_phi the n x m gradient with respect to φ(x).
+  /// \param grad_x receives the n x D gradient with respect to x.
   template <class DX, class DG>
   void backward(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi,
                 MatrixRef<typename DX::Scalar> grad_x) const {
     run_backward(x, grad_phi, grad_x, Shift::None);
   }
   /// The same for the query side's features (the row shift is a constant; see the class).
+  /// \param x the n x D query rows the features were computed from.
+  /// \param grad_phi the n x m gradient with respect to φ(x).
+  /// \param grad_x receives the n x D gradient with respect to x.
+  /// \param side the side the features were mapped with.
   template <class DX, class DG>
   void backward(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi,
                 MatrixRef<typename DX::Scalar> grad_x, QuerySide side) const {
     run_backward(x, grad_phi, grad_x, side.normalized ? Shift::Query : Shift::None);
   }
   /// The same for the key side's features.
+  /// \param x the n x D key rows the features were computed from.
+  /// \param grad_phi the n x m gradient with respect to φ(x).
+  /// \param grad_x receives the n x D gradient with respect to x.
+  /// \param side the side the features were mapped with.
   template <class DX, class DG>
   void backward(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi,
                 MatrixRef<typename DX::Scalar> grad_x, KeySide side) const {

@@ -163,11 +163,13 @@ inline constexpr bool has_backward_v = detail::has_backward<Phi, Scalar>::value;
 /// The query side of a kernel's call to a side-aware map (feature_map.hpp): `normalized` is
 /// true when the kernel divides each output row by its denominator φ(q)ᵀz.
 struct QuerySide {
+  /// True when the kernel divides each output row by its denominator.
   bool normalized;
 };
 
 /// The key side of a kernel's call to a side-aware map; `normalized` as for QuerySide.
 struct KeySide {
+  /// True when the kernel divides each output row by its denominator.
   bool normalized;
 };
 

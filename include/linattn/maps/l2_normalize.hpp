@@ -140,18 +140,31 @@ struct L2Normalize {
   Inner inner;
 
   L2Normalize() = default;
+  /// \param inner_map the map whose rows are normalised.
   explicit L2Normalize(const Inner& inner_map) : inner(inner_map) {}
   /// \f$\epsilon\f$ added to every squared norm: finite and >= 0, else std::invalid_argument
   /// naming L2Normalize and the value.
+  /// \param epsilon added to every squared norm before the root (finite, >= 0), so that a zero row
+  ///     maps to zero.
   explicit L2Normalize(double epsilon) : eps_(checked_eps(epsilon)) {}
+  /// \param inner_map the map whose rows are normalised.
+  /// \param epsilon added to every squared norm before the root (finite, >= 0), so that a zero row
+  ///     maps to zero.
   L2Normalize(const Inner& inner_map, double epsilon)
       : inner(inner_map), eps_(checked_eps(epsilon)) {}
 
   /// The \f$\epsilon\f$ added to the squared norms (0: rows divided by their norm).
+  /// \return ε, as given to the constructor (default 0).
   double eps() const noexcept { return eps_; }
 
+  /// The width of the features for inputs of width D.
+  /// \param input_dim D, the width of a query or key row.
+  /// \return the inner map's F: normalising changes no width.
   Index feature_dim(Index input_dim) const { return inner.feature_dim(input_dim); }
 
+  /// Maps each row of x to its features.
+  /// \param x n x D query or key rows, any Eigen expression.
+  /// \param phi receives the n x F features, one row per row of x.
   template <class Derived>
   void map(const Eigen::MatrixBase<Derived>& x,
            MatrixRef<typename Derived::Scalar> phi) const {
@@ -198,6 +211,9 @@ struct L2Normalize {
   /// \f$\epsilon = 0\f$ and \f$\nabla_\varphi/\sqrt\epsilon\f$ otherwise. For a row with a tiny
   /// \f$\|g\|^2 + \epsilon\f$ (a denormal) the gradient, about \f$|\nabla_\varphi| /
   /// \sqrt{\|g\|^2+\epsilon}\f$, overflows to ±inf when it exceeds the largest finite value.
+  /// \param x the n x D rows the features were computed from.
+  /// \param grad_phi the n x F gradient with respect to φ(x).
+  /// \param grad_x receives the n x D gradient with respect to x.
   template <class DX, class DG>
   void backward(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi,
                 MatrixRef<typename DX::Scalar> grad_x) const {

@@ -21,6 +21,10 @@
 namespace linattn {
 
 /// A zero state sized for `phi` with key dimension D and value dimension M.
+/// \param phi the feature map the state will be used with (it fixes F).
+/// \param key_dim D, the width of the query and key rows.
+/// \param value_dim M, the width of the values.
+/// \return the zero F x M state, with running maxima when phi needs them.
 template <class Scalar, class Phi>
 LinearAttentionState<Scalar> make_state(const Phi& phi, Index key_dim, Index value_dim) {
   return LinearAttentionState<Scalar>(phi.feature_dim(key_dim), value_dim,

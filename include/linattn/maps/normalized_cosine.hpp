@@ -29,8 +29,14 @@ namespace linattn {
 /// auto out = linattn::linear_attention(Q, K, V, linattn::NormalizedCosine{});
 /// \endcode
 struct NormalizedCosine {
+  /// The width of the features for inputs of width D.
+  /// \param input_dim D, the width of a query or key row.
+  /// \return F = D + 1: the scaled row and one constant feature.
   Index feature_dim(Index input_dim) const noexcept { return input_dim + 1; }
 
+  /// Maps each row of x to its features.
+  /// \param x n x D query or key rows, any Eigen expression.
+  /// \param phi receives the n x F features, one row per row of x.
   template <class Derived>
   void map(const Eigen::MatrixBase<Derived>& x,
            MatrixRef<typename Derived::Scalar> phi) const {
@@ -66,6 +72,9 @@ struct NormalizedCosine {
   /// feature has none. The gradient at a zero vector is defined as 0. For a tiny row (a
   /// denormal norm) the gradient, about \f$|g| / \|x\|\f$, overflows to ±inf when it exceeds
   /// the largest finite value, as any correctly rounded result would; it is never NaN.
+  /// \param x the n x D rows the features were computed from.
+  /// \param grad_phi the n x F gradient with respect to φ(x).
+  /// \param grad_x receives the n x D gradient with respect to x.
   template <class DX, class DG>
   void backward(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi,
                 MatrixRef<typename DX::Scalar> grad_x) const {

@@ -73,8 +73,14 @@ struct Relu {
   /// One function of each entry: row-major inputs are mapped without transposes.
   static constexpr bool elementwise = true;
 
+  /// The width of the features for inputs of width D.
+  /// \param input_dim D, the width of a query or key row.
+  /// \return F = D: one feature per input entry.
   Index feature_dim(Index input_dim) const noexcept { return input_dim; }
 
+  /// Maps each row of x to its features.
+  /// \param x n x D query or key rows, any Eigen expression.
+  /// \param phi receives the n x F features, one row per row of x.
   template <class Derived>
   void map(const Eigen::MatrixBase<Derived>& x, MatrixRef<typename Derived::Scalar> phi) const {
     using S = typename Derived::Scalar;
@@ -84,6 +90,9 @@ struct Relu {
   /// \f$\nabla_x = \nabla_\varphi \odot [x > 0]\f$: the subgradient convention at the kink is
   /// \f$\varphi'(0) = 0\f$ (as in PyTorch and JAX), so an entry equal to 0 (or -0) gets
   /// gradient 0; a NaN entry gets NaN.
+  /// \param x the n x D rows the features were computed from.
+  /// \param grad_phi the n x F gradient with respect to φ(x).
+  /// \param grad_x receives the n x D gradient with respect to x.
   template <class DX, class DG>
   void backward(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi,
                 MatrixRef<typename DX::Scalar> grad_x) const {

@@ -32,10 +32,18 @@ namespace linattn {
 /// auto causal = linattn::causal_linear_attention(Q, K, V, linattn::SoftmaxSplit{});
 /// \endcode
 struct SoftmaxSplit {
+  /// Keys are normalised per feature over the sequence, which the kernels do themselves (the
+  /// key side is not `map`): see the class.
   static constexpr bool normalizes_keys_per_feature = true;
 
+  /// The width of the features for inputs of width D.
+  /// \param input_dim D, the width of a query or key row.
+  /// \return F = D: one feature per input entry.
   Index feature_dim(Index input_dim) const noexcept { return input_dim; }
 
+  /// Maps each row of x to its features.
+  /// \param x n x D query or key rows, any Eigen expression.
+  /// \param phi receives the n x F features, one row per row of x.
   template <class Derived>
   void map(const Eigen::MatrixBase<Derived>& x,
            MatrixRef<typename Derived::Scalar> phi) const {
@@ -58,6 +66,9 @@ struct SoftmaxSplit {
   }
 
   /// Softmax Jacobian: \f$\nabla_x = p \odot (g - p^\top g)\f$ with \f$p = \varphi(x)\f$.
+  /// \param x the n x D rows the features were computed from.
+  /// \param grad_phi the n x F gradient with respect to φ(x).
+  /// \param grad_x receives the n x D gradient with respect to x.
   template <class DX, class DG>
   void backward(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi,
                 MatrixRef<typename DX::Scalar> grad_x) const {

@@ -50,10 +50,16 @@ namespace linattn {
 /// Eigen::MatrixXf out = linattn::causal_linear_attention(Q, K, V, linattn::Taylor2{});
 /// \endcode
 struct Taylor2 {
+  /// The width of the features for inputs of width D.
+  /// \param input_dim D, the width of a query or key row.
+  /// \return F = 1 + D + D²: the constant, linear and quadratic terms.
   Index feature_dim(Index input_dim) const noexcept {
     return 1 + input_dim + input_dim * input_dim;
   }
 
+  /// Maps each row of x to its features.
+  /// \param x n x D query or key rows, any Eigen expression.
+  /// \param phi receives the n x F features, one row per row of x.
   template <class Derived>
   void map(const Eigen::MatrixBase<Derived>& x, MatrixRef<typename Derived::Scalar> phi) const {
     using S = typename Derived::Scalar;
@@ -84,6 +90,9 @@ struct Taylor2 {
   ///     \big(g_{1+D+dD+b} + g_{1+D+bD+d}\big)\, x'_b\Big) \f]
   /// with \f$g = \nabla_\varphi\f$ (the constant feature has no gradient). x' is recomputed from
   /// x, a block of rows at a time, in a stack buffer.
+  /// \param x the n x D rows the features were computed from.
+  /// \param grad_phi the n x F gradient with respect to φ(x).
+  /// \param grad_x receives the n x D gradient with respect to x.
   template <class DX, class DG>
   void backward(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DG>& grad_phi,
                 MatrixRef<typename DX::Scalar> grad_x) const {

@@ -49,6 +49,14 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
 ///            std::invalid_argument). A product operand is evaluated before any head runs
 ///            and may read `out`'s memory; any other expression operand must not.
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
+///     shape.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DOut>
 void multihead_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                  const Eigen::MatrixBase<DV>& V, Index heads,
@@ -61,6 +69,14 @@ void multihead_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Ma
 }
 
 /// \brief Multi-head softmax attention, returning N x (H·M).
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
+///     shape.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV>
 Matrix<typename DQ::Scalar> multihead_softmax_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -76,6 +92,14 @@ Matrix<typename DQ::Scalar> multihead_softmax_attention(
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
 ///            std::invalid_argument). A product operand is evaluated before any head runs
 ///            and may read `out`'s memory; any other expression operand must not.
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
+///     shape.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DOut>
 void multihead_causal_softmax_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -87,6 +111,14 @@ void multihead_causal_softmax_attention(
 }
 
 /// \brief Multi-head causal softmax attention, returning N x (H·M).
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
+///     shape.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV>
 Matrix<typename DQ::Scalar> multihead_causal_softmax_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,

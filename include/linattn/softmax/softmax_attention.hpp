@@ -243,6 +243,12 @@ void softmax_dispatch_lse(const char* function, const Eigen::MatrixBase<DQ>& Q,
 /// Eigen::MatrixXf out(Q.rows(), V.cols());
 /// linattn::softmax_attention(Q, K, V, out, ws);
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
+/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
+///     shape.
 template <class DQ, class DK, class DV, class DOut>
 void softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                        const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
@@ -257,6 +263,12 @@ void softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<D
 /// Eigen::MatrixXf out = linattn::softmax_attention(Q, K, V);  // tiled
 /// Eigen::MatrixXf ref = linattn::softmax_attention(Q, K, V, linattn::SoftmaxAlgorithm::Naive);
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
+///     shape.
+/// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV>
 Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& Q,
                                               const Eigen::MatrixBase<DK>& K,
@@ -273,6 +285,12 @@ Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& Q,
 /// and rules as softmax_attention(); tiles entirely above the diagonal are skipped.
 /// \param out N x M; must not overlap Q, K, V (checked: std::invalid_argument;
 ///             see linear_attention() for expression operands).
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
+/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
+///     shape.
 template <class DQ, class DK, class DV, class DOut>
 void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
@@ -285,6 +303,12 @@ void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
 /// \code
 /// Eigen::MatrixXf out = linattn::causal_softmax_attention(Q, K, V);
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
+///     shape.
+/// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV>
 Matrix<typename DQ::Scalar> causal_softmax_attention(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -310,6 +334,11 @@ Matrix<typename DQ::Scalar> causal_softmax_attention(
 /// linattn::Workspace<float> ws;
 /// linattn::softmax_attention(Q, K, V, out, lse, ws);
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param out receives the N x M output; must not overlap the operands.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
 template <class DQ, class DK, class DV, class DOut, class DL>
 void softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                        const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
@@ -320,6 +349,13 @@ void softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<D
 
 /// \brief Tiled causal softmax attention that also returns each row's log-sum-exp (see the
 /// non-causal overload).
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param out receives the N x M output; must not overlap the operands.
+/// \param lse the N per-query log-sum-exp of the forward pass (what it returned), so no score is
+///     recomputed twice.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
 template <class DQ, class DK, class DV, class DOut, class DL>
 void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,

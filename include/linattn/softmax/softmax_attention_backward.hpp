@@ -253,6 +253,10 @@ void multihead_softmax_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 /// Eigen::MatrixXf dQ(N, D), dK(L, D), dV(L, M);
 /// linattn::softmax_attention_backward(Q, K, V, dOut, dQ, dK, dV, ws);
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
 template <class DQ, class DK, class DV, class DG, class DdQ, class DdK, class DdV>
 void softmax_attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                 const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& dOut,
@@ -271,6 +275,17 @@ void softmax_attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
 /// \endcode
 template <class DQ, class DK, class DV, class DO, class DL, class DG, class DdQ, class DdK,
           class DdV>
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param out receives the N x M output; must not overlap the operands.
+/// \param lse the N per-query log-sum-exp of the forward pass (what it returned), so no score is
+///     recomputed twice.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param dQ receives the N x D gradient with respect to Q.
+/// \param dK receives the L x D gradient with respect to K.
+/// \param dV receives the L x M gradient with respect to V.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
 void softmax_attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                 const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& out,
                                 const Eigen::MatrixBase<DL>& lse, const Eigen::MatrixBase<DG>& dOut,
@@ -285,6 +300,11 @@ void softmax_attention_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
 /// \code
 /// auto g = linattn::softmax_attention_backward(Q, K, V, dOut);  // g.dQ, g.dK, g.dV
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG>
 AttentionGradients<typename DQ::Scalar> softmax_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -299,6 +319,14 @@ AttentionGradients<typename DQ::Scalar> softmax_attention_backward(
 
 /// \brief Gradients of causal_softmax_attention() (N == L), into caller buffers: as
 /// softmax_attention_backward(), tiles above the diagonal skipped.
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param dQ receives the N x D gradient with respect to Q.
+/// \param dK receives the L x D gradient with respect to K.
+/// \param dV receives the L x M gradient with respect to V.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
 template <class DQ, class DK, class DV, class DG, class DdQ, class DdK, class DdV>
 void causal_softmax_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -313,6 +341,17 @@ void causal_softmax_attention_backward(
 /// log-sum-exp (causal_softmax_attention(Q, K, V, out, lse, ws)).
 template <class DQ, class DK, class DV, class DO, class DL, class DG, class DdQ, class DdK,
           class DdV>
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param out receives the N x M output; must not overlap the operands.
+/// \param lse the N per-query log-sum-exp of the forward pass (what it returned), so no score is
+///     recomputed twice.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \param dQ receives the N x D gradient with respect to Q.
+/// \param dK receives the L x D gradient with respect to K.
+/// \param dV receives the L x M gradient with respect to V.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
 void causal_softmax_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
     const Eigen::MatrixBase<DO>& out, const Eigen::MatrixBase<DL>& lse,
@@ -327,6 +366,11 @@ void causal_softmax_attention_backward(
 /// \code
 /// auto g = linattn::causal_softmax_attention_backward(Q, K, V, dOut);
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param dOut the N x M gradient of the loss with respect to the output.
+/// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG>
 AttentionGradients<typename DQ::Scalar> causal_softmax_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -347,6 +391,16 @@ AttentionGradients<typename DQ::Scalar> causal_softmax_attention_backward(
 /// linattn::MultiHeadWorkspace<float> ws;
 /// linattn::multihead_softmax_attention_backward(Q, K, V, dOut, 8, dQ, dK, dV, ws);
 /// \endcode
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param dOut the N x H·M gradient of the loss with respect to the output.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param dQ receives the N x H·D gradient with respect to Q.
+/// \param dK receives the L x H·D gradient with respect to K.
+/// \param dV receives the L x H·M gradient with respect to V.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DG, class DdQ, class DdK, class DdV>
 void multihead_softmax_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -359,6 +413,13 @@ void multihead_softmax_attention_backward(
 }
 
 /// \brief Gradients of multihead_softmax_attention(), returned.
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param dOut the N x H·M gradient of the loss with respect to the output.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG>
 AttentionGradients<typename DQ::Scalar> multihead_softmax_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -371,6 +432,16 @@ AttentionGradients<typename DQ::Scalar> multihead_softmax_attention_backward(
 }
 
 /// \brief Gradients of multihead_causal_softmax_attention(), into caller buffers.
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param dOut the N x H·M gradient of the loss with respect to the output.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param dQ receives the N x H·D gradient with respect to Q.
+/// \param dK receives the L x H·D gradient with respect to K.
+/// \param dV receives the L x H·M gradient with respect to V.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DG, class DdQ, class DdK, class DdV>
 void multihead_causal_softmax_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -383,6 +454,13 @@ void multihead_causal_softmax_attention_backward(
 }
 
 /// \brief Gradients of multihead_causal_softmax_attention(), returned.
+/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
+/// \param K L x H·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param dOut the N x H·M gradient of the loss with respect to the output.
+/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG>
 AttentionGradients<typename DQ::Scalar> multihead_causal_softmax_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
