@@ -286,7 +286,7 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// \param V L x M values, one per key.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
 void delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                           const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
@@ -310,7 +310,7 @@ void delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBas
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param state the state to continue from (empty: zero); holds the state after the last row on
 ///     return.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class DB, class DA, class Phi>
 Matrix<typename DQ::Scalar> delta_rule_attention(
@@ -339,7 +339,7 @@ Matrix<typename DQ::Scalar> delta_rule_attention(
 ///     value for its key.
 /// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for none.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class DB, class DA, class Phi = Identity>
 Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
@@ -373,12 +373,13 @@ Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
 ///     operands.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
 void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -402,14 +403,15 @@ void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen:
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
 /// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
 ///     operands.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DB, class DA, class Phi, class DOut>
 void multihead_delta_rule_attention(
@@ -435,9 +437,10 @@ void multihead_delta_rule_attention(
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV, class DB, class DA, class Phi = Identity>
@@ -468,12 +471,13 @@ Matrix<typename DQ::Scalar> multihead_delta_rule_attention(
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
 ///     operands.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DB, class DA, class Off, class Phi, class DOut>
 void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -498,14 +502,15 @@ void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::M
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
 /// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
 ///     operands.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DB, class DA, class Off, class Phi, class DOut>
 void batched_delta_rule_attention(

@@ -168,7 +168,7 @@ template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi,
 /// \param dK receives the L x D gradient with respect to K.
 /// \param dV receives the L x M gradient with respect to V.
 /// \param ws scratch reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 void delta_rule_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
     const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a,
@@ -211,7 +211,7 @@ void delta_rule_attention_backward(
 /// \param dOut the N x M gradient of the loss with respect to the output.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param initial the state the sequence starts from.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \return the gradients with respect to Q, K, V, beta and log_a.
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi>
 DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
@@ -245,7 +245,7 @@ DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
 /// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for none.
 /// \param dOut the N x M gradient of the loss with respect to the output.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \return the gradients with respect to Q, K, V, beta and log_a.
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi = Identity>
 DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
@@ -268,7 +268,8 @@ template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi,
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param dQ receives the N x H·D gradient with respect to Q.
 /// \param dK receives the L x H·D gradient with respect to K.
@@ -276,7 +277,7 @@ template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi,
 /// \param dbeta receives the gradient with respect to beta.
 /// \param dlog_a receives the gradient with respect to log_a.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 void multihead_delta_rule_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -330,9 +331,10 @@ void multihead_delta_rule_attention_backward(
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return the gradients with respect to Q, K, V, beta and log_a.
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi = Identity>

@@ -34,6 +34,7 @@ struct DeltaOptions {
   /// do not hold H heads of key_dim (V: of value_dim) is rejected (std::invalid_argument);
   /// shared key heads are not supported: repeat each key head over its value heads.
   Index key_dim = 0;
+  /// M, one head's value size (0: not stated), checked against V as key_dim is against Q and K.
   Index value_dim = 0;
 };
 

@@ -57,13 +57,14 @@ class RecurrentDeltaRule {
                 "with a per-feature key softmax (SoftmaxSplit) has no delta-rule form");
 
  public:
+  /// The state the step updates: S, the F x M key-value memory.
   using State = LinearAttentionState<Scalar>;
 
   /// A zero state for keys and queries of dimension D and values of dimension M.
   /// \throws std::invalid_argument if D <= 0 or M < 0.
   /// \param key_dim D, the width of the query and key rows.
   /// \param value_dim M, the width of the value rows and of each output.
-  /// \param options the algorithm and its chunk size (the defaults suit most shapes).
+  /// \param options the query scale every step applies (a step has no chunks).
   RecurrentDeltaRule(Index key_dim, Index value_dim, const DeltaOptions& options = {})
       : RecurrentDeltaRule(key_dim, value_dim, Phi{}, options) {}
 
@@ -71,7 +72,7 @@ class RecurrentDeltaRule {
   /// \param key_dim D, the width of the query and key rows.
   /// \param value_dim M, the width of the value rows and of each output.
   /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-  /// \param options the algorithm and its chunk size (the defaults suit most shapes).
+  /// \param options the query scale every step applies (a step has no chunks).
   RecurrentDeltaRule(Index key_dim, Index value_dim, const Phi& phi,
                      const DeltaOptions& options = {})
       : phi_(phi), options_(options), key_dim_(key_dim), value_dim_(value_dim) {
@@ -103,7 +104,7 @@ class RecurrentDeltaRule {
   ///     value for its key.
   /// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for
   ///     none.
-  /// \param out receives the N x M output; must not overlap the operands.
+  /// \param out receives the token's M output entries.
   template <class DQ, class DK, class DV, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, Scalar beta, Scalar log_a,
@@ -164,8 +165,7 @@ class RecurrentDeltaRule {
   /// low part is added into S; its z, m and log_decay, which the delta rule does not use, are
   /// not kept (state() has z zero). \throws std::invalid_argument if it does not fit or
   /// `position` is negative.
-  /// \param state the state to continue from (empty: zero); holds the state after the last row on
-  ///     return.
+  /// \param state the state to continue from (copied).
   /// \param position the number of tokens the state has consumed, so that steps continue counting
   ///     from it.
   void set_state(const State& state, Index position = 0) {

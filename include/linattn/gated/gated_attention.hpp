@@ -209,7 +209,8 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// \param V L x M values, one per key.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
+///     shapes).
 template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                             const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates,
@@ -232,7 +233,8 @@ void gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixB
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param state the state to continue from (empty: zero); holds the state after the last row on
 ///     return.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
+///     shapes).
 /// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class DG, class Phi>
 Matrix<typename DQ::Scalar> gated_linear_attention(
@@ -259,7 +261,8 @@ Matrix<typename DQ::Scalar> gated_linear_attention(
 /// \param log_gates the log-decays: N x 1 (one per token) or N x F (one per feature and token), all
 ///     <= 0.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
+///     shapes).
 /// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class DG, class Phi = Identity>
 Matrix<typename DQ::Scalar> gated_linear_attention(const Eigen::MatrixBase<DQ>& Q,
@@ -288,12 +291,14 @@ Matrix<typename DQ::Scalar> gated_linear_attention(const Eigen::MatrixBase<DQ>& 
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
 ///     operands.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
+///     shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void multihead_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q,
@@ -317,14 +322,16 @@ void multihead_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
 /// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
 ///     operands.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
+///     shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DG, class Phi, class DOut>
 void multihead_gated_linear_attention(
@@ -348,9 +355,11 @@ void multihead_gated_linear_attention(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
+///     shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV, class DG, class Phi = Identity>
@@ -379,12 +388,14 @@ Matrix<typename DQ::Scalar> multihead_gated_linear_attention(
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
 ///     operands.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
+///     shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DG, class Off, class Phi, class DOut>
 void batched_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -408,14 +419,16 @@ void batched_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen:
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
 /// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
 ///     operands.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
+///     shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DG, class Off, class Phi, class DOut>
 void batched_gated_linear_attention(

@@ -165,7 +165,8 @@ template <class DQ, class DK, class DV, class DG, class DO, class Phi, class DdQ
 /// \param dOut the N x M gradient of the loss with respect to the output.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
+///     shapes).
 void gated_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
     const Eigen::MatrixBase<DG>& log_gates, const Eigen::MatrixBase<DO>& dOut, const Phi& phi,
@@ -219,7 +220,8 @@ void gated_linear_attention_backward(
 ///     <= 0.
 /// \param dOut the N x M gradient of the loss with respect to the output.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
+///     shapes).
 /// \return the gradients with respect to Q, K, V and the log gates.
 template <class DQ, class DK, class DV, class DG, class DO, class Phi = Identity>
 GatedGradients<typename DQ::Scalar> gated_linear_attention_backward(
@@ -248,14 +250,16 @@ template <class DQ, class DK, class DV, class DG, class DO, class Phi, class DdQ
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param dQ receives the N x H·D gradient with respect to Q.
 /// \param dK receives the L x H·D gradient with respect to K.
 /// \param dV receives the L x H·M gradient with respect to V.
 /// \param dlog_gates receives the gradient with respect to log_gates.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
+///     shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 void multihead_gated_linear_attention_backward(
     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
@@ -310,9 +314,11 @@ void multihead_gated_linear_attention_backward(
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
+///     shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return the gradients with respect to Q, K, V and the log gates.
 template <class DQ, class DK, class DV, class DG, class DO, class Phi = Identity>

@@ -54,13 +54,14 @@ class RecurrentGatedAttention {
                 "with a per-feature key softmax (SoftmaxSplit) has no decayed form");
 
  public:
+  /// The state the step decays and updates: S and z, and the total log-decay for combine().
   using State = LinearAttentionState<Scalar>;
 
   /// A zero state for keys and queries of dimension D and values of dimension M.
   /// \throws std::invalid_argument if D <= 0 or M < 0.
   /// \param key_dim D, the width of the query and key rows.
   /// \param value_dim M, the width of the value rows and of each output.
-  /// \param options the algorithm and its chunk size (the defaults suit most shapes).
+  /// \param options the query scale and normalisation every step applies (a step has no chunks).
   RecurrentGatedAttention(Index key_dim, Index value_dim, const GatedOptions& options = {})
       : RecurrentGatedAttention(key_dim, value_dim, Phi{}, options) {}
 
@@ -68,7 +69,7 @@ class RecurrentGatedAttention {
   /// \param key_dim D, the width of the query and key rows.
   /// \param value_dim M, the width of the value rows and of each output.
   /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-  /// \param options the algorithm and its chunk size (the defaults suit most shapes).
+  /// \param options the query scale and normalisation every step applies (a step has no chunks).
   RecurrentGatedAttention(Index key_dim, Index value_dim, const Phi& phi,
                           const GatedOptions& options = {})
       : phi_(phi), options_(options), key_dim_(key_dim), value_dim_(value_dim) {
@@ -96,7 +97,7 @@ class RecurrentGatedAttention {
   /// \param k the key row (D entries).
   /// \param v the value row (M entries).
   /// \param log_gate the token's log-decay (1 or F entries, all <= 0).
-  /// \param out receives the N x M output; must not overlap the operands.
+  /// \param out receives the token's M output entries.
   template <class DQ, class DK, class DV, class DG, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& log_gate,
@@ -158,7 +159,7 @@ class RecurrentGatedAttention {
   /// \param k the key row (D entries).
   /// \param v the value row (M entries).
   /// \param log_gate the token's log-decay (1 or F entries, all <= 0).
-  /// \param out receives the N x M output; must not overlap the operands.
+  /// \param out receives the token's M output entries.
   template <class DQ, class DK, class DV, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, Scalar log_gate, const Eigen::MatrixBase<DOut>& out) {
@@ -181,8 +182,7 @@ class RecurrentGatedAttention {
   /// low parts are added into S and z. \throws std::invalid_argument if it does not fit,
   /// `position` is negative or an entry of its log_decay is NaN or > 0 (a total of log gates
   /// <= 0).
-  /// \param state the state to continue from (empty: zero); holds the state after the last row on
-  ///     return.
+  /// \param state the state to continue from (copied).
   /// \param position the number of tokens the state has consumed, so that steps continue counting
   ///     from it.
   void set_state(const State& state, Index position = 0) {

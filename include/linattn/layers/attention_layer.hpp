@@ -36,8 +36,15 @@ namespace linattn {
 template <class Scalar>
 struct LayerGradients {
   Matrix<Scalar> dX;                  ///< N x d_model
+  /// The gradients of the query, key, value and output weights, each of its weight's shape
+  /// (out x in).
+  /// @{
   Matrix<Scalar> dWq, dWk, dWv, dWo;  ///< the weights' shapes (out x in)
+  /// @}
+  /// The gradients of the biases, each of its bias's size.
+  /// @{
   Vector<Scalar> dbq, dbk, dbv, dbo;  ///< the biases' sizes
+/// @}
 };
 
 namespace detail {
@@ -271,9 +278,11 @@ class LinearAttentionLayerState {
  public:
   /// Tokens consumed (prefill and steps): the heads' position (head 0's; step() and forward()
   /// move every head together).
+  /// \return the tokens every head has consumed.
   Index position() const noexcept { return rnn_.head(0).position(); }
 
   /// The heads' recurrent forms (their states: heads().head(h).state()).
+  /// \return the heads, one recurrent form each.
   const MultiHeadRecurrentLinearAttention<Phi, Scalar>& heads() const noexcept { return rnn_; }
 
   /// \brief The heads, to set them: `heads().head(h).set_state(st, position)` for every head h
@@ -286,6 +295,7 @@ class LinearAttentionLayerState {
   ///   state.heads().head(h).set_state(prefilled[h], prompt_length);
   /// layer.step(x, state, y);  // continues at position prompt_length
   /// \endcode
+  /// \return the heads, one recurrent form each.
   MultiHeadRecurrentLinearAttention<Phi, Scalar>& heads() noexcept { return rnn_; }
 
  private:
@@ -308,11 +318,16 @@ template <class Scalar>
 class SoftmaxAttentionLayerState {
  public:
   /// Tokens consumed (prefill and steps).
+  /// \return the tokens the cache holds.
   Index position() const noexcept { return length_; }
   /// Tokens the cache holds without growing.
+  /// \return the tokens it holds before it grows.
   Index capacity() const noexcept { return keys_.rows(); }
   /// The cached keys (position() x H·D) and values (position() x H·M).
+  /// \return a position() x H·D view of the cache, valid until the next step.
   auto keys() const { return keys_.topRows(length_); }
+  /// The cached values, as keys() holds the keys.
+  /// \return a position() x H·M view of the cache, valid until the next step.
   auto values() const { return values_.topRows(length_); }
 
  private:
@@ -386,6 +401,9 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
 
   /// H = num_heads heads of key and value size d_model / num_heads.
   /// \throws std::invalid_argument unless d_model is a positive multiple of num_heads.
+  /// \param d_model the width of the layer's input and output rows.
+  /// \param num_heads H, the number of heads (each D = M = d_model / H unless given).
+  /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
   LinearAttentionLayer(Index d_model, Index num_heads, const Phi& phi = Phi{})
       : LinearAttentionLayer(d_model, num_heads,
                              Base::head_size("LinearAttentionLayer", d_model, num_heads),
@@ -393,6 +411,11 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
 
   /// Heads of key size key_dim (queries and keys) and value size value_dim.
   /// \throws std::invalid_argument if a size is not positive or the map rejects key_dim.
+  /// \param d_model the width of the layer's input and output rows.
+  /// \param num_heads H, the number of heads (each D = M = d_model / H unless given).
+  /// \param key_dim D, the width of each head's queries and keys.
+  /// \param value_dim M, the width of each head's values.
+  /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
   LinearAttentionLayer(Index d_model, Index num_heads, Index key_dim, Index value_dim,
                        const Phi& phi = Phi{})
       : Base("LinearAttentionLayer", d_model, num_heads, key_dim, value_dim), phi_(phi) {
@@ -400,10 +423,14 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
     detail::check_feature_map("LinearAttentionLayer", phi_, key_dim);
   }
 
+  /// \return the map, as given to the constructor.
   const Phi& feature_map() const noexcept { return phi_; }
 
   /// Y (N x d_model) for the rows of X (N x d_model), causal (row i sees rows j <= i) or not.
   /// \throws std::invalid_argument if X has not d_model columns or a weight has another shape.
+  /// \param X N x d_model input rows, one per token.
+  /// \param causal true when row i attends to rows j <= i only (a decoder), false for all rows.
+  /// \return Y, N x d_model.
   template <class DX>
   Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, bool causal) const {
     return this->forward_with("LinearAttentionLayer::forward", X, attention(causal));
@@ -413,6 +440,9 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
   /// through causal_linear_attention() from its state) and leaves it after the last row, so
   /// that step() goes on from there. Equal to stepping through the rows one by one (to
   /// rounding). On an exception `state` is unchanged.
+  /// \param X N x d_model input rows, one per token.
+  /// \param state the state to continue from, moved past the N rows.
+  /// \return Y, N x d_model.
   template <class DX>
   Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, State& state) const {
     constexpr const char* fn = "LinearAttentionLayer::forward";
@@ -439,12 +469,16 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
   }
 
   /// A state at position 0 for generation with this layer.
+  /// \return a state at position 0.
   State make_state() const { return State(*this); }
 
   /// One token: x (d_model entries, any vector expression) at position state.position(); writes
   /// its output row into y (d_model entries), the row forward(X, true) gives at that position.
   /// Performs no heap allocation. `y` may share memory with `x`.
   /// \throws std::invalid_argument on a wrong size or a state of another layer's shape.
+  /// \param x the token's d_model input row.
+  /// \param state the state to continue from, moved on by the token.
+  /// \param y receives the token's d_model output row.
   template <class DXv, class DYv>
   void step(const Eigen::MatrixBase<DXv>& x, State& state, const Eigen::MatrixBase<DYv>& y) const {
     constexpr const char* fn = "LinearAttentionLayer::step";
@@ -461,6 +495,9 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
   /// \code
   /// auto batch = layer.make_batched_state(4, 64);  // 4 sequences now, room for 64
   /// \endcode
+  /// \param sequences B, the number of sequences it starts with (more can be added).
+  /// \param capacity the sequences a step takes without growing its buffers.
+  /// \return B sequences at position 0.
   BatchedState make_batched_state(Index sequences = 0, Index capacity = 0) const {
     if (sequences < 0 || capacity < 0)
       detail::throw_invalid("LinearAttentionLayer::make_batched_state",
@@ -485,6 +522,12 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
   /// cu << 0, 7, 7, 19, 20;                      // prompts of 7, 0, 12 and 1 tokens
   /// layer.forward(prompts, cu, batch, Y);       // prompts, Y: 20 x d_model
   /// \endcode
+  /// \param X N x d_model input rows, one per token.
+  /// \param cu_seqlens B + 1 row offsets of the packed sequences, of any integer type (as a
+  ///     framework's).
+  /// \param states the B sequences' states, continued from and updated in place.
+  /// \param Y receives the N x d_model output rows.
+  /// \param par the threads to split the work over (default: the OpenMP threads, or one).
   template <class DX, class Off, class DY>
   void forward(const Eigen::MatrixBase<DX>& X, const Off& cu_seqlens, BatchedState& states,
                const Eigen::MatrixBase<DY>& Y, const ParallelOptions& par = {}) const {
@@ -520,6 +563,12 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
   }
 
   /// Packed prefill returning Y (N x d_model); see the form with Y.
+  /// \param X N x d_model input rows, one per token.
+  /// \param cu_seqlens B + 1 row offsets of the packed sequences, of any integer type (as a
+  ///     framework's).
+  /// \param states the B sequences' states, continued from and updated in place.
+  /// \param par the threads to split the work over (default: the OpenMP threads, or one).
+  /// \return Y, N x d_model, the rows of every sequence.
   template <class DX, class Off>
   Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, const Off& cu_seqlens,
                          BatchedState& states, const ParallelOptions& par = {}) const {
@@ -541,6 +590,10 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
   /// Eigen::MatrixXf Xb(batch.sequences(), 512), Yb(batch.sequences(), 512);
   /// layer.step(Xb, batch, Yb);
   /// \endcode
+  /// \param Xb B x d_model: row b is sequence b's next token.
+  /// \param states the B sequences' states, each moved on by one token.
+  /// \param Yb receives the B x d_model outputs, row b for sequence b.
+  /// \param par the threads to split the work over (default: the OpenMP threads, or one).
   template <class DX, class DY>
   void step(const Eigen::MatrixBase<DX>& Xb, BatchedState& states,
             const Eigen::MatrixBase<DY>& Yb, const ParallelOptions& par = {}) const {
@@ -563,6 +616,11 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
   /// active << 0, 3;                          // sequences 0 and 3 have a new token
   /// layer.step(active, X2, batch, Y2);       // X2, Y2: 2 x d_model
   /// \endcode
+  /// \param slots the sequences, one per row of the batch, each 0 <= slots[i] < sequences().
+  /// \param Xb one d_model row per entry of slots: that sequence's next token.
+  /// \param states the sequences' states; those not in slots keep theirs.
+  /// \param Yb receives one output row per row of Xb.
+  /// \param par the threads to split the work over (default: the OpenMP threads, or one).
   template <class DSlots, class DX, class DY>
   void step(const Eigen::DenseBase<DSlots>& slots, const Eigen::MatrixBase<DX>& Xb,
             BatchedState& states, const Eigen::MatrixBase<DY>& Yb,
@@ -585,6 +643,10 @@ class LinearAttentionLayer : public detail::AttentionProjections<Scalar> {
   /// Y = forward(X, causal) (the forward is recomputed; the attention's gradients are the
   /// multi-head backward kernels', O(F·M) working memory per head).
   /// \throws std::invalid_argument if X or dY is not N x d_model.
+  /// \param X N x d_model input rows, one per token.
+  /// \param dY the N x d_model gradient of the loss with respect to the output.
+  /// \param causal true when row i attends to rows j <= i only (a decoder), false for all rows.
+  /// \return the gradients with respect to X and to every weight and bias.
   template <class DX, class DY>
   LayerGradients<Scalar> backward(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DY>& dY,
                                   bool causal) const {
@@ -671,16 +733,25 @@ class SoftmaxAttentionLayer : public detail::AttentionProjections<Scalar> {
 
   /// H = num_heads heads of key and value size d_model / num_heads.
   /// \throws std::invalid_argument unless d_model is a positive multiple of num_heads.
+  /// \param d_model the width of the layer's input and output rows.
+  /// \param num_heads H, the number of heads (each D = M = d_model / H unless given).
   SoftmaxAttentionLayer(Index d_model, Index num_heads)
       : SoftmaxAttentionLayer(d_model, num_heads,
                               Base::head_size("SoftmaxAttentionLayer", d_model, num_heads),
                               Base::head_size("SoftmaxAttentionLayer", d_model, num_heads)) {}
 
   /// Heads of key size key_dim and value size value_dim.
+  /// \param d_model the width of the layer's input and output rows.
+  /// \param num_heads H, the number of heads (each D = M = d_model / H unless given).
+  /// \param key_dim D, the width of each head's queries and keys.
+  /// \param value_dim M, the width of each head's values.
   SoftmaxAttentionLayer(Index d_model, Index num_heads, Index key_dim, Index value_dim)
       : Base("SoftmaxAttentionLayer", d_model, num_heads, key_dim, value_dim) {}
 
   /// Y (N x d_model) for the rows of X, causal or not (see LinearAttentionLayer::forward()).
+  /// \param X N x d_model input rows, one per token.
+  /// \param causal true when row i attends to rows j <= i only (a decoder), false for all rows.
+  /// \return Y, N x d_model.
   template <class DX>
   Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, bool causal) const {
     return this->forward_with("SoftmaxAttentionLayer::forward", X, attention(causal));
@@ -690,6 +761,9 @@ class SoftmaxAttentionLayer : public detail::AttentionProjections<Scalar> {
   /// outputs; step() goes on from there. From an empty cache the rows run through the tiled
   /// multi-head causal kernel; after earlier tokens, each row attends over the cache as a
   /// step would. On an exception `state` is unchanged.
+  /// \param X N x d_model input rows, one per token.
+  /// \param state the state to continue from, moved past the N rows.
+  /// \return Y, N x d_model.
   template <class DX>
   Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, State& state) const {
     constexpr const char* fn = "SoftmaxAttentionLayer::forward";
@@ -719,6 +793,8 @@ class SoftmaxAttentionLayer : public detail::AttentionProjections<Scalar> {
   }
 
   /// A state with an empty cache that holds `capacity` tokens before it grows.
+  /// \param capacity the tokens the cache holds before it grows (growth allocates).
+  /// \return a state at position 0.
   State make_state(Index capacity = 0) const {
     if (capacity < 0)
       detail::throw_invalid("SoftmaxAttentionLayer::make_state",
@@ -728,6 +804,9 @@ class SoftmaxAttentionLayer : public detail::AttentionProjections<Scalar> {
 
   /// One token (see LinearAttentionLayer::step()); allocates nothing while the cache has room
   /// (make_state(capacity)), else grows it.
+  /// \param x the token's d_model input row.
+  /// \param state the state to continue from, moved on by the token.
+  /// \param y receives the token's d_model output row.
   template <class DXv, class DYv>
   void step(const Eigen::MatrixBase<DXv>& x, State& state, const Eigen::MatrixBase<DYv>& y) const {
     constexpr const char* fn = "SoftmaxAttentionLayer::step";
@@ -744,6 +823,10 @@ class SoftmaxAttentionLayer : public detail::AttentionProjections<Scalar> {
 
   /// The gradients of a loss with respect to X and every parameter (see
   /// LinearAttentionLayer::backward()); the attention's are the tiled softmax backward's.
+  /// \param X N x d_model input rows, one per token.
+  /// \param dY the N x d_model gradient of the loss with respect to the output.
+  /// \param causal true when row i attends to rows j <= i only (a decoder), false for all rows.
+  /// \return the gradients with respect to X and to every weight and bias.
   template <class DX, class DY>
   LayerGradients<Scalar> backward(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DY>& dY,
                                   bool causal) const {

@@ -96,16 +96,21 @@ class LinearAttentionLayerBatchedState {
   using Decoder = BatchedRecurrentLinearAttention<Phi, Scalar>;
 
   /// Sequences B (rows of a step's Xb and Yb).
+  /// \return B, the number of sequences.
   Index sequences() const noexcept { return dec_.sequences(); }
   /// Tokens of sequence b (prefill and steps) since it was added or reset.
   /// \throws std::invalid_argument if b is outside [0, B).
+  /// \param b the sequence (slot), 0 <= b < sequences().
+  /// \return the tokens sequence b has consumed.
   Index position(Index b) const { return dec_.position(b); }
   /// Rows of the step buffers: steps of up to capacity() sequences allocate nothing.
+  /// \return the sequences a step takes without growing.
   Index capacity() const noexcept { return q_.rows(); }
 
   /// Buffers for steps of `rows` sequences (never shrinks). add_sequence() grows them by
   /// doubling; reserve() ahead of time makes the first steps after add_sequence() as cheap.
   /// \throws std::invalid_argument if rows < 0.
+  /// \param rows the sequences a step should take without growing.
   void reserve(Index rows) {
     if (rows < 0)
       detail::throw_invalid("LinearAttentionLayer::BatchedState::reserve",
@@ -125,6 +130,7 @@ class LinearAttentionLayerBatchedState {
   /// Appends an empty sequence (position 0) and returns its number (B before the call).
   /// Allocates its H states (or reuses those of a removed sequence) and, past capacity(),
   /// doubles the step buffers.
+  /// \return the new sequence's number, the B before the call.
   Index add_sequence() {
     reserve(sequences() + 1);
     return dec_.add_sequence();
@@ -134,9 +140,11 @@ class LinearAttentionLayerBatchedState {
   /// BatchedRecurrentLinearAttention::remove_sequence()). Allocates nothing; the buffers keep
   /// their capacity.
   /// \throws std::invalid_argument if b is outside [0, B).
+  /// \param b the sequence (slot), 0 <= b < sequences().
   void remove_sequence(Index b) { dec_.remove_sequence(b); }
 
   /// Sequence b back to no tokens (its number is kept).
+  /// \param b the sequence (slot), 0 <= b < sequences().
   void reset(Index b) { dec_.reset(b); }
 
   /// \brief The heads of the B sequences: `decoder().state(b, h)` of head h of sequence b, and
@@ -150,8 +158,10 @@ class LinearAttentionLayerBatchedState {
   /// linattn::load_state(file, resumed.decoder());  // the saved B sequences
   /// layer.step(Xb, resumed, Yb);                   // continues each bit for bit
   /// \endcode
+  /// \return the decoder, to save or load its states (state_io.hpp).
   Decoder& decoder() noexcept { return dec_; }
   /// The heads of the B sequences (read only).
+  /// \return the decoder holding every head's state.
   const Decoder& decoder() const noexcept { return dec_; }
 
  private:

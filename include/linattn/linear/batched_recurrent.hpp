@@ -82,6 +82,7 @@ class BatchedRecurrentLinearAttention {
                 "Eigen::bfloat16 / Eigen::half for a float decoder of a product feature map");
 
  public:
+  /// The state of one head of one sequence, as set_state() and state() take and give it.
   using State = LinearAttentionState<Scalar>;
   /// Steps of a head between two folds: RecurrentLinearAttention's, so that both agree.
   static constexpr Index kFoldTokens = RecurrentLinearAttention<FeatureMap, Scalar>::kFoldTokens;

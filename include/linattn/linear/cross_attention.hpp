@@ -41,6 +41,7 @@ class LinearCrossAttention {
   static_assert((detail::static_check_recurrent<FeatureMap, Scalar>(), true));
 
  public:
+  /// The memory's summary: the sums of φ(k) vᵀ and φ(k) over its keys.
   using State = LinearAttentionState<Scalar>;
 
   /// A single query with key_dim and feature_dim up to this bound runs on stack buffers and
@@ -99,7 +100,7 @@ class LinearCrossAttention {
   /// alias q. Const and thread-safe.
   /// \throws std::invalid_argument on wrong shapes.
   /// \param q the query row (D entries).
-  /// \param out receives the N x M output; must not overlap the operands.
+  /// \param out receives M entries for one query, n x M for n rows.
   template <class DQ, class DOut>
   void query(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DOut>& out) const {
     query_impl(q, out, nullptr);
@@ -108,7 +109,7 @@ class LinearCrossAttention {
   /// As query(q, out), with scratch from `ws`: allocation-free for any shape once `ws` has
   /// served one of the same or a larger size. A Workspace is one thread's.
   /// \param q the query row (D entries).
-  /// \param out receives the N x M output; must not overlap the operands.
+  /// \param out receives M entries for one query, n x M for n rows.
   /// \param ws scratch reused across calls, so that repeated calls allocate nothing.
   template <class DQ, class DOut>
   void query(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DOut>& out,

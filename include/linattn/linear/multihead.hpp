@@ -150,7 +150,8 @@ void batched_causal_linear(
 ///     q_offsets[b+1]).
 /// \param k_offsets B + 1 key row offsets: sequence b's keys are rows [k_offsets[b],
 ///     k_offsets[b+1]).
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -184,7 +185,8 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
 ///     q_offsets[b+1]).
 /// \param k_offsets B + 1 key row offsets: sequence b's keys are rows [k_offsets[b],
 ///     k_offsets[b+1]).
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
 ///     operands.
@@ -221,7 +223,8 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
 /// \param k_offsets B + 1 key row offsets: sequence b's keys are rows [k_offsets[b],
 ///     k_offsets[b+1]).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -253,7 +256,8 @@ void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
@@ -283,7 +287,8 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
 ///     operands.
@@ -329,7 +334,8 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
@@ -366,7 +372,8 @@ void batched_causal_linear_attention(
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
@@ -400,7 +407,8 @@ void masked_batched_causal_linear_attention(
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
@@ -439,7 +447,8 @@ void masked_batched_causal_linear_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -460,7 +469,8 @@ void multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
@@ -485,7 +495,8 @@ Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<D
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
 ///     operands.
@@ -514,7 +525,8 @@ void masked_multihead_linear_attention(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
@@ -536,7 +548,8 @@ Matrix<typename DQ::Scalar> masked_multihead_linear_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
@@ -568,7 +581,8 @@ void multihead_causal_linear_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
@@ -596,7 +610,8 @@ void multihead_causal_linear_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
@@ -622,7 +637,8 @@ Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -649,7 +665,8 @@ Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
@@ -682,7 +699,8 @@ void masked_multihead_causal_linear_attention(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
@@ -714,7 +732,8 @@ void masked_multihead_causal_linear_attention(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).

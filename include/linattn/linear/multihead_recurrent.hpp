@@ -33,6 +33,7 @@ namespace linattn {
 template <class FeatureMap = EluPlusOne, class Scalar = float>
 class MultiHeadRecurrentLinearAttention {
  public:
+  /// The recurrent form of one head.
   using Head = RecurrentLinearAttention<FeatureMap, Scalar>;
 
   /// \param heads H, the number of heads (each a RecurrentLinearAttention).

@@ -25,12 +25,17 @@ template <class Scalar>
 class MultiHeadWorkspace {
  public:
   /// The workspace of thread `t`, creating workspaces up to it.
+  /// \param t the thread's index, 0 <= t < the thread count of the call.
+  /// \return the workspace, valid until the MultiHeadWorkspace is destroyed.
   Workspace<Scalar>& for_thread(int t) {
     if (static_cast<int>(per_thread_.size()) <= t) per_thread_.resize(static_cast<std::size_t>(t) + 1);
     return per_thread_[static_cast<std::size_t>(t)];
   }
   /// The `count` causal states that thread `t` carries through the heads it runs together
   /// (one per head), creating them as needed; the causal kernels size and reset them.
+  /// \param t the thread's index, 0 <= t < the thread count of the call.
+  /// \param count the number of states it needs (one per head it runs).
+  /// \return the first of `count` consecutive states.
   LinearAttentionState<Scalar>* states_for_thread(int t, Index count) {
     if (static_cast<int>(states_.size()) <= t) states_.resize(static_cast<std::size_t>(t) + 1);
     auto& mine = states_[static_cast<std::size_t>(t)];
@@ -38,17 +43,22 @@ class MultiHeadWorkspace {
     return mine.data();
   }
   /// The first causal state of thread `t` (see states_for_thread()).
+  /// \param t the thread's index, 0 <= t < the thread count of the call.
+  /// \return the state.
   LinearAttentionState<Scalar>& state_for_thread(int t) { return *states_for_thread(t, 1); }
   /// Makes sure `threads` workspaces and lists of states exist (allocating only the vectors of
   /// them), so that threads never grow the outer vectors concurrently.
+  /// \param threads the number of threads whose scratch is kept.
   void reserve_threads(int threads) {
     if (threads <= 0) return;
     for_thread(threads - 1);
     if (static_cast<int>(states_.size()) < threads) states_.resize(static_cast<std::size_t>(threads));
   }
   /// Internal: the float copies of bf16 / half operands (the calling thread's workspace's).
+  /// \private
   detail::StorageCopies<Scalar>& storage_copies() { return for_thread(0).storage_copies(); }
   /// Bytes held by all threads' buffers and states.
+  /// \return the bytes of every thread's workspace and states.
   std::size_t bytes() const noexcept {
     std::size_t total = 0;
     for (const auto& w : per_thread_) total += w.bytes();

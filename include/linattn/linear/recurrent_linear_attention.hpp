@@ -85,6 +85,7 @@ class RecurrentLinearAttention {
   static_assert((detail::static_check_recurrent<FeatureMap, Scalar>(), true));
 
  public:
+  /// The state the step adds to: the sums S and z (and SoftmaxSplit's running maxima).
   using State = LinearAttentionState<Scalar>;
 
   /// A zero state for keys/queries of dimension `key_dim` and values of dimension `value_dim`.
@@ -109,7 +110,7 @@ class RecurrentLinearAttention {
   /// \param q the query row (D entries).
   /// \param k the key row (D entries).
   /// \param v the value row (M entries).
-  /// \param out receives the N x M output; must not overlap the operands.
+  /// \param out receives the token's M output entries.
   template <class DQ, class DK, class DV, class DOut>
   void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
             const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DOut>& out) {
@@ -173,8 +174,7 @@ class RecurrentLinearAttention {
   /// is only informative.
   /// \throws std::invalid_argument if the state does not fit this object's shapes, `position`
   /// is negative, or an entry of its log_decay is NaN or > 0 (a total of log gates <= 0).
-  /// \param state the state to continue from (empty: zero); holds the state after the last row on
-  ///     return.
+  /// \param state the state to continue from (copied).
   /// \param position the number of tokens the state has consumed, so that steps continue counting
   ///     from it.
   void set_state(const State& state, Index position = 0) {

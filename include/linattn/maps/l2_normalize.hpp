@@ -139,7 +139,9 @@ struct L2Normalize {
   /// The map whose rows are normalised.
   Inner inner;
 
+  /// Normalises the inner map's default, with ε = 0: each row divided by its norm.
   L2Normalize() = default;
+  /// Normalises `inner_map`'s features, with ε = 0.
   /// \param inner_map the map whose rows are normalised.
   explicit L2Normalize(const Inner& inner_map) : inner(inner_map) {}
   /// \f$\epsilon\f$ added to every squared norm: finite and >= 0, else std::invalid_argument
@@ -147,9 +149,9 @@ struct L2Normalize {
   /// \param epsilon added to every squared norm before the root (finite, >= 0), so that a zero row
   ///     maps to zero.
   explicit L2Normalize(double epsilon) : eps_(checked_eps(epsilon)) {}
+  /// Normalises `inner_map`'s features with ε = `epsilon`; the checks of L2Normalize(double).
   /// \param inner_map the map whose rows are normalised.
-  /// \param epsilon added to every squared norm before the root (finite, >= 0), so that a zero row
-  ///     maps to zero.
+  /// \param epsilon added to every squared norm before the root (finite, >= 0).
   L2Normalize(const Inner& inner_map, double epsilon)
       : inner(inner_map), eps_(checked_eps(epsilon)) {}
 

@@ -75,6 +75,8 @@ inline std::string state_shape(Index F, Index M, Index maxima) {
 /// auto right = linattn::summarize(K.bottomRows(N - n), V.bottomRows(N - n), phi);
 /// linattn::combine_into(left, right);  // == linattn::summarize(K, V, phi), to rounding
 /// \endcode
+/// \param a the state of the earlier keys; becomes the state of both segments.
+/// \param b the state of the keys that follow a's.
 template <class Scalar>
 void combine_into(LinearAttentionState<Scalar>& a, const LinearAttentionState<Scalar>& b) {
   constexpr const char* fn = "combine_into";
@@ -147,6 +149,9 @@ void combine_into(LinearAttentionState<Scalar>& a, const LinearAttentionState<Sc
 }
 
 /// \brief The state of a's keys followed by b's (see combine_into()).
+/// \param a the state of the earlier keys.
+/// \param b the state of the keys that follow a's.
+/// \return the state of a's keys then b's, as combine_into() leaves a.
 template <class Scalar>
 LinearAttentionState<Scalar> combine(const LinearAttentionState<Scalar>& a,
                                      const LinearAttentionState<Scalar>& b) {
@@ -167,6 +172,10 @@ LinearAttentionState<Scalar> combine(const LinearAttentionState<Scalar>& a,
 /// auto before = linattn::summarize(K.topRows(start), V.topRows(start), phi);
 /// linattn::causal_linear_attention(Qt, Kt, Vt, phi, before, out_t, ws);
 /// \endcode
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \return the state of the L keys, as the causal kernels would leave it after them.
 template <class DK, class DV, class Phi = EluPlusOne>
 LinearAttentionState<compute_scalar_t<typename DK::Scalar>> summarize(
     const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, const Phi& phi = Phi{}) {

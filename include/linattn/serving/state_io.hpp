@@ -120,6 +120,8 @@ namespace linattn {
 /// std::ofstream file("prompt.state", std::ios::binary);
 /// linattn::save_state(file, state);
 /// \endcode
+/// \param os the binary stream the record is appended to.
+/// \param state the state written, unchanged.
 template <class Scalar>
 void save_state(std::ostream& os, const LinearAttentionState<Scalar>& state) {
   constexpr const char* fn = "save_state";
@@ -165,6 +167,8 @@ void save_state(std::ostream& os, const LinearAttentionState<Scalar>& state) {
 /// auto state = linattn::load_state<float>(file);
 /// linattn::causal_linear_attention(Q, K, V, linattn::EluPlusOne{}, state);  // continue
 /// \endcode
+/// \param is the binary stream, positioned at the record.
+/// \return the state the record holds.
 template <class Scalar>
 LinearAttentionState<Scalar> load_state(std::istream& is) {
   constexpr const char* fn = "load_state";
@@ -192,6 +196,8 @@ LinearAttentionState<Scalar> load_state(std::istream& is) {
 /// std::ofstream file("conversation.state", std::ios::binary);
 /// linattn::save_state(file, rnn);
 /// \endcode
+/// \param os the binary stream the record is appended to.
+/// \param rnn the recurrent form whose state and position are written.
 template <class FeatureMap, class Scalar>
 void save_state(std::ostream& os, const RecurrentLinearAttention<FeatureMap, Scalar>& rnn) {
   using Access = detail::RecurrentStateAccess;
@@ -222,6 +228,8 @@ void save_state(std::ostream& os, const RecurrentLinearAttention<FeatureMap, Sca
 /// linattn::load_state(file, rnn);
 /// rnn.step(q, k, v, out);  // continues the saved decode
 /// \endcode
+/// \param is the binary stream, positioned at the record.
+/// \param rnn continues from the loaded state and position.
 template <class FeatureMap, class Scalar>
 void load_state(std::istream& is, RecurrentLinearAttention<FeatureMap, Scalar>& rnn) {
   constexpr const char* fn = "load_state";
@@ -248,6 +256,8 @@ void load_state(std::istream& is, RecurrentLinearAttention<FeatureMap, Scalar>& 
 /// std::ostringstream saved(std::ios::binary);
 /// linattn::save_state(saved, rnn);
 /// \endcode
+/// \param os the binary stream the record is appended to.
+/// \param rnn the recurrent form whose state and position are written.
 template <class FeatureMap, class Scalar>
 void save_state(std::ostream& os, const MultiHeadRecurrentLinearAttention<FeatureMap, Scalar>& rnn) {
   using Access = detail::RecurrentStateAccess;
@@ -281,6 +291,8 @@ void save_state(std::ostream& os, const MultiHeadRecurrentLinearAttention<Featur
 /// std::istringstream saved(bytes, std::ios::binary);
 /// linattn::load_state(saved, rnn);
 /// \endcode
+/// \param is the binary stream, positioned at the record.
+/// \param rnn continues from the loaded state and position.
 template <class FeatureMap, class Scalar>
 void load_state(std::istream& is, MultiHeadRecurrentLinearAttention<FeatureMap, Scalar>& rnn) {
   constexpr const char* fn = "load_state";
@@ -321,6 +333,8 @@ void load_state(std::istream& is, MultiHeadRecurrentLinearAttention<FeatureMap, 
 /// std::ofstream file("conversation.state", std::ios::binary);
 /// linattn::save_state(file, state);
 /// \endcode
+/// \param os the binary stream the record is appended to.
+/// \param state the state written, unchanged.
 template <class Phi, class Scalar>
 void save_state(std::ostream& os, const LinearAttentionLayerState<Phi, Scalar>& state) {
   const auto& rnn = state.heads();
@@ -355,6 +369,8 @@ void save_state(std::ostream& os, const LinearAttentionLayerState<Phi, Scalar>& 
 /// linattn::load_state(file, state);  // state.position() is the saved one
 /// layer.step(x, state, y);           // continues the saved decode
 /// \endcode
+/// \param is the binary stream, positioned at the record.
+/// \param state replaced by the loaded state.
 template <class Phi, class Scalar>
 void load_state(std::istream& is, LinearAttentionLayerState<Phi, Scalar>& state) {
   constexpr const char* fn = "load_state";
@@ -402,6 +418,8 @@ void load_state(std::istream& is, LinearAttentionLayerState<Phi, Scalar>& state)
 /// std::ofstream file("conversation.cache", std::ios::binary);
 /// linattn::save_state(file, state);
 /// \endcode
+/// \param os the binary stream the record is appended to.
+/// \param state the state written, unchanged.
 template <class Scalar>
 void save_state(std::ostream& os, const SoftmaxAttentionLayerState<Scalar>& state) {
   const Index H = detail::RecurrentStateAccess::heads(state), T = state.position();
@@ -440,6 +458,8 @@ void save_state(std::ostream& os, const SoftmaxAttentionLayerState<Scalar>& stat
 /// linattn::load_state(file, state);  // state.position() is the saved one
 /// layer.step(x, state, y);           // continues the saved decode
 /// \endcode
+/// \param is the binary stream, positioned at the record.
+/// \param state replaced by the loaded state.
 template <class Scalar>
 void load_state(std::istream& is, SoftmaxAttentionLayerState<Scalar>& state) {
   constexpr const char* fn = "load_state";
@@ -476,6 +496,8 @@ void load_state(std::istream& is, SoftmaxAttentionLayerState<Scalar>& state) {
 /// std::ofstream file("server.state", std::ios::binary);
 /// linattn::save_state(file, decoder);
 /// \endcode
+/// \param os the binary stream the record is appended to.
+/// \param dec the decoder whose B sequences (states and positions) are written.
 template <class FeatureMap, class Scalar, class StateScalar>
 void save_state(std::ostream& os,
                 const BatchedRecurrentLinearAttention<FeatureMap, Scalar, StateScalar>& dec) {
@@ -537,6 +559,8 @@ void save_state(std::ostream& os,
 /// linattn::load_state(file, decoder);  // decoder.sequences() is the saved B
 /// decoder.step(Q, K, V, out);          // continues every saved decode
 /// \endcode
+/// \param is the binary stream, positioned at the record.
+/// \param dec takes the loaded B sequences.
 template <class FeatureMap, class Scalar, class StateScalar>
 void load_state(std::istream& is,
                 BatchedRecurrentLinearAttention<FeatureMap, Scalar, StateScalar>& dec) {
@@ -582,6 +606,8 @@ void load_state(std::istream& is,
 /// std::ofstream file("batch.state", std::ios::binary);
 /// linattn::save_state(file, batch);  // park every conversation
 /// \endcode
+/// \param os the binary stream the record is appended to.
+/// \param state the state written, unchanged.
 template <class Phi, class Scalar>
 void save_state(std::ostream& os, const LinearAttentionLayerBatchedState<Phi, Scalar>& state) {
   linattn::save_state(os, state.decoder());
@@ -596,6 +622,8 @@ void save_state(std::ostream& os, const LinearAttentionLayerBatchedState<Phi, Sc
 /// std::ifstream file("batch.state", std::ios::binary);
 /// linattn::load_state(file, resumed);  // resumed.sequences() is the saved B
 /// \endcode
+/// \param is the binary stream, positioned at the record.
+/// \param state replaced by the loaded state.
 template <class Phi, class Scalar>
 void load_state(std::istream& is, LinearAttentionLayerBatchedState<Phi, Scalar>& state) {
   linattn::load_state(is, state.decoder());

@@ -50,6 +50,7 @@ template <class Scalar>
 class LinformerWorkspace {
  public:
   /// Bytes held by all buffers.
+  /// \return the bytes of both parts' buffers.
   std::size_t bytes() const noexcept { return projections.bytes() + attention.bytes(); }
 
   /// Frees every buffer.
@@ -174,6 +175,12 @@ void check_linformer(const char* function, const Eigen::MatrixBase<DQ>& Q,
 /// Eigen::MatrixXf out(Q.rows(), V.cols());
 /// linattn::linformer_attention(Q, K, V, E, F, out, ws);
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param E the k x L projection of the keys along the sequence.
+/// \param F the k x L projection of the values, the shape of E.
+/// \param ws scratch reused across calls, so that repeated calls allocate nothing.
 template <class DQ, class DK, class DV, class DE, class DF, class DOut>
 void linformer_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                          const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DE>& E,
@@ -217,6 +224,12 @@ void linformer_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase
 /// const auto [E, F] = linattn::make_linformer_projections<float>(K.rows(), 256, 42);
 /// Eigen::MatrixXf out = linattn::linformer_attention(Q, K, V, E, F);
 /// \endcode
+/// \param Q N x D queries, any Eigen expression (a block or a Map too).
+/// \param K L x D keys.
+/// \param V L x M values, one per key.
+/// \param E the k x L projection of the keys along the sequence.
+/// \param F the k x L projection of the values, the shape of E.
+/// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class DE, class DF>
 Matrix<typename DQ::Scalar> linformer_attention(const Eigen::MatrixBase<DQ>& Q,
                                                 const Eigen::MatrixBase<DK>& K,
@@ -267,6 +280,7 @@ inline double linformer_uniform_pm1(std::mt19937_64& gen) {
 /// auto [E, F] = linattn::make_linformer_projections<float>(/*L=*/4096, /*k=*/256, /*seed=*/7);
 /// Eigen::MatrixXf out = linattn::linformer_attention(Q, K, V, E, F);
 /// \endcode
+/// \param seed the draw: equal seeds give equal projections on every platform.
 template <class Scalar>
 std::pair<Matrix<Scalar>, Matrix<Scalar>> make_linformer_projections(Index L, Index k,
                                                                       std::uint64_t seed) {

@@ -52,10 +52,11 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
-///     shape.
+/// \param algorithm Tiled (the default: online softmax over tiles, no N x L matrix) or Naive (the N
+///     x L scores, as a reference).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DOut>
 void multihead_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -72,9 +73,10 @@ void multihead_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Ma
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
-/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
-///     shape.
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
+/// \param algorithm Tiled (the default: online softmax over tiles, no N x L matrix) or Naive (the N
+///     x L scores, as a reference).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV>
@@ -95,10 +97,11 @@ Matrix<typename DQ::Scalar> multihead_softmax_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
-///     shape.
+/// \param algorithm Tiled (the default: online softmax over tiles, no N x L matrix) or Naive (the N
+///     x L scores, as a reference).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DOut>
 void multihead_causal_softmax_attention(
@@ -114,9 +117,10 @@ void multihead_causal_softmax_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
-/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
-///     shape.
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
+/// \param algorithm Tiled (the default: online softmax over tiles, no N x L matrix) or Naive (the N
+///     x L scores, as a reference).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV>

@@ -247,8 +247,8 @@ void softmax_dispatch_lse(const char* function, const Eigen::MatrixBase<DQ>& Q,
 /// \param K L x D keys.
 /// \param V L x M values, one per key.
 /// \param ws scratch reused across calls, so that repeated calls allocate nothing.
-/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
-///     shape.
+/// \param algorithm Tiled (the default: online softmax over tiles, no N x L matrix) or Naive (the N
+///     x L scores, as a reference).
 template <class DQ, class DK, class DV, class DOut>
 void softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                        const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
@@ -266,8 +266,8 @@ void softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<D
 /// \param Q N x D queries, any Eigen expression (a block or a Map too).
 /// \param K L x D keys.
 /// \param V L x M values, one per key.
-/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
-///     shape.
+/// \param algorithm Tiled (the default: online softmax over tiles, no N x L matrix) or Naive (the N
+///     x L scores, as a reference).
 /// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV>
 Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& Q,
@@ -289,8 +289,8 @@ Matrix<typename DQ::Scalar> softmax_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \param K L x D keys.
 /// \param V L x M values, one per key.
 /// \param ws scratch reused across calls, so that repeated calls allocate nothing.
-/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
-///     shape.
+/// \param algorithm Tiled (the default: online softmax over tiles, no N x L matrix) or Naive (the N
+///     x L scores, as a reference).
 template <class DQ, class DK, class DV, class DOut>
 void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DOut>& out,
@@ -306,8 +306,8 @@ void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
 /// \param Q N x D queries, any Eigen expression (a block or a Map too).
 /// \param K L x D keys.
 /// \param V L x M values, one per key.
-/// \param algorithm Chunked (GEMMs per chunk) or Recurrent (one token at a time); Auto picks by
-///     shape.
+/// \param algorithm Tiled (the default: online softmax over tiles, no N x L matrix) or Naive (the N
+///     x L scores, as a reference).
 /// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV>
 Matrix<typename DQ::Scalar> causal_softmax_attention(
@@ -353,8 +353,7 @@ void softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<D
 /// \param K L x D keys.
 /// \param V L x M values, one per key.
 /// \param out receives the N x M output; must not overlap the operands.
-/// \param lse the N per-query log-sum-exp of the forward pass (what it returned), so no score is
-///     recomputed twice.
+/// \param lse receives the N per-query log-sum-exp, which the backward pass takes with `out`.
 /// \param ws scratch reused across calls, so that repeated calls allocate nothing.
 template <class DQ, class DK, class DV, class DOut, class DL>
 void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,

@@ -278,9 +278,9 @@ template <class DQ, class DK, class DV, class DO, class DL, class DG, class DdQ,
 /// \param Q N x D queries, any Eigen expression (a block or a Map too).
 /// \param K L x D keys.
 /// \param V L x M values, one per key.
-/// \param out receives the N x M output; must not overlap the operands.
-/// \param lse the N per-query log-sum-exp of the forward pass (what it returned), so no score is
-///     recomputed twice.
+/// \param out the N x M output of the forward pass, saved so that the backward need not recompute
+///     it.
+/// \param lse the N per-query log-sum-exp the forward pass returned with `out`.
 /// \param dOut the N x M gradient of the loss with respect to the output.
 /// \param dQ receives the N x D gradient with respect to Q.
 /// \param dK receives the L x D gradient with respect to K.
@@ -344,9 +344,9 @@ template <class DQ, class DK, class DV, class DO, class DL, class DG, class DdQ,
 /// \param Q N x D queries, any Eigen expression (a block or a Map too).
 /// \param K L x D keys.
 /// \param V L x M values, one per key.
-/// \param out receives the N x M output; must not overlap the operands.
-/// \param lse the N per-query log-sum-exp of the forward pass (what it returned), so no score is
-///     recomputed twice.
+/// \param out the N x M output of the forward pass, saved so that the backward need not recompute
+///     it.
+/// \param lse the N per-query log-sum-exp the forward pass returned with `out`.
 /// \param dOut the N x M gradient of the loss with respect to the output.
 /// \param dQ receives the N x D gradient with respect to Q.
 /// \param dK receives the L x D gradient with respect to K.
@@ -395,7 +395,8 @@ AttentionGradients<typename DQ::Scalar> causal_softmax_attention_backward(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param dQ receives the N x H·D gradient with respect to Q.
 /// \param dK receives the L x H·D gradient with respect to K.
 /// \param dV receives the L x H·M gradient with respect to V.
@@ -417,7 +418,8 @@ void multihead_softmax_attention_backward(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG>
@@ -436,7 +438,8 @@ AttentionGradients<typename DQ::Scalar> multihead_softmax_attention_backward(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param dQ receives the N x H·D gradient with respect to Q.
 /// \param dK receives the L x H·D gradient with respect to K.
 /// \param dV receives the L x H·M gradient with respect to V.
@@ -458,7 +461,8 @@ void multihead_causal_softmax_attention_backward(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (D and M divisible by H).
+/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
+///     H).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG>
