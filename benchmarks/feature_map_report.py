@@ -503,6 +503,28 @@ def decade(e: int) -> str:
     return f"{10.0 ** e:g}" if -3 <= e <= 3 else f"1e{e}"
 
 
+def dodge(points: list[tuple[str, float, float]], near: float = 9.0) -> dict[tuple[str, float], float]:
+    """Horizontal offsets (pixels) for markers (family, F, y pixel) that share an F and lie within
+    `near` pixels of each other vertically: spread side by side, so that none hides another
+    (several maps have F = D = 64 and nearly equal errors)."""
+    out: dict[tuple[str, float], float] = {}
+    by_f: dict[float, list[tuple[float, str]]] = {}
+    for k, F, y in points:
+        by_f.setdefault(F, []).append((y, k))
+    for F, ys in by_f.items():
+        ys.sort()
+        group = [ys[0]]
+        for item in ys[1:] + [None]:
+            if item is not None and item[0] - group[-1][0] < near:
+                group.append(item)
+                continue
+            for i, (_, k) in enumerate(group):
+                out[(k, F)] = (i - (len(group) - 1) / 2) * near
+            if item is not None:
+                group = [item]
+    return out
+
+
 def write_svg(d: Data, path: str, panels: list[str]) -> None:
     pw, ph, left, top, gap = 360, 340, 80, 70, 60
     width = left + len(panels) * pw + (len(panels) - 1) * gap + 30
@@ -553,21 +575,29 @@ def write_svg(d: Data, path: str, panels: list[str]) -> None:
         o.append(f'<line x1="{px}" y1="{Y(u):.1f}" x2="{px + pw}" y2="{Y(u):.1f}" stroke="#888888" '
                  'stroke-dasharray="6,4"/>')
         o.append(f'<text x="{px + pw - 4}" y="{Y(u) - 5:.1f}" text-anchor="end" fill="#666">equal weights</text>')
-        for fam_key, (color, mk) in STYLE.items():
+        points = {}
+        for fam_key in STYLE:
             pts = [(m["F"], d.e(m["key"], fam, False)) for m in maps if m["family"] == fam_key]
-            pts = [(F, e) for F, e in pts if e and e["mean"] and e["mean"] > 0]
+            points[fam_key] = [(F, e) for F, e in pts if e and e["mean"] and e["mean"] > 0]
+        dx = dodge([(k, F, Y(e["mean"])) for k, pts in points.items() for F, e in pts])
+
+        def XD(k: str, F: float) -> float:
+            return X(F) + dx.get((k, F), 0.0)
+
+        for fam_key, (color, mk) in STYLE.items():
+            pts = points[fam_key]
             if not pts:
                 continue
             if len(pts) > 1:
-                o.append('<path d="' + " ".join(f'{"M" if i == 0 else "L"}{X(F):.1f},{Y(e["mean"]):.1f}'
+                o.append('<path d="' + " ".join(f'{"M" if i == 0 else "L"}{XD(fam_key, F):.1f},{Y(e["mean"]):.1f}'
                                                 for i, (F, e) in enumerate(pts)) +
                          f'" fill="none" stroke="{color}" stroke-width="2"/>')
             for F, e in pts:
                 if e["draws"] > 1 and e["sd"]:
                     lo, hi = max(e["mean"] - e["sd"], e["mean"] / 10), e["mean"] + e["sd"]
-                    o.append(f'<line x1="{X(F):.1f}" y1="{Y(lo):.1f}" x2="{X(F):.1f}" y2="{Y(hi):.1f}" '
-                             f'stroke="{color}" stroke-width="1.5"/>')
-                o.append(marker(mk, X(F), Y(e["mean"]), color))
+                    o.append(f'<line x1="{XD(fam_key, F):.1f}" y1="{Y(lo):.1f}" x2="{XD(fam_key, F):.1f}" '
+                             f'y2="{Y(hi):.1f}" stroke="{color}" stroke-width="1.5"/>')
+                o.append(marker(mk, XD(fam_key, F), Y(e["mean"]), color))
             if fam_key == "favor" and len(pts) > 1:
                 # The 1/√m line through the points' geometric centre.
                 c = sum(math.log(e["mean"]) + 0.5 * math.log(F) for F, e in pts) / len(pts)

@@ -1,4 +1,16 @@
-"""The command line: python3 -m report (from benchmarks/) or python3 benchmarks/report.py."""
+"""Summarise the linattn benchmark JSON (Google Benchmark --benchmark_out) files.
+
+    python3 benchmarks/report.py --results build/bench/results [--md build/bench/report/benchmarks.md]
+        [--svg build/bench/report/benchmark_plot.svg] [--readme README.md] [--command "..."]
+    (or, from benchmarks/: python3 -m report ...)
+
+Prints the headline figures and the summary of the performance targets (ratios computed from the
+JSON). --md writes the report: the text of --template (docs/benchmarks.md) with the blocks between
+its bench:<name> markers generated from the results; --svg the log-log plot, with the roofline and
+generation plots beside it; --readme rewrites the bench:headline and bench:generation blocks of
+README.md. benchmarks/run.sh writes them under build/bench/report/ unless asked for the committed
+docs (--docs). docs/benchmarks.md says what is measured and how.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +25,10 @@ from .plots import gen_plot, roofline_plot, svg_plot
 from .results import Results, contention
 from .splice import update_readme
 from .summary import summary
+
+
+DEFAULT_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "docs", "benchmarks.md")
 
 
 def sibling_plot(args, name: str, plot) -> str | None:
@@ -30,7 +46,9 @@ def sibling_plot(args, name: str, plot) -> str | None:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default="build/bench/results", help="directory of the bench_*.json files")
-    ap.add_argument("--md", help="write the Markdown report here (e.g. docs/benchmarks.md)")
+    ap.add_argument("--md", help="write the Markdown report here (e.g. build/bench/report/benchmarks.md)")
+    ap.add_argument("--template", default=DEFAULT_TEMPLATE,
+                    help="the page whose bench:<name> blocks --md fills (default: docs/benchmarks.md)")
     ap.add_argument("--svg", help="write the log-log plot here (e.g. docs/benchmark_plot.svg)")
     ap.add_argument("--command", default="bash .ci/bench", help="the command that produced the results")
     ap.add_argument("--load-before", default="unknown", help="load average when the run started")
@@ -69,8 +87,12 @@ def main(argv: list[str]) -> int:
     print("== Image generation")
     print("\n".join(generation(res)))
     if args.md:
-        write_markdown(res, args.md, svg_name, args.command, args.load_before, lines, warnings, noise,
-                       gen_svg_name)
+        missing = write_markdown(res, args.md, args.template, svg_name, args.command, args.load_before, lines,
+                                 warnings, noise, gen_svg_name)
+        if missing:
+            print(f"report.py: {args.template} lacks the markers of the blocks {', '.join(missing)} "
+                  "(<!-- bench:NAME:begin --> ... <!-- bench:NAME:end -->); nothing written", file=sys.stderr)
+            return 1
         print(f"wrote {args.md}")
     if args.readme:
         block = headline(res, args.load_before, "[docs/benchmarks.md](docs/benchmarks.md)")

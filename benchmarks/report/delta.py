@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .fmt import (
-    at_least_status, fmt_n, fmt_ratio, fmt_time, gated_status, speed_ratio, table, wall_cpu,
-)
+from .fmt import at_most_status, fmt_n, fmt_ratio, fmt_time, speed_ratio, table, wall_cpu
 from .results import SHORT_LAYOUT, frac_of_gemm, gt_find, large_sizes
 from .roofline import fmt_frac_peak
 
@@ -15,11 +13,10 @@ if TYPE_CHECKING:
 
 
 TARGET_DELTA_CHUNKED_VS_PLAIN = 3.0
-
-
-TARGET_DELTA_RECURRENT_VS_CHUNKED = 5.0
-
-
+# linattn's prefill (the faster of Chunked and Auto) against the token-by-token recurrence as a
+# user writes it with Eigen (dl_naive_pair). linattn's own Recurrent is a fused pass, not that
+# loop: when it beats Chunked on a CPU, that is good news, not a miss of this target.
+TARGET_DELTA_VS_TOKEN_LOOP = 5.0
 TARGET_DELTA_DECODE = 1.5
 
 
@@ -47,27 +44,28 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
                 r = res.find("dl_pair", n, **q)
                 x, xc = r.get("chunked_vs_plain"), r.get("chunked_vs_plain_cpu")
                 y, yc = r.get("recurrent_vs_chunked"), r.get("recurrent_vs_chunked_cpu")
-                s1, n1 = gated_status(x, xc, TARGET_DELTA_CHUNKED_VS_PLAIN)
-                s2, n2 = at_least_status(y, yc, TARGET_DELTA_RECURRENT_VS_CHUNKED)
+                s1, n1 = at_most_status(x, xc, TARGET_DELTA_CHUNKED_VS_PLAIN)
+                # No target: which of linattn's two prefill forms is faster, on cpu time as below.
+                faster = "–" if y is None else ("chunked" if (yc if yc is not None else y) >= 1 else
+                                                "**recurrent**")
                 where = f"at D = {d}, N = {n}, {SHORT_LAYOUT.get(lay, lay)}"
                 if n1:
                     warn.append(f"delta rule prefill, Chunked: {wall_cpu(x, xc)}× plain causal (wall (cpu)) {where}: "
                                 f"{n1} (target ≤ {TARGET_DELTA_CHUNKED_VS_PLAIN:.1f}×)")
-                if n2:
-                    warn.append(f"delta rule prefill, Recurrent ÷ Chunked: {wall_cpu(y, yc)} (wall (cpu)) {where}: "
-                                f"{n2} (target ≥ {TARGET_DELTA_RECURRENT_VS_CHUNKED:.1f}×)")
                 rows.append([d, SHORT_LAYOUT.get(lay, lay), fmt_n(n), fmt_time(r.get("plain_ms", 0) * 1e-3),
                              fmt_time(r.get("chunked_ms", 0) * 1e-3), wall_cpu(x, xc), s1,
-                             fmt_time(r.get("recurrent_ms", 0) * 1e-3), wall_cpu(y, yc), s2, str(r.iterations)])
+                             fmt_time(r.get("recurrent_ms", 0) * 1e-3), wall_cpu(y, yc), faster, str(r.iterations)])
     L.append("Targets, call by call (`dl_pair`: every iteration makes the plain causal call "
              "(`multihead_causal_linear_attention`, EluPlusOne, CausalOptions{}) and the delta rule with decay "
              "(`multihead_delta_rule_attention`, L2Normalize<Silu>) Chunked and Recurrent (token by token) back to "
-             "back, rotating which goes first; medians of the per-iteration times and ratios), H = 8:")
+             "back, rotating which goes first; medians of the per-iteration times and ratios), H = 8. linattn's Recurrent is "
+             "a fused pass over the state per token: *faster* says which form wins, with no target (the target against "
+             "a token loop is judged in the next table):")
     L.append("")
     if rows:
         L += table(["D = M", "layout", "N", "plain causal", "delta, chunked", "÷ plain, wall (cpu)",
                     f"≤ {TARGET_DELTA_CHUNKED_VS_PLAIN:.1f}", "delta, recurrent", "÷ chunked, wall (cpu)",
-                    f"≥ {TARGET_DELTA_RECURRENT_VS_CHUNKED:.1f}", "iterations"], rows, "rlrrrrlrrlr")
+                    "faster (cpu)", "iterations"], rows, "rlrrrrlrrlr")
     else:
         L.append("(no dl_pair runs in these results)")
 
@@ -78,17 +76,21 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
         for n in res.sizes("dl_naive_pair", **q):
             r = res.find("dl_naive_pair", n, **q)
             x, y = r.get("naive_vs_chunked"), r.get("naive_vs_auto")
+            best = max([v for v in (x, y) if v] or [0.0])
+            status = "not measured" if not best else ("met" if best >= TARGET_DELTA_VS_TOKEN_LOOP else "**missed**")
+            if best and best < TARGET_DELTA_VS_TOKEN_LOOP:
+                warn.append(f"delta rule prefill against the token loop in Eigen: {best:.1f}× at D = {d}, "
+                            f"N = {n}: missed (target ≥ {TARGET_DELTA_VS_TOKEN_LOOP:.1f}×)")
             rows.append([d, fmt_n(n), fmt_time(r.get("naive_ms", 0) * 1e-3), fmt_time(r.get("chunked_ms", 0) * 1e-3),
-                         fmt_time(r.get("auto_ms", 0) * 1e-3), f"{x:.1f}" if x else "–",
-                         "✓" if x and x >= TARGET_DELTA_RECURRENT_VS_CHUNKED else "✗", f"{y:.1f}" if y else "–",
-                         str(r.iterations)])
+                         fmt_time(r.get("auto_ms", 0) * 1e-3), f"{x:.1f}" if x else "–", f"{y:.1f}" if y else "–",
+                         status, str(r.iterations)])
     if rows:
         L += ["", "The token-by-token recurrence as a user writes it with Eigen (`dl_naive_pair`, one head: the maps over "
               "the sequence, then per token S ← a·S, u = Sᵀk̂, δ = β(v − u), S += k̂δᵀ, out = s·Sᵀq̂), against "
               "`delta_rule_attention` Chunked and Auto (linattn's fused recurrence) on the same head, back to back; "
               "medians:", ""]
-        L += table(["D = M", "N", "naive loop", "Chunked", "Auto", "naive ÷ Chunked",
-                    f"≥ {TARGET_DELTA_RECURRENT_VS_CHUNKED:.1f}", "naive ÷ Auto", "iterations"], rows, "rrrrrrlrr")
+        L += table(["D = M", "N", "naive loop", "Chunked", "Auto", "naive ÷ Chunked", "naive ÷ Auto",
+                    f"faster form ≥ {TARGET_DELTA_VS_TOKEN_LOOP:.1f}×", "iterations"], rows, "rrrrrrrlr")
 
     # Decode step.
     L += ["", "Decode step, one head (`dl_decode_pair`: blocks of steps of `RecurrentLinearAttention<EluPlusOne, "
@@ -101,7 +103,7 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
             r = res.find("dl_decode_pair", n, **q)
             p, t = r.get("plain_ns"), r.get("delta_ns")
             x, xc = r.get("delta_vs_plain"), r.get("delta_vs_plain_cpu")
-            status, note = gated_status(x, xc, TARGET_DELTA_DECODE)
+            status, note = at_most_status(x, xc, TARGET_DELTA_DECODE)
             if note:
                 warn.append(f"delta rule decode step: {wall_cpu(x, xc)}× the plain recurrent step (wall (cpu)) at "
                             f"D = {d}: {note} (target ≤ {TARGET_DELTA_DECODE:.1f}×)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .fmt import fmt_bytes, fmt_n, fmt_ratio, fmt_time, gated_status, speed_ratio, table, wall_cpu
+from .fmt import at_most_status, fmt_bytes, fmt_n, fmt_ratio, fmt_time, speed_ratio, table, wall_cpu
 from .results import SHORT_LAYOUT, frac_of_gemm, gt_find, large_sizes
 from .roofline import fmt_frac_peak
 
@@ -13,14 +13,8 @@ if TYPE_CHECKING:
 
 
 TARGET_GATED_SCALAR = 1.3
-
-
 TARGET_GATED_FEATURE = 2.0
-
-
 TARGET_GATED_DECODE = 1.2
-
-
 GATE_LABEL = {"scalar": "scalar (N×H)", "feature": "per-feature (N×H·F)", "none": "none (plain causal, EluPlusOne)"}
 
 
@@ -50,7 +44,7 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
                 for g, what, t in (("scalar", "scalar decay", TARGET_GATED_SCALAR),
                                    ("feature", "per-feature gates", TARGET_GATED_FEATURE)):
                     x, xc = r.get(f"{g}_vs_plain"), r.get(f"{g}_vs_plain_cpu")
-                    status, note = gated_status(x, xc, t)
+                    status, note = at_most_status(x, xc, t)
                     cells += [fmt_time(r.get(f"{g}_ms", 0) * 1e-3), wall_cpu(x, xc), status]
                     if note:
                         warn.append(f"gated prefill, {what}: {wall_cpu(x, xc)}× plain causal (wall (cpu)) at D = {d}, "
@@ -80,7 +74,7 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
             cells = [d, f"{r.get('plain_ns', 0):.0f} ns ({1e9 / r.get('plain_ns', 1) / 1e6:.2f} M tok/s)"]
             for g in ("scalar", "feature"):
                 t, x, xc = r.get(f"{g}_ns"), r.get(f"{g}_vs_plain"), r.get(f"{g}_vs_plain_cpu")
-                status, note = gated_status(x, xc, TARGET_GATED_DECODE)
+                status, note = at_most_status(x, xc, TARGET_GATED_DECODE)
                 cells += [f"{t:.0f} ns ({1e9 / t / 1e6:.2f} M tok/s)" if t else "–", wall_cpu(x, xc), status]
                 if note:
                     warn.append(f"gated decode step, {g} gate: {wall_cpu(x, xc)}× the plain recurrent step (wall (cpu)) "

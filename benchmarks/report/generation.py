@@ -13,12 +13,8 @@ if TYPE_CHECKING:
 # The paper's speed-ups of linear attention over plain softmax (images per second, GPU), Table 3
 # and Table 4 of Katharopoulos et al. 2020: constants of the paper, not measurements.
 PAPER_GEN_SPEEDUP = {"img784": 317.0, "img3072": 4462.0}
-
-
 GEN_MODELS = (("img784", "784 tokens (28×28), 8 layers"), ("img3072", "3072 tokens (32×32×3), 16 layers"),
               ("tiny", "64 tokens, 2 layers (smoke)"))
-
-
 GEN_ATTN = (("linear", "linear (recurrent state)"), ("kv", "softmax, KV cache"),
             ("softmax", "softmax, recomputed prefix (the paper's)"))
 

@@ -148,8 +148,6 @@ ROOF_POINTS = (
     ("decode step, B = 1", "decode", "serve_batched", "col", "#d62728", "diamond"),
     ("decode step, B = 64", "decode", "serve_batched", "col", "#ff7f0e", "diamond"),
 )
-
-
 ROOF_LINE_STYLE = {("L1", False): ("#444444", ""), ("L2", False): ("#777777", ""), ("L3", False): ("#8c564b", ""),
                    ("mem", False): ("#aaaaaa", ""), ("L1", True): ("#444444", "6,4"), ("L2", True): ("#777777", "6,4"),
                    ("L3", True): ("#8c564b", "6,4"), ("mem", True): ("#aaaaaa", "6,4")}
@@ -181,8 +179,12 @@ def roofline_plot(res: Results, path: str) -> bool:
                 roofs.append((f"{'read + write' if rw else 'read'}, {LEVEL_LABEL[lv]}: {bw / 1e9:.1f} GB/s", bw, color,
                               dash))
 
-    W, H = 900, 620
-    ml, mr, mt, mb = 90, 30, 60, 70
+    # The legend of the roofs sits below the plot, in a column per kind of bandwidth, so that it
+    # covers no point or label wherever the kernels land.
+    rows = max(sum(1 for r in roofs if not r[3]), sum(1 for r in roofs if r[3]), 1)
+    legend_h = 22 * rows + 34
+    W, H = 900, 620 + legend_h
+    ml, mr, mt, mb = 90, 30, 60, 70 + legend_h
     pw, ph = W - ml - mr, H - mt - mb
     xs = [p[1] for p in pts] + [peak * 1e9 / bw for _, bw, _, _ in roofs]
     if not xs:
@@ -213,7 +215,7 @@ def roofline_plot(res: Results, path: str) -> bool:
     svg_log_grid(o, y0, y1, Y, True, box)
     svg_log_grid(o, x0, x1, X, False, box)
     o.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="black"/>')
-    o.append(f'<text x="{ml + pw / 2:.0f}" y="{H - 22}" text-anchor="middle" font-size="14">arithmetic intensity '
+    o.append(f'<text x="{ml + pw / 2:.0f}" y="{mt + ph + 48}" text-anchor="middle" font-size="14">arithmetic intensity '
              '(useful flop per byte of compulsory traffic; log scale)</text>')
     o.append(f'<text transform="translate(22,{mt + ph / 2:.0f}) rotate(-90)" text-anchor="middle" '
              'font-size="14">GFLOP/s (useful flops; log scale)</text>')
@@ -245,19 +247,22 @@ def roofline_plot(res: Results, path: str) -> bool:
                      f'y2="{ty - 4:.1f}" stroke="{color}" stroke-width="0.8"/>')
         o.append(f'<text x="{tx:.1f}" y="{ty:.1f}" text-anchor="{anchor}" font-size="12" fill="{color}">'
                  f'{escape(text)}</text>')
-    # Legend of the roofs (bottom right: below the slopes, where no kernel sits).
-    lw, lh = 330, 22 * len(roofs) + 30
-    lx, ly = ml + pw - lw - 12, mt + ph - lh - 12
-    o.append(f'<rect x="{lx}" y="{ly}" width="{lw}" height="{lh}" fill="white" fill-opacity="0.92" stroke="#888888"/>')
-    o.append(f'<text x="{lx + 10}" y="{ly + 18}" font-weight="bold">bandwidth roofs (GFLOP/s = I × GB/s)</text>')
-    yy = ly + 40
-    for lab, _, color, dash in roofs:
-        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        o.append(f'<line x1="{lx + 10}" y1="{yy - 4}" x2="{lx + 44}" y2="{yy - 4}" stroke="{color}" '
-                 f'stroke-width="2.2"{dash_attr}/>')
-        o.append(f'<text x="{lx + 52}" y="{yy}">{escape(lab)}</text>')
-        yy += 22
+    # Legend of the roofs: below the axis label, read bandwidths left, read + write right.
+    ly = mt + ph + 76
+    o.append(f'<text x="{ml}" y="{ly}" font-weight="bold">bandwidth roofs (GFLOP/s = I × GB/s)</text>')
+    for col, rw in enumerate((False, True)):
+        yy = ly + 24
+        lx = ml + col * (pw // 2)
+        for lab, _, color, dash in [r for r in roofs if bool(r[3]) == rw]:
+            dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+            o.append(f'<line x1="{lx}" y1="{yy - 4}" x2="{lx + 34}" y2="{yy - 4}" stroke="{color}" '
+                     f'stroke-width="2.2"{dash_attr}/>')
+            o.append(f'<text x="{lx + 42}" y="{yy}">{escape(lab)}</text>')
+            yy += 22
     return write_svg(path, o)
+
+
+GEN_LINE_MIN_POINTS = 5
 
 
 def gen_plot(res: Results, path: str) -> bool:
@@ -279,8 +284,10 @@ def gen_plot(res: Results, path: str) -> bool:
     if y1 - y0 < 2:
         y1 = y0 + 2
 
+    pad = 0.015 * x1  # so that the markers at the first and last positions clear the frame
+
     def X(v):
-        return ml + v / x1 * pw
+        return ml + (v + pad) / (x1 + 2 * pad) * pw
 
     def Y(v):
         return mt + ph - (math.log10(v) - y0) / (y1 - y0) * ph
@@ -307,20 +314,28 @@ def gen_plot(res: Results, path: str) -> bool:
              'token</text>')
     o.append(f'<text transform="translate(22,{mt + ph / 2:.0f}) rotate(-90)" text-anchor="middle" '
              'font-size="14">time per token (log scale)</text>')
+    # A series sampled at a few positions (the recomputed prefix: its steps are slow) is drawn as its
+    # points alone: a straight segment between far-apart samples on a log axis would draw a kink
+    # and a shape that was not measured.
+    sparse = {t for t, _, pts in series if len(pts) < GEN_LINE_MIN_POINTS}
     for t, c, pts in series:
-        d = " ".join(f"{'M' if i == 0 else 'L'}{X(x):.1f},{Y(y):.1f}" for i, (x, y) in enumerate(pts))
-        o.append(f'<path d="{d}" fill="none" stroke="{c}" stroke-width="2.2"/>')
+        if t not in sparse:
+            d = " ".join(f"{'M' if i == 0 else 'L'}{X(x):.1f},{Y(y):.1f}" for i, (x, y) in enumerate(pts))
+            o.append(f'<path d="{d}" fill="none" stroke="{c}" stroke-width="2.2"/>')
         for x, y in pts:
-            o.append(f'<circle cx="{X(x):.1f}" cy="{Y(y):.1f}" r="4" fill="{c}"/>')
+            o.append(svg_marker("square" if t in sparse else "circle", X(x), Y(y), c))
     lx, ly = ml + 14, mt + 14
-    o.append(f'<rect x="{lx}" y="{ly}" width="330" height="{22 * len(series) + 12}" fill="white" '
+    o.append(f'<rect x="{lx}" y="{ly}" width="400" height="{22 * len(series) + 12}" fill="white" '
              'fill-opacity="0.92" stroke="#888888"/>')
     yy = ly + 20
-    for t, c, _ in series:
-        o.append(f'<line x1="{lx + 10}" y1="{yy - 4}" x2="{lx + 44}" y2="{yy - 4}" stroke="{c}" stroke-width="2.2"/>')
+    for t, c, pts in series:
+        if t in sparse:
+            o.append(svg_marker("square", lx + 27, yy - 4, c))
+            t += f" (measured at {len(pts)} positions)"
+        else:
+            o.append(f'<line x1="{lx + 10}" y1="{yy - 4}" x2="{lx + 44}" y2="{yy - 4}" stroke="{c}" '
+                     'stroke-width="2.2"/>')
+            o.append(svg_marker("circle", lx + 27, yy - 4, c))
         o.append(f'<text x="{lx + 52}" y="{yy}">{escape(t)}</text>')
         yy += 22
-    o.append("</svg>")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(o) + "\n")
-    return True
+    return write_svg(path, o)

@@ -13,19 +13,15 @@ from .roof import Roofline
 # The configuration of the performance targets.
 TARGET = dict(dtype="f32", H="8", D="64", thr="1")
 
-
 # Keys a benchmark name may omit, and what their absence means: column-major inputs, the
 # out-parameter form with a reused workspace. Queries that do not name them get these values.
 DEFAULTS = dict(layout="col", form="out")
-
-
 LAYOUT_LABEL = {
     "col": "column-major packed N×(H·D)",
     "row": "row-major packed N×(H·D) (Map)",
     "hnd": "per-head row-major [H, N, D], one call per head",
     "hnd_batched": "[H, N, D] as one batched call (H sequences)",
 }
-
 
 # Which GEMM reference belongs to which kernel (same shape keys).
 GEMM_OF = {
@@ -51,14 +47,8 @@ GEMM_OF = {
     "dl_delta": "dl_gemm_linear",
     "dl_causal": "dl_gemm_linear",
 }
-
-
 SHAPE_KEYS = ("dtype", "H", "D", "thr")
-
-
 UNIT_S = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
-
-
 SHORT_LAYOUT = {"row": "row-major", "hnd": "[H, N, D] per head", "hnd_batched": "[H, N, D] batched",
                 "col": "column-major"}
 

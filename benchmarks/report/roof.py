@@ -11,13 +11,8 @@ if TYPE_CHECKING:
 
 
 ROOF_LEVELS = ("L1", "L2", "L3", "mem")
-
-
 CACHE_LEVELS = ("L1", "L2", "L3")
-
-
 LEVEL_LABEL = {"L1": "L1", "L2": "L2", "L3": "L3", "mem": "memory"}
-
 
 # Sizes that place a working set in a level when the JSON's context does not list that cache (Google
 # Benchmark finds none in this VM): one core's L1D and L2, 48 KiB and 1 MiB, and the L3 its cores

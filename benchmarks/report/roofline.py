@@ -15,8 +15,6 @@ if TYPE_CHECKING:
 
 # The roofline table and plot: the configuration of the targets, one thread.
 ROOF_N = 16384
-
-
 ROOF_BATCHES = (1, 64)
 
 

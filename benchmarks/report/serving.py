@@ -32,8 +32,6 @@ def serving_table(res: Results) -> list[str]:
 
 
 TARGET_SPLIT_SPEEDUP = 1.7
-
-
 SPLIT_KINDS = (("split_pair_causal", {"alg": "auto"}, "causal_linear_attention (Auto)"),
                ("split_pair_linear", {}, "linear_attention"),
                ("split_pair_causal", {"alg": "auto", "layout": "row", "form": "ret"},

@@ -50,10 +50,7 @@ KIND_TITLES = {
     "fm_linear": "Every feature map, non-causal (feature_map_quality; errors in docs/feature_maps.md)",
     "fm_causal": "Every feature map, causal (feature_map_quality; errors in docs/feature_maps.md)",
 }
-
-
 KIND_ORDER = list(KIND_TITLES)
-
 
 # Columns of a table; every other param makes a table.
 VARIANT_KEYS = {"causal": ("alg", "chunk", "layout", "form"),
@@ -62,8 +59,6 @@ VARIANT_KEYS = {"causal": ("alg", "chunk", "layout", "form"),
                 "gt_gated": ("alg", "chunk", "layout"),
                 "dl_delta": ("alg", "chunk", "layout"),
                 "gt_train": ("gate", "phi", "pass", "layout")}
-
-
 PASS_ORDER = {"fwd": 0, "bwd": 1, "fwdbwd": 2}
 
 
