@@ -153,6 +153,27 @@ ROOF_LINE_STYLE = {("L1", False): ("#444444", ""), ("L2", False): ("#777777", ""
                    ("L3", True): ("#8c564b", "6,4"), ("mem", True): ("#aaaaaa", "6,4")}
 
 
+def roof_legend_height(roofs: list[tuple]) -> int:
+    """Height of roof_legend's block: a title and a row per roof of the longer column."""
+    return 22 * max(sum(1 for r in roofs if not r[3]), sum(1 for r in roofs if r[3]), 1) + 34
+
+
+def roof_legend(o: list[str], roofs: list[tuple], x: float, y: float, width: float) -> None:
+    """The legend of the roofs (label, bandwidth, colour, dash) from (x, y) down: below the plot, in
+    a column per kind of bandwidth (read left, read + write dashed right), so that it covers no
+    point or label wherever the kernels land."""
+    o.append(f'<text x="{x}" y="{y}" font-weight="bold">bandwidth roofs (GFLOP/s = I × GB/s)</text>')
+    for col, rw in enumerate((False, True)):
+        yy = y + 24
+        lx = x + col * (width // 2)
+        for lab, _, color, dash in [r for r in roofs if bool(r[3]) == rw]:
+            dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+            o.append(f'<line x1="{lx}" y1="{yy - 4}" x2="{lx + 34}" y2="{yy - 4}" stroke="{color}" '
+                     f'stroke-width="2.2"{dash_attr}/>')
+            o.append(f'<text x="{lx + 42}" y="{yy}">{escape(lab)}</text>')
+            yy += 22
+
+
 def roofline_plot(res: Results, path: str) -> bool:
     """docs/roofline_plot.svg: log-log GFLOP/s against arithmetic intensity, the roofs measured by
     bench_roofline (FMA peak, float; read bandwidth of L1, L2, L3 and memory, read + write of the
@@ -179,10 +200,7 @@ def roofline_plot(res: Results, path: str) -> bool:
                 roofs.append((f"{'read + write' if rw else 'read'}, {LEVEL_LABEL[lv]}: {bw / 1e9:.1f} GB/s", bw, color,
                               dash))
 
-    # The legend of the roofs sits below the plot, in a column per kind of bandwidth, so that it
-    # covers no point or label wherever the kernels land.
-    rows = max(sum(1 for r in roofs if not r[3]), sum(1 for r in roofs if r[3]), 1)
-    legend_h = 22 * rows + 34
+    legend_h = roof_legend_height(roofs)
     W, H = 900, 620 + legend_h
     ml, mr, mt, mb = 90, 30, 60, 70 + legend_h
     pw, ph = W - ml - mr, H - mt - mb
@@ -247,18 +265,7 @@ def roofline_plot(res: Results, path: str) -> bool:
                      f'y2="{ty - 4:.1f}" stroke="{color}" stroke-width="0.8"/>')
         o.append(f'<text x="{tx:.1f}" y="{ty:.1f}" text-anchor="{anchor}" font-size="12" fill="{color}">'
                  f'{escape(text)}</text>')
-    # Legend of the roofs: below the axis label, read bandwidths left, read + write right.
-    ly = mt + ph + 76
-    o.append(f'<text x="{ml}" y="{ly}" font-weight="bold">bandwidth roofs (GFLOP/s = I × GB/s)</text>')
-    for col, rw in enumerate((False, True)):
-        yy = ly + 24
-        lx = ml + col * (pw // 2)
-        for lab, _, color, dash in [r for r in roofs if bool(r[3]) == rw]:
-            dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-            o.append(f'<line x1="{lx}" y1="{yy - 4}" x2="{lx + 34}" y2="{yy - 4}" stroke="{color}" '
-                     f'stroke-width="2.2"{dash_attr}/>')
-            o.append(f'<text x="{lx + 42}" y="{yy}">{escape(lab)}</text>')
-            yy += 22
+    roof_legend(o, roofs, ml, mt + ph + 76, pw)
     return write_svg(path, o)
 
 
@@ -274,8 +281,10 @@ def gen_plot(res: Results, path: str) -> bool:
     colors = {"linear": "#2ca02c", "kv": "#ff7f0e", "softmax": "#d62728"}
     series = [(t, colors[a], gen_step_times(res, m, a, 1)) for a, t in GEN_ATTN]
     series = [s for s in series if s[2]]
-    W, H = 900, 560
-    ml, mr, mt, mb = 90, 30, 60, 70
+    # The legend sits below the plot (no point hides behind it, wherever the steps land).
+    legend_h = 22 * len(series) + 12
+    W, H = 900, 560 + legend_h
+    ml, mr, mt, mb = 90, 30, 60, 70 + legend_h
     pw, ph = W - ml - mr, H - mt - mb
     xs = [x for _, _, p in series for x, _ in p]
     ys = [y for _, _, p in series for _, y in p]
@@ -310,7 +319,7 @@ def gen_plot(res: Results, path: str) -> bool:
         o.append(f'<line x1="{x:.1f}" y1="{mt}" x2="{x:.1f}" y2="{mt + ph}" stroke="#eeeeee"/>')
         o.append(f'<text x="{x:.1f}" y="{mt + ph + 21}" text-anchor="middle">{int(round(v))}</text>')
     o.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="black"/>')
-    o.append(f'<text x="{ml + pw / 2:.0f}" y="{H - 22}" text-anchor="middle" font-size="14">position of the '
+    o.append(f'<text x="{ml + pw / 2:.0f}" y="{mt + ph + 48}" text-anchor="middle" font-size="14">position of the '
              'token</text>')
     o.append(f'<text transform="translate(22,{mt + ph / 2:.0f}) rotate(-90)" text-anchor="middle" '
              'font-size="14">time per token (log scale)</text>')
@@ -324,10 +333,7 @@ def gen_plot(res: Results, path: str) -> bool:
             o.append(f'<path d="{d}" fill="none" stroke="{c}" stroke-width="2.2"/>')
         for x, y in pts:
             o.append(svg_marker("square" if t in sparse else "circle", X(x), Y(y), c))
-    lx, ly = ml + 14, mt + 14
-    o.append(f'<rect x="{lx}" y="{ly}" width="400" height="{22 * len(series) + 12}" fill="white" '
-             'fill-opacity="0.92" stroke="#888888"/>')
-    yy = ly + 20
+    lx, yy = ml - 10, mt + ph + 80
     for t, c, pts in series:
         if t in sparse:
             o.append(svg_marker("square", lx + 27, yy - 4, c))
