@@ -56,6 +56,10 @@ def main(argv: list[str]) -> int:
                                      "README.md")
     args = ap.parse_args(argv)
 
+    if args.md and not os.path.isfile(args.template):
+        print(f"report.py: no template {args.template} (the page whose bench:<name> blocks --md fills)",
+              file=sys.stderr)
+        return 1
     res = Results(args.results)
     if not res.runs:
         print(f"report.py: no benchmark results in {args.results}", file=sys.stderr)
