@@ -503,23 +503,28 @@ def decade(e: int) -> str:
     return f"{10.0 ** e:g}" if -3 <= e <= 3 else f"1e{e}"
 
 
-def dodge(points: list[tuple[str, float, float]], near: float = 9.0) -> dict[tuple[str, float], float]:
-    """Horizontal offsets (pixels) for markers (family, F, y pixel) that share an F and lie within
-    `near` pixels of each other vertically: spread side by side, so that none hides another
-    (several maps have F = D = 64 and nearly equal errors)."""
+def dodge(points: list[tuple[str, float, float, float]], near: float = 10.0,
+          step: float = 12.0) -> dict[tuple[str, float], float]:
+    """Horizontal offsets (pixels) for markers (family, F, x pixel, y pixel) at about the same x
+    (F = 64, and NormalizedCosine's 65) within `near` pixels of each other vertically: spread `step`
+    apart side by side, so that none hides another (several maps have F ≈ D and close errors)."""
     out: dict[tuple[str, float], float] = {}
-    by_f: dict[float, list[tuple[float, str]]] = {}
-    for k, F, y in points:
-        by_f.setdefault(F, []).append((y, k))
-    for F, ys in by_f.items():
-        ys.sort()
-        group = [ys[0]]
-        for item in ys[1:] + [None]:
-            if item is not None and item[0] - group[-1][0] < near:
+    columns: list[list[tuple[str, float, float, float]]] = []
+    for p in sorted(points, key=lambda p: p[2]):
+        if columns and p[2] - columns[-1][-1][2] < 3.0:
+            columns[-1].append(p)
+        else:
+            columns.append([p])
+    for col in columns:
+        col.sort(key=lambda p: p[3])
+        group = [col[0]]
+        for item in col[1:] + [None]:
+            if item is not None and item[3] - group[-1][3] < near:
                 group.append(item)
                 continue
-            for i, (_, k) in enumerate(group):
-                out[(k, F)] = (i - (len(group) - 1) / 2) * near
+            x0 = sum(p[2] for p in group) / len(group)
+            for i, (k, F, x, _) in enumerate(group):
+                out[(k, F)] = x0 - x + (i - (len(group) - 1) / 2) * step
             if item is not None:
                 group = [item]
     return out
@@ -579,7 +584,7 @@ def write_svg(d: Data, path: str, panels: list[str]) -> None:
         for fam_key in STYLE:
             pts = [(m["F"], d.e(m["key"], fam, False)) for m in maps if m["family"] == fam_key]
             points[fam_key] = [(F, e) for F, e in pts if e and e["mean"] and e["mean"] > 0]
-        dx = dodge([(k, F, Y(e["mean"])) for k, pts in points.items() for F, e in pts])
+        dx = dodge([(k, F, X(F), Y(e["mean"])) for k, pts in points.items() for F, e in pts])
 
         def XD(k: str, F: float) -> float:
             return X(F) + dx.get((k, F), 0.0)
@@ -589,14 +594,16 @@ def write_svg(d: Data, path: str, panels: list[str]) -> None:
             if not pts:
                 continue
             if len(pts) > 1:
-                o.append('<path d="' + " ".join(f'{"M" if i == 0 else "L"}{XD(fam_key, F):.1f},{Y(e["mean"]):.1f}'
+                o.append('<path d="' + " ".join(f'{"M" if i == 0 else "L"}{XD(fam_key, F):.1f},'
+                                                f'{Y(e["mean"]):.1f}'
                                                 for i, (F, e) in enumerate(pts)) +
                          f'" fill="none" stroke="{color}" stroke-width="2"/>')
             for F, e in pts:
                 if e["draws"] > 1 and e["sd"]:
                     lo, hi = max(e["mean"] - e["sd"], e["mean"] / 10), e["mean"] + e["sd"]
-                    o.append(f'<line x1="{XD(fam_key, F):.1f}" y1="{Y(lo):.1f}" x2="{XD(fam_key, F):.1f}" '
-                             f'y2="{Y(hi):.1f}" stroke="{color}" stroke-width="1.5"/>')
+                    x = XD(fam_key, F)
+                    o.append(f'<line x1="{x:.1f}" y1="{Y(lo):.1f}" x2="{x:.1f}" y2="{Y(hi):.1f}" '
+                             f'stroke="{color}" stroke-width="1.5"/>')
                 o.append(marker(mk, XD(fam_key, F), Y(e["mean"]), color))
             if fam_key == "favor" and len(pts) > 1:
                 # The 1/√m line through the points' geometric centre.
