@@ -136,15 +136,7 @@ def gradients(res: Results, warn: list[str]) -> list[str]:
     L.append("")
     L += table(["target", "measured", "status"], target_rows, "lll")
     L.append("")
-    L.append("Why the causal backward costs about three forwards: in O(F·M) working memory (no per-token state "
-             "kept) it recomputes the forward's state S_t to form Ĝ Sᵀ, then runs the reversed sweep over "
-             "R_t = Σ_{i≥t} φ(q_i) ĝ_iᵀ twice, once per orientation (φ(K) R and V Rᵀ both read R by broadcast): "
-             "three passes of the forward's register-blocked kernel against one, 15·N·F·M flops against "
-             "5·N·F·M (each counting the compensated sum's add). It also reads Q, K, V twice plus dOut and its "
-             "stash Ĝ (8 passes over N×D or N×M inputs against 3) and writes 4 outputs against 1. The measured "
-             "ratio is below those 3×; reaching 2.5× would take state checkpoints (memory growing with N) or a "
-             "plain, uncompensated sum (gradients of long float sequences less exact), and linattn takes "
-             "neither.")
+    L.append("Why the causal backward costs about three forwards: see *Design notes*.")
     if med is not None and med < 0.9:
         L.append("")
         L.append(f"The machine was busy (median cpu/wall {med:.2f}): wall times are inflated; the cpu-time figures "

@@ -231,11 +231,8 @@ def roofline_section(res: Results, svg_name: str | None = None) -> list[str]:
     roof = res.roof
     L: list[str] = []
     if roof:
-        L.append("`bench_roofline`, one thread, same build as the kernels: the FMA peak is independent chains of "
-                 "vector FMAs held in registers (the ISA named is the one timed; the calibration figures of its "
-                 "label are the best 1 ms runs), the bandwidths a vectorised float sum (read) or x = x·a + b in "
-                 "place (read + write) over a buffer of the size given. Wall time is the figure used below; cpu "
-                 "time is given beside it (other processes on the core lower the wall-time figure).")
+        L.append("`bench_roofline`, one thread, same build as the kernels (how it measures: *What is measured*). "
+                 "Wall time is the figure used below; cpu time is given beside it.")
         L.append("")
         L += roofline_limits(res)
     else:
