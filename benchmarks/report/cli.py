@@ -45,19 +45,25 @@ def sibling_plot(args, name: str, plot) -> str | None:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--results", default="build/bench/results", help="directory of the bench_*.json files")
-    ap.add_argument("--md", help="write the Markdown report here (e.g. build/bench/report/benchmarks.md)")
+    ap.add_argument("--results", default="build/bench/results", help="directory of the "
+                                                                     "bench_*.json files")
+    ap.add_argument("--md", help="write the Markdown report here (e.g. "
+                                 "build/bench/report/benchmarks.md)")
     ap.add_argument("--template", default=DEFAULT_TEMPLATE,
-                    help="the page whose bench:<name> blocks --md fills (default: docs/benchmarks.md)")
+                    help="the page whose bench:<name> blocks --md fills (default: "
+                         "docs/benchmarks.md)")
     ap.add_argument("--svg", help="write the log-log plot here (e.g. docs/benchmark_plot.svg)")
-    ap.add_argument("--command", default="bash .ci/bench", help="the command that produced the results")
+    ap.add_argument("--command", default="bash .ci/bench", help="the command that produced the "
+                                                                "results")
     ap.add_argument("--load-before", default="unknown", help="load average when the run started")
-    ap.add_argument("--readme", help="rewrite the headline table between the bench:headline markers of this "
+    ap.add_argument("--readme", help="rewrite the headline table between the bench:headline "
+                                     "markers of this "
                                      "README.md")
     args = ap.parse_args(argv)
 
     if args.md and not os.path.isfile(args.template):
-        print(f"report.py: no template {args.template} (the page whose bench:<name> blocks --md fills)",
+        print(f"report.py: no template {args.template} (the page whose bench:<name> blocks --md "
+              "fills)",
               file=sys.stderr)
         return 1
     res = Results(args.results)
@@ -94,8 +100,10 @@ def main(argv: list[str]) -> int:
         missing = write_markdown(res, args.md, args.template, svg_name, args.command, args.load_before, lines,
                                  warnings, noise, gen_svg_name)
         if missing:
-            print(f"report.py: {args.template} lacks the markers of the blocks {', '.join(missing)} "
-                  "(<!-- bench:NAME:begin --> ... <!-- bench:NAME:end -->); nothing written", file=sys.stderr)
+            print(f"report.py: {args.template} lacks the markers of the blocks "
+                  f"{', '.join(missing)} "
+                  "(<!-- bench:NAME:begin --> ... <!-- bench:NAME:end -->); nothing "
+                  "written", file=sys.stderr)
             return 1
         print(f"wrote {args.md}")
     if args.readme:
@@ -103,7 +111,8 @@ def main(argv: list[str]) -> int:
         if update_readme(args.readme, block):
             print(f"wrote the headline table of {args.readme}")
         else:
-            print(f"report.py: no bench:headline markers in {args.readme}; left unchanged", file=sys.stderr)
+            print(f"report.py: no bench:headline markers in {args.readme}; left "
+                  "unchanged", file=sys.stderr)
         if res.sizes("gen_step", model="img784", attn="linear", batch="1"):
             if update_readme(args.readme, generation(res, table_only=True), "generation"):
                 print(f"wrote the generation table of {args.readme}")

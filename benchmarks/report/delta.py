@@ -31,7 +31,8 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
     if not any(r.kind.startswith("dl_") for r in res.runs):
         return ["(no bench_delta runs in these results)"]
     if not any(r.kind in ("dl_delta", "dl_pair", "dl_decode_pair") for r in res.runs):
-        return ["(bench_delta ran without the delta-rule kernels: linattn/delta_rule.hpp was not in the build)"]
+        return ["(bench_delta ran without the delta-rule kernels: linattn/delta_rule.hpp was not "
+                "in the build)"]
     base = dict(dtype="f32", H="8", thr="1")
     dims = dl_dims(res)
 
@@ -50,21 +51,27 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
                                                 "**recurrent**")
                 where = f"at D = {d}, N = {n}, {SHORT_LAYOUT.get(lay, lay)}"
                 if n1:
-                    warn.append(f"delta rule prefill, Chunked: {wall_cpu(x, xc)}× plain causal (wall (cpu)) {where}: "
+                    warn.append(f"delta rule prefill, Chunked: {wall_cpu(x, xc)}× plain causal "
+                                f"(wall (cpu)) {where}: "
                                 f"{n1} (target ≤ {TARGET_DELTA_CHUNKED_VS_PLAIN:.1f}×)")
                 rows.append([d, SHORT_LAYOUT.get(lay, lay), fmt_n(n), fmt_time(r.get("plain_ms", 0) * 1e-3),
                              fmt_time(r.get("chunked_ms", 0) * 1e-3), wall_cpu(x, xc), s1,
                              fmt_time(r.get("recurrent_ms", 0) * 1e-3), wall_cpu(y, yc), faster, str(r.iterations)])
     L.append("Targets, call by call (`dl_pair`: every iteration makes the plain causal call "
-             "(`multihead_causal_linear_attention`, EluPlusOne, CausalOptions{}) and the delta rule with decay "
-             "(`multihead_delta_rule_attention`, L2Normalize<Silu>) Chunked and Recurrent (token by token) back to "
-             "back, rotating which goes first; medians of the per-iteration times and ratios), H = 8. linattn's Recurrent is "
-             "a fused pass over the state per token: *faster* says which form wins, with no target (the target against "
+             "(`multihead_causal_linear_attention`, EluPlusOne, CausalOptions{}) and the delta "
+             "rule with decay "
+             "(`multihead_delta_rule_attention`, L2Normalize<Silu>) Chunked and Recurrent (token "
+             "by token) back to "
+             "back, rotating which goes first; medians of the per-iteration times and ratios), H = "
+             "8. linattn's Recurrent is "
+             "a fused pass over the state per token: *faster* says which form wins, with no target "
+             "(the target against "
              "a token loop is judged in the next table):")
     L.append("")
     if rows:
         L += table(["D = M", "layout", "N", "plain causal", "delta, chunked", "÷ plain, wall (cpu)",
-                    f"≤ {TARGET_DELTA_CHUNKED_VS_PLAIN:.1f}", "delta, recurrent", "÷ chunked, wall (cpu)",
+                    f"≤ {TARGET_DELTA_CHUNKED_VS_PLAIN:.1f}", "delta, recurrent", "÷ chunked, wall "
+                                                                                  "(cpu)",
                     "faster (cpu)", "iterations"], rows, "rlrrrrlrrlr")
     else:
         L.append("(no dl_pair runs in these results)")
@@ -79,22 +86,29 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
             best = max([v for v in (x, y) if v] or [0.0])
             status = "not measured" if not best else ("met" if best >= TARGET_DELTA_VS_TOKEN_LOOP else "**missed**")
             if best and best < TARGET_DELTA_VS_TOKEN_LOOP:
-                warn.append(f"delta rule prefill against the token loop in Eigen: {best:.1f}× at D = {d}, "
+                warn.append(f"delta rule prefill against the token loop in Eigen: {best:.1f}× at D "
+                            f"= {d}, "
                             f"N = {n}: missed (target ≥ {TARGET_DELTA_VS_TOKEN_LOOP:.1f}×)")
             rows.append([d, fmt_n(n), fmt_time(r.get("naive_ms", 0) * 1e-3), fmt_time(r.get("chunked_ms", 0) * 1e-3),
                          fmt_time(r.get("auto_ms", 0) * 1e-3), f"{x:.1f}" if x else "–", f"{y:.1f}" if y else "–",
                          status, str(r.iterations)])
     if rows:
-        L += ["", "The token-by-token recurrence as a user writes it with Eigen (`dl_naive_pair`, one head: the maps over "
-              "the sequence, then per token S ← a·S, u = Sᵀk̂, δ = β(v − u), S += k̂δᵀ, out = s·Sᵀq̂), against "
-              "`delta_rule_attention` Chunked and Auto (linattn's fused recurrence) on the same head, back to back; "
+        L += ["", "The token-by-token recurrence as a user writes it with Eigen (`dl_naive_pair`, "
+                  "one head: the maps over "
+              "the sequence, then per token S ← a·S, u = Sᵀk̂, δ = β(v − u), S += k̂δᵀ, out = "
+              "s·Sᵀq̂), against "
+              "`delta_rule_attention` Chunked and Auto (linattn's fused recurrence) on the same "
+              "head, back to back; "
               "medians:", ""]
         L += table(["D = M", "N", "naive loop", "Chunked", "Auto", "naive ÷ Chunked", "naive ÷ Auto",
-                    f"faster form ≥ {TARGET_DELTA_VS_TOKEN_LOOP:.1f}×", "iterations"], rows, "rrrrrrrlr")
+                    "faster form ≥ "
+                    f"{TARGET_DELTA_VS_TOKEN_LOOP:.1f}×", "iterations"], rows, "rrrrrrrlr")
 
     # Decode step.
-    L += ["", "Decode step, one head (`dl_decode_pair`: blocks of steps of `RecurrentLinearAttention<EluPlusOne, "
-          "float>::step` and `RecurrentDeltaRule<L2Normalize<Silu>, float>::step` with a log-decay, timed block by "
+    L += ["", "Decode step, one head (`dl_decode_pair`: blocks of steps of "
+              "`RecurrentLinearAttention<EluPlusOne, "
+          "float>::step` and `RecurrentDeltaRule<L2Normalize<Silu>, float>::step` with a "
+          "log-decay, timed block by "
           "block in rotating order; medians per step):", ""]
     rows = []
     for d in dims:
@@ -105,13 +119,17 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
             x, xc = r.get("delta_vs_plain"), r.get("delta_vs_plain_cpu")
             status, note = at_most_status(x, xc, TARGET_DELTA_DECODE)
             if note:
-                warn.append(f"delta rule decode step: {wall_cpu(x, xc)}× the plain recurrent step (wall (cpu)) at "
+                warn.append(f"delta rule decode step: {wall_cpu(x, xc)}× the plain recurrent step "
+                            "(wall (cpu)) at "
                             f"D = {d}: {note} (target ≤ {TARGET_DELTA_DECODE:.1f}×)")
             rows.append([d, f"{p:.0f} ns ({1e9 / p / 1e6:.2f} M tok/s)" if p else "–",
-                         f"{t:.0f} ns ({1e9 / t / 1e6:.2f} M tok/s)" if t else "–", wall_cpu(x, xc), status,
+                         f"{t:.0f} ns ({1e9 / t / 1e6:.2f} M "
+                         "tok/s)" if t else "–", wall_cpu(x, xc), status,
                          f"{int(r.iterations)} × {int(r.get('steps', 0))}"])
     if rows:
-        L += table(["D = M", "plain step", "delta-rule step", "÷ plain, wall (cpu)", f"≤ {TARGET_DELTA_DECODE:.1f}",
+        L += table(["D = M", "plain step", "delta-rule "
+                                           "step", "÷ plain, wall "
+                                                   "(cpu)", f"≤ {TARGET_DELTA_DECODE:.1f}",
                     "blocks × steps"], rows, "rrrrlr")
     else:
         L.append("(no dl_decode_pair runs in these results)")
@@ -121,9 +139,12 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
         return f"{x * 100:.0f} %" if x else "–"
 
     # Prefill sweep (separate benchmarks, Auto).
-    L += ["", "Prefill sweep, H = 8, `DeltaOptions::algorithm = Auto` (separate benchmarks of the same run; the "
-          "call-by-call table above is the one checked against the targets). % of GEMM = useful GFLOP/s (4·N·F·M "
-          "per head for all three) ÷ those of the Eigen products Kᵀ V and Q S of the same shapes (`dl_gemm_linear`):",
+    L += ["", "Prefill sweep, H = 8, `DeltaOptions::algorithm = Auto` (separate benchmarks of the "
+              "same run; the "
+          "call-by-call table above is the one checked against the targets). % of GEMM = useful "
+          "GFLOP/s (4·N·F·M "
+          "per head for all three) ÷ those of the Eigen products Kᵀ V and Q S of the same shapes "
+          "(`dl_gemm_linear`):",
           ""]
     rows = []
     for d in dims:
@@ -141,15 +162,18 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
                              f"{pct(c)} / {pct(on)} / {pct(off)}",
                              " / ".join(fmt_frac_peak(res, x, pct=True) for x in (c, on, off))])
     if rows:
-        L += table(["D = M", "layout", "N", "plain causal", "delta, decay", "÷ plain, wall (cpu)", "delta, no decay",
+        L += table(["D = M", "layout", "N", "plain causal", "delta, decay", "÷ plain, wall "
+                                                                            "(cpu)", "delta, no decay",
                     "÷ plain, wall (cpu)", "% of GEMM: plain / decay / no decay",
                     "% of peak (frac_of_peak): plain / decay / no decay"], rows, "rlrrrrrrrr")
     else:
         L.append("(no Auto prefill runs with a plain causal reference in these results)")
 
     # Chunked vs Recurrent vs Auto.
-    L += ["", "`DeltaOptions::algorithm`: Chunked (default chunk) vs Recurrent vs Auto, H = 8 (the numbers to set "
-          "Auto's dispatch from; times are wall times; faster = the explicit algorithm of the smaller cpu time, "
+    L += ["", "`DeltaOptions::algorithm`: Chunked (default chunk) vs Recurrent vs Auto, H = 8 (the "
+              "numbers to set "
+          "Auto's dispatch from; times are wall times; faster = the explicit algorithm of the "
+          "smaller cpu time, "
           "Auto ÷ faster ≈ 1.00 when Auto picks it):", ""]
     rows = []
     for d in dims:
@@ -169,8 +193,10 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
                                  fmt_time(ch.wall), speed_ratio(ch, c), fmt_time(rc.wall), speed_ratio(rc, ch),
                                  fmt_time(au.wall if au else None), best, fmt_ratio(au.cpu / bt if au else None)])
     if rows:
-        L += table(["D = M", "layout", "decay", "N", "plain causal", "chunked", "chunked ÷ plain, wall (cpu)",
-                    "recurrent", "recurrent ÷ chunked, wall (cpu)", "auto", "faster (cpu)", "auto ÷ faster (cpu)"],
+        L += table(["D = M", "layout", "decay", "N", "plain causal", "chunked", "chunked ÷ plain, "
+                                                                                "wall (cpu)",
+                    "recurrent", "recurrent ÷ chunked, wall "
+                                 "(cpu)", "auto", "faster (cpu)", "auto ÷ faster (cpu)"],
                    rows, "rllrrrrrrrlr")
     else:
         L.append("(no explicit-algorithm runs in these results)")
@@ -193,8 +219,10 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
             rows.append([d, fmt_n(n)] + cells + [fmt_time(dflt.wall) if dflt else "–",
                                                  fmt_ratio(dflt.wall / have[best].wall if dflt else None)])
     if rows:
-        L += ["", "Chunk size of the chunked algorithm (`DeltaOptions::chunk_size`, with decay, row-major inputs, "
-              "H = 8; fastest in bold; default = chunk_size 0, measured by the sweep above when it reaches that N):",
+        L += ["", "Chunk size of the chunked algorithm (`DeltaOptions::chunk_size`, with decay, "
+                  "row-major inputs, "
+              "H = 8; fastest in bold; default = chunk_size 0, measured by the sweep above when it "
+              "reaches that N):",
               ""]
         L += table(["D = M", "N"] + [f"C = {c}" for c in chunks] + ["default", "default ÷ fastest"], rows,
                    "rr" + "r" * (len(chunks) + 2))

@@ -50,7 +50,8 @@ def blocks(res: Results, svg_name: str | None, command: str, load_before: str, s
             L += ["", f"![time per token vs position]({gen_svg_name})", ""]
     L += ["", "## Working memory of every kernel", "",
           "`Workspace::bytes()` after the calls at the smallest and the largest size of each sweep "
-          "(decode: position); state_bytes is the recurrent state or KV cache.", ""] + memory_table(res)
+          "(decode: position); state_bytes is the recurrent state or KV "
+          "cache.", ""] + memory_table(res)
     L += ["", "## Complexity fits", ""] + fit_table(res)
     L += ["", "## All results"] + full_tables(res)
     if res.errors:

@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 TARGET_GATED_SCALAR = 1.3
 TARGET_GATED_FEATURE = 2.0
 TARGET_GATED_DECODE = 1.2
-GATE_LABEL = {"scalar": "scalar (N×H)", "feature": "per-feature (N×H·F)", "none": "none (plain causal, EluPlusOne)"}
+GATE_LABEL = {"scalar": "scalar (N×H)", "feature": "per-feature "
+                                                   "(N×H·F)", "none": "none (plain causal, "
+                                                                      "EluPlusOne)"}
 
 
 def gt_dims(res: Results) -> list[str]:
@@ -29,7 +31,8 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
     if not any(r.kind.startswith("gt_") for r in res.runs):
         return ["(no bench_gated runs in these results)"]
     if not any(r.kind in ("gt_gated", "gt_pair") for r in res.runs):
-        return ["(bench_gated ran without the gated kernels: linattn/gated_attention.hpp was not in the build)"]
+        return ["(bench_gated ran without the gated kernels: linattn/gated_attention.hpp was not "
+                "in the build)"]
     base = dict(dtype="f32", H="8", thr="1")
     dims = gt_dims(res)
 
@@ -47,51 +50,68 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
                     status, note = at_most_status(x, xc, t)
                     cells += [fmt_time(r.get(f"{g}_ms", 0) * 1e-3), wall_cpu(x, xc), status]
                     if note:
-                        warn.append(f"gated prefill, {what}: {wall_cpu(x, xc)}× plain causal (wall (cpu)) at D = {d}, "
-                                    f"N = {n}, {SHORT_LAYOUT.get(lay, lay)}: {note} (target ≤ {t:.1f}×)")
+                        warn.append(f"gated prefill, {what}: {wall_cpu(x, xc)}× plain causal (wall "
+                                    f"(cpu)) at D = {d}, "
+                                    f"N = {n}, {SHORT_LAYOUT.get(lay, lay)}: {note} (target ≤ "
+                                    f"{t:.1f}×)")
                 rows.append(cells + [str(r.iterations)])
     L.append("Targets, call by call (`gt_pair`: every iteration makes the plain causal call "
-             "(`multihead_causal_linear_attention`, EluPlusOne, CausalOptions{}) and both gated calls "
-             "(`multihead_gated_linear_attention`, Auto) back to back, rotating which goes first; medians of the "
+             "(`multihead_causal_linear_attention`, EluPlusOne, CausalOptions{}) and both gated "
+             "calls "
+             "(`multihead_gated_linear_attention`, Auto) back to back, rotating which goes first; "
+             "medians of the "
              "per-iteration times and ratios), H = 8:")
     L.append("")
     if rows:
         L += table(["D = M", "layout", "N", "plain causal", "scalar decay", "÷ plain, wall (cpu)",
-                    f"≤ {TARGET_GATED_SCALAR:.1f}", "per-feature", "÷ plain, wall (cpu)", f"≤ {TARGET_GATED_FEATURE:.1f}",
+                    f"≤ {TARGET_GATED_SCALAR:.1f}", "per-feature", "÷ plain, wall "
+                                                                   "(cpu)", f"≤ {TARGET_GATED_FEATURE:.1f}",
                     "iterations"], rows, "rlrrrrlrrlr")
     else:
         L.append("(no gt_pair runs in these results)")
 
     # Decode step.
-    L += ["", "Decode step, one head (`gt_decode_pair`: blocks of steps of `RecurrentLinearAttention<EluPlusOne, "
-          "float>::step` and `RecurrentGatedAttention<Identity, float>::step` with a scalar and an F-vector gate, "
+    L += ["", "Decode step, one head (`gt_decode_pair`: blocks of steps of "
+              "`RecurrentLinearAttention<EluPlusOne, "
+          "float>::step` and `RecurrentGatedAttention<Identity, float>::step` with a scalar and an "
+          "F-vector gate, "
           "timed block by block in rotating order; medians per step):", ""]
     rows = []
     for d in dims:
         q = dict(dtype="f32", H="1", thr="1", D=d, phi="identity")
         for n in res.sizes("gt_decode_pair", **q):
             r = res.find("gt_decode_pair", n, **q)
-            cells = [d, f"{r.get('plain_ns', 0):.0f} ns ({1e9 / r.get('plain_ns', 1) / 1e6:.2f} M tok/s)"]
+            cells = [d, f"{r.get('plain_ns', 0):.0f} ns ({1e9 / r.get('plain_ns', 1) / 1e6:.2f} M "
+                        "tok/s)"]
             for g in ("scalar", "feature"):
                 t, x, xc = r.get(f"{g}_ns"), r.get(f"{g}_vs_plain"), r.get(f"{g}_vs_plain_cpu")
                 status, note = at_most_status(x, xc, TARGET_GATED_DECODE)
-                cells += [f"{t:.0f} ns ({1e9 / t / 1e6:.2f} M tok/s)" if t else "–", wall_cpu(x, xc), status]
+                cells += [f"{t:.0f} ns ({1e9 / t / 1e6:.2f} M "
+                          "tok/s)" if t else "–", wall_cpu(x, xc), status]
                 if note:
-                    warn.append(f"gated decode step, {g} gate: {wall_cpu(x, xc)}× the plain recurrent step (wall (cpu)) "
+                    warn.append(f"gated decode step, {g} gate: {wall_cpu(x, xc)}× the plain "
+                                "recurrent step (wall (cpu)) "
                                 f"at D = {d}: {note} (target ≤ {TARGET_GATED_DECODE:.1f}×)")
             cells.append(f"{int(r.iterations)} × {int(r.get('steps', 0))}")
             rows.append(cells)
     if rows:
-        L += table(["D = M", "plain step", "scalar gate", "÷ plain, wall (cpu)", f"≤ {TARGET_GATED_DECODE:.1f}",
-                    "per-feature gate", "÷ plain, wall (cpu)", f"≤ {TARGET_GATED_DECODE:.1f}", "blocks × steps"], rows,
+        L += table(["D = M", "plain step", "scalar gate", "÷ plain, wall "
+                                                          "(cpu)", f"≤ {TARGET_GATED_DECODE:.1f}",
+                    "per-feature "
+                    "gate", "÷ plain, wall "
+                            "(cpu)", f"≤ {TARGET_GATED_DECODE:.1f}", "blocks × steps"], rows,
                    "rrrrlrrlr")
     else:
-        L.append("(no gt_decode_pair runs in these results: RecurrentGatedAttention was not in the build)")
+        L.append("(no gt_decode_pair runs in these results: RecurrentGatedAttention was not in the "
+                 "build)")
 
     # Prefill sweep (separate benchmarks, Auto).
-    L += ["", "Prefill sweep, H = 8, `GatedOptions::algorithm = Auto` (separate benchmarks of the same run; the "
-          "call-by-call table above is the one checked against the targets). % of GEMM = useful GFLOP/s (4·N·F·M "
-          "per head for all three) ÷ those of the Eigen products Kᵀ V and Q S of the same shapes (`gt_gemm_linear`):",
+    L += ["", "Prefill sweep, H = 8, `GatedOptions::algorithm = Auto` (separate benchmarks of the "
+              "same run; the "
+          "call-by-call table above is the one checked against the targets). % of GEMM = useful "
+          "GFLOP/s (4·N·F·M "
+          "per head for all three) ÷ those of the Eigen products Kᵀ V and Q S of the same shapes "
+          "(`gt_gemm_linear`):",
           ""]
     rows = []
     for d in dims:
@@ -115,15 +135,18 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
                              f"{pct(c)} / {pct(s_)} / {pct(f_)}",
                              " / ".join(fmt_frac_peak(res, x, pct=True) for x in (c, s_, f_))])
     if rows:
-        L += table(["D = M", "layout", "N", "plain causal", "scalar decay", "÷ plain, wall (cpu)", "per-feature",
+        L += table(["D = M", "layout", "N", "plain causal", "scalar decay", "÷ plain, wall "
+                                                                            "(cpu)", "per-feature",
                     "÷ plain, wall (cpu)", "% of GEMM: plain / scalar / per-feature",
                     "% of peak (frac_of_peak): plain / scalar / per-feature"], rows, "rlrrrrrrrr")
     else:
         L.append("(no gt_causal runs in these results)")
 
     # Chunked vs Recurrent vs Auto.
-    L += ["", "`GatedOptions::algorithm`: Chunked (default chunk) vs Recurrent vs Auto, H = 8 (the numbers to set "
-          "Auto's dispatch from; times are wall times; faster = the explicit algorithm of the smaller cpu time, "
+    L += ["", "`GatedOptions::algorithm`: Chunked (default chunk) vs Recurrent vs Auto, H = 8 (the "
+              "numbers to set "
+          "Auto's dispatch from; times are wall times; faster = the explicit algorithm of the "
+          "smaller cpu time, "
           "Auto ÷ faster ≈ 1.00 when Auto picks it):", ""]
     rows = []
     for d in dims:
@@ -143,7 +166,8 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
                                  speed_ratio(rc, ch), fmt_time(au.wall if au else None), best,
                                  fmt_ratio(au.cpu / bt if au else None)])
     if rows:
-        L += table(["D = M", "layout", "gate", "N", "chunked", "recurrent", "recurrent ÷ chunked, wall (cpu)", "auto",
+        L += table(["D = M", "layout", "gate", "N", "chunked", "recurrent", "recurrent ÷ chunked, "
+                                                                            "wall (cpu)", "auto",
                     "faster (cpu)", "auto ÷ faster (cpu)"], rows, "rllrrrrrlr")
     else:
         L.append("(no explicit-algorithm runs in these results)")
@@ -167,8 +191,10 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
                 rows.append([d, g, fmt_n(n)] + cells + [fmt_time(dflt.wall) if dflt else "–",
                                                         fmt_ratio(dflt.wall / have[best].wall if dflt else None)])
     if rows:
-        L += ["", "Chunk size of the chunked algorithm (`GatedOptions::chunk_size`, row-major inputs, H = 8; fastest "
-              "in bold; default = chunk_size 0, measured by the sweep above when it reaches that N):", ""]
+        L += ["", "Chunk size of the chunked algorithm (`GatedOptions::chunk_size`, row-major "
+                  "inputs, H = 8; fastest "
+              "in bold; default = chunk_size 0, measured by the sweep above when it reaches that "
+              "N):", ""]
         L += table(["D = M", "gate", "N"] + [f"C = {c}" for c in chunks] + ["default", "default ÷ fastest"], rows,
                    "rlr" + "r" * (len(chunks) + 2))
 
@@ -189,12 +215,17 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
                              speed_ratio(f, cf), fmt_ratio(b.gflops(), 1), fmt_frac_peak(res, b, pct=True),
                              fmt_bytes(b.get("ws_bytes"))])
     L += ["", "Gradients, H = 8, D = M = 64 (`multihead_gated_linear_attention_backward` and "
-          "`multihead_causal_linear_attention_backward` with a reused `MultiHeadWorkspace`, gradients in the inputs' "
+          "`multihead_causal_linear_attention_backward` with a reused `MultiHeadWorkspace`, "
+          "gradients in the inputs' "
           "layout; forwards likewise; useful flops of a backward 8·N·F·M per head):", ""]
     if rows:
-        L += table(["layout", "gate", "N", "gated forward", "gated backward", "backward ÷ own forward, wall (cpu)",
-                    "plain causal backward", "gated ÷ plain backward, wall (cpu)", "gated ÷ plain forward, wall (cpu)",
-                    "backward GFLOP/s", "backward % of peak", "backward working memory"], rows, "llrrrrrrrrrr")
+        L += table(["layout", "gate", "N", "gated forward", "gated backward", "backward ÷ own "
+                                                                              "forward, wall (cpu)",
+                    "plain causal "
+                    "backward", "gated ÷ plain backward, wall "
+                                "(cpu)", "gated ÷ plain forward, wall (cpu)",
+                    "backward GFLOP/s", "backward % of "
+                                        "peak", "backward working memory"], rows, "llrrrrrrrrrr")
     else:
         L.append("(not measured: this build has no multihead_gated_linear_attention_backward)")
     return L

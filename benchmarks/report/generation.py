@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 # The paper's speed-ups of linear attention over plain softmax (images per second, GPU), Table 3
 # and Table 4 of Katharopoulos et al. 2020: constants of the paper, not measurements.
 PAPER_GEN_SPEEDUP = {"img784": 317.0, "img3072": 4462.0}
-GEN_MODELS = (("img784", "784 tokens (28×28), 8 layers"), ("img3072", "3072 tokens (32×32×3), 16 layers"),
+GEN_MODELS = (("img784", "784 tokens (28×28), 8 "
+                         "layers"), ("img3072", "3072 tokens (32×32×3), 16 layers"),
               ("tiny", "64 tokens, 2 layers (smoke)"))
 GEN_ATTN = (("linear", "linear (recurrent state)"), ("kv", "softmax, KV cache"),
             ("softmax", "softmax, recomputed prefix (the paper's)"))
@@ -93,16 +94,20 @@ def generation(res: Results, table_only: bool = False) -> list[str]:
                 return f"{x:.0f}×" if x >= 10 else f"{x:.1f}×"
 
             seq = res.find("gen_seq", 0, model=m, attn="linear", batch=str(batch))
-            check = (f"{fmt_time(seq.wall / batch)} measured end to end vs {fmt_time(per_image['linear'])} integrated"
+            check = (f"{fmt_time(seq.wall / batch)} measured end to end vs "
+                     f"{fmt_time(per_image['linear'])} integrated"
                      if seq else "–")
             paper = PAPER_GEN_SPEEDUP.get(m)
             rows.append([lab, str(batch), ips("linear"), ips("kv"), ips("softmax"), vs("softmax"),
                          f"{paper:.0f}×" if paper else "–", vs("kv"), check])
     L += table(["model", "batch", "linear img/s", "KV-cache img/s", "recompute img/s",
-                "linear vs recompute", "paper (GPU)", "linear vs KV cache", "linear, s per image"], rows,
+                "linear vs recompute", "paper (GPU)", "linear vs KV "
+                                                      "cache", "linear, s per image"], rows,
                "lrrrrrrrl")
-    L += ["", "Images per second are per sequence of the batch, integrated from the step times at the "
-          "measured positions (Simpson's rule; `gen_step`); the last column checks the integration against "
+    L += ["", "Images per second are per sequence of the batch, integrated from the step times at "
+              "the "
+          "measured positions (Simpson's rule; `gen_step`); the last column checks the integration "
+          "against "
           "whole images generated end to end (`gen_seq`). The paper's ratios are for plain softmax "
           "(recomputed prefix) on a GPU with its largest batch; here one CPU thread.", ""]
     if table_only:
@@ -126,7 +131,8 @@ def generation(res: Results, table_only: bool = False) -> list[str]:
             if ns:
                 r = res.find("gen_step", ns[-1], model=m, attn=a, batch="1")
                 rows.append([lab, t, fmt_bytes(r.get("state_bytes")), fmt_bytes(r.get("step_bytes"))])
-    L += ["Memory of one sequence at the last position: what it keeps between steps, and the largest buffers "
+    L += ["Memory of one sequence at the last position: what it keeps between steps, and the "
+          "largest buffers "
           "of a step (computed from their shapes):", ""]
     L += table(["model", "attention", "kept between steps", "buffers of a step"], rows, "llrr")
     return L

@@ -52,20 +52,28 @@ def gradients(res: Results, warn: list[str]) -> list[str]:
                          f"{b.wall / f.wall:.2f} ({b.cpu / f.cpu:.2f})",
                          f"{fmt_ms(fb.wall)} ({fmt_ms(fb.cpu)})" if fb else "–",
                          fmt_ratio(b.gflops(), 1),
-                         f"{frac * 100:.0f} % ({frac_cpu * 100:.0f} %)" if frac and frac_cpu else "–",
+                         f"{frac * 100:.0f} % ({frac_cpu * 100:.0f} "
+                         "%)" if frac and frac_cpu else "–",
                          fmt_frac_peak(res, b, pct=True), fmt_bytes(b.get("ws_bytes"))])
     if not rows:
         return ["(no gradient runs (bench_backward) in these results)"]
     L += table(["kernel", "layout", "N", "forward", "backward", "backward ÷ forward, wall (cpu)",
                 "fwd + bwd ms, wall (cpu)", "backward GFLOP/s", "backward % of GEMM, wall (cpu)",
-                "backward % of peak (frac_of_peak)", "backward working memory"], rows, "llrrrrrrrrr")
+                "backward % of peak "
+                "(frac_of_peak)", "backward working memory"], rows, "llrrrrrrrrr")
     L.append("")
-    L.append("Useful flops of the backward per head: 8·N·F·M for linear and causal linear attention (twice the "
-             "forward's 4·N·F·M: the products R = φ(Q)ᵀ Ĝ, Ĝ Sᵀ, φ(K) R and V Rᵀ; the kernels' recomputation of "
-             "S, the output and the causal chunks' triangles is not counted), 2·pairs·(3·D + 2·M) for softmax "
-             "(the five products of FlashAttention-2's backward; causal: half of the pairs). % of GEMM compares "
-             "with Eigen products of those shapes in the same run (`mh_gemm_linear_bwd`: Qᵀ G, G Sᵀ, K R, V Rᵀ "
-             "per head; `mh_gemm_softmax_bwd`: the five products in blocks of 256 queries × 512 keys). Working "
+    L.append("Useful flops of the backward per head: 8·N·F·M for linear and causal linear "
+             "attention (twice the "
+             "forward's 4·N·F·M: the products R = φ(Q)ᵀ Ĝ, Ĝ Sᵀ, φ(K) R and V Rᵀ; the kernels' "
+             "recomputation of "
+             "S, the output and the causal chunks' triangles is not counted), 2·pairs·(3·D + 2·M) "
+             "for softmax "
+             "(the five products of FlashAttention-2's backward; causal: half of the pairs). % of "
+             "GEMM compares "
+             "with Eigen products of those shapes in the same run (`mh_gemm_linear_bwd`: Qᵀ G, G "
+             "Sᵀ, K R, V Rᵀ "
+             "per head; `mh_gemm_softmax_bwd`: the five products in blocks of 256 queries × 512 "
+             "keys). Working "
              "memory is `MultiHeadWorkspace::bytes()` of a workspace only the backward used.")
 
     # The targets.
@@ -99,20 +107,25 @@ def gradients(res: Results, warn: list[str]) -> list[str]:
         f, b = at("mh_train_causal", lay, 16384, "fwd"), at("mh_train_causal", lay, 16384, "bwd")
         if f and b and f.size == b.size:
             w, c = b.wall / f.wall, b.cpu / f.cpu
-            judge(f"causal backward ≤ {TARGET_BWD_VS_FWD}× its own forward, N = {fmt_n(b.size)}, {lab}", w, c,
-                  lambda x: x <= TARGET_BWD_VS_FWD, f"{w:.2f}× (cpu {c:.2f}×): {fmt_time(b.wall)} vs {fmt_time(f.wall)}")
+            judge(f"causal backward ≤ {TARGET_BWD_VS_FWD}× its own forward, N = {fmt_n(b.size)}, "
+                  f"{lab}", w, c,
+                  lambda x: x <= TARGET_BWD_VS_FWD, f"{w:.2f}× (cpu {c:.2f}×): {fmt_time(b.wall)} "
+                                                    f"vs {fmt_time(f.wall)}")
         else:
-            judge(f"causal backward ≤ {TARGET_BWD_VS_FWD}× its own forward, {lab}", None, None, None, "")
+            judge(f"causal backward ≤ {TARGET_BWD_VS_FWD}× its own forward, "
+                  f"{lab}", None, None, None, "")
     limit = PAPER_TORCH_FWDBWD_S / TARGET_FWDBWD_SPEEDUP
     for lay in ("col", "row"):
         lab = SHORT_LAYOUT[lay]
         fb = at("mh_train_causal", lay, 16384, "fwdbwd")
-        what = (f"causal forward + backward ≥ {TARGET_FWDBWD_SPEEDUP:.0f}× faster than the paper's PyTorch module "
+        what = (f"causal forward + backward ≥ {TARGET_FWDBWD_SPEEDUP:.0f}× faster than the paper's "
+                "PyTorch module "
                 f"({PAPER_TORCH_FWDBWD_S * 1e3:.0f} ms), i.e. ≤ {limit * 1e3:.0f} ms, N = "
                 f"{fmt_n(fb.size) if fb else '16k'}, {lab}")
         if fb:
             judge(what, fb.wall, fb.cpu, lambda x: x <= limit,
-                  f"{fmt_time(fb.wall)} (cpu {fmt_time(fb.cpu)}): {PAPER_TORCH_FWDBWD_S / fb.wall:.1f}× "
+                  f"{fmt_time(fb.wall)} (cpu {fmt_time(fb.cpu)}): "
+                  f"{PAPER_TORCH_FWDBWD_S / fb.wall:.1f}× "
                   f"(cpu {PAPER_TORCH_FWDBWD_S / fb.cpu:.1f}×)")
         else:
             judge(what, None, None, None, "")
@@ -131,7 +144,8 @@ def gradients(res: Results, warn: list[str]) -> list[str]:
             else:
                 judge(what, frac, frac_cpu, lambda x: x >= TARGET_BWD_FRAC,
                       f"{frac * 100:.0f} % (cpu {(frac_cpu or 0) * 100:.0f} %)")
-    L.append("Targets of the gradients (judged on wall time; the paper's 744 ms is the issue's measurement of the "
+    L.append("Targets of the gradients (judged on wall time; the paper's 744 ms is the issue's "
+             "measurement of the "
              "PyTorch module on this machine kind, not a figure of this run):")
     L.append("")
     L += table(["target", "measured", "status"], target_rows, "lll")
@@ -139,7 +153,8 @@ def gradients(res: Results, warn: list[str]) -> list[str]:
     L.append("Why the causal backward costs about three forwards: see *Design notes*.")
     if med is not None and med < 0.9:
         L.append("")
-        L.append(f"The machine was busy (median cpu/wall {med:.2f}): wall times are inflated; the cpu-time figures "
+        L.append(f"The machine was busy (median cpu/wall {med:.2f}): wall times are inflated; the "
+                 "cpu-time figures "
                  "are closer to an idle machine's.")
     return L
 

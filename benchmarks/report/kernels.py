@@ -61,7 +61,8 @@ def vs_gemm_causal(res: Results) -> list[str]:
                          and all(r.params.get(k) == v for k, v in DEFAULTS.items())),
                         key=lambda r: (r.params.get("alg"), int(r.params.get("chunk", 0)))):
             label = f"chunk {r.params['chunk']}" if r.params.get("alg") == "chunked" else r.params.get("alg")
-            cells.append(f"{label}: {fmt_time(r.wall)} (frac_of_gemm {fmt_ratio(frac_of_gemm(res, r))}, "
+            cells.append(f"{label}: {fmt_time(r.wall)} (frac_of_gemm "
+                         f"{fmt_ratio(frac_of_gemm(res, r))}, "
                          f"frac_of_peak {fmt_frac_peak(res, r)})")
         L.append("")
         L.append(f"Single head, EluPlusOne, D = M = 64, N = {fmt_n(n)}: " + "; ".join(cells) + ".")
@@ -83,7 +84,8 @@ def vs_gemm_softmax(res: Results) -> list[str]:
                      fmt_ratio(frac_of_gemm(res, c, cpu=True) if c else None), fmt_frac_peak(res, c)])
     if rows:
         L += table(["N", "GEMMs (wall)", "softmax (wall)", "frac_of_gemm", "frac (cpu time)", "frac_of_peak",
-                    "causal softmax (wall)", "frac_of_gemm", "frac (cpu time)", "frac_of_peak"], rows)
+                    "causal softmax "
+                    "(wall)", "frac_of_gemm", "frac (cpu time)", "frac_of_peak"], rows)
     else:
         L.append("(no multi-head softmax runs with N ≥ 2048 in these results)")
     return L
@@ -134,8 +136,10 @@ def decode_steps(res: Results) -> list[str]:
                     "recurrent state", "KV cache", "recurrent frac_of_bw", "softmax frac_of_bw"], rows)
         if len(rec_t) > 1:
             L.append("")
-            L.append(f"Flatness: recurrent step max/min over positions {max(rec_t) / min(rec_t):.2f} "
-                     f"(1.00 = flat; last/first {rec_t[-1] / rec_t[0]:.2f}); softmax step last/first "
+            L.append("Flatness: recurrent step max/min over positions "
+                     f"{max(rec_t) / min(rec_t):.2f} "
+                     f"(1.00 = flat; last/first {rec_t[-1] / rec_t[0]:.2f}); softmax step "
+                     "last/first "
                      f"{(sm_t[-1] / sm_t[0]) if len(sm_t) > 1 else float('nan'):.1f} over a "
                      f"{pos[-1] // pos[0]}× longer cache.")
         L.append("")
@@ -165,7 +169,8 @@ def working_memory(res: Results) -> list[str]:
         L += table(["N", "linear", "causal (C=64)", "tiled softmax", "naive softmax",
                     "linear ×8 heads", "causal ×8 heads", "tiled softmax ×8 heads"], rows)
         L.append("")
-        L.append("Single head D = M = 64 unless marked ×8 heads (H = 8, one thread). Causal kernels also "
+        L.append("Single head D = M = 64 unless marked ×8 heads (H = 8, one thread). Causal "
+                 "kernels also "
                  "keep an F×M + F state per head (16.3 KiB per head at D = M = 64, float).")
     return L
 
@@ -192,8 +197,10 @@ def two_threads(res: Results, warn: list[str]) -> list[str]:
         # (about 1.0 in a sequential run): only more than that means another process was busy.
         if load and cpus and load[0] > cpus - 0.5:
             L.append("")
-            L.append(f"Load average {load[0]:.2f} on {cpus} CPUs when bench_multihead started: the second "
-                     "thread competed with other processes for a core, so these speed-ups measure the "
+            L.append(f"Load average {load[0]:.2f} on {cpus} CPUs when bench_multihead started: the "
+                     "second "
+                     "thread competed with other processes for a core, so these speed-ups measure "
+                     "the "
                      "machine's spare capacity rather than the kernels' scaling.")
             warn.append("2-thread results were measured with other processes running (load average "
                         f"{load[0]:.2f} on {cpus} CPUs)")

@@ -32,13 +32,15 @@ def pair_table(res: Results, warn: list[str]) -> list[str]:
         for n in ns:
             r = res.find(kind, n, **q)
             cells.append(f"N = {fmt_n(n)}: {r.get('row_vs_col', float('nan')):.2f} "
-                         f"({fmt_time(r.get('row_ms', 0) * 1e-3)} vs {fmt_time(r.get('col_ms', 0) * 1e-3)}, "
+                         f"({fmt_time(r.get('row_ms', 0) * 1e-3)} vs "
+                         f"{fmt_time(r.get('col_ms', 0) * 1e-3)}, "
                          f"{r.iterations} pairs)")
         last = res.find(kind, ns[-1], **q)
         x = last.get("row_vs_col", float("nan"))
         rows.append([label, "; ".join(cells)])
         if not x <= TARGET_ROW_VS_COL:
-            warn.append(f"{label}, row-major call by call: {x:.2f} at N = {ns[-1]}, above the target "
+            warn.append(f"{label}, row-major call by call: {x:.2f} at N = {ns[-1]}, above the "
+                        "target "
                         f"{TARGET_ROW_VS_COL:.2f}")
     if not rows:
         return ["(no mh_layout_pair_* runs in these results)"]
@@ -86,7 +88,8 @@ def vs_paper(res: Results) -> list[str]:
     """Section 8: linattn against the paper's CPU algorithm, same run."""
     L: list[str] = []
     T = TARGET
-    L.append("The baseline is described under *What is measured*; linattn is timed on the same [H, N, D] memory "
+    L.append("The baseline is described under *What is measured*; linattn is timed on the same [H, "
+             "N, D] memory "
              "(one call per head) and on its column-major packed layout.")
     L.append("")
     rows = []
@@ -101,7 +104,8 @@ def vs_paper(res: Results) -> list[str]:
                          " / ".join(fmt_frac_peak(res, x) for x in (b, same, col))])
     if rows:
         L += table(["", "N", "paper (wall)", "paper (cpu)", "linattn, same [H, N, D] memory (wall)",
-                    "speed-up wall (cpu)", "linattn, column-major packed (wall)", "speed-up wall (cpu)",
+                    "speed-up wall "
+                    "(cpu)", "linattn, column-major packed (wall)", "speed-up wall (cpu)",
                     "frac_of_peak: paper / same memory / packed"], rows, "llrrrrrrr")
     else:
         L.append("(no mh_paper_* runs in these results)")
@@ -113,17 +117,23 @@ def row_vs_col(res: Results, warn: list[str]) -> list[str]:
     L: list[str] = []
     T = TARGET
     specs = []
-    for kind, p, name in (("mh_linear", {}, "multi-head non-causal"), ("mh_causal", {}, "multi-head causal")):
+    for kind, p, name in (("mh_linear", {}, "multi-head "
+                                            "non-causal"), ("mh_causal", {}, "multi-head causal")):
         for lay in ("row", "hnd", "hnd_batched"):
             specs.append((f"{name}, {LAYOUT_LABEL[lay]}", kind, dict(T, **p, layout=lay), dict(T, **p)))
     sh = dict(phi="elu", dtype="f32", D="64")
-    specs.append(("single head non-causal, row-major N×D (Map)", "linear", dict(sh, layout="row"), sh))
-    specs.append(("single head causal (Auto), row-major N×D (Map)", "causal", dict(sh, alg="auto", layout="row"),
+    specs.append(("single head non-causal, row-major N×D "
+                  "(Map)", "linear", dict(sh, layout="row"), sh))
+    specs.append(("single head causal (Auto), row-major N×D "
+                  "(Map)", "causal", dict(sh, alg="auto", layout="row"),
                   dict(sh, alg="auto")))
     L += ratio_table(res, specs, TARGET_ROW_VS_COL, warn)
-    L += ["", "The same comparison call by call (`mh_layout_pair_*`: every iteration makes both calls back to "
-          "back, alternating which goes first, so that the drift of the machine during the run falls on both; "
-          "median of the per-iteration ratios). This is the figure checked against the target; the table above "
+    L += ["", "The same comparison call by call (`mh_layout_pair_*`: every iteration makes both "
+              "calls back to "
+          "back, alternating which goes first, so that the drift of the machine during the run "
+          "falls on both; "
+          "median of the per-iteration ratios). This is the figure checked against the target; the "
+          "table above "
           "divides the times of two benchmarks run minutes apart.", ""]
     L += pair_table(res, warn)
     return L
@@ -141,7 +151,8 @@ def returning_vs_out(res: Results, warn: list[str]) -> list[str]:
                           ("mh_causal_softmax", {"alg": "tiled"}, "multihead_causal_softmax_attention")):
         specs.append((f"{name} (8 heads)", kind, dict(T, **p, form="ret"), dict(T, **p)))
     specs.append(("linear_attention (single head)", "linear", dict(sh, form="ret"), sh))
-    specs.append(("causal_linear_attention (single head)", "causal", dict(sh, alg="auto", form="ret"),
+    specs.append(("causal_linear_attention (single "
+                  "head)", "causal", dict(sh, alg="auto", form="ret"),
                   dict(sh, alg="auto")))
     L += ratio_table(res, specs, TARGET_RET_VS_OUT, warn)
     return L

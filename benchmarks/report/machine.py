@@ -41,21 +41,25 @@ def machine_info(res: Results, load_before: str) -> list[tuple[str, str]]:
         load_after = "unknown"
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     commit = run_cmd(["git", "-C", repo, "rev-parse", "--short", "HEAD"]).strip() or "unknown"
-    loads = ", ".join(f"{c.get('executable', p).split('/')[-1]}: {' '.join(f'{x:.2f}' for x in c.get('load_avg', []))}"
+    loads = ", ".join(f"{c.get('executable', p).split('/')[-1]}: "
+                      f"{' '.join(f'{x:.2f}' for x in c.get('load_avg', []))}"
                       for p, c in sorted(res.contexts.items()))
     return [
         ("CPU", f"{model} — {ctx.get('num_cpus', '?')} CPUs at {ctx.get('mhz_per_cpu', '?')} MHz "
                 f"({platform.machine()}, {platform.system()} {platform.release()})"),
         ("Caches", caches or "unknown"),
         ("Compiler", ctx.get("linattn_compiler", "unknown")),
-        ("Flags", f"{ctx.get('linattn_cxx_flags', 'unknown')} (CMAKE_BUILD_TYPE={ctx.get('linattn_build_type', '?')})"),
-        ("Eigen", ctx.get("linattn_eigen", "unknown") + "; compiled for " + ctx.get("linattn_isa", "?") +
+        ("Flags", f"{ctx.get('linattn_cxx_flags', 'unknown')} "
+                  f"(CMAKE_BUILD_TYPE={ctx.get('linattn_build_type', '?')})"),
+        ("Eigen", ctx.get("linattn_eigen", "unknown") + "; compiled for "
+                                                        "" + ctx.get("linattn_isa", "?") +
          "; Eigen's own GEMM threading off (Eigen::setNbThreads(1))"),
         ("OpenMP", ctx.get("linattn_openmp", "unknown")),
         ("Google Benchmark library build", ctx.get("library_build_type", "unknown") +
          " (the Debian package; it only affects the harness, not the kernels)"),
         ("Profile", ctx.get("linattn_profile", "unknown")),
         ("linattn commit", commit),
-        ("Load average", f"before the run {load_before}; at the start of each program: {loads}; after {load_after}"),
+        ("Load average", f"before the run {load_before}; at the start of each program: {loads}; "
+                         f"after {load_after}"),
         ("Date", ctx.get("date", _dt.datetime.now().isoformat(timespec="seconds"))),
     ]

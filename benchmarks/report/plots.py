@@ -23,11 +23,14 @@ def svg_plot(res: Results, path: str) -> bool:
         ("mh_linear", {}, "linear attention", "#1f77b4", "circle", ""),
         ("mh_causal", {}, "causal linear attention (library default)", "#2ca02c", "square", ""),
         ("mh_softmax", {"alg": "tiled"}, "softmax attention (tiled)", "#d62728", "circle", ""),
-        ("mh_causal_softmax", {"alg": "tiled"}, "causal softmax attention (tiled)", "#ff7f0e", "square", ""),
+        ("mh_causal_softmax", {"alg": "tiled"}, "causal softmax attention "
+                                                "(tiled)", "#ff7f0e", "square", ""),
         ("mh_gemm_linear", {}, "GEMM reference, linear shapes", "#555555", "none", "6,4"),
         ("mh_gemm_softmax", {}, "GEMM reference, softmax shapes", "#999999", "none", "2,3"),
-        ("mh_paper_causal", {"layout": "hnd"}, "paper's causal CPU algorithm (same run)", "#000000", "square", "7,3"),
-        ("mh_paper_linear", {"layout": "hnd"}, "paper's non-causal module (same run)", "#000000", "circle", "2,2"),
+        ("mh_paper_causal", {"layout": "hnd"}, "paper's causal CPU algorithm (same "
+                                               "run)", "#000000", "square", "7,3"),
+        ("mh_paper_linear", {"layout": "hnd"}, "paper's non-causal module (same "
+                                               "run)", "#000000", "circle", "2,2"),
     ]
     title_cfg = "float, H = 8 heads, D = M = 64, 1 thread; linattn on column-major packed inputs, the paper on [H, N, D]"
     params = dict(T)
@@ -65,7 +68,8 @@ def svg_plot(res: Results, path: str) -> bool:
         return mt + ph - (math.log10(v) - y0) / (y1 - y0) * ph
 
     o: list[str] = []
-    o.append(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+    o.append(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} '
+             f'{H}" '
              'font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="13">')
     o.append(f'<rect x="0" y="0" width="{W}" height="{H}" fill="white"/>')
     o.append(f'<text x="{W / 2:.0f}" y="28" text-anchor="middle" font-size="17" font-weight="bold">'
@@ -76,21 +80,27 @@ def svg_plot(res: Results, path: str) -> bool:
     for e in range(y0, y1 + 1):
         v = 10.0 ** e
         y = Y(v)
-        o.append(f'<line x1="{ml}" y1="{y:.1f}" x2="{ml + pw}" y2="{y:.1f}" stroke="#cccccc" stroke-width="1"/>')
+        o.append(f'<line x1="{ml}" y1="{y:.1f}" x2="{ml + pw}" y2="{y:.1f}" stroke="#cccccc" '
+                 'stroke-width="1"/>')
         o.append(f'<line x1="{ml - 6}" y1="{y:.1f}" x2="{ml}" y2="{y:.1f}" stroke="black"/>')
-        o.append(f'<text x="{ml - 9}" y="{y + 4:.1f}" text-anchor="end">{escape(decade_label(e))}</text>')
+        o.append(f'<text x="{ml - 9}" y="{y + 4:.1f}" '
+                 f'text-anchor="end">{escape(decade_label(e))}</text>')
         if e < y1:
             for m in range(2, 10):
                 ym = Y(m * v)
-                o.append(f'<line x1="{ml}" y1="{ym:.1f}" x2="{ml + pw}" y2="{ym:.1f}" stroke="#eeeeee" stroke-width="1"/>')
-                o.append(f'<line x1="{ml - 3}" y1="{ym:.1f}" x2="{ml}" y2="{ym:.1f}" stroke="black"/>')
+                o.append(f'<line x1="{ml}" y1="{ym:.1f}" x2="{ml + pw}" y2="{ym:.1f}" '
+                         'stroke="#eeeeee" stroke-width="1"/>')
+                o.append(f'<line x1="{ml - 3}" y1="{ym:.1f}" x2="{ml}" y2="{ym:.1f}" '
+                         'stroke="black"/>')
     # x: every power of two in range.
     n = 1
     while n <= max(xs):
         if n >= min(xs):
             x = X(n)
-            o.append(f'<line x1="{x:.1f}" y1="{mt}" x2="{x:.1f}" y2="{mt + ph}" stroke="#dddddd" stroke-width="1"/>')
-            o.append(f'<line x1="{x:.1f}" y1="{mt + ph}" x2="{x:.1f}" y2="{mt + ph + 6}" stroke="black"/>')
+            o.append(f'<line x1="{x:.1f}" y1="{mt}" x2="{x:.1f}" y2="{mt + ph}" stroke="#dddddd" '
+                     'stroke-width="1"/>')
+            o.append(f'<line x1="{x:.1f}" y1="{mt + ph}" x2="{x:.1f}" y2="{mt + ph + 6}" '
+                     'stroke="black"/>')
             o.append(f'<text x="{x:.1f}" y="{mt + ph + 21}" text-anchor="middle">{fmt_n(n)}</text>')
         n *= 2
     o.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="black"/>')
@@ -108,18 +118,21 @@ def svg_plot(res: Results, path: str) -> bool:
             if marker == "circle":
                 o.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4" fill="{color}"/>')
             elif marker == "square":
-                o.append(f'<rect x="{cx - 4:.1f}" y="{cy - 4:.1f}" width="8" height="8" fill="{color}"/>')
+                o.append(f'<rect x="{cx - 4:.1f}" y="{cy - 4:.1f}" width="8" height="8" '
+                         f'fill="{color}"/>')
     legend_extra: list[tuple[str, str]] = []
     # Legend (top left, where the curves are not).
     items = [(lab, c, m, d) for lab, c, m, d, _ in series]
     lx, ly = ml + 14, mt + 14
     lw = 330
     lh = 22 * (len(items) + len(legend_extra)) + 12
-    o.append(f'<rect x="{lx}" y="{ly}" width="{lw}" height="{lh}" fill="white" fill-opacity="0.92" stroke="#888888"/>')
+    o.append(f'<rect x="{lx}" y="{ly}" width="{lw}" height="{lh}" fill="white" fill-opacity="0.92" '
+             'stroke="#888888"/>')
     yy = ly + 20
     for lab, c, m, d in items:
         dash_attr = f' stroke-dasharray="{d}"' if d else ""
-        o.append(f'<line x1="{lx + 10}" y1="{yy - 4}" x2="{lx + 44}" y2="{yy - 4}" stroke="{c}" stroke-width="2.2"{dash_attr}/>')
+        o.append(f'<line x1="{lx + 10}" y1="{yy - 4}" x2="{lx + 44}" y2="{yy - 4}" stroke="{c}" '
+                 f'stroke-width="2.2"{dash_attr}/>')
         if m == "circle":
             o.append(f'<circle cx="{lx + 27}" cy="{yy - 4}" r="4" fill="{c}"/>')
         elif m == "square":
@@ -128,10 +141,12 @@ def svg_plot(res: Results, path: str) -> bool:
         yy += 22
     for m, lab in legend_extra:
         if m == "cross":
-            o.append(f'<path d="M{lx + 21},{yy - 10} L{lx + 33},{yy + 2} M{lx + 21},{yy + 2} L{lx + 33},{yy - 10}" '
+            o.append(f'<path d="M{lx + 21},{yy - 10} L{lx + 33},{yy + 2} M{lx + 21},{yy + 2} '
+                     f'L{lx + 33},{yy - 10}" '
                      'stroke="black" stroke-width="2.5"/>')
         else:
-            o.append(f'<line x1="{lx + 13}" y1="{yy - 4}" x2="{lx + 41}" y2="{yy - 4}" stroke="black" stroke-width="2.5"/>')
+            o.append(f'<line x1="{lx + 13}" y1="{yy - 4}" x2="{lx + 41}" y2="{yy - 4}" '
+                     'stroke="black" stroke-width="2.5"/>')
         o.append(f'<text x="{lx + 52}" y="{yy}">{escape(lab)}</text>')
         yy += 22
     return write_svg(path, o)
@@ -162,7 +177,8 @@ def roof_legend(o: list[str], roofs: list[tuple], x: float, y: float, width: flo
     """The legend of the roofs (label, bandwidth, colour, dash) from (x, y) down: below the plot, in
     a column per kind of bandwidth (read left, read + write dashed right), so that it covers no
     point or label wherever the kernels land."""
-    o.append(f'<text x="{x}" y="{y}" font-weight="bold">bandwidth roofs (GFLOP/s = I × GB/s)</text>')
+    o.append(f'<text x="{x}" y="{y}" font-weight="bold">bandwidth roofs (GFLOP/s = I × '
+             'GB/s)</text>')
     for col, rw in enumerate((False, True)):
         yy = y + 24
         lx = x + col * (width // 2)
@@ -197,7 +213,8 @@ def roofline_plot(res: Results, path: str) -> bool:
             if (lv, rw) in ROOF_LINE_STYLE and lv in (roof.rw if rw else roof.read):
                 bw = roof.bandwidth(lv, rw)
                 color, dash = ROOF_LINE_STYLE[(lv, rw)]
-                roofs.append((f"{'read + write' if rw else 'read'}, {LEVEL_LABEL[lv]}: {bw / 1e9:.1f} GB/s", bw, color,
+                roofs.append((f"{'read + write' if rw else 'read'}, {LEVEL_LABEL[lv]}: "
+                              f"{bw / 1e9:.1f} GB/s", bw, color,
                               dash))
 
     legend_h = roof_legend_height(roofs)
@@ -227,13 +244,15 @@ def roofline_plot(res: Results, path: str) -> bool:
         f'<rect x="0" y="0" width="{W}" height="{H}" fill="white"/>',
         f'<text x="{W / 2:.0f}" y="28" text-anchor="middle" font-size="17" font-weight="bold">'
         'linattn under the roofline of one core</text>',
-        f'<text x="{W / 2:.0f}" y="47" text-anchor="middle" fill="#444">float, H = 8, D = M = 64, N = {fmt_n(ROOF_N)}, '
+        f'<text x="{W / 2:.0f}" y="47" text-anchor="middle" fill="#444">float, H = 8, D = M = 64, '
+        f'N = {fmt_n(ROOF_N)}, '
         'one thread; roofs from bench_roofline, same run (wall time) — log-log</text>']
     box = (ml, mt, pw, ph)
     svg_log_grid(o, y0, y1, Y, True, box)
     svg_log_grid(o, x0, x1, X, False, box)
     o.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="black"/>')
-    o.append(f'<text x="{ml + pw / 2:.0f}" y="{mt + ph + 48}" text-anchor="middle" font-size="14">arithmetic intensity '
+    o.append(f'<text x="{ml + pw / 2:.0f}" y="{mt + ph + 48}" text-anchor="middle" '
+             'font-size="14">arithmetic intensity '
              '(useful flop per byte of compulsory traffic; log scale)</text>')
     o.append(f'<text transform="translate(22,{mt + ph / 2:.0f}) rotate(-90)" text-anchor="middle" '
              'font-size="14">GFLOP/s (useful flops; log scale)</text>')
@@ -244,10 +263,12 @@ def roofline_plot(res: Results, path: str) -> bool:
         a = max(lo_i, 10.0 ** y0 * 1e9 / bw)
         if a < ridge:
             dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-            o.append(f'<line x1="{X(a):.1f}" y1="{Y(a * bw * 1e-9):.1f}" x2="{X(ridge):.1f}" y2="{Y(peak):.1f}" '
+            o.append(f'<line x1="{X(a):.1f}" y1="{Y(a * bw * 1e-9):.1f}" x2="{X(ridge):.1f}" '
+                     f'y2="{Y(peak):.1f}" '
                      f'stroke="{color}" stroke-width="2.2"{dash_attr}/>')
     left = min([peak * 1e9 / bw for _, bw, _, _ in roofs] or [lo_i])
-    o.append(f'<line x1="{X(max(left, lo_i)):.1f}" y1="{Y(peak):.1f}" x2="{X(hi_i):.1f}" y2="{Y(peak):.1f}" '
+    o.append(f'<line x1="{X(max(left, lo_i)):.1f}" y1="{Y(peak):.1f}" x2="{X(hi_i):.1f}" '
+             f'y2="{Y(peak):.1f}" '
              'stroke="black" stroke-width="2.5"/>')
     o.append(f'<text x="{ml + pw - 6}" y="{Y(peak) - 7:.1f}" text-anchor="end">FMA peak, float '
              f'({escape(roof.isa_of("f32"))}): {peak:.1f} GFLOP/s</text>')
@@ -261,9 +282,11 @@ def roofline_plot(res: Results, path: str) -> bool:
     for (tx, ty, anchor, text), (_, i, g, color, _) in zip(labels, pts):
         px, py = X(i), Y(g)
         if abs(ty - 4 - py) > 6:
-            o.append(f'<line x1="{px:.1f}" y1="{py:.1f}" x2="{tx + (-3 if anchor == "start" else 3):.1f}" '
+            o.append(f'<line x1="{px:.1f}" y1="{py:.1f}" '
+                     f'x2="{tx + (-3 if anchor == "start" else 3):.1f}" '
                      f'y2="{ty - 4:.1f}" stroke="{color}" stroke-width="0.8"/>')
-        o.append(f'<text x="{tx:.1f}" y="{ty:.1f}" text-anchor="{anchor}" font-size="12" fill="{color}">'
+        o.append(f'<text x="{tx:.1f}" y="{ty:.1f}" text-anchor="{anchor}" font-size="12" '
+                 f'fill="{color}">'
                  f'{escape(text)}</text>')
     roof_legend(o, roofs, ml, mt + ph + 76, pw)
     return write_svg(path, o)
@@ -307,19 +330,23 @@ def gen_plot(res: Results, path: str) -> bool:
          f'<rect x="0" y="0" width="{W}" height="{H}" fill="white"/>',
          f'<text x="{W / 2:.0f}" y="28" text-anchor="middle" font-size="17" font-weight="bold">'
          f'Generating an image: time per token vs position</text>',
-         f'<text x="{W / 2:.0f}" y="47" text-anchor="middle" fill="#444">{escape(lab)}, d_model 256, 8 heads, '
+         f'<text x="{W / 2:.0f}" y="47" text-anchor="middle" fill="#444">{escape(lab)}, d_model '
+         '256, 8 heads, '
          'batch 1, float, one thread — log y</text>']
     for e in range(y0, y1 + 1):
         y = Y(10.0 ** e)
         o.append(f'<line x1="{ml}" y1="{y:.1f}" x2="{ml + pw}" y2="{y:.1f}" stroke="#cccccc"/>')
-        o.append(f'<text x="{ml - 9}" y="{y + 4:.1f}" text-anchor="end">{escape(decade_label(e))}</text>')
+        o.append(f'<text x="{ml - 9}" y="{y + 4:.1f}" '
+                 f'text-anchor="end">{escape(decade_label(e))}</text>')
     for k in range(0, 9):
         v = x1 * k / 8
         x = X(v)
         o.append(f'<line x1="{x:.1f}" y1="{mt}" x2="{x:.1f}" y2="{mt + ph}" stroke="#eeeeee"/>')
-        o.append(f'<text x="{x:.1f}" y="{mt + ph + 21}" text-anchor="middle">{int(round(v))}</text>')
+        o.append(f'<text x="{x:.1f}" y="{mt + ph + 21}" '
+                 f'text-anchor="middle">{int(round(v))}</text>')
     o.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="black"/>')
-    o.append(f'<text x="{ml + pw / 2:.0f}" y="{mt + ph + 48}" text-anchor="middle" font-size="14">position of the '
+    o.append(f'<text x="{ml + pw / 2:.0f}" y="{mt + ph + 48}" text-anchor="middle" '
+             'font-size="14">position of the '
              'token</text>')
     o.append(f'<text transform="translate(22,{mt + ph / 2:.0f}) rotate(-90)" text-anchor="middle" '
              'font-size="14">time per token (log scale)</text>')
@@ -339,7 +366,8 @@ def gen_plot(res: Results, path: str) -> bool:
             o.append(svg_marker("square", lx + 27, yy - 4, c))
             t += f" (measured at {len(pts)} positions)"
         else:
-            o.append(f'<line x1="{lx + 10}" y1="{yy - 4}" x2="{lx + 44}" y2="{yy - 4}" stroke="{c}" '
+            o.append(f'<line x1="{lx + 10}" y1="{yy - 4}" x2="{lx + 44}" y2="{yy - 4}" '
+                     f'stroke="{c}" '
                      'stroke-width="2.2"/>')
             o.append(svg_marker("circle", lx + 27, yy - 4, c))
         o.append(f'<text x="{lx + 52}" y="{yy}">{escape(t)}</text>')

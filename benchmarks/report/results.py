@@ -194,6 +194,7 @@ def contention(res: Results) -> tuple[float | None, str]:
         return None, ""
     med = statistics.median(ratios)
     note = (f"Median cpu/wall time of the single-thread runs: {med:.2f}" +
-            (" — the machine was busy (other processes held the cores), so wall times are inflated and "
+            (" — the machine was busy (other processes held the cores), so wall times are inflated "
+             "and "
              "noisy; the cpu-time columns are closer to an idle machine's." if med < 0.9 else "."))
     return med, note

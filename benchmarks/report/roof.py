@@ -41,7 +41,8 @@ def cache_sizes(contexts: dict[str, dict]) -> tuple[dict[str, int], str]:
             return sizes, "the caches in the JSON's context"
         return sizes, ("the caches in the JSON's context; assumed " +
                        ", ".join(f"{lv} {fmt_bytes(DEFAULT_CACHE_BYTES[lv])}" for lv in missing) + ", not listed")
-    return dict(DEFAULT_CACHE_BYTES), ("assumed, as on AMD Zen 4/5: L1D 48 KiB and L2 1 MiB per core, L3 32 MiB "
+    return dict(DEFAULT_CACHE_BYTES), ("assumed, as on AMD Zen 4/5: L1D 48 KiB and L2 1 MiB per "
+                                       "core, L3 32 MiB "
                                        "shared; the JSON's context lists no caches")
 
 

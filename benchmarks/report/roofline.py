@@ -76,7 +76,8 @@ def cache_levels_text(roof: "Roofline") -> str:
 def rw_fallback_text(roof: "Roofline") -> str:
     """' (L3, memory: the read bandwidth, no read + write measured there)', or ''."""
     fb = roof.rw_fallback()
-    return (f" ({', '.join(LEVEL_LABEL[lv] for lv in fb)}: the read bandwidth, no read + write measured there)"
+    return (f" ({', '.join(LEVEL_LABEL[lv] for lv in fb)}: the read bandwidth, no read + write "
+            "measured there)"
             if fb else "")
 
 
@@ -85,16 +86,26 @@ def decode_bw_note(res: Results) -> str:
     roof = res.roof
     no_l3 = " (no L3 bandwidth in these results: a step whose states live in L3 shows –)" \
         if roof and roof.cache_bytes.get("L3") and "L3" not in roof.read else ""
-    return ("frac_of_bw = bytes a step moves ÷ its wall time ÷ the bandwidth (`bench_roofline`) of the level the "
-            "states live in, named in parentheses. The recurrent step reads S, z and their compensated low parts and "
-            f"writes the low parts back ({DECODE_TRAFFIC:g} × the state kept; the token's q, k, v and output are not "
-            "counted), against the read + write bandwidth of that level" + rw_fallback_text(roof) + "; the softmax "
-            "step reads its KV cache once, against the read bandwidth. The level: the first cache the states fit, "
-            f"{cache_levels_text(roof)}, else memory; the states' bytes per thread against the private L1 and L2, "
-            "all threads' states against the shared L3" + no_l3 + ". With several threads a cache level's bandwidth "
-            "counts once per thread (L1 and L2 are private; each core reads the L3 at its own rate, though the "
-            "cores of a CCD share its capacity and other processes' data competes for it), memory's once (the bus "
-            "is shared)." + ("" if roof else " No bench_roofline runs in these results: the columns show –."))
+    return ("frac_of_bw = bytes a step moves ÷ its wall time ÷ the bandwidth (`bench_roofline`) of "
+            "the level the "
+            "states live in, named in parentheses. The recurrent step reads S, z and their "
+            "compensated low parts and "
+            f"writes the low parts back ({DECODE_TRAFFIC:g} × the state kept; the token's q, k, v "
+            "and output are not "
+            "counted), against the read + write bandwidth of that "
+            "level" + rw_fallback_text(roof) + "; the softmax "
+            "step reads its KV cache once, against the read bandwidth. The level: the first cache "
+            "the states fit, "
+            f"{cache_levels_text(roof)}, else memory; the states' bytes per thread against the "
+            "private L1 and L2, "
+            "all threads' states against the shared "
+            "L3" + no_l3 + ". With several threads a cache level's bandwidth "
+            "counts once per thread (L1 and L2 are private; each core reads the L3 at its own "
+            "rate, though the "
+            "cores of a CCD share its capacity and other processes' data competes for it), "
+            "memory's once (the bus "
+            "is shared)." + ("" if roof else " No bench_roofline runs in these results: the "
+                                             "columns show –."))
 
 
 def fmt_bw_frac(x: tuple[float | None, str]) -> str:
@@ -163,7 +174,8 @@ def roofline_limits(res: Results) -> list[str]:
     """The table of bench_roofline's measurements and the ridge points."""
     roof = res.roof
     used = {id(roof.peak_run(dt)) for dt in ("f32", "f64") if roof.peak_run(dt)}
-    fma = [(f"FMA peak, {DTYPE_LABEL[dt]} (`roofline_fma_peak_{dt}`)", roof.peak[dt]) for dt in ("f32", "f64")
+    fma = [(f"FMA peak, {DTYPE_LABEL[dt]} "
+            f"(`roofline_fma_peak_{dt}`)", roof.peak[dt]) for dt in ("f32", "f64")
            if dt in roof.peak]
     fma += [(f"FMA, {DTYPE_LABEL.get(dt, dt)}, {isa}", r) for (dt, isa), r in
             sorted(roof.isa.items(), key=lambda kv: (kv[0][0], -float(kv[1].get("vector_bits", 0))))]
@@ -177,21 +189,27 @@ def roofline_limits(res: Results) -> list[str]:
             r = src.get(lv)
             if r:
                 bw, bw_cpu = roof.bandwidth(lv, rw), roof.bandwidth(lv, rw, cpu=True)
-                rows.append([f"{what} bandwidth, {LEVEL_LABEL[lv]} ({fmt_bytes(r.get('buffer_bytes'))} buffer)",
+                rows.append([f"{what} bandwidth, {LEVEL_LABEL[lv]} "
+                             f"({fmt_bytes(r.get('buffer_bytes'))} buffer)",
                              f"{fmt_ratio(bw / 1e9 if bw else None, 1)} GB/s",
-                             f"{fmt_ratio(bw_cpu / 1e9 if bw_cpu else None, 1)} GB/s", escape_md(r.label)])
+                             f"{fmt_ratio(bw_cpu / 1e9 if bw_cpu else None, 1)} "
+                             "GB/s", escape_md(r.label)])
     L = table(["limit (one core)", "wall time", "cpu time", "ISA, kernel"], rows, "lrrl")
-    peaks = [f"{DTYPE_LABEL[dt]} {roof.gflops(dt):.1f} GFLOP/s ({roof.isa_of(dt)})" for dt in ("f32", "f64")
+    peaks = [f"{DTYPE_LABEL[dt]} {roof.gflops(dt):.1f} GFLOP/s "
+             f"({roof.isa_of(dt)})" for dt in ("f32", "f64")
              if roof.gflops(dt)]
     if peaks:
-        L += ["", "The peak of a scalar type (in bold) is its fastest FMA run, wall time: " + "; ".join(peaks) +
+        L += ["", "The peak of a scalar type (in bold) is its fastest FMA run, wall time: "
+                  "" + "; ".join(peaks) +
               ". It divides the GFLOP/s of the frac_of_peak columns and caps the roofs below."]
     ridges = [f"{LEVEL_LABEL[lv]} {roof.ridge(lv):.2f}" for lv in ROOF_LEVELS if roof.ridge(lv)]
     ridges += [f"{LEVEL_LABEL[lv]} read + write {roof.ridge(lv, rw=True):.2f}" for lv in ROOF_LEVELS
                if lv in roof.rw and roof.ridge(lv, rw=True)]
     if ridges:
-        L += ["", "Ridge points, float (flop/byte; peak ÷ bandwidth: a kernel of higher arithmetic intensity whose "
-              "data lives at that level is compute-bound, of lower intensity bandwidth-bound): " + "; ".join(ridges) +
+        L += ["", "Ridge points, float (flop/byte; peak ÷ bandwidth: a kernel of higher arithmetic "
+                  "intensity whose "
+              "data lives at that level is compute-bound, of lower intensity bandwidth-bound): "
+              "" + "; ".join(ridges) +
               "."]
     return L
 
@@ -211,7 +229,8 @@ def roofline_kernels(res: Results) -> list[str]:
             level = roof.level_of(ws)
             ridge, bw = roof.ridge(level, rw), roof.bandwidth(level, rw)
             roof_g = min(peak, inten * bw * 1e-9) if peak and bw else None
-            bound = ("compute" if inten > ridge else f"{LEVEL_LABEL[level]} bandwidth") if ridge else "–"
+            bound = ("compute" if inten > ridge else f"{LEVEL_LABEL[level]} "
+                                                     "bandwidth") if ridge else "–"
             r = roof_run(res, label, kind, d)
             g = r.gflops() if r else None
             at = f" (N = {fmt_n(r.size)})" if r and cost != "decode" and r.size != ROOF_N else ""
@@ -220,8 +239,10 @@ def roofline_kernels(res: Results) -> list[str]:
                          LEVEL_LABEL[level] + (" (r + w)" if rw else ""), fmt_ratio(ridge), bound,
                          fmt_ratio(roof_g, 1), (fmt_ratio(g, 1) + at) if g else "–",
                          fmt_ratio(g / roof_g if g and roof_g else None)])
-    return table(["kernel", "D = M", "flop / token / head", "bytes / token / head", "flop / byte", "data (H = 8)",
-                  "lives in", "ridge", "bound", "roof GFLOP/s", "measured GFLOP/s", "measured ÷ roof"], rows,
+    return table(["kernel", "D = M", "flop / token / "
+                                     "head", "bytes / token / head", "flop / byte", "data (H = 8)",
+                  "lives in", "ridge", "bound", "roof GFLOP/s", "measured GFLOP/s", "measured ÷ "
+                                                                                    "roof"], rows,
                  "lrrrrrlrlrrr")
 
 
@@ -231,30 +252,47 @@ def roofline_section(res: Results, svg_name: str | None = None) -> list[str]:
     roof = res.roof
     L: list[str] = []
     if roof:
-        L.append("`bench_roofline`, one thread, same build as the kernels (how it measures: *What is measured*). "
+        L.append("`bench_roofline`, one thread, same build as the kernels (how it measures: *What "
+                 "is measured*). "
                  "Wall time is the figure used below; cpu time is given beside it.")
         L.append("")
         L += roofline_limits(res)
     else:
-        L.append("(no bench_roofline runs in these results: the frac_of_peak and frac_of_bw columns below show –, "
+        L.append("(no bench_roofline runs in these results: the frac_of_peak and frac_of_bw "
+                 "columns below show –, "
                  "and the table below gives the kernels' flops and bytes only)")
-    L += ["", f"The library's kernels{' under that roof' if roof else ''} (float, EluPlusOne so F = D, H = 8, one "
-          f"thread; sequences of N = {fmt_n(ROOF_N)} tokens, decode steps of B sequences; measured = useful GFLOP/s "
+    L += ["", f"The library's kernels{' under that roof' if roof else ''} (float, EluPlusOne so F "
+              "= D, H = 8, one "
+          f"thread; sequences of N = {fmt_n(ROOF_N)} tokens, decode steps of B sequences; measured "
+          "= useful GFLOP/s "
           "of the run of that configuration in these results):", ""]
     L += roofline_kernels(res)
-    L += ["", "Flops per token and head are those the benchmarks count (useful flops): 4·F·M for a forward, "
-          "non-causal or causal (2·F·M for the key's update of the state, 2·F·M for the query's read; the causal "
-          "kernel's in-chunk triangle is extra work, not counted), 8·F·M for a backward (`bench_backward`: the "
-          "four products R = φ(Q)ᵀ Ĝ, Ĝ Sᵀ, φ(K) R, V Rᵀ; its recomputations are not counted), 4·F·M for a "
-          "decode step. Bytes are the compulsory traffic: a forward reads q, k, v and writes its output "
-          "(4·(2·D + 2·M) bytes), a backward reads q, k, v, dOut and writes dQ, dK, dV (4·(4·D + 3·M)); the F×M "
-          "state stays in cache. A decode step moves its state: it reads S, z and their compensated low parts and "
-          f"writes the low parts back, {DECODE_TRAFFIC:g} × the state kept (`state_bytes` of bench_decode and "
-          "bench_serving: 2·(F·M + F) floats a head), 3·4·(F·M + F) bytes a head; its q, k, v and output are not "
-          f"counted. *Lives in*: the first cache its data fits, from its size against {cache_levels_text(roof)}; "
-          "larger is memory. The ridge is peak ÷ the bandwidth of that level, read bandwidth for a sequence's "
-          "read-dominated streams, read + write for the decode step's in-place update" + rw_fallback_text(roof) +
-          "; a kernel is compute-bound when its intensity exceeds the ridge, and its roof is min(peak, intensity × "
+    L += ["", "Flops per token and head are those the benchmarks count (useful flops): 4·F·M for a "
+              "forward, "
+          "non-causal or causal (2·F·M for the key's update of the state, 2·F·M for the query's "
+          "read; the causal "
+          "kernel's in-chunk triangle is extra work, not counted), 8·F·M for a backward "
+          "(`bench_backward`: the "
+          "four products R = φ(Q)ᵀ Ĝ, Ĝ Sᵀ, φ(K) R, V Rᵀ; its recomputations are not counted), "
+          "4·F·M for a "
+          "decode step. Bytes are the compulsory traffic: a forward reads q, k, v and writes its "
+          "output "
+          "(4·(2·D + 2·M) bytes), a backward reads q, k, v, dOut and writes dQ, dK, dV (4·(4·D + "
+          "3·M)); the F×M "
+          "state stays in cache. A decode step moves its state: it reads S, z and their "
+          "compensated low parts and "
+          f"writes the low parts back, {DECODE_TRAFFIC:g} × the state kept (`state_bytes` of "
+          "bench_decode and "
+          "bench_serving: 2·(F·M + F) floats a head), 3·4·(F·M + F) bytes a head; its q, k, v and "
+          "output are not "
+          "counted. *Lives in*: the first cache its data fits, from its size against "
+          f"{cache_levels_text(roof)}; "
+          "larger is memory. The ridge is peak ÷ the bandwidth of that level, read bandwidth for a "
+          "sequence's "
+          "read-dominated streams, read + write for the decode step's in-place "
+          "update" + rw_fallback_text(roof) +
+          "; a kernel is compute-bound when its intensity exceeds the ridge, and its roof is "
+          "min(peak, intensity × "
           "bandwidth)."]
     if svg_name:
         L += ["", f"![roofline: GFLOP/s vs arithmetic intensity, log-log]({svg_name})"]

@@ -45,7 +45,8 @@ def summary(res: Results, roof_svg: str | None = None) -> tuple[list[str], list[
     L += vs_gemm_linear(res)
 
     # 2. Causal linear vs GEMM, useful flops.
-    section("2. Causal linear attention (library default, CausalAlgorithm::Auto: the recurrent kernel at "
+    section("2. Causal linear attention (library default, CausalAlgorithm::Auto: the recurrent "
+            "kernel at "
             "this shape) vs the same GEMMs, "
             f"counting useful flops 4·N·F·M per head ({cfg})")
     L += vs_gemm_causal(res)
@@ -60,7 +61,8 @@ def summary(res: Results, roof_svg: str | None = None) -> tuple[list[str], list[
     L += linear_vs_softmax(res, warn)
 
     # 5. Decode step.
-    section("5. Decode step, 8 heads, D = M = 64, one thread: recurrent state vs a softmax step over a KV cache")
+    section("5. Decode step, 8 heads, D = M = 64, one thread: recurrent state vs a softmax step "
+            "over a KV cache")
     L += decode_steps(res)
 
     # 6. Working memory vs N.
@@ -72,18 +74,22 @@ def summary(res: Results, roof_svg: str | None = None) -> tuple[list[str], list[
     L += two_threads(res, warn)
 
     # 8. The paper's CPU algorithm, same run.
-    section("8. linattn vs the paper's CPU algorithm, measured in the same run (float, 1 thread, H = 8, "
+    section("8. linattn vs the paper's CPU algorithm, measured in the same run (float, 1 thread, H "
+            "= 8, "
             "D = M = 64; speed-up = paper time ÷ linattn time)")
     L += vs_paper(res)
 
     # 9. Row-major vs column-major.
-    section(f"9. Row-major vs column-major inputs: time ÷ time of the column-major packed call, wall (cpu) "
+    section("9. Row-major vs column-major inputs: time ÷ time of the column-major packed call, "
+            "wall (cpu) "
             f"(float, 1 thread, D = M = 64; target ≤ {TARGET_ROW_VS_COL:.2f})")
     L += row_vs_col(res, warn)
 
     # 10. Returning vs out-parameter forms.
-    section(f"10. Returning form (new result and workspace per call) vs the out-parameter form with a reused "
-            f"workspace: time ratio, wall (cpu) (float, 1 thread, D = M = 64; target ≤ {TARGET_RET_VS_OUT:.2f} "
+    section("10. Returning form (new result and workspace per call) vs the out-parameter form "
+            "with a reused "
+            "workspace: time ratio, wall (cpu) (float, 1 thread, D = M = 64; target ≤ "
+            f"{TARGET_RET_VS_OUT:.2f} "
             "at large N)")
     L += returning_vs_out(res, warn)
 
@@ -93,34 +99,47 @@ def summary(res: Results, roof_svg: str | None = None) -> tuple[list[str], list[
     L += gradients(res, warn)
 
     # 12. One sequence on two threads.
-    section(f"12. One sequence on two threads (`split_pair_*`: ParallelOptions, spec §8), EluPlusOne, float, "
-            f"one head, D = M = 64; target: causal ≥ {TARGET_SPLIT_SPEEDUP:.1f}× one thread at N = 65536")
+    section("12. One sequence on two threads (`split_pair_*`: ParallelOptions, spec §8), "
+            "EluPlusOne, float, "
+            f"one head, D = M = 64; target: causal ≥ {TARGET_SPLIT_SPEEDUP:.1f}× one thread at N = "
+            "65536")
     L += split_table(res, warn)
 
     # 13. Serving many sequences.
-    section("13. Serving: one decode step for B sequences × 8 heads (D = M = 64, float, EluPlusOne), tokens/s: "
-            "`BatchedRecurrentLinearAttention::step` vs B `MultiHeadRecurrentLinearAttention::step` calls")
+    section("13. Serving: one decode step for B sequences × 8 heads (D = M = 64, float, "
+            "EluPlusOne), tokens/s: "
+            "`BatchedRecurrentLinearAttention::step` vs B "
+            "`MultiHeadRecurrentLinearAttention::step` calls")
     L += serving_table(res)
 
     # 14. Decay and gates.
-    section("14. Decay and gates (`bench_gated`): gated linear attention (Identity, normalize = false, "
-            "log-gates in [−0.1, 0]) vs plain causal linear attention (EluPlusOne) of the same shape, float, 1 thread; "
+    section("14. Decay and gates (`bench_gated`): gated linear attention (Identity, normalize = "
+            "false, "
+            "log-gates in [−0.1, 0]) vs plain causal linear attention (EluPlusOne) of the same "
+            "shape, float, 1 thread; "
             f"targets: scalar decay ≤ {TARGET_GATED_SCALAR:.1f}× plain causal, per-feature gates ≤ "
-            f"{TARGET_GATED_FEATURE:.1f}×, decode step ≤ {TARGET_GATED_DECODE:.1f}× the plain recurrent step")
+            f"{TARGET_GATED_FEATURE:.1f}×, decode step ≤ {TARGET_GATED_DECODE:.1f}× the plain "
+            "recurrent step")
     L += gated_section(res, warn)
 
     # 15. The delta rule.
-    section("15. The delta rule (`bench_delta`): Gated DeltaNet / DeltaNet (L2Normalize<Silu>, scale 1/√D, "
-            "β in [0, 1], log-decays in [−0.1, 0] or none) vs plain causal linear attention (EluPlusOne) of the same "
-            f"shape, float, 1 thread; targets: chunked ≤ {TARGET_DELTA_CHUNKED_VS_PLAIN:.1f}× plain causal, "
-            f"the faster of Chunked and Auto ≥ {TARGET_DELTA_VS_TOKEN_LOOP:.1f}× the token-by-token recurrence written "
+    section("15. The delta rule (`bench_delta`): Gated DeltaNet / DeltaNet (L2Normalize<Silu>, "
+            "scale 1/√D, "
+            "β in [0, 1], log-decays in [−0.1, 0] or none) vs plain causal linear attention "
+            "(EluPlusOne) of the same "
+            f"shape, float, 1 thread; targets: chunked ≤ {TARGET_DELTA_CHUNKED_VS_PLAIN:.1f}× "
+            "plain causal, "
+            f"the faster of Chunked and Auto ≥ {TARGET_DELTA_VS_TOKEN_LOOP:.1f}× the "
+            "token-by-token recurrence written "
             "with Eigen, decode step ≤ "
             f"{TARGET_DELTA_DECODE:.1f}× the plain recurrent step")
     L += delta_section(res, warn)
 
     # 16. bf16 / half storage.
-    section("16. bf16 and half storage (`bench_low_precision`): 8 heads, D = M = 64, EluPlusOne, 1 thread, "
-            "row-major packed operands; computed in float; targets: prefill no slower than float, the decode step with "
+    section("16. bf16 and half storage (`bench_low_precision`): 8 heads, D = M = 64, EluPlusOne, 1 "
+            "thread, "
+            "row-major packed operands; computed in float; targets: prefill no slower than float, "
+            "the decode step with "
             f"bf16 states at B = 64 ≥ {TARGET_LOW_DECODE:.1f}× the float step's tokens/s")
     L += low_precision_section(res, warn)
     return L, warn

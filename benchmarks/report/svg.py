@@ -8,7 +8,8 @@ import os
 def svg_marker(marker: str, cx: float, cy: float, color: str) -> str:
     if marker.endswith("square"):
         fill = "white" if marker.startswith("open") else color
-        return (f'<rect x="{cx - 4.5:.1f}" y="{cy - 4.5:.1f}" width="9" height="9" fill="{fill}" stroke="{color}" '
+        return (f'<rect x="{cx - 4.5:.1f}" y="{cy - 4.5:.1f}" width="9" height="9" fill="{fill}" '
+                f'stroke="{color}" '
                 'stroke-width="1.8"/>')
     if marker == "diamond":
         return (f'<path d="M{cx:.1f},{cy - 6:.1f} L{cx + 6:.1f},{cy:.1f} L{cx:.1f},{cy + 6:.1f} '
@@ -74,11 +75,14 @@ def svg_log_grid(o: list[str], e0: int, e1: int, pos, horizontal: bool,
             lines += [(pos(m * 10.0 ** e), "#f0f0f0") for m in range(2, 10)]
         for p, colour in lines:
             if horizontal:
-                o.append(f'<line x1="{ml}" y1="{p:.1f}" x2="{ml + pw}" y2="{p:.1f}" stroke="{colour}"/>')
+                o.append(f'<line x1="{ml}" y1="{p:.1f}" x2="{ml + pw}" y2="{p:.1f}" '
+                         f'stroke="{colour}"/>')
             else:
-                o.append(f'<line x1="{p:.1f}" y1="{mt}" x2="{p:.1f}" y2="{mt + ph}" stroke="{colour}"/>')
+                o.append(f'<line x1="{p:.1f}" y1="{mt}" x2="{p:.1f}" y2="{mt + ph}" '
+                         f'stroke="{colour}"/>')
         p = lines[0][0]
         if horizontal:
             o.append(f'<text x="{ml - 9}" y="{p + 4:.1f}" text-anchor="end">{10.0 ** e:g}</text>')
         else:
-            o.append(f'<text x="{p:.1f}" y="{mt + ph + 21}" text-anchor="middle">{10.0 ** e:g}</text>')
+            o.append(f'<text x="{p:.1f}" y="{mt + ph + 21}" '
+                     f'text-anchor="middle">{10.0 ** e:g}</text>')

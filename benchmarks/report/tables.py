@@ -27,12 +27,15 @@ KIND_TITLES = {
     "mh_causal_softmax": "Multi-head causal softmax attention",
     "mh_paper_linear": "The paper's non-causal module (baseline, [H, N, D] memory)",
     "mh_paper_causal": "The paper's causal CPU algorithm (baseline, [H, N, D] memory)",
-    "mh_gemm_linear_bwd": "Multi-head GEMM reference, linear attention's backward (Qᵀ G, G Sᵀ, K R, V Rᵀ)",
+    "mh_gemm_linear_bwd": "Multi-head GEMM reference, linear attention's backward (Qᵀ G, G Sᵀ, K "
+                          "R, V Rᵀ)",
     "mh_train_linear": "Multi-head linear attention: forward, backward, forward + backward",
     "mh_train_causal": "Multi-head causal linear attention: forward, backward, forward + backward",
-    "mh_gemm_softmax_bwd": "Multi-head GEMM reference, softmax's backward (five products, blocks of 256 × 512)",
+    "mh_gemm_softmax_bwd": "Multi-head GEMM reference, softmax's backward (five products, blocks "
+                           "of 256 × 512)",
     "mh_train_softmax": "Multi-head tiled softmax: forward, backward, forward + backward",
-    "mh_train_causal_softmax": "Multi-head causal tiled softmax: forward, backward, forward + backward",
+    "mh_train_causal_softmax": "Multi-head causal tiled softmax: forward, backward, forward + "
+                               "backward",
     "gt_gemm_linear": "Gated attention's GEMM reference (bench_gated: Kᵀ V and Q S, 8 heads)",
     "gt_causal": "Plain multi-head causal linear attention (bench_gated's reference, EluPlusOne)",
     "gt_gated": "Multi-head gated linear attention (Identity, normalize = false)",
@@ -42,12 +45,15 @@ KIND_TITLES = {
     "dl_gemm_linear": "The delta rule's GEMM reference (bench_delta: Kᵀ V and Q S, 8 heads)",
     "dl_causal": "Plain multi-head causal linear attention (bench_delta's reference, EluPlusOne)",
     "dl_delta": "Multi-head delta rule (L2Normalize<Silu>, scale 1/√D)",
-    "dl_pair": "Delta rule (chunked, recurrent) vs plain causal call by call (time of all three calls)",
+    "dl_pair": "Delta rule (chunked, recurrent) vs plain causal call by call (time of all three "
+               "calls)",
     "dl_decode_pair": "Delta-rule vs plain decode step (time of the two blocks of steps)",
-    "dl_naive_pair": "The token-by-token recurrence in Eigen vs the delta rule Chunked and Auto (one head)",
+    "dl_naive_pair": "The token-by-token recurrence in Eigen vs the delta rule Chunked and Auto "
+                     "(one head)",
     "decode_recurrent": "Decode step, recurrent (RNN) form",
     "decode_softmax": "Decode step, softmax over a KV cache",
-    "fm_linear": "Every feature map, non-causal (feature_map_quality; errors in docs/feature_maps.md)",
+    "fm_linear": "Every feature map, non-causal (feature_map_quality; errors in "
+                 "docs/feature_maps.md)",
     "fm_causal": "Every feature map, causal (feature_map_quality; errors in docs/feature_maps.md)",
 }
 KIND_ORDER = list(KIND_TITLES)
@@ -89,7 +95,8 @@ def variant_label(kind: str, p: dict) -> str:
 def full_tables(res: Results) -> list[str]:
     """One table per (kind, shape): rows N, a column per variant; cells wall time · GFLOP/s · frac_of_gemm ·
     frac_of_peak."""
-    L: list[str] = ["", "Cells: wall time · useful GFLOP/s · frac_of_gemm (– where there is no GEMM reference) · "
+    L: list[str] = ["", "Cells: wall time · useful GFLOP/s · frac_of_gemm (– where there is no "
+                        "GEMM reference) · "
                         "frac_of_peak (– without bench_roofline's runs or a flop count)."]
     groups: dict[tuple, dict[tuple, dict[int, Run]]] = {}
     for r in res.runs:
@@ -117,7 +124,8 @@ def full_tables(res: Results) -> list[str]:
             for v in variants:
                 r = groups[g][v].get(n)
                 row.append("–" if r is None else
-                           f"{fmt_time(r.wall)} · {fmt_ratio(r.gflops(), 1)} · {fmt_ratio(frac_of_gemm(res, r))} · "
+                           f"{fmt_time(r.wall)} · {fmt_ratio(r.gflops(), 1)} · "
+                           f"{fmt_ratio(frac_of_gemm(res, r))} · "
                            f"{fmt_frac_peak(res, r)}")
             rows.append(row)
         L += table(header, rows)
@@ -139,7 +147,8 @@ def memory_table(res: Results) -> list[str]:
                      fmt_bytes(b.get("state_bytes"))])
     if not rows:
         return ["(no ws_bytes counters in these results)"]
-    return table(["kernel", "smallest N", "ws_bytes", "largest N", "ws_bytes", "state_bytes (largest)"], rows,
+    return table(["kernel", "smallest N", "ws_bytes", "largest N", "ws_bytes", "state_bytes "
+                                                                               "(largest)"], rows,
                  "lrrrrr")
 
 
