@@ -174,8 +174,10 @@ def cpu_description() -> str:
     arch = ""
     if "AMD" in model and family == 25 and model_no is not None:
         # Family 19h: Zen 3 is models 00h-0Fh, 20h-2Fh, 40h-5Fh; the others are Zen 4.
-        arch = " (Zen 3)" if model_no < 0x10 or 0x20 <= model_no < 0x30 or 0x40 <= model_no < 0x60 else " (Zen 4)"
-    isa = "AVX-512" if " avx512f" in f" {flags}" else ("AVX2" if " avx2" in f" {flags}" else "no AVX2")
+        zen3 = model_no < 0x10 or 0x20 <= model_no < 0x30 or 0x40 <= model_no < 0x60
+        arch = " (Zen 3)" if zen3 else " (Zen 4)"
+    isa = "AVX-512" if " avx512f" in f" {flags}" else ("AVX2" if " avx2" in f" {flags}"
+                                                       else "no AVX2")
     return f"{os.cpu_count()}-core {model}{arch}, {isa}"
 
 
@@ -194,7 +196,8 @@ def best(d: Data, family: str, causal: bool, keys: list[str]) -> tuple[str, floa
 
 def label(d: Data, key: str) -> str:
     m = d.method[key]
-    return m["label"] + ("" if m["family"] in ("softmax", "favor", "linformer") else f" (F = {m['F']})")
+    return m["label"] + ("" if m["family"] in ("softmax", "favor",
+                                               "linformer") else f" (F = {m['F']})")
 
 
 def pareto(d: Data, family: str, causal: bool) -> list[str]:
@@ -235,14 +238,16 @@ def error_table(d: Data, causal: bool) -> list[str]:
         if causal and not m["causal"]:
             continue
         t = d.time.get((m["key"], causal))
-        rows.append([m["label"], str(m["F"]) if m["family"] != "softmax" else "(N)", fmt_us(t[1] if t else None)]
+        rows.append([m["label"], str(m["F"]) if m["family"] != "softmax" else "(N)",
+                     fmt_us(t[1] if t else None)]
                     + [fmt_err(d.e(m["key"], f["key"], causal), m["random"]) for f in fams])
     rows.append(["equal weights (mean of "
                  "V)", "–", "–"] + [f"{d.uniform(f['key'], causal):.3g}" for f in fams])
     return table(header, rows)
 
 
-def ratio_range(d: Data, keys: list[str], fams: list[str], causal: bool = False) -> tuple[float, float] | None:
+def ratio_range(d: Data, keys: list[str], fams: list[str],
+                causal: bool = False) -> tuple[float, float] | None:
     r = [d.mean(k, f, causal) / d.uniform(f, causal) for k in keys for f in fams
          if d.mean(k, f, causal) is not None and d.uniform(f, causal) > 0]
     return (min(r), max(r)) if r else None
@@ -341,7 +346,8 @@ def findings(d: Data) -> list[str]:
     lk = d.keys_of("linformer")
     if lk:
         e = [d.mean(k, f, False) for k in lk for f in fams if d.mean(k, f, False) is not None]
-        slopes = [fit_slope([d.method[k]["F"] for k in lk], [d.mean(k, f, False) for k in lk]) for f in fams]
+        slopes = [fit_slope([d.method[k]["F"] for k in lk],
+                            [d.mean(k, f, False) for k in lk]) for f in fams]
         slopes = [x[0] for x in slopes if x]
         L.append("- **Linformer with random projections is far from softmax**: errors "
                  f"{min(e):.3g} to "
@@ -398,7 +404,8 @@ def findings(d: Data) -> list[str]:
     return L
 
 
-def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panels: list[str]) -> None:
+def write_markdown(d: Data, path: str, svg_name: str | None, command: str,
+                   panels: list[str]) -> None:
     ctx = d.context
     date = ctx.get("date") or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     L = ["# Feature maps against softmax attention", "",
@@ -492,7 +499,8 @@ def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panel
               "of log(error) against log(m) (−0.5 for an error that falls as 1/√m).", ""]
         rows = []
         for k in ks:
-            rows.append([str(d.method[k]["F"])] + [fmt_err(d.e(k, f["key"], False), True) for f in d.families])
+            rows.append([str(d.method[k]["F"])] + [fmt_err(d.e(k, f["key"], False),
+                                                           True) for f in d.families])
         sl = []
         for f in d.families:
             fit = favor_fit(d, f["key"], False)
@@ -537,7 +545,8 @@ def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panel
 
 def marker(kind: str, x: float, y: float, color: str, r: float = 4.5) -> str:
     if kind == "square":
-        return f'<rect x="{x - r:.1f}" y="{y - r:.1f}" width="{2 * r:.1f}" height="{2 * r:.1f}" fill="{color}"/>'
+        return (f'<rect x="{x - r:.1f}" y="{y - r:.1f}" width="{2 * r:.1f}" height="{2 * r:.1f}" '
+                f'fill="{color}"/>')
     if kind == "diamond":
         return (f'<path d="M{x:.1f},{y - r - 1:.1f} L{x + r + 1:.1f},{y:.1f} '
                 f'L{x:.1f},{y + r + 1:.1f} '

@@ -1,7 +1,8 @@
 """Summarise the linattn benchmark JSON (Google Benchmark --benchmark_out) files.
 
-    python3 benchmarks/report.py --results build/bench/results [--md build/bench/report/benchmarks.md]
-        [--svg build/bench/report/benchmark_plot.svg] [--readme README.md] [--command "..."]
+    python3 benchmarks/report.py --results build/bench/results \
+        [--md build/bench/report/benchmarks.md] [--svg build/bench/report/benchmark_plot.svg] \
+        [--readme README.md] [--command "..."]
     (or, from benchmarks/: python3 -m report ...)
 
 Prints the headline figures and the summary of the performance targets (ratios computed from the
@@ -27,8 +28,8 @@ from .splice import update_readme
 from .summary import summary
 
 
-DEFAULT_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "docs", "benchmarks.md")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_TEMPLATE = os.path.join(REPO, "docs", "benchmarks.md")
 
 
 def sibling_plot(args, name: str, plot) -> str | None:
@@ -44,7 +45,8 @@ def sibling_plot(args, name: str, plot) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default="build/bench/results", help="directory of the "
                                                                      "bench_*.json files")
     ap.add_argument("--md", help="write the Markdown report here (e.g. "
@@ -89,7 +91,8 @@ def main(argv: list[str]) -> int:
     svg_name = None
     if args.svg:
         if svg_plot(res, args.svg):
-            svg_name = os.path.relpath(os.path.abspath(args.svg), os.path.dirname(os.path.abspath(args.md or args.svg)))
+            svg_name = os.path.relpath(os.path.abspath(args.svg),
+                                       os.path.dirname(os.path.abspath(args.md or args.svg)))
             print(f"wrote {args.svg}")
         else:
             print("report.py: nothing to plot", file=sys.stderr)
@@ -97,7 +100,8 @@ def main(argv: list[str]) -> int:
     print("== Image generation")
     print("\n".join(generation(res)))
     if args.md:
-        missing = write_markdown(res, args.md, args.template, svg_name, args.command, args.load_before, lines,
+        missing = write_markdown(res, args.md, args.template, svg_name, args.command,
+                                 args.load_before, lines,
                                  warnings, noise, gen_svg_name)
         if missing:
             print(f"report.py: {args.template} lacks the markers of the blocks "

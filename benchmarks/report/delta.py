@@ -21,12 +21,14 @@ TARGET_DELTA_DECODE = 1.5
 
 
 def dl_dims(res: Results) -> list[str]:
-    return sorted({r.params["D"] for r in res.runs if r.kind.startswith("dl_") and "D" in r.params}, key=int)
+    return sorted({r.params["D"] for r in res.runs if r.kind.startswith("dl_") and "D" in r.params},
+                  key=int)
 
 
 def delta_section(res: Results, warn: list[str]) -> list[str]:
-    """Section 15 (bench_delta): the targets call by call, the decode step, the prefill sweep against plain causal
-    and the GEMM reference, Chunked vs Recurrent vs Auto, and the chunk size."""
+    """Section 15 (bench_delta): the targets call by call, the decode step, the prefill sweep
+    against plain causal and the GEMM reference, Chunked vs Recurrent vs Auto, and the chunk
+    size."""
     L: list[str] = []
     if not any(r.kind.startswith("dl_") for r in res.runs):
         return ["(no bench_delta runs in these results)"]
@@ -54,9 +56,11 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
                     warn.append(f"delta rule prefill, Chunked: {wall_cpu(x, xc)}× plain causal "
                                 f"(wall (cpu)) {where}: "
                                 f"{n1} (target ≤ {TARGET_DELTA_CHUNKED_VS_PLAIN:.1f}×)")
-                rows.append([d, SHORT_LAYOUT.get(lay, lay), fmt_n(n), fmt_time(r.get("plain_ms", 0) * 1e-3),
+                rows.append([d, SHORT_LAYOUT.get(lay, lay), fmt_n(n),
+                             fmt_time(r.get("plain_ms", 0) * 1e-3),
                              fmt_time(r.get("chunked_ms", 0) * 1e-3), wall_cpu(x, xc), s1,
-                             fmt_time(r.get("recurrent_ms", 0) * 1e-3), wall_cpu(y, yc), faster, str(r.iterations)])
+                             fmt_time(r.get("recurrent_ms", 0) * 1e-3), wall_cpu(y, yc), faster,
+                             str(r.iterations)])
     L.append("Targets, call by call (`dl_pair`: every iteration makes the plain causal call "
              "(`multihead_causal_linear_attention`, EluPlusOne, CausalOptions{}) and the delta "
              "rule with decay "
@@ -84,13 +88,16 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
             r = res.find("dl_naive_pair", n, **q)
             x, y = r.get("naive_vs_chunked"), r.get("naive_vs_auto")
             best = max([v for v in (x, y) if v] or [0.0])
-            status = "not measured" if not best else ("met" if best >= TARGET_DELTA_VS_TOKEN_LOOP else "**missed**")
+            status = "not measured" if not best else ("met" if best >= TARGET_DELTA_VS_TOKEN_LOOP
+                                                      else "**missed**")
             if best and best < TARGET_DELTA_VS_TOKEN_LOOP:
                 warn.append(f"delta rule prefill against the token loop in Eigen: {best:.1f}× at D "
                             f"= {d}, "
                             f"N = {n}: missed (target ≥ {TARGET_DELTA_VS_TOKEN_LOOP:.1f}×)")
-            rows.append([d, fmt_n(n), fmt_time(r.get("naive_ms", 0) * 1e-3), fmt_time(r.get("chunked_ms", 0) * 1e-3),
-                         fmt_time(r.get("auto_ms", 0) * 1e-3), f"{x:.1f}" if x else "–", f"{y:.1f}" if y else "–",
+            rows.append([d, fmt_n(n), fmt_time(r.get("naive_ms", 0) * 1e-3),
+                         fmt_time(r.get("chunked_ms", 0) * 1e-3),
+                         fmt_time(r.get("auto_ms", 0) * 1e-3), f"{x:.1f}" if x else "–",
+                         f"{y:.1f}" if y else "–",
                          status, str(r.iterations)])
     if rows:
         L += ["", "The token-by-token recurrence as a user writes it with Eigen (`dl_naive_pair`, "
@@ -100,7 +107,8 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
               "`delta_rule_attention` Chunked and Auto (linattn's fused recurrence) on the same "
               "head, back to back; "
               "medians:", ""]
-        L += table(["D = M", "N", "naive loop", "Chunked", "Auto", "naive ÷ Chunked", "naive ÷ Auto",
+        L += table(["D = M", "N", "naive loop", "Chunked", "Auto", "naive ÷ Chunked",
+                    "naive ÷ Auto",
                     "faster form ≥ "
                     f"{TARGET_DELTA_VS_TOKEN_LOOP:.1f}×", "iterations"], rows, "rrrrrrrlr")
 
@@ -163,7 +171,8 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
                              " / ".join(fmt_frac_peak(res, x, pct=True) for x in (c, on, off))])
     if rows:
         L += table(["D = M", "layout", "N", "plain causal", "delta, decay", "÷ plain, wall "
-                                                                            "(cpu)", "delta, no decay",
+                                                                            "(cpu)",
+                                                                            "delta, no decay",
                     "÷ plain, wall (cpu)", "% of GEMM: plain / decay / no decay",
                     "% of peak (frac_of_peak): plain / decay / no decay"], rows, "rlrrrrrrrr")
     else:
@@ -184,14 +193,18 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
                     ch = gt_find(res, "dl_delta", n, **q, alg="chunked")
                     rc = gt_find(res, "dl_delta", n, **q, alg="recurrent")
                     au = gt_find(res, "dl_delta", n, **q, alg="auto")
-                    c = gt_find(res, "dl_causal", n, **dict(base, D=d, layout=lay), phi="elu", alg="auto")
+                    c = gt_find(res, "dl_causal", n, **dict(base, D=d, layout=lay), phi="elu",
+                                alg="auto")
                     if not (ch and rc):
                         continue
                     best = "chunked" if ch.cpu <= rc.cpu else "recurrent"
                     bt = min(ch.cpu, rc.cpu)
-                    rows.append([d, SHORT_LAYOUT.get(lay, lay), decay, fmt_n(n), fmt_time(c.wall if c else None),
-                                 fmt_time(ch.wall), speed_ratio(ch, c), fmt_time(rc.wall), speed_ratio(rc, ch),
-                                 fmt_time(au.wall if au else None), best, fmt_ratio(au.cpu / bt if au else None)])
+                    rows.append([d, SHORT_LAYOUT.get(lay, lay), decay, fmt_n(n),
+                                 fmt_time(c.wall if c else None),
+                                 fmt_time(ch.wall), speed_ratio(ch, c), fmt_time(rc.wall),
+                                 speed_ratio(rc, ch),
+                                 fmt_time(au.wall if au else None), best,
+                                 fmt_ratio(au.cpu / bt if au else None)])
     if rows:
         L += table(["D = M", "layout", "decay", "N", "plain causal", "chunked", "chunked ÷ plain, "
                                                                                 "wall (cpu)",
@@ -202,7 +215,8 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
         L.append("(no explicit-algorithm runs in these results)")
 
     # Chunk size.
-    rows, chunks = [], sorted({int(r.params["chunk"]) for r in res.runs if r.kind == "dl_delta" and "chunk" in r.params})
+    rows, chunks = [], sorted({int(r.params["chunk"]) for r in res.runs if r.kind == "dl_delta"
+                               and "chunk" in r.params})
     for d in dims:
         q = dict(base, D=d, layout="row", phi="l2silu", decay="on", alg="chunked")
         ns = sorted({r.size for r in res.runs if r.kind == "dl_delta" and "chunk" in r.params
@@ -214,16 +228,19 @@ def delta_section(res: Results, warn: list[str]) -> list[str]:
             if not have:
                 continue
             best = min(have, key=lambda c: have[c].wall)
-            cells = [(("**" + fmt_time(have[c].wall) + "**") if c == best else fmt_time(have[c].wall))
+            cells = [(("**" + fmt_time(have[c].wall) + "**") if c == best
+                      else fmt_time(have[c].wall))
                      if c in have else "–" for c in chunks]
             rows.append([d, fmt_n(n)] + cells + [fmt_time(dflt.wall) if dflt else "–",
-                                                 fmt_ratio(dflt.wall / have[best].wall if dflt else None)])
+                                                 fmt_ratio(dflt.wall / have[best].wall if dflt
+                                                           else None)])
     if rows:
         L += ["", "Chunk size of the chunked algorithm (`DeltaOptions::chunk_size`, with decay, "
                   "row-major inputs, "
               "H = 8; fastest in bold; default = chunk_size 0, measured by the sweep above when it "
               "reaches that N):",
               ""]
-        L += table(["D = M", "N"] + [f"C = {c}" for c in chunks] + ["default", "default ÷ fastest"], rows,
+        L += table(["D = M", "N"] + [f"C = {c}" for c in chunks] + ["default", "default ÷ fastest"],
+                   rows,
                    "rr" + "r" * (len(chunks) + 2))
     return L

@@ -25,13 +25,16 @@ if TYPE_CHECKING:
 BLOCKS = ("run", "machine", "caps", "headline", "results")
 
 
-def blocks(res: Results, svg_name: str | None, command: str, load_before: str, summary_lines: list[str],
-           warnings: list[str], noise: str, gen_svg_name: str | None = None) -> dict[str, list[str]]:
+def blocks(res: Results, svg_name: str | None, command: str, load_before: str,
+           summary_lines: list[str],
+           warnings: list[str], noise: str, gen_svg_name: str | None = None) -> dict[str,
+                                                                                     list[str]]:
     """The generated text of each marker pair of the template."""
     ctx_notes = [(p, c.get("linattn_notes", "")) for p, c in sorted(res.contexts.items())]
     out: dict[str, list[str]] = {
         "run": ["```sh", command, "```"],
-        "machine": table(["", ""], [[k, escape_md(v)] for k, v in machine_info(res, load_before)], "ll") +
+        "machine": table(["", ""], [[k, escape_md(v)] for k, v in machine_info(res, load_before)],
+                         "ll") +
         ["", noise],
         "caps": [f"- `{p}`: {escape_md(n)}" for p, n in ctx_notes if n],
         "headline": headline(res, load_before, "this page"),
@@ -79,7 +82,8 @@ def write_markdown(res: Results, path: str, template: str, svg_name: str | None,
     returns the names of the blocks whose markers the template lacks (nothing written then)."""
     with open(template, encoding="utf-8") as f:
         text = f.read()
-    text = relink(text, os.path.dirname(os.path.abspath(template)), os.path.dirname(os.path.abspath(path)))
+    text = relink(text, os.path.dirname(os.path.abspath(template)),
+                  os.path.dirname(os.path.abspath(path)))
     missing = []
     for name, block in blocks(res, svg_name, command, load_before, summary_lines, warnings, noise,
                               gen_svg_name).items():

@@ -85,7 +85,8 @@ def speedup(base: Run | None, r: Run | None) -> str:
 
 
 def at_most_status(x: float | None, xc: float | None, target: float) -> tuple[str, str]:
-    """(status cell, warning text or '') of a ratio that must stay ≤ target, judged on wall time, as section 11."""
+    """(status cell, warning text or '') of a ratio that must stay ≤ target, judged on wall time,
+    as section 11."""
     if x is None:
         return "not measured", ""
     if x <= target:

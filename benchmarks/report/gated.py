@@ -21,12 +21,14 @@ GATE_LABEL = {"scalar": "scalar (N×H)", "feature": "per-feature "
 
 
 def gt_dims(res: Results) -> list[str]:
-    return sorted({r.params["D"] for r in res.runs if r.kind.startswith("gt_") and "D" in r.params}, key=int)
+    return sorted({r.params["D"] for r in res.runs if r.kind.startswith("gt_") and "D" in r.params},
+                  key=int)
 
 
 def gated_section(res: Results, warn: list[str]) -> list[str]:
-    """Section 14 (bench_gated): the targets call by call, the decode step, the prefill sweep against plain causal
-    and the GEMM reference, Chunked vs Recurrent vs Auto, the chunk size, and the gradients."""
+    """Section 14 (bench_gated): the targets call by call, the decode step, the prefill sweep
+    against plain causal and the GEMM reference, Chunked vs Recurrent vs Auto, the chunk size, and
+    the gradients."""
     L: list[str] = []
     if not any(r.kind.startswith("gt_") for r in res.runs):
         return ["(no bench_gated runs in these results)"]
@@ -43,7 +45,8 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
             q = dict(base, D=d, layout=lay, phi="identity", alg="auto")
             for n in res.sizes("gt_pair", **q):
                 r = res.find("gt_pair", n, **q)
-                cells = [d, SHORT_LAYOUT.get(lay, lay), fmt_n(n), fmt_time(r.get("plain_ms", 0) * 1e-3)]
+                cells = [d, SHORT_LAYOUT.get(lay, lay), fmt_n(n),
+                         fmt_time(r.get("plain_ms", 0) * 1e-3)]
                 for g, what, t in (("scalar", "scalar decay", TARGET_GATED_SCALAR),
                                    ("feature", "per-feature gates", TARGET_GATED_FEATURE)):
                     x, xc = r.get(f"{g}_vs_plain"), r.get(f"{g}_vs_plain_cpu")
@@ -65,7 +68,8 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
     if rows:
         L += table(["D = M", "layout", "N", "plain causal", "scalar decay", "÷ plain, wall (cpu)",
                     f"≤ {TARGET_GATED_SCALAR:.1f}", "per-feature", "÷ plain, wall "
-                                                                   "(cpu)", f"≤ {TARGET_GATED_FEATURE:.1f}",
+                                                                   "(cpu)",
+                                                                   f"≤ {TARGET_GATED_FEATURE:.1f}",
                     "iterations"], rows, "rlrrrrlrrlr")
     else:
         L.append("(no gt_pair runs in these results)")
@@ -162,7 +166,8 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
                     # Judged on cpu time, which other processes disturb less than wall time.
                     best = "chunked" if ch.cpu <= rc.cpu else "recurrent"
                     bt = min(ch.cpu, rc.cpu)
-                    rows.append([d, SHORT_LAYOUT.get(lay, lay), g, fmt_n(n), fmt_time(ch.wall), fmt_time(rc.wall),
+                    rows.append([d, SHORT_LAYOUT.get(lay, lay), g, fmt_n(n), fmt_time(ch.wall),
+                                 fmt_time(rc.wall),
                                  speed_ratio(rc, ch), fmt_time(au.wall if au else None), best,
                                  fmt_ratio(au.cpu / bt if au else None)])
     if rows:
@@ -173,7 +178,8 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
         L.append("(no explicit-algorithm runs in these results)")
 
     # Chunk size.
-    rows, chunks = [], sorted({int(r.params["chunk"]) for r in res.runs if r.kind == "gt_gated" and "chunk" in r.params})
+    rows, chunks = [], sorted({int(r.params["chunk"]) for r in res.runs if r.kind == "gt_gated"
+                               and "chunk" in r.params})
     for d in dims:
         for g in ("scalar", "feature"):
             q = dict(base, D=d, layout="row", gate=g, alg="chunked")
@@ -186,16 +192,20 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
                 if not have:
                     continue
                 best = min(have, key=lambda c: have[c].wall)
-                cells = [(("**" + fmt_time(have[c].wall) + "**") if c == best else fmt_time(have[c].wall))
+                cells = [(("**" + fmt_time(have[c].wall) + "**") if c == best
+                          else fmt_time(have[c].wall))
                          if c in have else "–" for c in chunks]
                 rows.append([d, g, fmt_n(n)] + cells + [fmt_time(dflt.wall) if dflt else "–",
-                                                        fmt_ratio(dflt.wall / have[best].wall if dflt else None)])
+                                                        fmt_ratio(dflt.wall / have[best].wall
+                                                                  if dflt else None)])
     if rows:
         L += ["", "Chunk size of the chunked algorithm (`GatedOptions::chunk_size`, row-major "
                   "inputs, H = 8; fastest "
               "in bold; default = chunk_size 0, measured by the sweep above when it reaches that "
               "N):", ""]
-        L += table(["D = M", "gate", "N"] + [f"C = {c}" for c in chunks] + ["default", "default ÷ fastest"], rows,
+        L += table(["D = M", "gate", "N"] + [f"C = {c}" for c in chunks] + ["default",
+                                                                            "default ÷ fastest"],
+                                                                            rows,
                    "rlr" + "r" * (len(chunks) + 2))
 
     # Gradients.
@@ -210,9 +220,12 @@ def gated_section(res: Results, warn: list[str]) -> list[str]:
                 cq = dict(q0, layout=lay, gate="none", phi="elu")
                 cf = res.find("gt_train", n, **cq, **{"pass": "fwd"})
                 cb = res.find("gt_train", n, **cq, **{"pass": "bwd"})
-                rows.append([SHORT_LAYOUT.get(lay, lay), g, fmt_n(n), fmt_time(f.wall if f else None), fmt_time(b.wall),
-                             speed_ratio(b, f), fmt_time(cb.wall if cb else None), speed_ratio(b, cb),
-                             speed_ratio(f, cf), fmt_ratio(b.gflops(), 1), fmt_frac_peak(res, b, pct=True),
+                rows.append([SHORT_LAYOUT.get(lay, lay), g, fmt_n(n),
+                             fmt_time(f.wall if f else None), fmt_time(b.wall),
+                             speed_ratio(b, f), fmt_time(cb.wall if cb else None),
+                             speed_ratio(b, cb),
+                             speed_ratio(f, cf), fmt_ratio(b.gflops(), 1),
+                             fmt_frac_peak(res, b, pct=True),
                              fmt_bytes(b.get("ws_bytes"))])
     L += ["", "Gradients, H = 8, D = M = 64 (`multihead_gated_linear_attention_backward` and "
           "`multihead_causal_linear_attention_backward` with a reused `MultiHeadWorkspace`, "

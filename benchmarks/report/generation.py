@@ -59,7 +59,8 @@ def seconds_per_image(res: Results, model: str, batch: int) -> dict[str, float |
     ns = res.sizes("gen_step", model=model, attn="linear", batch="1")
     if not ns:
         return {}
-    tokens = int(res.find("gen_step", ns[0], model=model, attn="linear", batch="1").get("tokens", 0))
+    tokens = int(res.find("gen_step", ns[0], model=model, attn="linear", batch="1").get("tokens",
+                                                                                        0))
     out: dict[str, float | None] = {}
     for a, _ in GEN_ATTN:
         total = integrate_steps(gen_step_times(res, model, a, batch), tokens)
@@ -72,7 +73,8 @@ def generation(res: Results, table_only: bool = False) -> list[str]:
     per token against position, and the memory a sequence keeps (table_only: the first table and
     its note, for README.md)."""
     L: list[str] = []
-    models = [(m, lab) for m, lab in GEN_MODELS if res.sizes("gen_step", model=m, attn="linear", batch="1")]
+    models = [(m, lab) for m,
+              lab in GEN_MODELS if res.sizes("gen_step", model=m, attn="linear", batch="1")]
     if not models:
         return ["(no gen_step runs in these results)"]
     rows = []
@@ -130,7 +132,8 @@ def generation(res: Results, table_only: bool = False) -> list[str]:
             ns = res.sizes("gen_step", model=m, attn=a, batch="1")
             if ns:
                 r = res.find("gen_step", ns[-1], model=m, attn=a, batch="1")
-                rows.append([lab, t, fmt_bytes(r.get("state_bytes")), fmt_bytes(r.get("step_bytes"))])
+                rows.append([lab, t, fmt_bytes(r.get("state_bytes")),
+                             fmt_bytes(r.get("step_bytes"))])
     L += ["Memory of one sequence at the last position: what it keeps between steps, and the "
           "largest buffers "
           "of a step (computed from their shapes):", ""]

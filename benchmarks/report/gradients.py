@@ -39,7 +39,8 @@ def gradients(res: Results, warn: list[str]) -> list[str]:
     for kind, p, label in TRAIN_KERNELS:
         for lay in ("col", "row"):
             q = dict(T, **p, layout=lay)
-            ns = sorted(set(res.sizes(kind, **q, **{"pass": "bwd"})) & set(res.sizes(kind, **q, **{"pass": "fwd"})))
+            ns = sorted(set(res.sizes(kind, **q, **{"pass": "bwd"}))
+                        & set(res.sizes(kind, **q, **{"pass": "fwd"})))
             if not ns:
                 continue
             n = ns[-1]
@@ -48,7 +49,8 @@ def gradients(res: Results, warn: list[str]) -> list[str]:
             fb = res.find(kind, n, **q, **{"pass": "fwdbwd"})
             passes[(kind, lay)] = {"fwd": f, "bwd": b, "fwdbwd": fb}
             frac, frac_cpu = frac_of_gemm(res, b), frac_of_gemm(res, b, cpu=True)
-            rows.append([label, SHORT_LAYOUT.get(lay, lay), fmt_n(n), fmt_time(f.wall), fmt_time(b.wall),
+            rows.append([label, SHORT_LAYOUT.get(lay, lay), fmt_n(n), fmt_time(f.wall),
+                         fmt_time(b.wall),
                          f"{b.wall / f.wall:.2f} ({b.cpu / f.cpu:.2f})",
                          f"{fmt_ms(fb.wall)} ({fmt_ms(fb.cpu)})" if fb else "–",
                          fmt_ratio(b.gflops(), 1),
@@ -137,8 +139,8 @@ def gradients(res: Results, warn: list[str]) -> list[str]:
             b = runs["bwd"]
             frac, frac_cpu = frac_of_gemm(res, b), frac_of_gemm(res, b, cpu=True)
             gemms = "the throughput of its GEMMs" if "softmax" in kind else "GEMM throughput"
-            what = f"{label} backward ≥ {TARGET_BWD_FRAC * 100:.0f} % of {gemms}, N = {fmt_n(b.size)}, " \
-                   f"{SHORT_LAYOUT[lay]}"
+            what = (f"{label} backward ≥ {TARGET_BWD_FRAC * 100:.0f} % of {gemms}, "
+                    f"N = {fmt_n(b.size)}, {SHORT_LAYOUT[lay]}")
             if frac is None:
                 judge(what, None, None, None, "")
             else:

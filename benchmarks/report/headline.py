@@ -42,7 +42,8 @@ def headline(res: Results, load_before: str, link: str) -> list[str]:
         return f"{fmt_time(r.wall)} (cpu {fmt_time(r.cpu)})" if busy else fmt_time(r.wall)
 
     def ratio(a, b):
-        return f"{a.wall / b.wall:.2f}× (cpu {a.cpu / b.cpu:.2f}×)" if busy else f"{a.wall / b.wall:.2f}×"
+        plain = f"{a.wall / b.wall:.2f}×"
+        return f"{plain} (cpu {a.cpu / b.cpu:.2f}×)" if busy else plain
 
     def frac(r):
         f, c = frac_of_gemm(res, r), frac_of_gemm(res, r, cpu=True)
@@ -57,13 +58,15 @@ def headline(res: Results, load_before: str, link: str) -> list[str]:
     def vs_paper(r, b, same, what):
         if not (r and b):
             return f"{what}: not measured in this run"
-        txt = f"{what} on [H, N, D] memory, same run: {t(b)}; paper time ÷ linattn time {ratio(b, r)}"
+        txt = (f"{what} on [H, N, D] memory, same run: {t(b)}; paper time ÷ linattn time "
+               f"{ratio(b, r)}")
         if same:
             txt += f", or {ratio(b, same)} with linattn on the same [H, N, D] memory: {t(same)}"
         return txt
 
     def vs_softmax(r, s, what):
-        return (f"{s.wall / r.wall:.0f}×" + (f" (cpu {s.cpu / r.cpu:.0f}×)" if busy else "") + f" faster than {what}: {t(s)}") if r and s else f"{what} not measured"
+        return (f"{s.wall / r.wall:.0f}×" + (f" (cpu {s.cpu / r.cpu:.0f}×)" if busy else "")
+                + f" faster than {what}: {t(s)}") if r and s else f"{what} not measured"
 
     paper = "the paper's"
     rows = [

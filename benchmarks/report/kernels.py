@@ -47,7 +47,8 @@ def vs_gemm_causal(res: Results) -> list[str]:
                      fmt_time(g.cpu if g else None), fmt_ratio(frac_of_gemm(res, r)),
                      fmt_ratio(frac_of_gemm(res, r, cpu=True)), fmt_frac_peak(res, r)])
     if rows:
-        L += table(["N", "causal (wall)", "causal (cpu)", "GEMMs (wall)", "GEMMs (cpu)", "frac_of_gemm",
+        L += table(["N", "causal (wall)", "causal (cpu)", "GEMMs (wall)", "GEMMs (cpu)",
+                    "frac_of_gemm",
                     "frac (cpu time)", "frac_of_peak"], rows)
     L.append("")
     L.append("The paper's CPU algorithm, measured in the same run, is compared in table 8.")
@@ -56,11 +57,13 @@ def vs_gemm_causal(res: Results) -> list[str]:
     if ns:
         n = ns[-1]
         cells = []
-        for r in sorted((r for r in res.runs if r.kind == "causal" and r.size == n and r.params.get("phi") == "elu"
+        for r in sorted((r for r in res.runs if r.kind == "causal" and r.size == n
+                         and r.params.get("phi") == "elu"
                          and r.params.get("dtype") == "f32" and r.params.get("D") == "64"
                          and all(r.params.get(k) == v for k, v in DEFAULTS.items())),
                         key=lambda r: (r.params.get("alg"), int(r.params.get("chunk", 0)))):
-            label = f"chunk {r.params['chunk']}" if r.params.get("alg") == "chunked" else r.params.get("alg")
+            chunked = r.params.get("alg") == "chunked"
+            label = f"chunk {r.params['chunk']}" if chunked else r.params.get("alg")
             cells.append(f"{label}: {fmt_time(r.wall)} (frac_of_gemm "
                          f"{fmt_ratio(frac_of_gemm(res, r))}, "
                          f"frac_of_peak {fmt_frac_peak(res, r)})")
@@ -78,12 +81,16 @@ def vs_gemm_softmax(res: Results) -> list[str]:
         r = res.find("mh_softmax", n, alg="tiled", **T)
         c = res.find("mh_causal_softmax", n, alg="tiled", **T)
         g = res.gemm_for(r)
-        rows.append([fmt_n(n), fmt_time(g.wall if g else None), fmt_time(r.wall), fmt_ratio(frac_of_gemm(res, r)),
-                     fmt_ratio(frac_of_gemm(res, r, cpu=True)), fmt_frac_peak(res, r), fmt_time(c.wall if c else None),
+        rows.append([fmt_n(n), fmt_time(g.wall if g else None), fmt_time(r.wall),
+                     fmt_ratio(frac_of_gemm(res, r)),
+                     fmt_ratio(frac_of_gemm(res, r, cpu=True)), fmt_frac_peak(res, r),
+                     fmt_time(c.wall if c else None),
                      fmt_ratio(frac_of_gemm(res, c) if c else None),
-                     fmt_ratio(frac_of_gemm(res, c, cpu=True) if c else None), fmt_frac_peak(res, c)])
+                     fmt_ratio(frac_of_gemm(res, c, cpu=True) if c else None),
+                     fmt_frac_peak(res, c)])
     if rows:
-        L += table(["N", "GEMMs (wall)", "softmax (wall)", "frac_of_gemm", "frac (cpu time)", "frac_of_peak",
+        L += table(["N", "GEMMs (wall)", "softmax (wall)", "frac_of_gemm", "frac (cpu time)",
+                    "frac_of_peak",
                     "causal softmax "
                     "(wall)", "frac_of_gemm", "frac (cpu time)", "frac_of_peak"], rows)
     else:
@@ -95,19 +102,23 @@ def linear_vs_softmax(res: Results, warn: list[str]) -> list[str]:
     """Section 4: the speed-up of linear attention over tiled softmax."""
     L: list[str] = []
     T = TARGET
-    common = sorted(set(res.sizes("mh_linear", **T)) & set(res.sizes("mh_softmax", alg="tiled", **T)))
+    common = sorted(set(res.sizes("mh_linear", **T)) & set(res.sizes("mh_softmax", alg="tiled",
+                                                                     **T)))
     if common:
         n = 16384 if 16384 in common else common[-1]
         if n != 16384:
             warn.append(f"speed-up reported at N = {n}: N = 16384 was not measured")
         rows = []
-        for lk, sk, label in (("mh_linear", "mh_softmax", "non-causal"), ("mh_causal", "mh_causal_softmax", "causal")):
+        for lk, sk, label in (("mh_linear", "mh_softmax", "non-causal"),
+                              ("mh_causal", "mh_causal_softmax", "causal")):
             a = res.find(lk, n, **T)
             b = res.find(sk, n, alg="tiled", **T)
             if a and b:
-                rows.append([label, fmt_n(n), fmt_time(a.wall), fmt_time(b.wall), f"{b.wall / a.wall:.0f}×",
+                rows.append([label, fmt_n(n), fmt_time(a.wall), fmt_time(b.wall),
+                             f"{b.wall / a.wall:.0f}×",
                              f"{b.cpu / a.cpu:.0f}×"])
-        L += table(["", "N", "linear", "tiled softmax", "speed-up (wall)", "speed-up (cpu)"], rows, "llrrrr")
+        L += table(["", "N", "linear", "tiled softmax", "speed-up (wall)", "speed-up (cpu)"], rows,
+                   "llrrrr")
     else:
         L.append("(needs multi-head linear and softmax at a common N)")
     return L
@@ -128,12 +139,15 @@ def decode_steps(res: Results) -> list[str]:
         if b:
             sm_t.append(b.wall)
         rows.append([fmt_n(p), fmt_time(a.wall if a else None), fmt_time(a.cpu if a else None),
-                     fmt_time(b.wall if b else None), fmt_ratio(b.wall / a.wall if a and b else None, 1),
-                     fmt_bytes(a.get("state_bytes") if a else None), fmt_bytes(b.get("state_bytes") if b else None),
+                     fmt_time(b.wall if b else None),
+                     fmt_ratio(b.wall / a.wall if a and b else None, 1),
+                     fmt_bytes(a.get("state_bytes") if a else None),
+                     fmt_bytes(b.get("state_bytes") if b else None),
                      fmt_bw_frac(decode_bw(res, a)), fmt_bw_frac(decode_bw(res, b, softmax=True))])
     if rows:
         L += table(["position", "recurrent step", "(cpu)", "softmax step", "softmax / recurrent",
-                    "recurrent state", "KV cache", "recurrent frac_of_bw", "softmax frac_of_bw"], rows)
+                    "recurrent state", "KV cache", "recurrent frac_of_bw", "softmax frac_of_bw"],
+                    rows)
         if len(rec_t) > 1:
             L.append("")
             L.append("Flatness: recurrent step max/min over positions "
@@ -163,8 +177,10 @@ def working_memory(res: Results) -> list[str]:
             return fmt_bytes(r.get("ws_bytes")) if r else "–"
         rows.append([fmt_n(n), ws("linear", phi="elu", dtype="f32", D="64"),
                      ws("causal", phi="elu", alg="chunked", chunk="64", dtype="f32", D="64"),
-                     ws("softmax", alg="tiled", dtype="f32", D="64"), ws("softmax", alg="naive", dtype="f32", D="64"),
-                     ws("mh_linear", **T), ws("mh_causal", **T), ws("mh_softmax", alg="tiled", **T)])
+                     ws("softmax", alg="tiled", dtype="f32", D="64"),
+                     ws("softmax", alg="naive", dtype="f32", D="64"),
+                     ws("mh_linear", **T), ws("mh_causal", **T),
+                     ws("mh_softmax", alg="tiled", **T)])
     if rows:
         L += table(["N", "linear", "causal (C=64)", "tiled softmax", "naive softmax",
                     "linear ×8 heads", "causal ×8 heads", "tiled softmax ×8 heads"], rows)
@@ -180,7 +196,8 @@ def two_threads(res: Results, warn: list[str]) -> list[str]:
     L: list[str] = []
     rows = []
     for kind, p in (("mh_linear", {}), ("mh_causal", {}), ("mh_softmax", {"alg": "tiled"}),
-                    ("mh_causal_softmax", {"alg": "tiled"}), ("mh_gemm_linear", {}), ("mh_gemm_softmax", {})):
+                    ("mh_causal_softmax", {"alg": "tiled"}), ("mh_gemm_linear", {}),
+                    ("mh_gemm_softmax", {})):
         one = dict(dtype="f32", H="8", D="64", thr="1", **p)
         two = dict(one, thr="2")
         common = sorted(set(res.sizes(kind, **one)) & set(res.sizes(kind, **two)))

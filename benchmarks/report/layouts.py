@@ -1,4 +1,5 @@
-"""Layouts and call forms (bench_multihead): row-major vs column-major, returning vs out-parameter forms."""
+"""Layouts and call forms (bench_multihead): row-major vs column-major, returning vs
+out-parameter forms, and the paper's CPU algorithm on the same memory."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ PAIR_KINDS = (("mh_layout_pair_linear", {"phi": "elu"}, "multi-head non-causal")
 
 
 def pair_table(res: Results, warn: list[str]) -> list[str]:
-    """Row-major ÷ column-major from the paired benchmarks (counter row_vs_col), per N; a ratio above
+    """Row-major ÷ column-major from the paired benchmarks (counter row_vs_col), per N; a ratio
+    above
     TARGET_ROW_VS_COL at the largest N makes a warning."""
     rows = []
     for kind, p, label in PAIR_KINDS:
@@ -57,8 +59,9 @@ def pair_ratio(res: Results, kind: str, n: int) -> float | None:
 
 
 def ratio_table(res: Results, specs: list[tuple], target: float, warn: list[str]) -> list[str]:
-    """Rows (label, kind, params of the variant, params of the reference): time ratios per N ≥ 1024,
-    wall (cpu). A ratio above `target` at the largest N in both wall and cpu time makes a warning."""
+    """Rows (label, kind, params of the variant, params of the reference): time ratios per
+    N ≥ 1024, wall (cpu). A ratio above `target` at the largest N in both wall and cpu time makes
+    a warning."""
     ns = large_sizes(sorted({n for _, kind, a, _ in specs for n in res.sizes(kind, **a)}))
     rows = []
     for label, kind, a, b in specs:
@@ -93,7 +96,8 @@ def vs_paper(res: Results) -> list[str]:
              "(one call per head) and on its column-major packed layout.")
     L.append("")
     rows = []
-    for label, pk, lk in (("causal", "mh_paper_causal", "mh_causal"), ("non-causal", "mh_paper_linear", "mh_linear")):
+    for label, pk, lk in (("causal", "mh_paper_causal", "mh_causal"),
+                          ("non-causal", "mh_paper_linear", "mh_linear")):
         for n in large_sizes(res.sizes(pk, layout="hnd", **T)):
             b = res.find(pk, n, layout="hnd", **T)
             same = res.find(lk, n, **dict(T, layout="hnd"))
@@ -120,7 +124,8 @@ def row_vs_col(res: Results, warn: list[str]) -> list[str]:
     for kind, p, name in (("mh_linear", {}, "multi-head "
                                             "non-causal"), ("mh_causal", {}, "multi-head causal")):
         for lay in ("row", "hnd", "hnd_batched"):
-            specs.append((f"{name}, {LAYOUT_LABEL[lay]}", kind, dict(T, **p, layout=lay), dict(T, **p)))
+            specs.append((f"{name}, {LAYOUT_LABEL[lay]}", kind, dict(T, **p, layout=lay),
+                          dict(T, **p)))
     sh = dict(phi="elu", dtype="f32", D="64")
     specs.append(("single head non-causal, row-major N×D "
                   "(Map)", "linear", dict(sh, layout="row"), sh))
@@ -148,7 +153,8 @@ def returning_vs_out(res: Results, warn: list[str]) -> list[str]:
     for kind, p, name in (("mh_linear", {}, "multihead_linear_attention"),
                           ("mh_causal", {}, "multihead_causal_linear_attention"),
                           ("mh_softmax", {"alg": "tiled"}, "multihead_softmax_attention"),
-                          ("mh_causal_softmax", {"alg": "tiled"}, "multihead_causal_softmax_attention")):
+                          ("mh_causal_softmax", {"alg": "tiled"},
+                           "multihead_causal_softmax_attention")):
         specs.append((f"{name} (8 heads)", kind, dict(T, **p, form="ret"), dict(T, **p)))
     specs.append(("linear_attention (single head)", "linear", dict(sh, form="ret"), sh))
     specs.append(("causal_linear_attention (single "

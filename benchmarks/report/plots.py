@@ -32,10 +32,12 @@ def svg_plot(res: Results, path: str) -> bool:
         ("mh_paper_linear", {"layout": "hnd"}, "paper's non-causal module (same "
                                                "run)", "#000000", "circle", "2,2"),
     ]
-    title_cfg = "float, H = 8 heads, D = M = 64, 1 thread; linattn on column-major packed inputs, the paper on [H, N, D]"
+    title_cfg = ("float, H = 8 heads, D = M = 64, 1 thread; linattn on column-major packed inputs, "
+                 "the paper on [H, N, D]")
     params = dict(T)
     if not res.sizes("mh_linear", **T):  # fall back to the single-head sweep
-        series_spec = [(k.replace("mh_", ""), p, lab, c, m, d) for k, p, lab, c, m, d in series_spec]
+        series_spec = [(k.replace("mh_", ""), p, lab, c, m, d) for k, p, lab, c, m,
+                       d in series_spec]
         params = dict(dtype="f32", D="64")
         title_cfg = "float, one head, D = M = 64, 1 thread"
     series = []
@@ -110,7 +112,8 @@ def svg_plot(res: Results, path: str) -> bool:
              'font-size="14">time per call (log scale)</text>')
     # Series.
     for label, color, marker, dash, pts in series:
-        d = " ".join(f"{'M' if i == 0 else 'L'}{X(x):.1f},{Y(y):.1f}" for i, (x, y) in enumerate(pts))
+        d = " ".join(f"{'M' if i == 0 else 'L'}{X(x):.1f},{Y(y):.1f}" for i,
+                     (x, y) in enumerate(pts))
         dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
         o.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="2.2"{dash_attr}/>')
         for x, y in pts:
@@ -163,8 +166,10 @@ ROOF_POINTS = (
     ("decode step, B = 1", "decode", "serve_batched", "col", "#d62728", "diamond"),
     ("decode step, B = 64", "decode", "serve_batched", "col", "#ff7f0e", "diamond"),
 )
-ROOF_LINE_STYLE = {("L1", False): ("#444444", ""), ("L2", False): ("#777777", ""), ("L3", False): ("#8c564b", ""),
-                   ("mem", False): ("#aaaaaa", ""), ("L1", True): ("#444444", "6,4"), ("L2", True): ("#777777", "6,4"),
+ROOF_LINE_STYLE = {("L1", False): ("#444444", ""), ("L2", False): ("#777777", ""),
+                   ("L3", False): ("#8c564b", ""),
+                   ("mem", False): ("#aaaaaa", ""), ("L1", True): ("#444444", "6,4"),
+                   ("L2", True): ("#777777", "6,4"),
                    ("L3", True): ("#8c564b", "6,4"), ("mem", True): ("#aaaaaa", "6,4")}
 
 
@@ -193,7 +198,8 @@ def roof_legend(o: list[str], roofs: list[tuple], x: float, y: float, width: flo
 def roofline_plot(res: Results, path: str) -> bool:
     """docs/roofline_plot.svg: log-log GFLOP/s against arithmetic intensity, the roofs measured by
     bench_roofline (FMA peak, float; read bandwidth of L1, L2, L3 and memory, read + write of the
-    same levels dashed) and a point per kernel (H = 8, D = M = 64, float, one thread, N = ROOF_N). False without
+    same levels dashed) and a point per kernel (H = 8, D = M = 64, float, one thread,
+    N = ROOF_N). False without
     bench_roofline's float peak."""
     roof = res.roof
     peak = roof.gflops("f32")
@@ -296,7 +302,8 @@ GEN_LINE_MIN_POINTS = 5
 
 
 def gen_plot(res: Results, path: str) -> bool:
-    """docs/generation_plot.svg: time per token against position (batch 1, the largest model), log y."""
+    """docs/generation_plot.svg: time per token against position (batch 1, the largest model),
+    log y."""
     models = [m for m, _ in GEN_MODELS if res.sizes("gen_step", model=m, attn="linear", batch="1")]
     if not models:
         return False
@@ -350,13 +357,14 @@ def gen_plot(res: Results, path: str) -> bool:
              'token</text>')
     o.append(f'<text transform="translate(22,{mt + ph / 2:.0f}) rotate(-90)" text-anchor="middle" '
              'font-size="14">time per token (log scale)</text>')
-    # A series sampled at a few positions (the recomputed prefix: its steps are slow) is drawn as its
-    # points alone: a straight segment between far-apart samples on a log axis would draw a kink
+    # A series sampled at a few positions (the recomputed prefix: its steps are slow) is drawn as
+    # its points alone: a straight segment between far-apart samples on a log axis would draw a kink
     # and a shape that was not measured.
     sparse = {t for t, _, pts in series if len(pts) < GEN_LINE_MIN_POINTS}
     for t, c, pts in series:
         if t not in sparse:
-            d = " ".join(f"{'M' if i == 0 else 'L'}{X(x):.1f},{Y(y):.1f}" for i, (x, y) in enumerate(pts))
+            d = " ".join(f"{'M' if i == 0 else 'L'}{X(x):.1f},{Y(y):.1f}" for i,
+                         (x, y) in enumerate(pts))
             o.append(f'<path d="{d}" fill="none" stroke="{c}" stroke-width="2.2"/>')
         for x, y in pts:
             o.append(svg_marker("square" if t in sparse else "circle", X(x), Y(y), c))

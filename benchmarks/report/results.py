@@ -61,7 +61,8 @@ class Run:
         self.program = program
         # Options Google Benchmark writes into the name are not parameters of the kernel.
         parts = [p for p in self.name.split("/")
-                 if p not in ("real_time", "manual_time") and not p.startswith(("min_warmup_time:", "repeats:"))]
+                 if p not in ("real_time",
+                              "manual_time") and not p.startswith(("min_warmup_time:", "repeats:"))]
         self.kind = parts[0]
         self.params: dict[str, str] = {}
         for p in parts[1:]:
@@ -99,7 +100,8 @@ class Run:
 class Results:
     def __init__(self, directory: str):
         self.runs: list[Run] = []
-        roof_runs: list[Run] = []  # bench_roofline's: this core's limits, kept out of the kernels' tables
+        # bench_roofline's runs: this core's limits, kept out of the kernels' tables.
+        roof_runs: list[Run] = []
         self.fits: list[dict] = []
         self.contexts: dict[str, dict] = {}
         self.errors: list[str] = []
@@ -140,13 +142,15 @@ class Results:
         form default to DEFAULTS (column-major, out-parameter form)."""
         params = {**DEFAULTS, **params}
         for r in self.runs:
-            if r.kind == kind and r.size == size and all(r.params.get(k) == v for k, v in params.items()):
+            if r.kind == kind and r.size == size and all(r.params.get(k) == v for k,
+                                                         v in params.items()):
                 return r
         return None
 
     def sizes(self, kind: str, **params) -> list[int]:
         params = {**DEFAULTS, **params}
-        return sorted({r.size for r in self.runs if r.kind == kind and all(r.params.get(k) == v for k, v in params.items())})
+        return sorted({r.size for r in self.runs if r.kind == kind
+                       and all(r.params.get(k) == v for k, v in params.items())})
 
     def gemm_for(self, r: Run) -> Run | None:
         g = GEMM_OF.get(r.kind)
@@ -170,7 +174,8 @@ def frac_of_gemm(res: Results, r: Run, cpu: bool = False) -> float | None:
 
 
 def gt_find(res: Results, kind: str, n: int, chunk: str | None = None, **params) -> Run | None:
-    """Like Results.find, but a run with a chunk key matches only when asked for that chunk (the chunk sweep
+    """Like Results.find, but a run with a chunk key matches only when asked for that chunk (the
+    chunk sweep
     must not stand in for the default chunk)."""
     params = {**DEFAULTS, **params}
     for r in res.runs:
@@ -181,7 +186,8 @@ def gt_find(res: Results, kind: str, n: int, chunk: str | None = None, **params)
 
 
 def large_sizes(ns: list[int]) -> list[int]:
-    """N ≥ 1024 (where per-call overheads no longer dominate), or every N when none is that large."""
+    """N ≥ 1024 (where per-call overheads no longer dominate), or every N when none is that
+    large."""
     big = [n for n in ns if n >= 1024]
     return big or list(ns)
 
@@ -189,7 +195,8 @@ def large_sizes(ns: list[int]) -> list[int]:
 def contention(res: Results) -> tuple[float | None, str]:
     """Median cpu/wall of the single-thread runs: < 1 means the process waited for a core."""
     ratios = [r.cpu / r.wall for r in res.runs
-              if r.params.get("thr", "1") == "1" and r.wall > 0 and not r.kind.startswith("split_pair")]
+              if r.params.get("thr",
+                              "1") == "1" and r.wall > 0 and not r.kind.startswith("split_pair")]
     if not ratios:
         return None, ""
     med = statistics.median(ratios)

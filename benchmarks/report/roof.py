@@ -28,7 +28,8 @@ def cache_sizes(contexts: dict[str, dict]) -> tuple[dict[str, int], str]:
     for c in contexts.values():
         found = {}
         for cache in c.get("caches", []):
-            if cache.get("type", "").lower() in ("data", "unified") and cache.get("level") in (1, 2, 3) \
+            if cache.get("type", "").lower() in ("data", "unified") and cache.get("level") in (1, 2,
+                                                                                               3) \
                     and cache.get("size"):
                 found[f"L{cache['level']}"] = int(cache["size"])
         if not found:
@@ -40,7 +41,8 @@ def cache_sizes(contexts: dict[str, dict]) -> tuple[dict[str, int], str]:
         if not missing:
             return sizes, "the caches in the JSON's context"
         return sizes, ("the caches in the JSON's context; assumed " +
-                       ", ".join(f"{lv} {fmt_bytes(DEFAULT_CACHE_BYTES[lv])}" for lv in missing) + ", not listed")
+                       ", ".join(f"{lv} {fmt_bytes(DEFAULT_CACHE_BYTES[lv])}" for lv in missing)
+                       + ", not listed")
     return dict(DEFAULT_CACHE_BYTES), ("assumed, as on AMD Zen 4/5: L1D 48 KiB and L2 1 MiB per "
                                        "core, L3 32 MiB "
                                        "shared; the JSON's context lists no caches")
@@ -73,7 +75,8 @@ class Roofline:
         """The fastest FMA run of `dtype`: roofline_fma_peak_<dtype> or one of the per-ISA runs
         roofline_fma_isa/dtype:<dtype> (the same kernels; another process on the core can only
         slow a run down, so the fastest is the best estimate of the peak)."""
-        runs = [r for r in [self.peak.get(dtype)] + [r for (d, _), r in self.isa.items() if d == dtype]
+        runs = [r for r in [self.peak.get(dtype)] + [r for (d, _),
+                                                     r in self.isa.items() if d == dtype]
                 if r is not None and r.gflops(cpu)]
         return max(runs, key=lambda r: r.gflops(cpu)) if runs else None
 
@@ -108,7 +111,8 @@ class Roofline:
         return "mem"
 
     def rw_fallback(self) -> list[str]:
-        """The levels measured for read but not for read + write (their read bandwidth stands in)."""
+        """The levels measured for read but not for read + write (their read bandwidth stands
+        in)."""
         return [lv for lv in ROOF_LEVELS if lv in self.read and lv not in self.rw]
 
     def ridge(self, level: str, rw: bool = False, dtype: str = "f32") -> float | None:

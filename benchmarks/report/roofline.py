@@ -1,4 +1,5 @@
-"""The kernels' place under the roofline: fractions of the peak and of the bandwidth, the roofline tables."""
+"""The kernels' place under the roofline: fractions of the peak and of the bandwidth, the
+roofline tables."""
 
 from __future__ import annotations
 
@@ -141,7 +142,8 @@ def kernel_cost(cost: str, D: int, M: int, scalar_bytes: int = 4) -> tuple[float
 
 def roof_working_set(cost: str, D: int, M: int, n: int, heads: int = 8) -> tuple[float, bool]:
     """(bytes, read + write?) of the data a kernel streams: n tokens × heads for a sequence (its
-    inputs and outputs, read-dominated: the read bandwidth), the n = B sequences' states for a decode
+    inputs and outputs, read-dominated: the read bandwidth), the n = B sequences' states for a
+    decode
     step (updated in place: the read + write bandwidth)."""
     if cost == "decode":
         return n * heads * 4.0 * 2.0 * (D * M + D), True
@@ -178,7 +180,8 @@ def roofline_limits(res: Results) -> list[str]:
             f"(`roofline_fma_peak_{dt}`)", roof.peak[dt]) for dt in ("f32", "f64")
            if dt in roof.peak]
     fma += [(f"FMA, {DTYPE_LABEL.get(dt, dt)}, {isa}", r) for (dt, isa), r in
-            sorted(roof.isa.items(), key=lambda kv: (kv[0][0], -float(kv[1].get("vector_bits", 0))))]
+            sorted(roof.isa.items(),
+                   key=lambda kv: (kv[0][0], -float(kv[1].get("vector_bits", 0))))]
     rows = []
     for what, r in fma:
         g = f"{fmt_ratio(r.gflops(), 1)} GFLOP/s"
@@ -215,7 +218,8 @@ def roofline_limits(res: Results) -> list[str]:
 
 
 def roofline_kernels(res: Results) -> list[str]:
-    """Flops, bytes and intensity per token and head of the library's kernels, where each sits under the
+    """Flops, bytes and intensity per token and head of the library's kernels, where each sits
+    under the
     roof, and the GFLOP/s measured (H = 8, float, one thread)."""
     roof = res.roof
     peak = roof.gflops("f32")
@@ -235,7 +239,8 @@ def roofline_kernels(res: Results) -> list[str]:
             g = r.gflops() if r else None
             at = f" (N = {fmt_n(r.size)})" if r and cost != "decode" and r.size != ROOF_N else ""
             rows.append([label, str(d), f"{flops:,.0f}", f"{nbytes:,.0f}", f"{inten:.2f}",
-                         fmt_bytes(ws) + (f" (B = {n})" if cost == "decode" else f" (N = {fmt_n(n)})"),
+                         fmt_bytes(ws)
+                         + (f" (B = {n})" if cost == "decode" else f" (N = {fmt_n(n)})"),
                          LEVEL_LABEL[level] + (" (r + w)" if rw else ""), fmt_ratio(ridge), bound,
                          fmt_ratio(roof_g, 1), (fmt_ratio(g, 1) + at) if g else "–",
                          fmt_ratio(g / roof_g if g and roof_g else None)])

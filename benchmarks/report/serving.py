@@ -1,4 +1,5 @@
-"""Serving (bench_serving), one sequence on two threads (split_pair_*) and bf16 / half storage (bench_low_precision)."""
+"""Serving (bench_serving), one sequence on two threads (split_pair_*) and bf16 / half storage
+(bench_low_precision)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,20 @@ if TYPE_CHECKING:
 
 
 def serving_table(res: Results) -> list[str]:
-    """Tokens per second of the batched decode step and of B separate multi-head steps, per thread count."""
+    """Tokens per second of the batched decode step and of B separate multi-head steps, per
+    thread count."""
     q = dict(phi="elu", dtype="f32", H="8", D="64")
     threads = sorted({r.params["thr"] for r in res.runs if r.kind == "serve_batched"}, key=int)
     rows = []
     for t in threads:
         for b in res.sizes("serve_batched", thr=t, **q):
-            a, s = res.find("serve_batched", b, thr=t, **q), res.find("serve_separate", b, thr=t, **q)
+            a, s = res.find("serve_batched", b, thr=t, **q), res.find("serve_separate", b, thr=t,
+                                                                      **q)
             ta, ts = (a.get("tokens_per_s") if a else None), (s.get("tokens_per_s") if s else None)
             rows.append([t, str(b), f"{ta / 1e3:.1f} "
                                     "k" if ta else "–", f"{ts / 1e3:.1f} k" if ts else "–",
-                         fmt_ratio(ta / ts if ta and ts else None), fmt_bytes(a.get("state_bytes") if a else None),
+                         fmt_ratio(ta / ts if ta and ts else None),
+                         fmt_bytes(a.get("state_bytes") if a else None),
                          fmt_bw_frac(decode_bw(res, a)), fmt_bw_frac(decode_bw(res, s))])
     if not rows:
         return ["(no serve_* runs in these results)"]
@@ -45,7 +49,8 @@ SPLIT_KINDS = (("split_pair_causal", {"alg": "auto"}, "causal_linear_attention (
 
 
 def split_table(res: Results, warn: list[str]) -> list[str]:
-    """One thread ÷ two threads from the paired benchmarks (median per-iteration ratios), with the ceiling
+    """One thread ÷ two threads from the paired benchmarks (median per-iteration ratios), with the
+    ceiling
     two threads reach on this machine when each runs the one-thread kernel on its own half."""
     rows = []
     for kind, p, label in SPLIT_KINDS:
@@ -53,13 +58,16 @@ def split_table(res: Results, warn: list[str]) -> list[str]:
         for n in res.sizes(kind, **q):
             r = res.find(kind, n, **q)
             x = r.get("speedup", float("nan"))
-            rows.append([label, fmt_n(n), fmt_time(r.get("t1_ms", 0) * 1e-3), fmt_time(r.get("t2_ms", 0) * 1e-3),
-                         f"{x:.2f}×", fmt_time(r.get("halves_ms", 0) * 1e-3), f"{r.get('ceiling', float('nan')):.2f}×",
+            rows.append([label, fmt_n(n), fmt_time(r.get("t1_ms", 0) * 1e-3),
+                         fmt_time(r.get("t2_ms", 0) * 1e-3),
+                         f"{x:.2f}×", fmt_time(r.get("halves_ms", 0) * 1e-3),
+                         f"{r.get('ceiling', float('nan')):.2f}×",
                          f"{r.get('rel_diff', float('nan')):.1e}", str(r.iterations)])
-            if kind == "split_pair_causal" and not p.get("form") and n >= 65536 and not x >= TARGET_SPLIT_SPEEDUP:
+            target_run = kind == "split_pair_causal" and not p.get("form") and n >= 65536
+            if target_run and not x >= TARGET_SPLIT_SPEEDUP:
                 warn.append(f"{label} on two threads: {x:.2f}× one thread at N = {n}, below the "
-                            "target "
-                            f"{TARGET_SPLIT_SPEEDUP:.1f}× (two independent halves on this machine: "
+                            f"target {TARGET_SPLIT_SPEEDUP:.1f}× (two independent halves on this "
+                            "machine: "
                             f"{r.get('ceiling', float('nan')):.2f}×)")
     if not rows:
         return ["(no split_pair_* runs in these results)"]
@@ -111,7 +119,8 @@ def low_precision_section(res: Results, warn: list[str]) -> list[str]:
                 r = res.find("decode", b, dtype=t, state=t if state == "low" else "f32")
                 ratio = f.wall / r.wall if r and f else None
                 cells.append(f"{fmt_time(r.wall)} ({fmt_ratio(ratio)}×)" if ratio else "–")
-                if state == "low" and t == "bf16" and b == 64 and ratio and ratio < TARGET_LOW_DECODE:
+                target_run = state == "low" and t == "bf16" and b == 64
+                if target_run and ratio and ratio < TARGET_LOW_DECODE:
                     warn.append(f"bf16 decode states at B = 64: {ratio:.2f}× the float step "
                                 f"(target ≥ {TARGET_LOW_DECODE}×)")
             rows.append(cells)

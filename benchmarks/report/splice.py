@@ -14,7 +14,8 @@ def splice(text: str, name: str, block: list[str]) -> str | None:
 
 
 def update_readme(path: str, block: list[str], name: str = "headline") -> bool:
-    """Replaces the text between the bench:<name> markers of README.md; False if they are missing."""
+    """Replaces the text between the bench:<name> markers of README.md; False if they are
+    missing."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()

@@ -15,15 +15,19 @@ def svg_marker(marker: str, cx: float, cy: float, color: str) -> str:
         return (f'<path d="M{cx:.1f},{cy - 6:.1f} L{cx + 6:.1f},{cy:.1f} L{cx:.1f},{cy + 6:.1f} '
                 f'L{cx - 6:.1f},{cy:.1f} Z" fill="{color}"/>')
     fill = "white" if marker.startswith("open") else color
-    return f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4.5" fill="{fill}" stroke="{color}" stroke-width="1.8"/>'
+    return (f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4.5" fill="{fill}" stroke="{color}" '
+            'stroke-width="1.8"/>')
 
 
-def place_labels(points: list[tuple[float, float, str]], obstacles: list[tuple[float, float, float, float]],
+def place_labels(points: list[tuple[float, float, str]],
+                 obstacles: list[tuple[float, float, float, float]],
                  bounds: tuple[float, float, float, float], char_w: float = 7.0,
                  line_h: float = 15.0) -> list[tuple[float, float, str, str]]:
-    """Positions (x, y of the text baseline, anchor, text), in the order given, for labels of points (x, y,
+    """Positions (x, y of the text baseline, anchor, text), in the order given, for labels of
+    points (x, y,
     text), placed from the top down: right of the
-    point, else moved up or down, else left of it, so that no two labels and no label and marker overlap
+    point, else moved up or down, else left of it, so that no two labels and no label and marker
+    overlap
     (as far as the candidates allow). obstacles: boxes (x0, y0, x1, y1); bounds: the plot area."""
     placed: list[tuple[float, float, float, float]] = []
     out: list[tuple[float, float, str, str]] = [(0.0, 0.0, "start", "")] * len(points)
@@ -33,7 +37,8 @@ def place_labels(points: list[tuple[float, float, str]], obstacles: list[tuple[f
         x0, y0, x1, y1 = box
         if x0 < bx0 or x1 > bx1 or y0 < by0 or y1 > by1:
             return False
-        return all(x1 <= a0 or x0 >= a1 or y1 <= b0 or y0 >= b1 for a0, b0, a1, b1 in placed + obstacles)
+        return all(x1 <= a0 or x0 >= a1 or y1 <= b0 or y0 >= b1 for a0, b0, a1,
+                   b1 in placed + obstacles)
 
     for k in sorted(range(len(points)), key=lambda k: points[k][1]):  # top to bottom
         px, py, text = points[k]

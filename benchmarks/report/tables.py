@@ -60,7 +60,8 @@ KIND_ORDER = list(KIND_TITLES)
 
 # Columns of a table; every other param makes a table.
 VARIANT_KEYS = {"causal": ("alg", "chunk", "layout", "form"),
-                **{k: ("pass", "layout") for k in ("mh_train_linear", "mh_train_causal", "mh_train_softmax",
+                **{k: ("pass", "layout") for k in ("mh_train_linear", "mh_train_causal",
+                                                   "mh_train_softmax",
                                                    "mh_train_causal_softmax")},
                 "gt_gated": ("alg", "chunk", "layout"),
                 "dl_delta": ("alg", "chunk", "layout"),
@@ -84,7 +85,8 @@ def variant_label(kind: str, p: dict) -> str:
         elif k == "form":
             parts.append("returning form" if p[k] == "ret" else p[k])
         elif k == "pass":
-            parts.append({"fwd": "forward", "bwd": "backward", "fwdbwd": "fwd + bwd"}.get(p[k], p[k]))
+            parts.append({"fwd": "forward", "bwd": "backward", "fwdbwd": "fwd + bwd"}.get(p[k],
+                                                                                          p[k]))
         else:
             parts.append(p[k])
     if "chunk" in p and p.get("alg") == "chunked":
@@ -93,7 +95,8 @@ def variant_label(kind: str, p: dict) -> str:
 
 
 def full_tables(res: Results) -> list[str]:
-    """One table per (kind, shape): rows N, a column per variant; cells wall time · GFLOP/s · frac_of_gemm ·
+    """One table per (kind, shape): rows N, a column per variant; cells wall time · GFLOP/s ·
+    frac_of_gemm ·
     frac_of_peak."""
     L: list[str] = ["", "Cells: wall time · useful GFLOP/s · frac_of_gemm (– where there is no "
                         "GEMM reference) · "
@@ -107,7 +110,8 @@ def full_tables(res: Results) -> list[str]:
 
     def vsort(v):
         d = dict(v)
-        return (d.get("phi", ""), d.get("alg", ""), int(d.get("chunk", 0) or 0), PASS_ORDER.get(d.get("pass"), -1),
+        return (d.get("phi", ""), d.get("alg", ""), int(d.get("chunk", 0) or 0),
+                PASS_ORDER.get(d.get("pass"), -1),
                 d.get("layout", ""))
 
     order = sorted(groups, key=lambda g: (KIND_ORDER.index(g[0]) if g[0] in KIND_ORDER else 99, g))
@@ -117,7 +121,8 @@ def full_tables(res: Results) -> list[str]:
         desc = ", ".join(f"{k} = {v}" for k, v in p.items())
         L += ["", f"#### {KIND_TITLES.get(kind, kind)} — {desc}", ""]
         sizes = sorted({n for v in variants for n in groups[g][v]})
-        header = ["position" if kind.startswith("decode") else "N"] + [variant_label(kind, dict(v)) for v in variants]
+        header = (["position" if kind.startswith("decode") else "N"]
+                  + [variant_label(kind, dict(v)) for v in variants])
         rows = []
         for n in sizes:
             row = [fmt_n(n)]
@@ -139,11 +144,13 @@ def memory_table(res: Results) -> list[str]:
         if r.get("ws_bytes") is not None:
             fams.setdefault(r.family(), []).append(r)
     rows = []
-    for fam in sorted(fams, key=lambda f: (KIND_ORDER.index(f[0]) if f[0] in KIND_ORDER else 99, f)):
+    for fam in sorted(fams,
+                      key=lambda f: (KIND_ORDER.index(f[0]) if f[0] in KIND_ORDER else 99, f)):
         runs = sorted(fams[fam], key=lambda r: r.size)
         a, b = runs[0], runs[-1]
         name = fam[0] + "/" + "/".join(f"{k}:{v}" for k, v in fam[1:])
-        rows.append([name, fmt_n(a.size), fmt_bytes(a.get("ws_bytes")), fmt_n(b.size), fmt_bytes(b.get("ws_bytes")),
+        rows.append([name, fmt_n(a.size), fmt_bytes(a.get("ws_bytes")), fmt_n(b.size),
+                     fmt_bytes(b.get("ws_bytes")),
                      fmt_bytes(b.get("state_bytes"))])
     if not rows:
         return ["(no ws_bytes counters in these results)"]
@@ -157,7 +164,9 @@ def fit_table(res: Results) -> list[str]:
     for e in res.fits:
         by.setdefault(e["run_name"], {})[e["aggregate_name"]] = e
     rows = []
-    for name in sorted(by, key=lambda n: (KIND_ORDER.index(n.split("/")[0]) if n.split("/")[0] in KIND_ORDER else 99, n)):
+    for name in sorted(by,
+                       key=lambda n: (KIND_ORDER.index(n.split("/")[0])
+                                      if n.split("/")[0] in KIND_ORDER else 99, n)):
         big = by[name].get("BigO")
         rms = by[name].get("RMS")
         if not big:
@@ -165,7 +174,8 @@ def fit_table(res: Results) -> list[str]:
         unit = UNIT_S[big.get("time_unit", "ns")]
         order = big.get("big_o", "?")
         coef = big.get("real_coefficient", 0.0) * unit
-        rows.append([name.replace("/real_time", ""), "O(" + ("1" if order in ("(1)", "1") else order) + ")",
+        rows.append([name.replace("/real_time", ""),
+                     "O(" + ("1" if order in ("(1)", "1") else order) + ")",
                      f"{coef:.3g} s", f"{rms['rms'] * 100:.0f} %" if rms else "–"])
     if not rows:
         return ["(no complexity fits: every family had a single size)"]
