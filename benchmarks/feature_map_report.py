@@ -174,8 +174,10 @@ def cpu_description() -> str:
     arch = ""
     if "AMD" in model and family == 25 and model_no is not None:
         # Family 19h: Zen 3 is models 00h-0Fh, 20h-2Fh, 40h-5Fh; the others are Zen 4.
-        arch = " (Zen 3)" if model_no < 0x10 or 0x20 <= model_no < 0x30 or 0x40 <= model_no < 0x60 else " (Zen 4)"
-    isa = "AVX-512" if " avx512f" in f" {flags}" else ("AVX2" if " avx2" in f" {flags}" else "no AVX2")
+        zen3 = model_no < 0x10 or 0x20 <= model_no < 0x30 or 0x40 <= model_no < 0x60
+        arch = " (Zen 3)" if zen3 else " (Zen 4)"
+    isa = "AVX-512" if " avx512f" in f" {flags}" else ("AVX2" if " avx2" in f" {flags}"
+                                                       else "no AVX2")
     return f"{os.cpu_count()}-core {model}{arch}, {isa}"
 
 
@@ -194,7 +196,8 @@ def best(d: Data, family: str, causal: bool, keys: list[str]) -> tuple[str, floa
 
 def label(d: Data, key: str) -> str:
     m = d.method[key]
-    return m["label"] + ("" if m["family"] in ("softmax", "favor", "linformer") else f" (F = {m['F']})")
+    return m["label"] + ("" if m["family"] in ("softmax", "favor",
+                                               "linformer") else f" (F = {m['F']})")
 
 
 def pareto(d: Data, family: str, causal: bool) -> list[str]:
@@ -235,13 +238,16 @@ def error_table(d: Data, causal: bool) -> list[str]:
         if causal and not m["causal"]:
             continue
         t = d.time.get((m["key"], causal))
-        rows.append([m["label"], str(m["F"]) if m["family"] != "softmax" else "(N)", fmt_us(t[1] if t else None)]
+        rows.append([m["label"], str(m["F"]) if m["family"] != "softmax" else "(N)",
+                     fmt_us(t[1] if t else None)]
                     + [fmt_err(d.e(m["key"], f["key"], causal), m["random"]) for f in fams])
-    rows.append(["equal weights (mean of V)", "–", "–"] + [f"{d.uniform(f['key'], causal):.3g}" for f in fams])
+    rows.append(["equal weights (mean of "
+                 "V)", "–", "–"] + [f"{d.uniform(f['key'], causal):.3g}" for f in fams])
     return table(header, rows)
 
 
-def ratio_range(d: Data, keys: list[str], fams: list[str], causal: bool = False) -> tuple[float, float] | None:
+def ratio_range(d: Data, keys: list[str], fams: list[str],
+                causal: bool = False) -> tuple[float, float] | None:
     r = [d.mean(k, f, causal) / d.uniform(f, causal) for k in keys for f in fams
          if d.mean(k, f, causal) is not None and d.uniform(f, causal) > 0]
     return (min(r), max(r)) if r else None
@@ -267,7 +273,8 @@ def findings(d: Data) -> list[str]:
     for f in fams:
         b = best(d, f, False, [m["key"] for m in maps])
         if b:
-            cells.append(f"{f}: {label(d, b[0])}, {b[1]:.3g} (equal weights: {d.uniform(f, False):.3g})")
+            cells.append(f"{f}: {label(d, b[0])}, {b[1]:.3g} (equal weights: "
+                         f"{d.uniform(f, False):.3g})")
     L.append("- **Closest to softmax, any F (non-causal)**: " + "; ".join(cells) + ".")
     for causal in (False, True):
         cells = []
@@ -275,31 +282,40 @@ def findings(d: Data) -> list[str]:
             b = best(d, f, causal, [k for k in small if d.method[k]["causal"] or not causal])
             if b:
                 cells.append(f"{f}: {d.method[b[0]]['label']} {b[1]:.3g}")
-        L.append(f"- **At equal F ≈ D ({d.D}–{d.D + 1} features), {'causal' if causal else 'non-causal'}**: "
+        L.append(f"- **At equal F ≈ D ({d.D}–{d.D + 1} features), "
+                 f"{'causal' if causal else 'non-causal'}**: "
                  + "; ".join(cells) + ".")
     # The maps that are not estimators: how much better than ignoring q and k.
     rr = ratio_range(d, nonest, sharp)
     r0 = ratio_range(d, nonest, flat)
     dp = d.keys_of("dpfp")
     if rr and r0:
-        L.append(f"- **EluPlusOne, Relu, SoftmaxSplit, NormalizedCosine and DPFP stay close to equal weights**: "
-                 f"their error is {rr[0]:.2f}–{rr[1]:.2f}× that of outputting the mean of V on every input but "
+        L.append("- **EluPlusOne, Relu, SoftmaxSplit, NormalizedCosine and DPFP stay close to "
+                 "equal weights**: "
+                 f"their error is {rr[0]:.2f}–{rr[1]:.2f}× that of outputting the mean of V on "
+                 "every input but "
                  f"the flat ones, where equal weights' error is below 0.5 ({', '.join(flat)}: "
                  f"{r0[0]:.2f}–{r0[1]:.2f}×).")
     if len(dp) > 1:
         r3 = ratio_range(d, dp[-1:], sharp)
-        L.append(f"- **More features do not bring DPFP to softmax**: from {d.method[dp[0]]['label']} to "
-                 f"{d.method[dp[-1]]['label']} (F = {d.method[dp[0]]['F']} → {d.method[dp[-1]]['F']}) the error goes "
-                 + ", ".join(f"{f} {d.mean(dp[0], f, False):.3g} → {d.mean(dp[-1], f, False):.3g}" for f in fams)
-                 + (f"; at ν = 3 it is still {r3[0]:.2f}–{r3[1]:.2f}× equal weights' on all but the flat inputs "
+        L.append("- **More features do not bring DPFP to softmax**: from "
+                 f"{d.method[dp[0]]['label']} to "
+                 f"{d.method[dp[-1]]['label']} (F = {d.method[dp[0]]['F']} → "
+                 f"{d.method[dp[-1]]['F']}) the error goes "
+                 + ", ".join(f"{f} {d.mean(dp[0], f, False):.3g} → "
+                             f"{d.mean(dp[-1], f, False):.3g}" for f in fams)
+                 + (f"; at ν = 3 it is still {r3[0]:.2f}–{r3[1]:.2f}× equal weights' on all but "
+                    "the flat inputs "
                     f"({', '.join(flat)})." if r3 else "."))
     if "taylor2" in d.method:
         t = {f: d.mean("taylor2", f, False) for f in fams}
         c = cost_ratio(d, "taylor2", "elu")
         cs = cost_ratio(d, "taylor2", "softmax")
-        L.append(f"- **Taylor-2 is the best map where attention is flat and breaks down where it is sharp**: "
+        L.append("- **Taylor-2 is the best map where attention is flat and breaks down where it "
+                 "is sharp**: "
                  + ", ".join(f"{f} {x:.3g}" for f, x in t.items() if x is not None)
-                 + " (non-causal; " + ", ".join(f"{f} {t[f] / d.uniform(f, False):.2f}× equal weights"
+                 + " (non-causal; "
+                   "" + ", ".join(f"{f} {t[f] / d.uniform(f, False):.2f}× equal weights"
                                                 for f in fams[-3:] if t.get(f) is not None) + ")"
                  + (f". It costs {c:.0f}× EluPlusOne per token" if c else "")
                  + (f" and {cs:.1f}× softmax itself at N = {d.N}" if cs else "") + ".")
@@ -313,28 +329,38 @@ def findings(d: Data) -> list[str]:
         last = ks[-1]
         falling = [f for f in fams if (favor_fit(d, f, False) or (0.0, 0.0))[0] < -0.2]
         worse = [f for f in fams if (d.mean(last, f, False) or 0) >= d.uniform(f, False)]
-        L.append(f"- **FAVOR+ estimates exp(q·k/√D) without bias, but its variance decides**: the fitted slope of "
+        L.append("- **FAVOR+ estimates exp(q·k/√D) without bias, but its variance decides**: the "
+                 "fitted slope of "
                  "log(error) against log(m) (m = " + ", ".join(str(d.method[k]["F"]) for k in ks) +
                  ", non-causal) is " + ", ".join(cells) + ", against −0.5 for an error ∝ 1/√m. " +
-                 (f"The error falls with m only on {', '.join(falling)}; elsewhere it hardly moves up to m = "
-                  f"{d.method[last]['F']}. " if falling else f"It hardly moves up to m = {d.method[last]['F']}. ") +
+                 (f"The error falls with m only on {', '.join(falling)}; elsewhere it hardly moves "
+                  "up to m = "
+                  f"{d.method[last]['F']}. "
+                  "" if falling else f"It hardly moves up to m = {d.method[last]['F']}. ") +
                  f"At m = {d.method[last]['F']} it is above equal weights' on " +
                  (", ".join(worse) if worse else "no input") + ".")
     elif not d.has_favor:
-        L.append("- **FAVOR+** is not in this run: the program was built without `<linattn/favor.hpp>`; "
+        L.append("- **FAVOR+** is not in this run: the program was built without "
+                 "`<linattn/favor.hpp>`; "
                  "rebuild and rerun once it exists.")
     lk = d.keys_of("linformer")
     if lk:
         e = [d.mean(k, f, False) for k in lk for f in fams if d.mean(k, f, False) is not None]
-        slopes = [fit_slope([d.method[k]["F"] for k in lk], [d.mean(k, f, False) for k in lk]) for f in fams]
+        slopes = [fit_slope([d.method[k]["F"] for k in lk],
+                            [d.mean(k, f, False) for k in lk]) for f in fams]
         slopes = [x[0] for x in slopes if x]
-        L.append(f"- **Linformer with random projections is far from softmax**: errors {min(e):.3g} to "
-                 f"{max(e):.3g} (k = {d.method[lk[0]]['F']} … {d.method[lk[-1]]['F']}), above equal weights "
-                 "everywhere. Each row of F·V mixes all N values with N(0, 1/k) weights (about √(N/k) times a "
+        L.append("- **Linformer with random projections is far from softmax**: errors "
+                 f"{min(e):.3g} to "
+                 f"{max(e):.3g} (k = {d.method[lk[0]]['F']} … {d.method[lk[-1]]['F']}), above "
+                 "equal weights "
+                 "everywhere. Each row of F·V mixes all N values with N(0, 1/k) weights (about "
+                 "√(N/k) times a "
                  "value's norm), so the output is no longer an average of values" +
-                 (f"; the error falls as k^{minus(min(slopes))} to k^{minus(max(slopes))} (fitted slopes)"
+                 (f"; the error falls as k^{minus(min(slopes))} to k^{minus(max(slopes))} (fitted "
+                  "slopes)"
                   if slopes else "") +
-                 ". The paper learns E and F; drawn at random, they do not approximate softmax attention.")
+                 ". The paper learns E and F; drawn at random, they do not approximate softmax "
+                 "attention.")
     # Where every map falls to (or below) equal weights.
     worse, seen = [], set()
     for m in maps:
@@ -349,18 +375,22 @@ def findings(d: Data) -> list[str]:
             seen.add(m["family"])
             b = bad(m["key"])
             worse.append(f"{FAMILY_LABEL.get(m['family'], m['family']).split(' (')[0]}, every "
-                         f"{'m' if m['family'] == 'favor' else 'ν'} ({'every input' if b == fams else ', '.join(b)})")
+                         f"{'m' if m['family'] == 'favor' else 'ν'} "
+                         f"({'every input' if b == fams else ', '.join(b)})")
         elif bad(m["key"]):
             worse.append(f"{m['label']} ({', '.join(bad(m['key']))})")
     if worse:
-        L.append("- **Where a map is no better than equal weights** (non-causal error ≥ that of the mean of V): "
+        L.append("- **Where a map is no better than equal weights** (non-causal error ≥ that of "
+                 "the mean of V): "
                  + "; ".join(worse) + ".")
     if d.time:
         for f in fams[:2]:
             front = pareto(d, f, False)
-            L.append(f"- **For its cost, {f}, non-causal** (of the maps better than equal weights, each one listed "
+            L.append(f"- **For its cost, {f}, non-causal** (of the maps better than equal weights, "
+                     "each one listed "
                      "is cheaper than every map with a smaller error; cpu µs/token, error): " +
-                     " → ".join(f"{label(d, k)} {fmt_us(d.time[(k, False)][1])}, {d.mean(k, f, False):.3g}"
+                     " → ".join(f"{label(d, k)} {fmt_us(d.time[(k, False)][1])}, "
+                                f"{d.mean(k, f, False):.3g}"
                                 for k in front) + ".")
     if d.time and ("softmax", False) in d.time:
         cells = []
@@ -368,21 +398,27 @@ def findings(d: Data) -> list[str]:
             c = cost_ratio(d, m["key"], "softmax")
             if c is not None:
                 cells.append(f"{label(d, m['key'])} {c:.2g}")
-        L.append(f"- **Cost per token relative to softmax** (N = {d.N}, non-causal, cpu time; softmax's cost grows "
+        L.append(f"- **Cost per token relative to softmax** (N = {d.N}, non-causal, cpu time; "
+                 "softmax's cost grows "
                  "with N, the others' does not): " + ", ".join(cells) + ".")
     return L
 
 
-def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panels: list[str]) -> None:
+def write_markdown(d: Data, path: str, svg_name: str | None, command: str,
+                   panels: list[str]) -> None:
     ctx = d.context
     date = ctx.get("date") or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     L = ["# Feature maps against softmax attention", "",
          "<!-- Generated by benchmarks/feature_map_report.py from a run of feature_map_quality; "
          "do not edit by hand. -->", "",
-         "Which feature map's linear attention comes closest to softmax attention softmax(QKᵀ/√D)V, "
-         "and at what cost? `benchmarks/feature_map_quality.cpp` feeds the library's maps for normalised "
-         "attention (EluPlusOne, Relu, SoftmaxSplit, NormalizedCosine, DPFP, Taylor-2, FAVOR+) and Linformer "
-         f"the same float inputs (N = {d.N} tokens, D = M = {d.D}, one head) and compares each output with softmax "
+         "Which feature map's linear attention comes closest to softmax attention "
+         "softmax(QKᵀ/√D)V, "
+         "and at what cost? `benchmarks/feature_map_quality.cpp` feeds the library's maps for "
+         "normalised "
+         "attention (EluPlusOne, Relu, SoftmaxSplit, NormalizedCosine, DPFP, Taylor-2, FAVOR+) and "
+         "Linformer "
+         f"the same float inputs (N = {d.N} tokens, D = M = {d.D}, one head) and compares each "
+         "output with softmax "
          "attention computed exactly in double: the relative Frobenius error "
          "‖out − out_softmax‖_F / ‖out_softmax‖_F, non-causal (`linear_attention`) and causal "
          "(`causal_linear_attention` against causal softmax). The same program times each map's "
@@ -393,32 +429,47 @@ def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panel
          f"Profile `{d.profile}`, random maps over {d.draws} seeds each, run of {date}.", ""]
     L += ["## Findings", ""] + findings(d) + [""]
     L += ["Two kinds of map are compared here, and they should not be confused:", "",
-          "- **FAVOR+ and Taylor-2 approximate the softmax kernel exp(q·k/√D)**. FAVOR+ is an unbiased "
+          "- **FAVOR+ and Taylor-2 approximate the softmax kernel exp(q·k/√D)**. FAVOR+ is an "
+          "unbiased "
           "random-feature estimate: with independent features its relative variance per score is "
           "(exp(‖q + k‖²/√D) − 1)/m, so its error falls as 1/√m once that is small, and the factor "
-          "exp(‖q + k‖²/√D) decides when. For q, k entries N(0, σ²) in D dimensions ‖q + k‖²/√D ≈ 2σ²√D: "
+          "exp(‖q + k‖²/√D) decides when. For q, k entries N(0, σ²) in D dimensions ‖q + k‖²/√D ≈ "
+          "2σ²√D: "
           f"{2 * d.D ** 0.5 * 0.0625:.0f} at σ = 0.25, {2 * d.D ** 0.5 * 0.25:.0f} at σ = 0.5 and "
           f"{2 * d.D ** 0.5:.0f} at σ = 1 for D = {d.D} "
-          f"(e^{2 * d.D ** 0.5:.0f} ≈ {sci(math.exp(2 * d.D ** 0.5))}), and more with outlier channels: no "
-          "practical m reaches the 1/√m regime from σ = 1 on. Taylor-2 is the exact second-order polynomial "
+          f"(e^{2 * d.D ** 0.5:.0f} ≈ {sci(math.exp(2 * d.D ** 0.5))}), and more with outlier "
+          "channels: no "
+          "practical m reaches the 1/√m regime from σ = 1 on. Taylor-2 is the exact second-order "
+          "polynomial "
           "1 + t + t²/2 of t = q·k/√D: accurate while |t| is small and wrong when scores are large "
           "(sharp attention, outlier channels).",
           "- **EluPlusOne, Relu, NormalizedCosine, SoftmaxSplit and DPFP are not estimators of the "
-          "softmax kernel**: φ(q)·φ(k) is another similarity, which a model trained with it learns to use. Their error "
-          "against softmax is a property of the inputs, not a sampling error, and it does not fall to "
-          "0 as F grows (DPFP's ν = 1, 2, 3 show it). They apply no 1/√D scaling (the library's, and "
+          "softmax kernel**: φ(q)·φ(k) is another similarity, which a model trained with it learns "
+          "to use. Their error "
+          "against softmax is a property of the inputs, not a sampling error, and it does not fall "
+          "to "
+          "0 as F grows (DPFP's ν = 1, 2, 3 show it). They apply no 1/√D scaling (the library's, "
+          "and "
           "the paper's, choice), so they are given the same Q and K as softmax.",
           "- **Linformer** (random projections E, F of N(0, 1/k) along the sequence, as "
-          "`make_linformer_projections` draws them; the paper learns them) is exact softmax against k "
+          "`make_linformer_projections` draws them; the paper learns them) is exact softmax "
+          "against k "
           "mixed keys; non-causal only.",
-          "- Identity, Silu and L2Normalize, the maps of the gated and delta-rule kernels, are left out: their "
-          "features take both signs, and normalised attention with them can divide by a denominator near 0.", ""]
+          "- Identity, Silu and L2Normalize, the maps of the gated and delta-rule kernels, are "
+          "left out: their "
+          "features take both signs, and normalised attention with them can divide by a "
+          "denominator near 0.", ""]
     L += ["## The inputs", "",
-          "q and k entries are N(0, σ²) (V: N(0, 1)); a score q·k/√D then has standard deviation σ², "
-          "so σ runs from flat to sharp attention. The outlier families add ±s to 3 of the 64 channels "
-          "of every q and k (the same sign for every token, as the massive activations of LLMs): softmax "
-          "ignores the shared s² in every score, but not the s·k_c/√D it adds per key, and the inputs move "
-          "far from the origin. Sharpness of the exact attention, non-causal (mean over queries):", ""]
+          "q and k entries are N(0, σ²) (V: N(0, 1)); a score q·k/√D then has standard deviation "
+          "σ², "
+          "so σ runs from flat to sharp attention. The outlier families add ±s to 3 of the 64 "
+          "channels "
+          "of every q and k (the same sign for every token, as the massive activations of LLMs): "
+          "softmax "
+          "ignores the shared s² in every score, but not the s·k_c/√D it adds per key, and the "
+          "inputs move "
+          "far from the origin. Sharpness of the exact attention, non-causal (mean over "
+          "queries):", ""]
     rows = []
     for f in d.families:
         rows.append([f["label"], f"{f['entropy']:.2f}", f"{math.exp(f['entropy']):.0f} of {d.N}",
@@ -426,24 +477,30 @@ def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panel
                      f"{f['uniform_error']:.3g}"])
     L += table(["input (key)", "entropy (nats)", "e^entropy (keys)", "largest weight",
                 "largest weight, causal", "error of equal weights"], rows)
-    L += ["", "(keys in the tables below: " + ", ".join(f"`{f['key']}` = {f['label']}" for f in d.families) + ")", ""]
+    L += ["", "(keys in the tables below: "
+              "" + ", ".join(f"`{f['key']}` = {f['label']}" for f in d.families) + ")", ""]
     L += ["## Error against softmax, non-causal", "",
-          "Relative Frobenius error (random maps: mean ± standard deviation over the seeds); cpu µs/token is "
-          f"the cpu time of one call (one thread) divided by N = {d.N}. \"Equal weights\" is the error of outputting "
+          "Relative Frobenius error (random maps: mean ± standard deviation over the seeds); cpu "
+          "µs/token is "
+          f"the cpu time of one call (one thread) divided by N = {d.N}. \"Equal weights\" is the "
+          "error of outputting "
           "the mean of V for every query: a map at or above it has lost the attention pattern.", ""]
     L += error_table(d, False) + [""]
     L += ["## Error against softmax, causal", "",
-          "Query i attends to keys j ≤ i; `causal_linear_attention` (library default algorithm) against "
+          "Query i attends to keys j ≤ i; `causal_linear_attention` (library default algorithm) "
+          "against "
           "causal softmax. Equal weights: the mean of v_1 … v_i.", ""]
     L += error_table(d, True) + [""]
     if d.has_favor and d.keys_of("favor"):
         ks = d.keys_of("favor")
         L += ["## FAVOR+: error against m", "",
-              "Mean ± standard deviation over the seeds, non-causal; the last row is the least-squares slope "
+              "Mean ± standard deviation over the seeds, non-causal; the last row is the "
+              "least-squares slope "
               "of log(error) against log(m) (−0.5 for an error that falls as 1/√m).", ""]
         rows = []
         for k in ks:
-            rows.append([str(d.method[k]["F"])] + [fmt_err(d.e(k, f["key"], False), True) for f in d.families])
+            rows.append([str(d.method[k]["F"])] + [fmt_err(d.e(k, f["key"], False),
+                                                           True) for f in d.families])
         sl = []
         for f in d.families:
             fit = favor_fit(d, f["key"], False)
@@ -453,21 +510,29 @@ def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panel
     if svg_name:
         L += ["## Error against F", "",
               f"![relative error against the number of features F, log-log]({svg_name})", "",
-              "Non-causal, one panel per input (" + ", ".join(panels) + "), one line per map family. FAVOR+ has "
+              "Non-causal, one panel per input "
+              "(" + ", ".join(panels) + "), one line per map family. FAVOR+ has "
               "error bars of ± one "
-              "standard deviation and a dashed reference line ∝ 1/√m through its points; the grey dashed line "
+              "standard deviation and a dashed reference line ∝ 1/√m through its points; the grey "
+              "dashed line "
               "is the error of equal weights.", ""]
     L += ["## How it is measured", "",
-          f"- Inputs: Gaussian numbers from `std::mt19937_64` through the program's own polar Box–Muller "
-          f"(so the same inputs on every platform), drawn in double and rounded to float; the maps run in "
+          "- Inputs: Gaussian numbers from `std::mt19937_64` through the program's own polar "
+          "Box–Muller "
+          "(so the same inputs on every platform), drawn in double and rounded to float; the maps "
+          "run in "
           f"float through the library's kernels (out-parameter forms with a `Workspace`, "
           f"`ParallelOptions::num_threads = 1`).",
-          "- Reference: softmax attention in double from the double inputs (scores, softmax, product "
-          "written out in the program), so the float rounding of the inputs is part of every map's error; "
+          "- Reference: softmax attention in double from the double inputs (scores, softmax, "
+          "product "
+          "written out in the program), so the float rounding of the inputs is part of every map's "
+          "error; "
           "the softmax (tiled, float) row shows how small that part is.",
           f"- Random maps: seeds 1000 … {1000 + d.draws - 1}, the same for every input family.",
-          "- Timings: one call of each map's attention on uniform inputs of the same shape (the cost does "
-          "not depend on the values), Google Benchmark, cpu time of the one thread (the machine's other core "
+          "- Timings: one call of each map's attention on uniform inputs of the same shape (the "
+          "cost does "
+          "not depend on the values), Google Benchmark, cpu time of the one thread (the machine's "
+          "other core "
           "may be busy; wall times are in the JSON); compare maps within this run.", ""]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(L))
@@ -480,12 +545,15 @@ def write_markdown(d: Data, path: str, svg_name: str | None, command: str, panel
 
 def marker(kind: str, x: float, y: float, color: str, r: float = 4.5) -> str:
     if kind == "square":
-        return f'<rect x="{x - r:.1f}" y="{y - r:.1f}" width="{2 * r:.1f}" height="{2 * r:.1f}" fill="{color}"/>'
+        return (f'<rect x="{x - r:.1f}" y="{y - r:.1f}" width="{2 * r:.1f}" height="{2 * r:.1f}" '
+                f'fill="{color}"/>')
     if kind == "diamond":
-        return (f'<path d="M{x:.1f},{y - r - 1:.1f} L{x + r + 1:.1f},{y:.1f} L{x:.1f},{y + r + 1:.1f} '
+        return (f'<path d="M{x:.1f},{y - r - 1:.1f} L{x + r + 1:.1f},{y:.1f} '
+                f'L{x:.1f},{y + r + 1:.1f} '
                 f'L{x - r - 1:.1f},{y:.1f} Z" fill="{color}"/>')
     if kind == "triangle":
-        return (f'<path d="M{x:.1f},{y - r - 1:.1f} L{x + r + 1:.1f},{y + r:.1f} L{x - r - 1:.1f},{y + r:.1f} Z" '
+        return (f'<path d="M{x:.1f},{y - r - 1:.1f} L{x + r + 1:.1f},{y + r:.1f} '
+                f'L{x - r - 1:.1f},{y + r:.1f} Z" '
                 f'fill="{color}"/>')
     return f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r:.1f}" fill="{color}"/>'
 
@@ -501,6 +569,33 @@ def minus(x: float) -> str:
 
 def decade(e: int) -> str:
     return f"{10.0 ** e:g}" if -3 <= e <= 3 else f"1e{e}"
+
+
+def dodge(points: list[tuple[str, float, float, float]], near: float = 10.0,
+          step: float = 12.0) -> dict[tuple[str, float], float]:
+    """Horizontal offsets (pixels) for markers (family, F, x pixel, y pixel) at about the same x
+    (F = 64, and NormalizedCosine's 65) within `near` pixels of each other vertically: spread `step`
+    apart side by side, so that none hides another (several maps have F ≈ D and close errors)."""
+    out: dict[tuple[str, float], float] = {}
+    columns: list[list[tuple[str, float, float, float]]] = []
+    for p in sorted(points, key=lambda p: p[2]):
+        if columns and p[2] - columns[-1][-1][2] < 3.0:
+            columns[-1].append(p)
+        else:
+            columns.append([p])
+    for col in columns:
+        col.sort(key=lambda p: p[3])
+        group = [col[0]]
+        for item in col[1:] + [None]:
+            if item is not None and item[3] - group[-1][3] < near:
+                group.append(item)
+                continue
+            x0 = sum(p[2] for p in group) / len(group)
+            for i, (k, F, x, _) in enumerate(group):
+                out[(k, F)] = x0 - x + (i - (len(group) - 1) / 2) * step
+            if item is not None:
+                group = [item]
+    return out
 
 
 def write_svg(d: Data, path: str, panels: list[str]) -> None:
@@ -520,11 +615,13 @@ def write_svg(d: Data, path: str, panels: list[str]) -> None:
     xs = [m["F"] for m in maps]
     x0, x1 = math.floor(math.log2(min(xs))), math.ceil(math.log2(max(xs)))
     o = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-         f'viewBox="0 0 {width} {height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="13">',
+         f'viewBox="0 0 {width} {height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" '
+         'font-size="13">',
          f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
          f'<text x="{width / 2:.0f}" y="26" text-anchor="middle" font-size="17" font-weight="bold">'
          'Feature maps against softmax attention: error vs number of features</text>',
-         f'<text x="{width / 2:.0f}" y="46" text-anchor="middle" fill="#444">N = {d.N}, D = M = {d.D}, float, '
+         f'<text x="{width / 2:.0f}" y="46" text-anchor="middle" fill="#444">N = {d.N}, D = M = '
+         f'{d.D}, float, '
          'non-causal; relative Frobenius error against exact softmax (double) — log-log</text>']
     for pi, fam in enumerate(panels):
         px = left + pi * (pw + gap)
@@ -541,39 +638,57 @@ def write_svg(d: Data, path: str, panels: list[str]) -> None:
             o.append(f'<text x="{px - 6}" y="{y + 4:.1f}" text-anchor="end">{decade(e)}</text>')
         for k in range(x0, x1 + 1):
             x = X(2.0 ** k)
-            o.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{top + ph}" stroke="#eeeeee"/>')
+            o.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{top + ph}" '
+                     'stroke="#eeeeee"/>')
             if (k - x0) % 2 == 0 or x1 - x0 <= 7:
-                o.append(f'<text x="{x:.1f}" y="{top + ph + 18}" text-anchor="middle">{2 ** k}</text>')
-        o.append(f'<rect x="{px}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="black"/>')
-        o.append(f'<text x="{px + pw / 2:.0f}" y="{top - 8}" text-anchor="middle" font-weight="bold">'
+                o.append(f'<text x="{x:.1f}" y="{top + ph + 18}" '
+                         f'text-anchor="middle">{2 ** k}</text>')
+        o.append(f'<rect x="{px}" y="{top}" width="{pw}" height="{ph}" fill="none" '
+                 'stroke="black"/>')
+        o.append(f'<text x="{px + pw / 2:.0f}" y="{top - 8}" text-anchor="middle" '
+                 'font-weight="bold">'
                  f'{escape(d.fam(fam)["label"])}</text>')
-        o.append(f'<text x="{px + pw / 2:.0f}" y="{top + ph + 40}" text-anchor="middle" font-size="14">'
+        o.append(f'<text x="{px + pw / 2:.0f}" y="{top + ph + 40}" text-anchor="middle" '
+                 'font-size="14">'
                  'features F (Linformer: projected keys k)</text>')
         u = d.uniform(fam, False)
         o.append(f'<line x1="{px}" y1="{Y(u):.1f}" x2="{px + pw}" y2="{Y(u):.1f}" stroke="#888888" '
                  'stroke-dasharray="6,4"/>')
-        o.append(f'<text x="{px + pw - 4}" y="{Y(u) - 5:.1f}" text-anchor="end" fill="#666">equal weights</text>')
-        for fam_key, (color, mk) in STYLE.items():
+        o.append(f'<text x="{px + pw - 4}" y="{Y(u) - 5:.1f}" text-anchor="end" fill="#666">equal '
+                 'weights</text>')
+        points = {}
+        for fam_key in STYLE:
             pts = [(m["F"], d.e(m["key"], fam, False)) for m in maps if m["family"] == fam_key]
-            pts = [(F, e) for F, e in pts if e and e["mean"] and e["mean"] > 0]
+            points[fam_key] = [(F, e) for F, e in pts if e and e["mean"] and e["mean"] > 0]
+        dx = dodge([(k, F, X(F), Y(e["mean"])) for k, pts in points.items() for F, e in pts])
+
+        def XD(k: str, F: float) -> float:
+            return X(F) + dx.get((k, F), 0.0)
+
+        for fam_key, (color, mk) in STYLE.items():
+            pts = points[fam_key]
             if not pts:
                 continue
             if len(pts) > 1:
-                o.append('<path d="' + " ".join(f'{"M" if i == 0 else "L"}{X(F):.1f},{Y(e["mean"]):.1f}'
+                o.append('<path d="' + " ".join(f'{"M" if i == 0 else "L"}{XD(fam_key, F):.1f},'
+                                                f'{Y(e["mean"]):.1f}'
                                                 for i, (F, e) in enumerate(pts)) +
                          f'" fill="none" stroke="{color}" stroke-width="2"/>')
             for F, e in pts:
                 if e["draws"] > 1 and e["sd"]:
                     lo, hi = max(e["mean"] - e["sd"], e["mean"] / 10), e["mean"] + e["sd"]
-                    o.append(f'<line x1="{X(F):.1f}" y1="{Y(lo):.1f}" x2="{X(F):.1f}" y2="{Y(hi):.1f}" '
+                    x = XD(fam_key, F)
+                    o.append(f'<line x1="{x:.1f}" y1="{Y(lo):.1f}" x2="{x:.1f}" y2="{Y(hi):.1f}" '
                              f'stroke="{color}" stroke-width="1.5"/>')
-                o.append(marker(mk, X(F), Y(e["mean"]), color))
+                o.append(marker(mk, XD(fam_key, F), Y(e["mean"]), color))
             if fam_key == "favor" and len(pts) > 1:
                 # The 1/√m line through the points' geometric centre.
                 c = sum(math.log(e["mean"]) + 0.5 * math.log(F) for F, e in pts) / len(pts)
                 fa, fb = pts[0][0] / 1.5, pts[-1][0] * 1.5
-                o.append(f'<line x1="{X(fa):.1f}" y1="{Y(math.exp(c) / math.sqrt(fa)):.1f}" x2="{X(fb):.1f}" '
-                         f'y2="{Y(math.exp(c) / math.sqrt(fb)):.1f}" stroke="{color}" stroke-dasharray="3,3"/>')
+                o.append(f'<line x1="{X(fa):.1f}" y1="{Y(math.exp(c) / math.sqrt(fa)):.1f}" '
+                         f'x2="{X(fb):.1f}" '
+                         f'y2="{Y(math.exp(c) / math.sqrt(fb)):.1f}" stroke="{color}" '
+                         'stroke-dasharray="3,3"/>')
                 fit = favor_fit(d, fam, False)
                 if fit:
                     o.append(f'<text x="{px + 8}" y="{top + ph - 10}" fill="{color}">'
@@ -598,12 +713,15 @@ def main() -> int:
     ap.add_argument("--run", metavar="BIN", help="run this feature_map_quality binary first")
     ap.add_argument("--profile", default="quick", choices=("quick", "full", "smoke"),
                     help="the profile of --run")
-    ap.add_argument("--errors", help="feature_map_quality --quality_out file (with --run: where it goes)")
+    ap.add_argument("--errors", help="feature_map_quality --quality_out file (with --run: where it "
+                                     "goes)")
     ap.add_argument("--timings", help="feature_map_quality's Google Benchmark JSON")
     ap.add_argument("--md", help="write this markdown file (docs/feature_maps.md)")
     ap.add_argument("--svg", help="write this SVG plot (docs/feature_maps_plot.svg)")
-    ap.add_argument("--panels", default="gauss0.25,gauss1,outlier8", help="input families of the plot's panels")
-    ap.add_argument("--command", default=DEFAULT_COMMAND, help="the command recorded in the markdown")
+    ap.add_argument("--panels", default="gauss0.25,gauss1,outlier8", help="input families of the "
+                                                                          "plot's panels")
+    ap.add_argument("--command", default=DEFAULT_COMMAND, help="the command recorded in the "
+                                                               "markdown")
     a = ap.parse_args()
     if a.run:
         tmp = tempfile.mkdtemp(prefix="feature_maps.")

@@ -95,14 +95,9 @@ using Executor = std::function<void(Index n_tasks, FunctionRef<void(Index task)>
 /// par.min_work_per_thread = 0;  // always 2 threads, however small the call
 /// \endcode
 struct ParallelOptions {
-  /// The default of `min_work_per_thread`, in flops: what starting a second thread costs on the
-  /// 2-core machine of the benchmarks (an AMD EPYC VM, GCC 12, libgomp), at the rate of one
-  /// core. An empty `#pragma omp parallel num_threads(2)` region (omp_fork_join in
-  /// benchmarks/bench_serving.cpp) costs, on the idle machine, 1 us while the worker still
-  /// spins after the previous region and 60 us once it has gone to sleep (a few milliseconds
-  /// later); with the other core busy, 10 to 25 us under OMP_WAIT_POLICY=passive but 6 to 8 ms
-  /// under libgomp's default policy. One core runs the kernels at 15 to 50 GFLOP/s (a decode
-  /// step of 8 heads of 64: 15 to 20): 10^6 flops are 50 to 70 us of decode steps, so a second
+  /// The default of `min_work_per_thread`, in flops: about what starting a second thread costs
+  /// (an OpenMP fork and join, 1 to 60 us on an idle machine: omp_fork_join in
+  /// benchmarks/bench_serving.cpp) at the rate one core runs the kernels, so that a second
   /// thread pays even when it has to be woken. See docs/SPEC.md §8.
   static constexpr double kDefaultMinWorkPerThread = 1e6;
 

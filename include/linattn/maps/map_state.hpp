@@ -101,8 +101,7 @@ void recurrent_update_and_read(const Phi& phi, LinearAttentionState<Scalar>& st,
 // One decode token's operands, as every decode class of a product map (or a per-feature key
 // softmax) prepares them: φ(q), φ(k) (or k itself), v, widened from bf16 / half, and the step's
 // scratch, sized once. An elementwise map takes the token as a contiguous column, on packets:
-// the 1-row matrices this replaced were copied one scalar at a time (measured: a third of a
-// decode step at F = M = 64). RecurrentLinearAttention and BatchedRecurrentLinearAttention
+// 1-row matrices would be copied one scalar at a time (bench_decode). RecurrentLinearAttention and BatchedRecurrentLinearAttention
 // both step through it, which keeps their heads equal bit for bit.
 template <class Scalar>
 struct DecodeScratch {

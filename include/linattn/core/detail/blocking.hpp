@@ -82,8 +82,8 @@ void transpose_copy(const Scalar* src, Index src_ld, Index rows, Index cols, Sca
 // row-major memory with unit inner stride and rows further apart than their length. A head's
 // columns of a packed row-major N x (H·D) buffer are short runs (D values) far apart, often
 // one or two per 4 KiB page, which the hardware prefetchers do not follow; the non-causal
-// kernel calls this for its next block of rows while it works on the current one (measured:
-// 35.4 -> 31.7 ms for 8 heads, N = 16384). Anything else is left to the hardware. No block of
+// kernel calls this for its next block of rows while it works on the current one
+// (bench_multihead). Anything else is left to the hardware. No block of
 // x is formed unless there is memory to point into (x may be a Map of no memory when a
 // dimension is 0).
 template <class X>

@@ -13,10 +13,9 @@
 namespace linattn::detail {
 
 // Why not Eigen's GEMM for these products: at m, n ≤ 256 and k = 128 Eigen packs both operands
-// on every call and its AVX-512 float kernel keeps 12 accumulators of a 48 x 4 tile. Measured on
-// an AVX-512 Zen 5 core (FMA peak 223 GFLOP/s, bench_roofline): a 64 x 64 x 128 float product
-// at 127–138 GFLOP/s with Eigen, 218–220 with this kernel; the suite's GEMM reference of 8 heads
-// (docs/benchmarks.md, section 1) at 0.37 of the peak. The kernel below reads its operands
+// on every call and its AVX-512 float kernel keeps 12 accumulators of a 48 x 4 tile, well below
+// the FMA peak at these sizes, where this kernel comes close to it (bench_roofline,
+// docs/benchmarks.md). The kernel below reads its operands
 // where they are, in the layouts the attention kernels have anyway, and keeps an MR-packet x NR
 // tile of C in registers for the whole k loop:
 //   A: m x k, column-major (A(i, p) at a[i + p·lda]): the rows of the tile are contiguous.

@@ -39,8 +39,8 @@ Strided<Scalar> strided_of(const X& x) {
 // x itself when it is column-major memory with unit inner stride, or row-major memory whose rows
 // follow one another (outer stride = cols); otherwise a row-major copy in slot `slot`. A head's
 // columns of a packed row-major N x (H·M) buffer are copied: read in place, their rows (2 KiB
-// apart at H·M = 512 floats) fall into a few L1 sets, and the recurrent kernel measured 1.5x
-// slower in place than with the copy, which costs b·M moves against 2·b·F·M flops.
+// apart at H·M = 512 floats) fall into a few L1 sets, which costs more than the copy's b·M moves
+// against 2·b·F·M flops (bench_multihead, recurrent form).
 //
 // The products size their buffers for the copy whether or not it is made, so that a workspace
 // that served one storage order serves every other of the same shape without allocating.

@@ -22,9 +22,9 @@ inline constexpr std::size_t kHugePageAdviceMinBytes = std::size_t(4) << 20;
 // Prepares a fresh result buffer [p, p + bytes) for its first writes (Linux only). A result
 // of tens of MiB (N = 16384 rows of 8 heads x 64 floats is 32 MiB) is above glibc's largest
 // mmap threshold, so every call maps new memory and then takes one page fault per 4 KiB on
-// first touch: 8192 faults made the returning multi-head causal kernel 4.5x slower than the
-// same kernel writing into a reused matrix (measured on a virtual machine, where a fault
-// costs ~20 us). So:
+// first touch, which on a virtual machine (a fault costs ~20 us) makes a returning kernel
+// several times slower than the same kernel writing into a reused matrix (bench_multihead,
+// returning forms). So:
 // - its 2 MiB-aligned interior is advised onto transparent huge pages (16 faults for 32 MiB);
 // - the 4 KiB pages left at both ends (up to 2 x 2 MiB) are faulted in by one
 //   MADV_POPULATE_WRITE call (Linux >= 5.14), which costs a fraction of 512 separate faults.

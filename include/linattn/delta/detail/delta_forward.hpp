@@ -36,10 +36,9 @@ namespace linattn::detail {
 // and the update of token t is applied in the sweep that reads for token t + 1. Every token then
 // costs one pass over the state (read and write), where reading k̂ᵀS and then updating costs two:
 // at F = M = 128 a column block of the state does not stay in L1 between two passes (rows 512 B
-// apart fall into 16 of its 64 sets). Measured: 1.5-1.8 µs per token against 1.9-2.2 for the
-// two-pass step (AVX2, float, F = M = 128).
+// apart fall into 16 of its 64 sets); bench_delta's decode step measures the difference.
 
-// Column blocks of the sweep: kDeltaSweepPackets packets wide (measured best of 1..4 with AVX2).
+// Column blocks of the sweep: kDeltaSweepPackets packets wide (the best of 1 ... 4 in bench_delta).
 inline constexpr int kDeltaSweepPackets = 4;
 
 // One pass over the row-major F x M state (row stride ld): if `pending`, S ← a_p S + k_p d_pᵀ

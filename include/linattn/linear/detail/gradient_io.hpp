@@ -32,8 +32,8 @@ inline constexpr bool is_col_major_memory_v =
 // column-major memory, one column at a time, each a few columns ahead asked into L1: a block is
 // n runs of b values one leading dimension apart, and with a power-of-two leading dimension
 // (N = 16384 floats) all of them fall into the same few sets of L1 and L2, so that neither the
-// hardware prefetchers nor a prefetch of the whole next block can keep them (measured: the
-// mapping of Q and K waited on these loads for most of its time). Any other x is copied by Eigen.
+// hardware prefetchers nor a prefetch of the whole next block can keep them. Any other x is
+// copied by Eigen.
 template <class X>
 void gather_rows(const X& x, Index r0, Index b, typename X::Scalar* buf) {
   using Scalar = typename X::Scalar;
@@ -104,8 +104,7 @@ void gather_rows_row_major(const X& x, Index r0, Index b, typename X::Scalar* bu
 // The gradients a backward kernel scatters into the caller's memory are written with
 // non-temporal (streaming) stores when they span at least this many bytes: they are final, or
 // (Ĝ in dV) read back only by the other sweep, so caching them only evicts the inputs, and every
-// cached write first reads its line from memory. Measured (8 heads, D = M = 64, N = 16384, float,
-// causal backward): packed row-major 144 -> 128-134 ms, column-major 129-132 -> 125-127 ms.
+// cached write first reads its line from memory (bench_backward).
 inline constexpr Index kStreamMinBytes = Index(2) << 20;
 
 #if defined(__SSE2__)

@@ -85,7 +85,7 @@ inline void store_state16(Eigen::half* p, __m256 a, __m256 b) {
 // 1, 3, ..., 15. Why: 16 bf16 values loaded as 8 32-bit lanes widen into these two packets with
 // one shift and one mask (no lane-crossing unpack), and the rounded upper halves go back with
 // one shift and one 16-bit blend (no pack and permute). The step is bound by its vector
-// operations on AVX2 (measured: 20 → 16 a 16 columns, the loop 1.27× faster), and v and o are
+// operations on AVX2 (bench_low_precision), and v and o are
 // reordered once a block of columns, outside the loop over the rows.
 inline void load_state_pair(const Eigen::bfloat16* p, __m256& even, __m256& odd) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

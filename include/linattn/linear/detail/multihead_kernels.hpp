@@ -36,13 +36,12 @@
 namespace linattn::detail {
 
 // The multi-head kernels walk a sequence once per group of heads, every head of the group on
-// rows [r, r + 1024) before any moves on, rather than one head over the whole sequence after
+// rows [r, r + kHeadInterleaveRows) before any moves on, rather than one head over the whole sequence after
 // another. On the packed row-major N x (H·D) layout (PyTorch's contiguous [N, H, D]) one head's
 // columns are a short run in every row, 256 bytes of each 2 KiB for 8 heads of 64 floats: a
 // head alone reads memory with a stride that the hardware prefetchers do not follow, while the
-// heads of a group read the same rows one after another. Measured (8 heads, D = M = 64,
-// N = 16384, one thread, median): causal 77 -> 48 ms, non-causal 73 -> 51 ms, within about
-// 10 % of column-major memory, which the grouping leaves as fast as it was. Each head's own
+// heads of a group read the same rows one after another (bench_multihead, row-major against
+// column-major). Each head's own
 // computation is unchanged (the same blocks of rows, the same products), so the outputs do
 // not depend on the grouping or on the thread count.
 // Groups per sequence: one thread runs all heads as one group; one sequence on several threads

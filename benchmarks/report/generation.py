@@ -1,0 +1,141 @@
+"""Image generation (bench_generation: the paper's section 4.2)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .fmt import fmt_bytes, fmt_time, table
+
+if TYPE_CHECKING:
+    from .results import Results
+
+
+# The paper's speed-ups of linear attention over plain softmax (images per second, GPU), Table 3
+# and Table 4 of Katharopoulos et al. 2020: constants of the paper, not measurements.
+PAPER_GEN_SPEEDUP = {"img784": 317.0, "img3072": 4462.0}
+GEN_MODELS = (("img784", "784 tokens (28×28), 8 "
+                         "layers"), ("img3072", "3072 tokens (32×32×3), 16 layers"),
+              ("tiny", "64 tokens, 2 layers (smoke)"))
+GEN_ATTN = (("linear", "linear (recurrent state)"), ("kv", "softmax, KV cache"),
+            ("softmax", "softmax, recomputed prefix (the paper's)"))
+
+
+def gen_step_times(res: Results, model: str, attn: str, batch: int) -> list[tuple[int, float]]:
+    """(position, seconds per step of the whole batch) of gen_step, by position."""
+    q = dict(model=model, attn=attn, batch=str(batch))
+    pts = []
+    for n in res.sizes("gen_step", **q):
+        r = res.find("gen_step", n, **q)
+        if r:
+            pts.append((n, r.wall / float(r.get("steps_per_iteration", 1.0))))
+    return pts
+
+
+def integrate_steps(pts: list[tuple[int, float]], tokens: int) -> float | None:
+    """Σ_{p=1}^{tokens} t(p) from the step times at the measured positions: composite Simpson's rule
+    where the knots allow it (odd count; exact for the quadratic cost of recomputation), trapezoids
+    otherwise. The first knot (position 1) stands for position 0."""
+    if not pts:
+        return None
+    if len(pts) == 1:
+        return pts[0][1] * tokens
+    xs = [0.0] + [float(x) for x, _ in pts[1:]]
+    ys = [y for _, y in pts]
+    if xs[-1] <= 0:
+        return None
+    scale = tokens / xs[-1]
+    h = [xs[i + 1] - xs[i] for i in range(len(xs) - 1)]
+    even = max(h) - min(h) <= 0.02 * max(h)
+    if len(pts) % 2 == 1 and even:
+        step = (xs[-1] - xs[0]) / (len(xs) - 1)
+        total = ys[0] + ys[-1] + sum((4 if i % 2 else 2) * ys[i] for i in range(1, len(ys) - 1))
+        return total * step / 3 * scale
+    return sum((ys[i] + ys[i + 1]) / 2 * h[i] for i in range(len(h))) * scale
+
+
+def seconds_per_image(res: Results, model: str, batch: int) -> dict[str, float | None]:
+    """Seconds per image of one sequence of the batch, by attention (None where not measured): the
+    step times integrated over the model's tokens (integrate_steps), divided by the batch."""
+    ns = res.sizes("gen_step", model=model, attn="linear", batch="1")
+    if not ns:
+        return {}
+    tokens = int(res.find("gen_step", ns[0], model=model, attn="linear", batch="1").get("tokens",
+                                                                                        0))
+    out: dict[str, float | None] = {}
+    for a, _ in GEN_ATTN:
+        total = integrate_steps(gen_step_times(res, model, a, batch), tokens)
+        out[a] = total / batch if total else None
+    return out
+
+
+def generation(res: Results, table_only: bool = False) -> list[str]:
+    """Section 12: images per second with each attention, the ratios next to the paper's, the time
+    per token against position, and the memory a sequence keeps (table_only: the first table and
+    its note, for README.md)."""
+    L: list[str] = []
+    models = [(m, lab) for m,
+              lab in GEN_MODELS if res.sizes("gen_step", model=m, attn="linear", batch="1")]
+    if not models:
+        return ["(no gen_step runs in these results)"]
+    rows = []
+    for m, lab in models:
+        for batch in (1, 8):
+            per_image = seconds_per_image(res, m, batch)
+            if not per_image.get("linear"):
+                continue
+
+            def ips(a):
+                t = per_image.get(a)
+                return f"{1.0 / t:.3g}" if t else "–"
+
+            def vs(a):
+                t = per_image.get(a)
+                if not t:
+                    return "–"
+                x = t / per_image["linear"]
+                return f"{x:.0f}×" if x >= 10 else f"{x:.1f}×"
+
+            seq = res.find("gen_seq", 0, model=m, attn="linear", batch=str(batch))
+            check = (f"{fmt_time(seq.wall / batch)} measured end to end vs "
+                     f"{fmt_time(per_image['linear'])} integrated"
+                     if seq else "–")
+            paper = PAPER_GEN_SPEEDUP.get(m)
+            rows.append([lab, str(batch), ips("linear"), ips("kv"), ips("softmax"), vs("softmax"),
+                         f"{paper:.0f}×" if paper else "–", vs("kv"), check])
+    L += table(["model", "batch", "linear img/s", "KV-cache img/s", "recompute img/s",
+                "linear vs recompute", "paper (GPU)", "linear vs KV "
+                                                      "cache", "linear, s per image"], rows,
+               "lrrrrrrrl")
+    L += ["", "Images per second are per sequence of the batch, integrated from the step times at "
+              "the "
+          "measured positions (Simpson's rule; `gen_step`); the last column checks the integration "
+          "against "
+          "whole images generated end to end (`gen_seq`). The paper's ratios are for plain softmax "
+          "(recomputed prefix) on a GPU with its largest batch; here one CPU thread.", ""]
+    if table_only:
+        return L
+    # Time per token against position, batch 1.
+    for m, lab in models:
+        series = {a: dict(gen_step_times(res, m, a, 1)) for a, _ in GEN_ATTN}
+        positions = sorted(set().union(*[set(v) for v in series.values()]))
+        rows = []
+        for pos in positions:
+            rows.append([str(pos)] + [fmt_time(series[a].get(pos)) if series[a].get(pos) else "–"
+                                        for a, _ in GEN_ATTN])
+        L += [f"Time per generated token against position, {lab}, batch 1:", ""]
+        L += table(["position"] + [t for _, t in GEN_ATTN], rows, "rrrr")
+        L.append("")
+    # Memory kept per sequence at the last position.
+    rows = []
+    for m, lab in models:
+        for a, t in GEN_ATTN:
+            ns = res.sizes("gen_step", model=m, attn=a, batch="1")
+            if ns:
+                r = res.find("gen_step", ns[-1], model=m, attn=a, batch="1")
+                rows.append([lab, t, fmt_bytes(r.get("state_bytes")),
+                             fmt_bytes(r.get("step_bytes"))])
+    L += ["Memory of one sequence at the last position: what it keeps between steps, and the "
+          "largest buffers "
+          "of a step (computed from their shapes):", ""]
+    L += table(["model", "attention", "kept between steps", "buffers of a step"], rows, "llrr")
+    return L
