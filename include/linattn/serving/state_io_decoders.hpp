@@ -53,8 +53,8 @@ namespace linattn {
 /// std::ofstream file("conversation.state", std::ios::binary);
 /// linattn::save_state(file, rnn);  // 80 + 4·(64·64 + 2·64) bytes
 /// \endcode
-/// \param os the stream written to (binary; its failure throws).
-/// \param rnn the recurrent form whose state and position are saved or restored.
+/// \param os the binary stream the record is appended to.
+/// \param rnn the recurrent form whose state and position are written.
 template <class Phi, class Scalar>
 void save_state(std::ostream& os, const RecurrentGatedAttention<Phi, Scalar>& rnn) {
   const auto& st = rnn.state();
@@ -88,8 +88,8 @@ void save_state(std::ostream& os, const RecurrentGatedAttention<Phi, Scalar>& rn
 /// linattn::load_state(file, rnn);
 /// rnn.step(q, k, v, log_gate, out);  // continues the saved decode
 /// \endcode
-/// \param is the stream read from (binary), positioned at the record.
-/// \param rnn the recurrent form whose state and position are saved or restored.
+/// \param is the binary stream, positioned at the record.
+/// \param rnn continues from the loaded state and position.
 template <class Phi, class Scalar>
 void load_state(std::istream& is, RecurrentGatedAttention<Phi, Scalar>& rnn) {
   constexpr const char* fn = "load_state";
@@ -121,8 +121,8 @@ void load_state(std::istream& is, RecurrentGatedAttention<Phi, Scalar>& rnn) {
 /// std::ofstream file("conversation.state", std::ios::binary);
 /// linattn::save_state(file, rnn);  // 80 + 4·128·128 bytes
 /// \endcode
-/// \param os the stream written to (binary; its failure throws).
-/// \param rnn the recurrent form whose state and position are saved or restored.
+/// \param os the binary stream the record is appended to.
+/// \param rnn the recurrent form whose state and position are written.
 template <class Phi, class Scalar>
 void save_state(std::ostream& os, const RecurrentDeltaRule<Phi, Scalar>& rnn) {
   const Index F = rnn.feature_dim(), M = rnn.value_dim();
@@ -153,8 +153,8 @@ void save_state(std::ostream& os, const RecurrentDeltaRule<Phi, Scalar>& rnn) {
 /// linattn::load_state(file, rnn);
 /// rnn.step(q, k, v, beta, log_a, out);  // continues the saved decode
 /// \endcode
-/// \param is the stream read from (binary), positioned at the record.
-/// \param rnn the recurrent form whose state and position are saved or restored.
+/// \param is the binary stream, positioned at the record.
+/// \param rnn continues from the loaded state and position.
 template <class Phi, class Scalar>
 void load_state(std::istream& is, RecurrentDeltaRule<Phi, Scalar>& rnn) {
   constexpr const char* fn = "load_state";
