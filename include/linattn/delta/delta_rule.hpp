@@ -373,11 +373,9 @@ Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -403,13 +401,11 @@ void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen:
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -437,8 +433,7 @@ void multihead_delta_rule_attention(
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -471,11 +466,9 @@ Matrix<typename DQ::Scalar> multihead_delta_rule_attention(
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -502,13 +495,11 @@ void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::M
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).

@@ -268,8 +268,7 @@ template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi,
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param dQ receives the N x H·D gradient with respect to Q.
 /// \param dK receives the L x H·D gradient with respect to K.
@@ -331,8 +330,7 @@ void multihead_delta_rule_attention_backward(
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).

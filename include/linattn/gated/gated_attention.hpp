@@ -291,11 +291,9 @@ Matrix<typename DQ::Scalar> gated_linear_attention(const Eigen::MatrixBase<DQ>& 
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
 ///     shapes).
@@ -322,13 +320,11 @@ void multihead_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
 ///     shapes).
@@ -355,8 +351,7 @@ void multihead_gated_linear_attention(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
 ///     shapes).
@@ -388,11 +383,9 @@ Matrix<typename DQ::Scalar> multihead_gated_linear_attention(
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
 ///     shapes).
@@ -419,13 +412,11 @@ void batched_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen:
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
 ///     shapes).

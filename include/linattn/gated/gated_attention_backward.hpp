@@ -250,8 +250,7 @@ template <class DQ, class DK, class DV, class DG, class DO, class Phi, class DdQ
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param dQ receives the N x H·D gradient with respect to Q.
 /// \param dK receives the L x H·D gradient with respect to K.
@@ -314,8 +313,7 @@ void multihead_gated_linear_attention_backward(
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param options the query scale, normalisation, algorithm and chunk size (the defaults suit most
 ///     shapes).

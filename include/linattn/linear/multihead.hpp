@@ -150,8 +150,7 @@ void batched_causal_linear(
 ///     q_offsets[b+1]).
 /// \param k_offsets B + 1 key row offsets: sequence b's keys are rows [k_offsets[b],
 ///     k_offsets[b+1]).
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -185,11 +184,9 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
 ///     q_offsets[b+1]).
 /// \param k_offsets B + 1 key row offsets: sequence b's keys are rows [k_offsets[b],
 ///     k_offsets[b+1]).
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class QOff, class KOff, class Phi, class DOut>
@@ -223,8 +220,7 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
 /// \param k_offsets B + 1 key row offsets: sequence b's keys are rows [k_offsets[b],
 ///     k_offsets[b+1]).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -256,8 +252,7 @@ void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
@@ -287,11 +282,9 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -334,13 +327,11 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -372,8 +363,7 @@ void batched_causal_linear_attention(
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
@@ -407,13 +397,11 @@ void masked_batched_causal_linear_attention(
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -447,8 +435,7 @@ void masked_batched_causal_linear_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -469,8 +456,7 @@ void multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
@@ -495,11 +481,9 @@ Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<D
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
@@ -525,8 +509,7 @@ void masked_multihead_linear_attention(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
@@ -548,8 +531,7 @@ Matrix<typename DQ::Scalar> masked_multihead_linear_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
@@ -581,13 +563,11 @@ void multihead_causal_linear_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -610,8 +590,7 @@ void multihead_causal_linear_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
@@ -637,8 +616,7 @@ Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -665,8 +643,7 @@ Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
@@ -699,13 +676,11 @@ void masked_multihead_causal_linear_attention(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
-/// \param out receives the N x H·M output (head h in columns [h·M, (h+1)·M)); must not overlap the
-///     operands.
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -732,8 +707,7 @@ void masked_multihead_causal_linear_attention(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).

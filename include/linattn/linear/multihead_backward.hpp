@@ -99,8 +99,7 @@ void multihead_linear_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param dQ receives the N x H·D gradient with respect to Q.
 /// \param dK receives the L x H·D gradient with respect to K.
@@ -123,8 +122,7 @@ void multihead_linear_attention_backward(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
@@ -147,8 +145,7 @@ AttentionGradients<typename DQ::Scalar> multihead_linear_attention_backward(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param dQ receives the N x H·D gradient with respect to Q.
 /// \param dK receives the L x H·D gradient with respect to K.
@@ -175,8 +172,7 @@ void multihead_causal_linear_attention_backward(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param options the algorithm and its chunk size (the defaults suit most shapes).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).

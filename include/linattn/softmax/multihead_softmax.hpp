@@ -52,8 +52,7 @@ void multihead_softmax(const char* fn, const Eigen::MatrixBase<DQ>& Q,
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param algorithm Tiled (the default: online softmax over tiles, no N x L matrix) or Naive (the N
 ///     x L scores, as a reference).
@@ -73,8 +72,7 @@ void multihead_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Ma
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param algorithm Tiled (the default: online softmax over tiles, no N x L matrix) or Naive (the N
 ///     x L scores, as a reference).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
@@ -97,8 +95,7 @@ Matrix<typename DQ::Scalar> multihead_softmax_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
 /// \param algorithm Tiled (the default: online softmax over tiles, no N x L matrix) or Naive (the N
 ///     x L scores, as a reference).
@@ -117,8 +114,7 @@ void multihead_causal_softmax_attention(
 /// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param algorithm Tiled (the default: online softmax over tiles, no N x L matrix) or Naive (the N
 ///     x L scores, as a reference).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).

@@ -395,8 +395,7 @@ AttentionGradients<typename DQ::Scalar> causal_softmax_attention_backward(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param dQ receives the N x H·D gradient with respect to Q.
 /// \param dK receives the L x H·D gradient with respect to K.
 /// \param dV receives the L x H·M gradient with respect to V.
@@ -418,8 +417,7 @@ void multihead_softmax_attention_backward(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG>
@@ -438,8 +436,7 @@ AttentionGradients<typename DQ::Scalar> multihead_softmax_attention_backward(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param dQ receives the N x H·D gradient with respect to Q.
 /// \param dK receives the L x H·D gradient with respect to K.
 /// \param dV receives the L x H·M gradient with respect to V.
@@ -461,8 +458,7 @@ void multihead_causal_softmax_attention_backward(
 /// \param K L x H·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
-/// \param heads H, the number of heads the columns are split into (Q's and V's columns divisible by
-///     H).
+/// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return dQ, dK and dV, the gradients of the loss with respect to Q, K and V.
 template <class DQ, class DK, class DV, class DG>
