@@ -6,7 +6,7 @@
 #include <string>
 #include <type_traits>
 
-#include "checks.hpp"
+#include "detail/checks.hpp"
 #include "common.hpp"
 
 namespace linattn {

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "checks.hpp"
+#include "detail/checks.hpp"
 #include "common.hpp"
 #include "detail/state_ops.hpp"
 #include "workspace.hpp"

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "batched_layer.hpp"
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../maps/elu_plus_one.hpp"
 #include "../linear/linear_attention_backward.hpp"
