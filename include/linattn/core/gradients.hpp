@@ -40,6 +40,16 @@ struct StateGradient {
   bool empty() const noexcept { return dS.size() == 0 && dz.size() == 0; }
 };
 
+/// \brief The gradients of a scalar loss with respect to an attention layer's input and
+/// parameters (LinearAttentionLayer::backward(), SoftmaxAttentionLayer::backward()); each member
+/// has the shape of what it is the gradient of.
+template <class Scalar>
+struct LayerGradients {
+  Matrix<Scalar> dX;                  ///< N x d_model
+  Matrix<Scalar> dWq, dWk, dWv, dWo;  ///< the weights' shapes (out x in)
+  Vector<Scalar> dbq, dbk, dbv, dbo;  ///< the biases' sizes
+};
+
 namespace detail {
 
 // Uninitialised gradients of the shapes of Q (N x QD), K (L x QD) and V (L x VM).
