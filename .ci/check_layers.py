@@ -87,7 +87,9 @@ def main():
                         if mod is not None:
                             errors.append(f'{where}: a module header includes a top-level header')
                         continue
-                    if tdetail and tmod != mod and tmod != SHARED_DETAIL:
+                    if tdetail and mod is None:
+                        errors.append(f'{where}: a top-level header includes a detail/ header')
+                    elif tdetail and tmod != mod and tmod != SHARED_DETAIL:
                         errors.append(f'{where}: the detail/ of module "{tmod}" is private to it')
                     elif mod is not None and tmod != mod:
                         if layers[tmod] > layers[mod]:

@@ -5,7 +5,6 @@
 /// Includes only this module and the modules below it (docs/ARCHITECTURE.md).
 #pragma once
 
-#include "core/checks.hpp"
 #include "core/checksum.hpp"
 #include "core/common.hpp"
 #include "core/error.hpp"

@@ -7,3 +7,5 @@
 
 #include "layers/attention_layer.hpp"
 #include "layers/batched_layer.hpp"
+#include "layers/linear_layer.hpp"
+#include "layers/softmax_layer.hpp"

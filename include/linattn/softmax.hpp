@@ -7,5 +7,6 @@
 
 #include "softmax/linformer.hpp"
 #include "softmax/multihead_softmax.hpp"
+#include "softmax/options.hpp"
 #include "softmax/softmax_attention.hpp"
 #include "softmax/softmax_attention_backward.hpp"

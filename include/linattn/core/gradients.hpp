@@ -6,7 +6,7 @@
 #include <string>
 #include <type_traits>
 
-#include "checks.hpp"
+#include "detail/checks.hpp"
 #include "common.hpp"
 
 namespace linattn {
@@ -39,6 +39,23 @@ struct StateGradient {
   /// \return true when dS and dz are both empty.
   /// True when it holds no gradient (read as zero).
   bool empty() const noexcept { return dS.size() == 0 && dz.size() == 0; }
+};
+
+/// \brief The gradients of a scalar loss with respect to an attention layer's input and
+/// parameters (LinearAttentionLayer::backward(), SoftmaxAttentionLayer::backward()); each member
+/// has the shape of what it is the gradient of.
+template <class Scalar>
+struct LayerGradients {
+  Matrix<Scalar> dX;                  ///< N x d_model
+  /// The gradients of the query, key, value and output weights, each of its weight's shape
+  /// (out x in).
+  /// @{
+  Matrix<Scalar> dWq, dWk, dWv, dWo;  ///< the weights' shapes (out x in)
+  /// @}
+  /// The gradients of the biases, each of its bias's size.
+  /// @{
+  Vector<Scalar> dbq, dbk, dbv, dbo;  ///< the biases' sizes
+/// @}
 };
 
 namespace detail {

@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../maps/erased_map.hpp"
 #include "options.hpp"

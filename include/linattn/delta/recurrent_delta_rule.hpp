@@ -9,7 +9,7 @@
 #include <string>
 #include <utility>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "options.hpp"
 #include "detail/delta_forward.hpp"

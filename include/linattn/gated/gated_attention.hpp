@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../maps/erased_map.hpp"
 #include "detail/gated_forward.hpp"

@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "detail/gated_forward.hpp"
 #include "../maps/feature_map.hpp"

@@ -16,7 +16,7 @@
 #endif
 
 #include "../linear/batched_recurrent.hpp"
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../core/detail/microkernel.hpp"
 #include "../linear/multihead_workspace.hpp"

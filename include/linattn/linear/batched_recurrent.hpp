@@ -17,7 +17,7 @@
 #include <omp.h>
 #endif
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "detail/low_precision_state.hpp"
 #include "../maps/elu_plus_one.hpp"

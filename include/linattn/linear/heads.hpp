@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../core/state.hpp"
 #include "../maps/map_state.hpp"

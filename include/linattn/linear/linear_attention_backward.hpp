@@ -9,7 +9,7 @@
 #include <type_traits>
 
 #include "causal_linear_attention.hpp"
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../core/detail/blocking.hpp"
 #include "detail/causal_backward.hpp"

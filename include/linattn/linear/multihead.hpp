@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "causal_linear_attention.hpp"
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../maps/erased_map.hpp"
 #include "detail/multihead_kernels.hpp"

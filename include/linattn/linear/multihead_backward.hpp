@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../maps/erased_map.hpp"
 #include "../maps/elu_plus_one.hpp"

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/error.hpp"
 #include "../core/common.hpp"
 #include "../maps/elu_plus_one.hpp"

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <string>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "detail/map_scratch.hpp"
 #include "feature_map.hpp"

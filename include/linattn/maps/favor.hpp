@@ -13,7 +13,7 @@
 #include <string>
 #include <type_traits>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../core/detail/fast_exp.hpp"
 #include "detail/map_scratch.hpp"

@@ -91,7 +91,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../core/detail/blocking.hpp"
 #include "../core/detail/low_precision.hpp"

@@ -14,7 +14,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "feature_map.hpp"
 #include "identity.hpp"

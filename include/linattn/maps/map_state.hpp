@@ -10,7 +10,7 @@
 #include <string>
 #include <utility>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../core/state.hpp"
 #include "../core/workspace.hpp"

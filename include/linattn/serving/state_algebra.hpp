@@ -9,7 +9,7 @@
 #include <string>
 #include <type_traits>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../core/detail/views.hpp"
 #include "../maps/elu_plus_one.hpp"

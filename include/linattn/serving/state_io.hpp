@@ -83,7 +83,7 @@
 #include <vector>
 
 #include "../linear/batched_recurrent.hpp"
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/checksum.hpp"
 #include "../core/common.hpp"
 #include "detail/state_io_format.hpp"

@@ -4,7 +4,7 @@
 
 #include <Eigen/Core>
 
-#include "../core/checks.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../core/parallel.hpp"
 #include "../core/workspace.hpp"

@@ -178,4 +178,19 @@ void write_rows(Dst&& dst, Workspace<Scalar>& ws, int slot, Fill&& fill) {
   dst = tmp;
 }
 
+// A chunk's output rows, out = φq S + A V, of the chunked forms: φq (b x F) and A (b x b, the
+// scaled scores, lower triangular) column-major buffers, S the carried state, V the chunk's
+// values; written in place or through slot `slot` (write_rows). Row i reads rows j <= i of V
+// only (lower_product): causality holds for non-finite values too.
+template <class PQ, class AMat, class SMat, class Scalar, class Out>
+void write_chunk_rows(const PQ& pq, const AMat& A, const SMat& S, Strided<Scalar> vr, Out&& out,
+                      Workspace<Scalar>& ws, int slot) {
+  const Index b = pq.rows(), F = pq.cols(), M = S.cols();
+  write_rows(std::forward<Out>(out), ws, slot, [&](Scalar* o, Index crs, Index ccs) {
+    product<Scalar>(b, M, F, {pq.data(), 1, b}, strided_of(S), o, crs, ccs, false, ws,
+                    kSlotProductA);
+    lower_product<Scalar>(b, M, A.data(), b, vr, o, crs, ccs, true, ws, kSlotProductA);
+  });
+}
+
 }  // namespace linattn::detail

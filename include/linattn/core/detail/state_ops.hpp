@@ -6,6 +6,7 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <type_traits>
 #include <vector>
@@ -23,6 +24,51 @@ template <class Scalar>
 struct LinearAttentionState;
 
 namespace detail {
+
+// hi + lo -> (hi, lo) with hi = fl(hi + lo) and lo the exact rounding error (Knuth's TwoSum:
+// branch-free and exact whatever the magnitudes, unlike Fast2Sum), over n contiguous entries.
+// Must not be compiled with -ffast-math (which would simplify the error term to 0).
+template <class Scalar>
+void two_sum_fold(Scalar* hi, Scalar* lo, Index n) {
+  constexpr Index B = 64;
+  using Buf = Eigen::Array<Scalar, Eigen::Dynamic, 1, 0, B, 1>;
+  for (Index i0 = 0; i0 < n; i0 += B) {
+    const Index nb = std::min(B, n - i0);
+    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> h(hi + i0, nb), l(lo + i0, nb);
+    const Buf s = h + l;
+    const Buf bb = s - h;
+    l = (h - (s - bb)) + (l - bb);
+    h = s;
+  }
+}
+
+// Folds the low parts of a state's sums into the high parts (see LinearAttentionState).
+template <class SMat, class ZVec>
+void fold_state(SMat& S, SMat& S_lo, ZVec& z, ZVec& z_lo) {
+  eigen_assert(S.size() == S_lo.size() && z.size() == z_lo.size());
+  two_sum_fold(S.data(), S_lo.data(), S.size());
+  two_sum_fold(z.data(), z_lo.data(), z.size());
+}
+
+// Per-feature key softmax: raises the running maxima m to at least `new_max`, rescaling the
+// shifted S and z so that diag(e^m) S is unchanged. m = -inf (no key yet) rescales by 0.
+template <class SMat, class ZVec, class MVec, class NewMax>
+void raise_maxima(SMat& S, SMat& S_lo, ZVec& z, ZVec& z_lo, MVec& m, const NewMax& new_max) {
+  using Scalar = typename ZVec::Scalar;
+  for (Index d = 0; d < m.size(); ++d) {
+    if (new_max(d) > m(d)) {
+      const Scalar c = std::exp(m(d) - new_max(d));
+      if (S.cols() > 0) {  // M = 0: S may be a Map of no memory, whose rows must not be formed
+        S.row(d) *= c;
+        S_lo.row(d) *= c;
+      }
+      z(d) *= c;
+      z_lo(d) *= c;
+      m(d) = new_max(d);
+    }
+  }
+}
+
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push

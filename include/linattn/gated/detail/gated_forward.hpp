@@ -16,7 +16,7 @@
 #include <limits>
 #include <string>
 
-#include "../../core/checks.hpp"
+#include "../../core/detail/checks.hpp"
 #include "../../core/common.hpp"
 #include "../../maps/feature_map.hpp"
 #include "../options.hpp"
@@ -25,6 +25,7 @@
 #include "../../core/detail/blocking.hpp"
 #include "../../core/detail/decay.hpp"
 #include "../../core/detail/fast_exp.hpp"
+#include "../../core/detail/products.hpp"
 #include "../../core/detail/recurrent_block.hpp"
 #include "../../maps/map_state.hpp"
 #include "../../core/tuning.hpp"

@@ -11,7 +11,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "../causal_linear_attention.hpp"
+#include "causal_forward.hpp"
 #include "../../core/common.hpp"
 #include "../../maps/feature_map.hpp"
 #include "../../core/gradients.hpp"

@@ -19,10 +19,10 @@
 #include <omp.h>
 #endif
 
-#include "../causal_linear_attention.hpp"
+#include "causal_forward.hpp"
 #include "../../core/common.hpp"
 #include "../../core/error.hpp"
-#include "../linear_attention.hpp"
+#include "linear_forward.hpp"
 #include "../multihead_workspace.hpp"
 #include "../../core/parallel.hpp"
 #include "../../core/state.hpp"

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "../../linear/batched_recurrent.hpp"
-#include "../../core/checks.hpp"
+#include "../../core/detail/checks.hpp"
 #include "../../core/checksum.hpp"
 #include "../../core/common.hpp"
 #include "../../core/error.hpp"

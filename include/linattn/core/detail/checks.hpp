@@ -1,5 +1,5 @@
-/// \file core/checks.hpp
-/// \brief Argument checks shared by every entry point. A bad shape throws std::invalid_argument
+/// \file core/detail/checks.hpp
+/// \brief Argument checks shared by every entry point (internal). A bad shape throws std::invalid_argument
 /// whose message names the function and every operand's shape.
 #pragma once
 
@@ -15,8 +15,8 @@
 #include <string>
 #include <type_traits>
 
-#include "common.hpp"
-#include "error.hpp"
+#include "../common.hpp"
+#include "../error.hpp"
 
 namespace linattn::detail {
 
