@@ -2,11 +2,11 @@
 /// \brief The library's version, kept equal to the CMake project version (a test checks it).
 #pragma once
 
-/// The major version: a change breaks the API or the state file format.
+/// The major version: find_package(linattn) accepts an installed copy of the same one.
 #define LINATTN_VERSION_MAJOR 0
-/// The minor version: additions that keep every existing call compiling.
+/// The minor version, the second of the three numbers of linattn::version.
 #define LINATTN_VERSION_MINOR 1
-/// The patch version: fixes only.
+/// The patch version, the last of the three numbers of linattn::version.
 #define LINATTN_VERSION_PATCH 0
 /// The version as "major.minor.patch", for messages and logs.
 #define LINATTN_VERSION_STRING "0.1.0"

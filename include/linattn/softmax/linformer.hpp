@@ -280,7 +280,8 @@ inline double linformer_uniform_pm1(std::mt19937_64& gen) {
 /// auto [E, F] = linattn::make_linformer_projections<float>(/*L=*/4096, /*k=*/256, /*seed=*/7);
 /// Eigen::MatrixXf out = linattn::linformer_attention(Q, K, V, E, F);
 /// \endcode
-/// \param seed the draw: equal seeds give equal projections on every platform.
+/// \param seed the draw: one seed gives the same projections on every platform (to the last bit of
+///     std::log).
 template <class Scalar>
 std::pair<Matrix<Scalar>, Matrix<Scalar>> make_linformer_projections(Index L, Index k,
                                                                       std::uint64_t seed) {
