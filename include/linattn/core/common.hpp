@@ -47,7 +47,7 @@ constexpr Scalar denominator_epsilon() noexcept {
 
 /// The guarded reciprocal every kernel divides by: 1 / den, or 0 when den is degenerate (below
 /// denominator_epsilon(), or NaN).
-/// \param den the denominator.
+/// \param den a row's denominator φ(q)ᵀz.
 /// \return 1 / den, or 0 for a degenerate den.
 template <class Scalar>
 inline Scalar guarded_inverse(Scalar den) noexcept {

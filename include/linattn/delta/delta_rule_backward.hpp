@@ -210,7 +210,7 @@ void delta_rule_attention_backward(
 /// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for none.
 /// \param dOut the N x M gradient of the loss with respect to the output.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param initial the state the sequence starts from.
+/// \param initial the state the forward started from (empty: zero).
 /// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \return the gradients with respect to Q, K, V, beta and log_a.
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi>
