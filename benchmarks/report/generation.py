@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .fmt import fmt_bytes, fmt_secs, fmt_time, table, wrap
@@ -68,42 +69,52 @@ def seconds_per_image(res: Results, model: str, batch: int) -> dict[str, float |
     return out
 
 
-def gen_figures(res: Results) -> list[tuple]:
-    """The rows of the images-per-second table, as figures: (model label, batch, seconds per image
-    by attention, the paper's speed-up or None, seconds per image end to end or None)."""
+@dataclass
+class GenRow:
+    """One row of the images-per-second table (None: not measured)."""
+    model: str
+    batch: int
+    per_second: dict[str, float | None]  # images per second by attention (GEN_ATTN)
+    vs_softmax: float | None  # seconds per image, softmax recomputing its prefix ÷ linear
+    paper: float | None  # the paper's speed-up for this model (a constant of the paper)
+    vs_kv: float | None  # seconds per image, softmax with a KV cache ÷ linear
+    end_to_end: float | None  # seconds per image of linear, generated whole (gen_seq)
+    integrated: float  # seconds per image of linear, integrated from gen_step
+
+
+def gen_figures(res: Results) -> list[GenRow]:
+    """The rows of the images-per-second table."""
     rows = []
     for m, lab in GEN_MODELS:
         if not res.sizes("gen_step", model=m, attn="linear", batch="1"):
             continue
         for batch in (1, 8):
-            per_image = seconds_per_image(res, m, batch)
-            if not per_image.get("linear"):
+            t = seconds_per_image(res, m, batch)
+            lin = t.get("linear")
+            if not lin:
                 continue
             seq = res.find("gen_seq", 0, model=m, attn="linear", batch=str(batch))
-            rows.append((lab, batch, per_image, PAPER_GEN_SPEEDUP.get(m),
-                         seq.wall / batch if seq else None))
+            per_second = {a: 1.0 / t[a] if t.get(a) else None for a, _ in GEN_ATTN}
+            rows.append(GenRow(lab, batch, per_second,
+                               t["softmax"] / lin if t.get("softmax") else None,
+                               PAPER_GEN_SPEEDUP.get(m), t["kv"] / lin if t.get("kv") else None,
+                               seq.wall / batch if seq else None, lin))
     return rows
 
 
-def gen_table(figures: list[tuple]) -> list[str]:
-    """The images-per-second table of gen_figures and its note (README.md's generation block)."""
-    rows = []
-    for lab, batch, per_image, paper, end_to_end in figures:
-        def ips(a):
-            t = per_image.get(a)
-            return f"{1.0 / t:.3g}" if t else "–"
+def gen_table(figures: list[GenRow]) -> list[str]:
+    """The images-per-second table and its note (README.md's generation block)."""
+    def ips(x):
+        return f"{x:.3g}" if x else "–"
 
-        def vs(a):
-            t = per_image.get(a)
-            if not t:
-                return "–"
-            x = t / per_image["linear"]
-            return f"{x:.0f}×" if x >= 10 else f"{x:.1f}×"
+    def vs(x):
+        return "–" if not x else f"{x:.0f}×" if x >= 10 else f"{x:.1f}×"
 
-        check = (f"{fmt_secs(end_to_end)} / {fmt_secs(per_image['linear'])}"
-                 if end_to_end else "–")
-        rows.append([lab, str(batch), ips("linear"), ips("kv"), ips("softmax"), vs("softmax"),
-                     f"{paper:.0f}×" if paper else "–", vs("kv"), check])
+    rows = [[g.model, str(g.batch), ips(g.per_second.get("linear")), ips(g.per_second.get("kv")),
+             ips(g.per_second.get("softmax")), vs(g.vs_softmax),
+             f"{g.paper:.0f}×" if g.paper else "–", vs(g.vs_kv),
+             f"{fmt_secs(g.end_to_end)} / {fmt_secs(g.integrated)}" if g.end_to_end else "–"]
+            for g in figures]
     L = table(["model", "batch", "img/s linear", "img/s KV cache", "img/s recompute",
                "vs recompute", "paper (GPU)", "vs KV cache", "end to end / integrated, s"], rows,
               "lrrrrrrrr")
