@@ -24,6 +24,7 @@ CMake build (PYTHONPATH=build/python). torch is optional: without it only the nu
 from __future__ import annotations
 
 import argparse
+import re
 import threading
 import time
 
@@ -49,6 +50,22 @@ def best(fn, repeats: int) -> float:
     return t
 
 
+def torch_blas() -> str:
+    """The BLAS torch was built for (BLAS_INFO of torch.__config__.show()) and the BLAS libraries
+    this process has loaded: Debian's torch says "generic", which is whatever libblas.so.3 the
+    system's alternatives point at (reference BLAS or OpenBLAS), and that sets its einsums'
+    speed."""
+    m = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
+    txt = f"BLAS_INFO={m.group(1) if m else '?'}"
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            libs = sorted({line.split()[-1] for line in f
+                           if re.search(r"/lib[^/]*(blas|mkl)[^/]*\.so", line, re.I)})
+    except OSError:  # not Linux: the build's word only
+        libs = []
+    return txt + (f", loaded {', '.join(libs)}" if libs else "")
+
+
 def phi(x):
     return torch.nn.functional.elu(x) + 1
 
@@ -59,10 +76,12 @@ def torch_linear(q, k, v, causal):
     if not causal:
         kv = torch.einsum("bnhd,bnhm->bhdm", pk, v)
         z = pk.sum(1)
-        return torch.einsum("bnhd,bhdm->bnhm", pq, kv) / torch.einsum("bnhd,bhd->bnh", pq, z)[..., None]
+        den = torch.einsum("bnhd,bhd->bnh", pq, z)
+        return torch.einsum("bnhd,bhdm->bnhm", pq, kv) / den[..., None]
     kv = torch.cumsum(torch.einsum("bnhd,bnhm->bnhdm", pk, v), dim=1)
     z = torch.cumsum(pk, dim=1)
-    return torch.einsum("bnhd,bnhdm->bnhm", pq, kv) / torch.einsum("bnhd,bnhd->bnh", pq, z)[..., None]
+    den = torch.einsum("bnhd,bnhd->bnh", pq, z)
+    return torch.einsum("bnhd,bnhdm->bnhm", pq, kv) / den[..., None]
 
 
 def torch_softmax(q, k, v, causal):
@@ -83,11 +102,13 @@ def fwd_bwd(f, q, k, v):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="N up to 4096 (PyTorch up to 1024), 3 repeats")
+    ap.add_argument("--quick", action="store_true",
+                    help="N up to 4096 (PyTorch up to 1024), 3 repeats")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-torch-n", type=int, default=None,
-                    help="largest N of the PyTorch formula's causal form and of softmax (default 4096; 1024 "
-                         "with --quick: Debian's torch takes 41 s per softmax forward+backward at 4096)")
+                    help="largest N of the PyTorch formula's causal form and of softmax (default "
+                         "4096; 1024 with --quick: Debian's torch takes 41 s per softmax "
+                         "forward+backward at 4096)")
     args = ap.parse_args()
     if args.max_torch_n is None:
         args.max_torch_n = 1024 if args.quick else 4096
@@ -98,8 +119,9 @@ def main() -> None:
         torch.set_num_threads(1)
     H, D = 8, 64
     rng = np.random.default_rng(0)
-    print(f"linattn {linattn.__version__}, torch {torch.__version__ if torch else '-'}; B = 1, H = {H}, "
-          f"D = M = {D}, float32, 1 thread; best of {repeats}; times in ms\n")
+    versions = f"torch {torch.__version__} ({torch_blas()})" if torch else "no torch"
+    print(f"linattn {linattn.__version__}, {versions}; B = 1, H = {H}, D = M = {D}, float32, "
+          f"1 thread; best of {repeats}; times in ms\n")
     head = ["N", "causal", "linattn numpy fwd", "linattn.torch fwd", "linattn.torch fwd+bwd",
             "torch formula fwd", "torch formula fwd+bwd", "formula ÷ linattn, fwd+bwd",
             "torch softmax fwd+bwd"]
@@ -108,8 +130,8 @@ def main() -> None:
     for n in ns:
         q, k, v = (rng.uniform(-1, 1, (1, n, H, D)).astype(np.float32) for _ in range(3))
         for causal in (False, True):
-            row = [str(n), "yes" if causal else "no",
-                   f"{1e3 * best(lambda: linattn.linear_attention(q, k, v, 'elu', causal), repeats):.2f}"]
+            t_np = best(lambda: linattn.linear_attention(q, k, v, "elu", causal), repeats)
+            row = [str(n), "yes" if causal else "no", f"{1e3 * t_np:.2f}"]
             if torch is not None:
                 tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
                 f = lambda a, b, c: lt.linear_attention(a, b, c, "elu", causal)
@@ -131,8 +153,10 @@ def main() -> None:
             print("| " + " | ".join(row) + " |")
     q, k, v = (rng.uniform(-1, 1, (1, 16, H, D)).astype(np.float32) for _ in range(3))
     calls = 2000
-    t = best(lambda: [linattn.linear_attention(q, k, v, "elu", True) for _ in range(calls)], 3) / calls
-    line = f"\nPython overhead, N = 16 causal: {1e6 * t:.1f} µs per linattn.linear_attention call (numpy)"
+    t = best(lambda: [linattn.linear_attention(q, k, v, "elu", True) for _ in range(calls)],
+             3) / calls
+    line = (f"\nPython overhead, N = 16 causal: {1e6 * t:.1f} µs per linattn.linear_attention call "
+            "(numpy)")
     if torch is not None:
         tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
         t2 = best(lambda: [lt.causal_linear_attention(tq, tk, tv) for _ in range(calls)], 3) / calls
@@ -162,7 +186,8 @@ def main() -> None:
             th.join()
 
     parallel = best(two_threads, repeats)
-    print(f"\nGIL released: two causal forwards (N = {n}) one after the other {1e3 * serial:.1f} ms, "
+    print(f"\nGIL released: two causal forwards (N = {n}) one after the other "
+          f"{1e3 * serial:.1f} ms, "
           f"in two Python threads {1e3 * parallel:.1f} ms: {serial / parallel:.2f}x")
 
 

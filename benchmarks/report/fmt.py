@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import textwrap
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,6 +28,15 @@ def decade_label(e: int) -> str:
         if e >= base:
             return f"{10 ** (e - base)} {unit}"
     return f"1e{e} s"
+
+
+def fmt_secs(s: float | None) -> str:
+    """Seconds without the unit (it is in the column's header), as precise as fmt_time."""
+    if s is None:
+        return "–"
+    if s >= 1.0:
+        return f"{s:.2f}"
+    return f"{s:.4f}" if s >= 1e-2 else f"{s:.5f}" if s >= 1e-3 else f"{s:.3g}"
 
 
 def fmt_ms(s: float | None) -> str:
@@ -58,6 +69,26 @@ def table(header: list[str], rows: list[list[str]], align: str | None = None) ->
     out = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
     out += ["| " + " | ".join(row) + " |" for row in rows]
     return out
+
+
+# What a Markdown line must not start with, lest it become a list item, a quote, a heading, a
+# table row or a setext underline.
+BLOCK_START = re.compile(r"([-+*>#=|]|\d{1,9}[.)])(\s|$)")
+PROSE_WIDTH = 100
+
+
+def wrap(text: str, width: int = PROSE_WIDTH) -> list[str]:
+    """A Markdown paragraph as lines of at most `width` columns (a longer word stays whole)."""
+    # A code span stays on one line: its spaces are hidden from textwrap.
+    text = re.sub(r"`[^`]*`", lambda m: m.group(0).replace(" ", "\0"), text)
+    lines = [line.replace("\0", " ") for line in
+             textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)]
+    for i in range(1, len(lines)):
+        # Moving the first word up keeps it a paragraph; the line then runs a little over.
+        while BLOCK_START.match(lines[i]) and " " in lines[i]:
+            word, lines[i] = lines[i].split(" ", 1)
+            lines[i - 1] += " " + word
+    return lines
 
 
 def escape_md(s: str) -> str:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .fmt import fmt_bytes, fmt_time, table
+from .fmt import fmt_bytes, fmt_secs, fmt_time, table, wrap
 
 if TYPE_CHECKING:
     from .results import Results
@@ -68,50 +69,74 @@ def seconds_per_image(res: Results, model: str, batch: int) -> dict[str, float |
     return out
 
 
+@dataclass
+class GenRow:
+    """One row of the images-per-second table (None: not measured)."""
+    model: str
+    batch: int
+    per_second: dict[str, float | None]  # images per second by attention (GEN_ATTN)
+    vs_softmax: float | None  # seconds per image, softmax recomputing its prefix ÷ linear
+    paper: float | None  # the paper's speed-up for this model (a constant of the paper)
+    vs_kv: float | None  # seconds per image, softmax with a KV cache ÷ linear
+    end_to_end: float | None  # seconds per image of linear, generated whole (gen_seq)
+    integrated: float  # seconds per image of linear, integrated from gen_step
+
+
+def gen_figures(res: Results) -> list[GenRow]:
+    """The rows of the images-per-second table."""
+    rows = []
+    for m, lab in GEN_MODELS:
+        if not res.sizes("gen_step", model=m, attn="linear", batch="1"):
+            continue
+        for batch in (1, 8):
+            t = seconds_per_image(res, m, batch)
+            lin = t.get("linear")
+            if not lin:
+                continue
+            seq = res.find("gen_seq", 0, model=m, attn="linear", batch=str(batch))
+            per_second = {a: 1.0 / t[a] if t.get(a) else None for a, _ in GEN_ATTN}
+            rows.append(GenRow(lab, batch, per_second,
+                               t["softmax"] / lin if t.get("softmax") else None,
+                               PAPER_GEN_SPEEDUP.get(m), t["kv"] / lin if t.get("kv") else None,
+                               seq.wall / batch if seq else None, lin))
+    return rows
+
+
+def gen_table(figures: list[GenRow]) -> list[str]:
+    """The images-per-second table and its note (README.md's generation block)."""
+    def ips(x):
+        return f"{x:.3g}" if x else "–"
+
+    def vs(x):
+        return "–" if not x else f"{x:.0f}×" if x >= 10 else f"{x:.1f}×"
+
+    rows = [[g.model, str(g.batch), ips(g.per_second.get("linear")), ips(g.per_second.get("kv")),
+             ips(g.per_second.get("softmax")), vs(g.vs_softmax),
+             f"{g.paper:.0f}×" if g.paper else "–", vs(g.vs_kv),
+             f"{fmt_secs(g.end_to_end)} / {fmt_secs(g.integrated)}" if g.end_to_end else "–"]
+            for g in figures]
+    L = table(["model", "batch", "img/s linear", "img/s KV cache", "img/s recompute",
+               "vs recompute", "paper (GPU)", "vs KV cache", "end to end / integrated, s"], rows,
+              "lrrrrrrrr")
+    L += [""] + wrap(
+        "Images per second are per sequence of the batch, integrated from the step times at the "
+        "measured positions (Simpson's rule; `gen_step`); vs: the other attention's time per image "
+        "÷ linear attention's. The last column checks the integration: linear attention's seconds "
+        "per image generated end to end (`gen_seq`) against the integrated figure. The paper's "
+        "ratios are for plain softmax (recomputed prefix) on a GPU with its largest batch; here "
+        "one CPU thread.") + [""]
+    return L
+
+
 def generation(res: Results, table_only: bool = False) -> list[str]:
     """Section 12: images per second with each attention, the ratios next to the paper's, the time
     per token against position, and the memory a sequence keeps (table_only: the first table and
     its note, for README.md)."""
-    L: list[str] = []
     models = [(m, lab) for m,
               lab in GEN_MODELS if res.sizes("gen_step", model=m, attn="linear", batch="1")]
     if not models:
         return ["(no gen_step runs in these results)"]
-    rows = []
-    for m, lab in models:
-        for batch in (1, 8):
-            per_image = seconds_per_image(res, m, batch)
-            if not per_image.get("linear"):
-                continue
-
-            def ips(a):
-                t = per_image.get(a)
-                return f"{1.0 / t:.3g}" if t else "–"
-
-            def vs(a):
-                t = per_image.get(a)
-                if not t:
-                    return "–"
-                x = t / per_image["linear"]
-                return f"{x:.0f}×" if x >= 10 else f"{x:.1f}×"
-
-            seq = res.find("gen_seq", 0, model=m, attn="linear", batch=str(batch))
-            check = (f"{fmt_time(seq.wall / batch)} measured end to end vs "
-                     f"{fmt_time(per_image['linear'])} integrated"
-                     if seq else "–")
-            paper = PAPER_GEN_SPEEDUP.get(m)
-            rows.append([lab, str(batch), ips("linear"), ips("kv"), ips("softmax"), vs("softmax"),
-                         f"{paper:.0f}×" if paper else "–", vs("kv"), check])
-    L += table(["model", "batch", "linear img/s", "KV-cache img/s", "recompute img/s",
-                "linear vs recompute", "paper (GPU)", "linear vs KV "
-                                                      "cache", "linear, s per image"], rows,
-               "lrrrrrrrl")
-    L += ["", "Images per second are per sequence of the batch, integrated from the step times at "
-              "the "
-          "measured positions (Simpson's rule; `gen_step`); the last column checks the integration "
-          "against "
-          "whole images generated end to end (`gen_seq`). The paper's ratios are for plain softmax "
-          "(recomputed prefix) on a GPU with its largest batch; here one CPU thread.", ""]
+    L = gen_table(gen_figures(res))
     if table_only:
         return L
     # Time per token against position, batch 1.
@@ -122,7 +147,7 @@ def generation(res: Results, table_only: bool = False) -> list[str]:
         for pos in positions:
             rows.append([str(pos)] + [fmt_time(series[a].get(pos)) if series[a].get(pos) else "–"
                                         for a, _ in GEN_ATTN])
-        L += [f"Time per generated token against position, {lab}, batch 1:", ""]
+        L += wrap(f"Time per generated token against position, {lab}, batch 1:") + [""]
         L += table(["position"] + [t for _, t in GEN_ATTN], rows, "rrrr")
         L.append("")
     # Memory kept per sequence at the last position.
@@ -134,8 +159,7 @@ def generation(res: Results, table_only: bool = False) -> list[str]:
                 r = res.find("gen_step", ns[-1], model=m, attn=a, batch="1")
                 rows.append([lab, t, fmt_bytes(r.get("state_bytes")),
                              fmt_bytes(r.get("step_bytes"))])
-    L += ["Memory of one sequence at the last position: what it keeps between steps, and the "
-          "largest buffers "
-          "of a step (computed from their shapes):", ""]
+    L += wrap("Memory of one sequence at the last position: what it keeps between steps, and the "
+              "largest buffers of a step (computed from their shapes):") + [""]
     L += table(["model", "attention", "kept between steps", "buffers of a step"], rows, "llrr")
     return L
