@@ -1,6 +1,8 @@
-"""pip install --no-build-isolation ./python: the linattn package with its extension module,
-compiled from the headers of this checkout (../include) with Debian's pybind11 (python3-pybind11),
-numpy and Eigen (libeigen3-dev), nothing downloaded.
+"""The linattn package with its extension module, compiled from the headers of this checkout
+(../include) with the interpreter's pybind11 and numpy (Debian: python3-pybind11,
+python3-numpy) and Eigen (libeigen3-dev), nothing downloaded. Installed by
+`python3 python/install.py`, which checks the interpreter first and then runs
+`pip install --no-build-isolation --no-deps --no-index ./python`.
 
 Environment: LINATTN_PORTABLE=1 compiles without -march=native (a module for other machines);
 LINATTN_JOBS=N compiles N translation units at once (default: every core); EIGEN3_INCLUDE_DIR
@@ -13,7 +15,12 @@ import re
 import sys
 from pathlib import Path
 
-from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
+try:
+    from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
+except ImportError:
+    # With --no-build-isolation the build uses this interpreter's pybind11: say which one lacks it.
+    sys.exit(f"linattn: {sys.executable} cannot import pybind11; `python3 python/install.py` "
+             f"checks what an interpreter lacks and names one of this machine that has it")
 from setuptools import setup
 
 HERE = Path(__file__).resolve().parent
