@@ -91,7 +91,8 @@ def probe():
         torch = False
     stdlib = sysconfig.get_paths().get("stdlib") or ""
     return {
-        "executable": os.path.realpath(sys.executable),
+        "executable": os.path.abspath(sys.executable),
+        "real": os.path.realpath(sys.executable),
         "version": "{}.{}.{}".format(*sys.version_info[:3]),
         "problems": problems,
         "wanted": wanted,
@@ -144,8 +145,8 @@ def refuse(me, script):
     usable = []
     for python in candidates():
         other = probe_of(python)
-        if other and not other["problems"] and other["executable"] != me["executable"] and \
-                all(other["executable"] != u["executable"] for _, u in usable):
+        if other and not other["problems"] and other["real"] != me["real"] and \
+                all(other["real"] != u["real"] for _, u in usable):
             usable.append((python, other))
     # One with torch first: linattn.torch needs it.
     usable.sort(key=lambda u: not u[1]["torch"])
