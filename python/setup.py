@@ -45,9 +45,25 @@ if os.environ.get("LINATTN_PORTABLE", "0") != "1":
 # The module's translation units compile in parallel (setuptools alone compiles them one by one).
 ParallelCompile("LINATTN_JOBS", default=0).install()
 
+
+def flags_stamp() -> str:
+    """A file in the build tree that changes when the flags or the compiler do, so that setuptools,
+    which skips an extension newer than its sources and `depends`, rebuilds it then."""
+    stamp = HERE / "build" / "linattn_flags.txt"
+    text = " ".join(flags + [os.environ.get("CXX", ""), os.environ.get("CC", ""), sys.version]) + "\n"
+    if not stamp.exists() or stamp.read_text() != text:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(text)
+    return str(stamp)
+
+
+# Every header the module compiles from: setuptools compares only the listed files' times.
+headers = sorted(str(p) for p in INCLUDE.rglob("*.hpp")) + sorted(str(p) for p in (HERE / "src").glob("*.hpp"))
+
 module = Pybind11Extension(
     "linattn._linattn",
     sorted(str(p.relative_to(HERE)) for p in (HERE / "src").glob("*.cpp")),
+    depends=headers + [flags_stamp()],
     include_dirs=[str(INCLUDE), eigen_dir()],
     cxx_std=17,
     extra_compile_args=flags,
