@@ -50,7 +50,8 @@ def flags_stamp() -> str:
     """A file in the build tree that changes when the flags or the compiler do, so that setuptools,
     which skips an extension newer than its sources and `depends`, rebuilds it then."""
     stamp = HERE / "build" / "linattn_flags.txt"
-    text = " ".join(flags + [os.environ.get("CXX", ""), os.environ.get("CC", ""), sys.version]) + "\n"
+    compilers = [os.environ.get("CXX", ""), os.environ.get("CC", "")]
+    text = " ".join(flags + compilers + [sys.version]) + "\n"
     if not stamp.exists() or stamp.read_text() != text:
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.write_text(text)
@@ -58,7 +59,7 @@ def flags_stamp() -> str:
 
 
 # Every header the module compiles from: setuptools compares only the listed files' times.
-headers = sorted(str(p) for p in INCLUDE.rglob("*.hpp")) + sorted(str(p) for p in (HERE / "src").glob("*.hpp"))
+headers = sorted(str(p) for p in [*INCLUDE.rglob("*.hpp"), *(HERE / "src").glob("*.hpp")])
 
 module = Pybind11Extension(
     "linattn._linattn",
