@@ -15,15 +15,10 @@ option(LINATTN_TSAN "Build the tests with ThreadSanitizer (use with LINATTN_OPEN
 option(LINATTN_TEST_UNITY
   "Compile each group of unit-test files as one translation unit (OFF: one executable per file)"
   ON)
-# The sanitizer stage of .ci/test (clang): the test files' own code (test bodies, helpers defined
-# in the test files) without optimisation, `#pragma clang optimize off` after a group's hoisted
-# includes; the library, Eigen and the references (headers) are compiled as before, at the
-# build's level, and are what the tests exercise. Clang spends most of a group's compile in its
-# optimiser and code generator (-ftime-trace, tests_maps under ASan+UBSan: 338 of 405 s), and
-# optimised test bodies inline the library into each of thousands of call sites. Measured side by
-# side (clang 14, ASan+UBSan -O1 -march=native): tests_delta 119 s against 144 s, the tests as
-# fast (3.0-3.3 s either way). Ignored by other compilers (GCC spends its time in the front end:
-# tests_delta 66 s against 69 s with `#pragma GCC optimize ("O0")`).
+# The test files' own code (test bodies, helpers defined in the test files) unoptimised, by
+# `#pragma clang optimize off` after a group's hoisted includes; the library, Eigen and the
+# references are compiled at the build's level. Clang only, where it saves compile time
+# (.ci/README.md, stage 3).
 option(LINATTN_TEST_CODE_OPTNONE
   "clang: compile the test files' own code unoptimised (the headers under test as configured)"
   OFF)
@@ -43,7 +38,8 @@ if(LINATTN_NATIVE OR LINATTN_TESTS_NATIVE)
 endif()
 
 if((LINATTN_SANITIZE OR LINATTN_TSAN) AND NOT CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
-  message(WARNING "linattn: LINATTN_SANITIZE/LINATTN_TSAN are only supported with GCC/Clang; ignored")
+  message(WARNING
+    "linattn: LINATTN_SANITIZE/LINATTN_TSAN are only supported with GCC/Clang; ignored")
 endif()
 
 # Write <content> to <path> only when it differs from what is there, so that
@@ -116,11 +112,10 @@ endfunction()
 #
 # GROUP: with LINATTN_TEST_UNITY=ON (the default) the file is not built on its
 # own but joins the executable <group>, which linattn_add_test_groups() makes of
-# all its members as one translation unit. Test files instantiate the same kernels
-# for the same Eigen types, and a test TU's compile time is almost all spent
-# instantiating and optimising them (parsing the headers is ~2 s of 30-270 s), so
-# one TU per group compiles each instantiation once instead of once per file.
-# Every member of a group must have the same LABELS and TIMEOUT.
+# all its members as one translation unit, so that the kernels its members share
+# are instantiated once (.ci/README.md). Every member of a group must have the
+# same LABELS and TIMEOUT. LINATTN_TEST_INCLUDE_DIRS, when set, are the include
+# directories of every test (the shared helpers).
 #
 # Rules for a grouped test file (linattn_add_test_groups() checks the first):
 #  - its #include lines are hoisted to the top of the group's TU at global scope
@@ -187,6 +182,9 @@ function(_linattn_setup_test name labels timeout)
     target_link_libraries(${name} PRIVATE linattn::linattn GTest::gtest GTest::gtest_main)
   else()  # FindGTest of CMake < 3.20 only defines the old names
     target_link_libraries(${name} PRIVATE linattn::linattn GTest::GTest GTest::Main)
+  endif()
+  if(LINATTN_TEST_INCLUDE_DIRS)
+    target_include_directories(${name} PRIVATE ${LINATTN_TEST_INCLUDE_DIRS})
   endif()
   linattn_target_warnings(${name})
   linattn_target_sanitizers(${name})
@@ -296,7 +294,6 @@ function(linattn_add_test_groups)
     set(_unity "${CMAKE_CURRENT_BINARY_DIR}/${_group}.cpp")
     linattn_write_if_different("${_unity}" "${_text}")
     add_executable(${_group} "${_unity}")
-    target_include_directories(${_group} PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
     target_compile_definitions(${_group} PRIVATE EIGEN_RUNTIME_NO_MALLOC)
     _linattn_setup_test(${_group} "${_labels}" "${_timeout}")
   endforeach()
@@ -322,7 +319,7 @@ function(linattn_add_example name source)
   linattn_target_warnings(${name})
   linattn_target_native(${name})
   # LINATTN_EXAMPLES_NO_EXCEPTIONS: the examples as an engine built without exceptions compiles
-  # them (CI does, issue 28); the MPI example catches its own errors and keeps them.
+  # them (CI does); the MPI example catches its own errors and keeps them.
   if(LINATTN_EXAMPLES_NO_EXCEPTIONS AND NOT name STREQUAL "sequence_parallel_mpi"
      AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
     target_compile_options(${name} PRIVATE -fno-exceptions)
