@@ -1,5 +1,5 @@
 // Naive references and helpers for the causal, recurrent and masked tests (test_causal.cpp,
-// test_recurrent.cpp, test_masks.cpp), complementing tests/reference.hpp.
+// test_recurrent.cpp, test_masks.cpp), complementing reference.hpp.
 //
 // Like reference.hpp these are written straight from docs/SPEC.md, in double and O(N²), pair by
 // pair; nothing here calls a kernel of the library.
@@ -48,7 +48,7 @@ struct Relu {
   }
 };
 
-/// The naive causal reference of tests/reference.hpp for any map (SoftmaxSplit: the per-feature
+/// The naive causal reference of reference.hpp for any map (SoftmaxSplit: the per-feature
 /// prefix softmax; Relu: the generic pair-by-pair reference).
 template <class Map>
 Mat causal(const Mat& Q, const Mat& K, const Mat& V, const Map& map, Vec* den = nullptr) {
