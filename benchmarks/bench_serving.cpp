@@ -18,7 +18,7 @@
 //                   cores are busy): what ParallelOptions::kDefaultMinWorkPerThread is
 //                   measured from (OpenMP only, thr > 1 only; manual time of the region alone).
 // Inputs and outputs are row-major (a framework's [B, H·D] tensors), cycled through a ring of
-// distinct tokens. Both forms compute the same values bit for bit (tests/test_serving.cpp).
+// distinct tokens. Both forms compute the same values bit for bit (tests/serving/test_serving.cpp).
 //
 // Counters: tokens_per_s (B per step, a rate), B, H, D, M, threads, GFLOPs (4·F·M per head and
 // token), state_bytes (the B·H states with their compensated low parts).
