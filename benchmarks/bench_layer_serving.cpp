@@ -1,4 +1,4 @@
-// Serving a linear attention layer to B sequences (issue 29): one decode step of a
+// Serving a linear attention layer to B sequences: one decode step of a
 // LinearAttentionLayer (d_model 512 = 8 heads of D = M = 64, float, EluPlusOne) for each of
 // B = 1 … 64 sequences, as tokens per second:
 //   layer_batched   one LinearAttentionLayer::step(Xb, batch, Yb) on a BatchedState: the four
