@@ -1,4 +1,4 @@
-// The delta rule (issue 24; delta_rule.hpp, recurrent_delta_rule.hpp): DeltaNet and Gated DeltaNet,
+// The delta rule (delta_rule.hpp, recurrent_delta_rule.hpp): DeltaNet and Gated DeltaNet,
 // float, one thread (ParallelOptions{1}), L2Normalize<Silu> (Qwen3-Next's map), scale 1/√D, β
 // uniform in [0, 1], log-decays log_a uniform in [−0.1, 0] (decay:on, Gated DeltaNet) or an N×0
 // matrix (decay:off, DeltaNet):

@@ -1,4 +1,4 @@
-// Decayed and gated linear attention (issue 23; gated_attention.hpp, recurrent_gated_attention.hpp),
+// Decayed and gated linear attention (gated_attention.hpp, recurrent_gated_attention.hpp),
 // float, one thread (ParallelOptions{1}), Identity map, normalize = false, scale 1/√D:
 //
 //   - chunked prefill, H = 8 heads packed side by side, D = M ∈ {64, 128}, both gate kinds:

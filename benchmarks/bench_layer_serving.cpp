@@ -1,4 +1,4 @@
-// Serving a linear attention layer to B sequences (issue 29): one decode step of a
+// Serving a linear attention layer to B sequences: one decode step of a
 // LinearAttentionLayer (d_model 512 = 8 heads of D = M = 64, float, EluPlusOne) for each of
 // B = 1 … 64 sequences, as tokens per second:
 //   layer_batched   one LinearAttentionLayer::step(Xb, batch, Yb) on a BatchedState: the four
@@ -9,7 +9,7 @@
 //                   or spread over `thr` threads with an OpenMP loop over sequences (what a
 //                   server without the batched layer would write). Eigen on one thread.
 // Inputs and outputs are row-major B x d_model, cycled through a ring of distinct tokens. Both
-// compute the same values to rounding (tests/test_batched_layer.cpp).
+// compute the same values to rounding (tests/layers/test_batched_layer.cpp).
 //
 // Counters: tokens_per_s (B per step, a rate), B, threads, GFLOPs (the projections' 8·d_model²
 // and the heads' 4·F·M per token; F = M = 64).

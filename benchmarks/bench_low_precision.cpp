@@ -1,4 +1,4 @@
-// bf16 and half storage against float, in one run (issue 28, part 3):
+// bf16 and half storage against float, in one run:
 //   prefill/dtype:<t>/H:8/D:64/N:<n>      multihead_causal_linear_attention on packed row-major
 //                                        N x 8·64 inputs and output, one thread, EluPlusOne
 //                                        (form:ret: the returning form)

@@ -4,7 +4,7 @@
 //                   (sequence, head) pairs on up to `thr` threads (ParallelOptions::num_threads,
 //                   the default min_work_per_thread: a step too small to gain from a second
 //                   thread runs on one, so thr:2 is never slower than thr:1); also at H = 2,
-//                   D = M = 4, B = 4 (the tiny step of issue 29);
+//                   D = M = 4, B = 4 (the tiny step);
 //   serve_separate  B MultiHeadRecurrentLinearAttention::step calls, one per sequence, on one
 //                   thread, or spread over `thr` threads with an OpenMP loop over sequences (what
 //                   a server without the batched step would write: one sequence's heads stay on
@@ -18,7 +18,7 @@
 //                   cores are busy): what ParallelOptions::kDefaultMinWorkPerThread is
 //                   measured from (OpenMP only, thr > 1 only; manual time of the region alone).
 // Inputs and outputs are row-major (a framework's [B, H·D] tensors), cycled through a ring of
-// distinct tokens. Both forms compute the same values bit for bit (tests/test_serving.cpp).
+// distinct tokens. Both forms compute the same values bit for bit (tests/serving/test_serving.cpp).
 //
 // Counters: tokens_per_s (B per step, a rate), B, H, D, M, threads, GFLOPs (4·F·M per head and
 // token), state_bytes (the B·H states with their compensated low parts).
@@ -184,7 +184,7 @@ void register_all(const lb::Profile& p) {
             [T](benchmark::State& st) { BM_serve_separate(st, T); })
         ->Unit(benchmark::kMicrosecond)
         ->MinWarmUpTime(0.05);
-    // The tiny step of issue 29: 4 sequences x 2 heads of D = M = 4.
+    // The tiny step: 4 sequences x 2 heads of D = M = 4.
     const std::string tiny = lb::key("phi", "elu") + lb::key("dtype", "f32") + lb::key("H", 2) +
                              lb::key("D", 4) + lb::key("thr", T);
     lb::add("serve_batched" + tiny, {4}, "B", benchmark::oN,
@@ -217,7 +217,7 @@ std::string notes(const lb::Profile& p) {
          " sequences x 8 heads (D = M = 64, float, EluPlusOne, row-major tokens): "
          "BatchedRecurrentLinearAttention::step against B MultiHeadRecurrentLinearAttention::step "
          "calls, on 1 thread and on all threads (the batched step on at most that many: the "
-         "default ParallelOptions::min_work_per_thread); the tiny step of issue 29 (B = 4, H = 2, "
+         "default ParallelOptions::min_work_per_thread); the tiny step (B = 4, H = 2, "
          "D = M = 4); LinearAttentionLayer::step (d_model 512 and 64) with OpenMP's default team "
          "set to 1 and to all threads; the cost of an empty OpenMP parallel region.";
 }

@@ -1,4 +1,4 @@
-// Feature-map approximation study (issue 26): how close each feature map's linear attention comes
+// Feature-map approximation study: how close each feature map's linear attention comes
 // to softmax attention softmax(QKᵀ/√D)V, and what it costs per token.
 //
 //   feature_map_quality [--quick | --full | --smoke] [--quality_out=FILE] [--quality_only]

@@ -36,7 +36,7 @@ def serving_table(res: Results) -> list[str]:
         "", "Separate steps on several threads: an OpenMP loop over the sequences (each sequence's "
             "heads stay on one "
         "thread). Both compute the same values bit for bit "
-        "(tests/test_serving.cpp).", "", decode_bw_note(res)]
+        "(tests/serving/test_serving.cpp).", "", decode_bw_note(res)]
 
 
 TARGET_SPLIT_SPEEDUP = 1.7
@@ -129,5 +129,5 @@ def low_precision_section(res: Results, warn: list[str]) -> list[str]:
     return table(["", "float", "bf16 (float ÷ bf16)", "half (float ÷ half)"], rows, "lrrr") + [
         "", "A ratio above 1 is faster than float. bf16 / half outputs are the float kernel's on "
             "the rounded inputs, "
-        "rounded (tests/test_low_precision.cpp); states kept in bf16 / half drift (docs/SPEC.md "
+        "rounded (tests/core/test_low_precision.cpp); states kept in bf16 / half drift (docs/SPEC.md "
         "§8)."]

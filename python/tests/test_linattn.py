@@ -12,8 +12,8 @@ import linattn
 
 TINY = {np.float32: np.finfo(np.float32).tiny, np.float64: np.finfo(np.float64).tiny}
 # Measured worst errors of test_linear_matches_reference, relative to the largest output:
-# 7.7e-16 in float64 and 2.9e-7 in float32. float64 is held to 1e-12 (the bound issue 25 sets
-# for every function), float32 to about five times its measured error.
+# 7.7e-16 in float64 and 2.9e-7 in float32. float64 is held to 1e-12 (the bound the
+# specification sets for every function), float32 to about five times its measured error.
 TOL = {np.float64: 1e-12, np.float32: 1.5e-6}
 
 

@@ -219,7 +219,7 @@ TEST(Concurrency, DecoderStateFromFourThreadsOnOneObject) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// ParallelOptions::executor (issue 28): the library's parallel loops on the caller's threads.
+// ParallelOptions::executor: the library's parallel loops on the caller's threads.
 // Here an executor that starts a std::thread per task but the first (run on the calling
 // thread), and counts its calls and tasks. Without OpenMP (the ThreadSanitizer stage) this is
 // the only way the kernels run on several threads, and TSan checks the tasks for races.

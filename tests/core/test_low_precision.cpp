@@ -1,4 +1,4 @@
-// bf16 and half storage (issue 28, parts 1-2): the conversion loops against Eigen's scalar
+// bf16 and half storage: the conversion loops against Eigen's scalar
 // conversions, and every kernel family on bf16 / half operands against the float kernel on the
 // rounded operands. The kernels compute in float on a widened copy and narrow the result once,
 // so the expected result is exactly the float result rounded to the storage type: the checks

@@ -1,4 +1,4 @@
-// linattn in a program compiled with -fno-exceptions (issue 28): every header compiles, the
+// linattn in a program compiled with -fno-exceptions: every header compiles, the
 // kernels run (on OpenMP threads too), and each error reaches linattn::error_handler() with the
 // message the exception would have carried. An error handler must not return, so each error
 // case runs in a child process (fork) whose exit status and output the parent checks.

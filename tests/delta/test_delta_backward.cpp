@@ -1,4 +1,4 @@
-// The delta rule's gradients (spec §9.3, "Gradients"; issue 24): delta_rule_attention_backward()
+// The delta rule's gradients (spec §9.3, "Gradients"): delta_rule_attention_backward()
 // against the token-level chain rule of delta_reference.hpp (long double, every state kept),
 // which is itself checked against central finite differences of the reference forward; with and
 // without decay, unit (L2Normalize<Silu>) and raw (Identity) keys, several chunk sizes, a carried

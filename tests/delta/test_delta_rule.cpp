@@ -1,4 +1,4 @@
-// The delta rule, forward (spec §9.3; issue 24): delta_rule_attention() against the long-double
+// The delta rule, forward (spec §9.3): delta_rule_attention() against the long-double
 // recurrence of delta_reference.hpp for Identity (raw keys), L2Normalize<Silu> and
 // L2Normalize<Identity> (unit keys), with and without decay, every algorithm and several chunk
 // sizes, float and double; chunked against recurrent; β = 0 (the decayed past only); β = 1 with

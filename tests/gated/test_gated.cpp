@@ -1,4 +1,4 @@
-// The decayed and gated kernels, forward (spec §9.1, §9.2, §9.4; issue 23): gated_linear_attention()
+// The decayed and gated kernels, forward (spec §9.1, §9.2, §9.4): gated_linear_attention()
 // with scalar (N x 1) and per-feature (N x F) log-gates against the double references of
 // gated_reference.hpp (per-token recurrence and O(N²) form, both in long double), for the maps
 // Identity, Silu, L2Normalize<Silu> (unnormalised) and EluPlusOne (normalize = true), every
@@ -929,7 +929,7 @@ TEST(gated_layout, RowMajorMapsAndBlocksEqualColumnMajor) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Strong gates (issue 23 item 2): log a = −20 per token, mixed, resets, in float
+// Strong gates: log a = −20 per token, mixed, resets, in float
 // ---------------------------------------------------------------------------------------------
 
 struct GateKind {

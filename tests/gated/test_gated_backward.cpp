@@ -1,5 +1,5 @@
 // Gradients of the decayed and gated kernels (gated_linear_attention_backward(),
-// multihead_gated_linear_attention_backward(); issue 23 item 4): dQ, dK, dV and dlog_gates against
+// multihead_gated_linear_attention_backward()): dQ, dK, dV and dlog_gates against
 // central finite differences of the long-double reference of gated_reference.hpp (so independent
 // of the forward kernels), for scalar and per-feature gates and the maps Identity, Silu,
 // L2Normalize<Silu> (unnormalised, scale != 1) and EluPlusOne (normalize = true); the carried-state

@@ -1,4 +1,4 @@
-// Batched linear attention layers (issue 29, spec §6): LinearAttentionLayer::BatchedState,
+// Batched linear attention layers (spec §6): LinearAttentionLayer::BatchedState,
 // the packed prefill forward(X, cu_seqlens, states) and the batched step(Xb, states, Yb) against
 // B single-sequence layers (forward(prompt, state) then step), through 150 steps (past the fold
 // cadence of 128), with sequences added, removed, stepped in subsets and prefilled again

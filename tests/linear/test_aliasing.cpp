@@ -1,4 +1,4 @@
-// An output that shares memory with an input (issue 10, defect 3). Every out-parameter entry
+// An output that shares memory with an input. Every out-parameter entry
 // point throws std::invalid_argument naming the function and the operand before writing
 // anything, whatever the algorithm; disjoint blocks of one packed buffer (which interleave in
 // memory) are accepted and give the separate-matrix result; the recurrent classes copy their

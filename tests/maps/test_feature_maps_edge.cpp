@@ -1,4 +1,4 @@
-// Edge cases of the built-in feature maps (issue 10): NormalizedCosine on denormal rows, the
+// Edge cases of the built-in feature maps: NormalizedCosine on denormal rows, the
 // feature_dim rule of maps with per-feature key normalisation, the supported scalar types,
 // EluPlusOne's scalar and packet paths agreeing bit for bit, and every map giving the same
 // features whatever the layout of its input (row-major, column-major, Maps with an outer

@@ -1,4 +1,4 @@
-// Serving many sequences (issue 13, item 5): BatchedRecurrentLinearAttention (one decode step
+// Serving many sequences: BatchedRecurrentLinearAttention (one decode step
 // for B sequences x H heads, bit for bit B·H separate RecurrentLinearAttention steps, any thread
 // count, no allocation), states in and out of the multi-head and batched causal kernels (prefill
 // then decode == one shot), offsets of any integer type, and key masks of the multi-head and
@@ -895,7 +895,7 @@ TEST(ServingThreads, CostModelPicksTheThreadsThatPay) {
   EXPECT_EQ(linattn::detail::decode_pair_work(64, 64), 4.0 * 64 * 65);
   EXPECT_EQ(linattn::detail::causal_head_work(100, 64, 64), 100 * 4.0 * 64 * 65);
   EXPECT_EQ(linattn::detail::linear_head_work(100, 50, 64, 64), 150 * 2.0 * 64 * 65);
-  // The decode step of issue 29 (4 sequences x 2 heads of D = M = 6) and a server's (64 x 8
+  // The decode step (4 sequences x 2 heads of D = M = 6) and a server's (64 x 8
   // heads of 64).
   const double tiny = 4 * 2 * linattn::detail::decode_pair_work(6, 6);
   const double large = 64 * 8 * linattn::detail::decode_pair_work(64, 64);
@@ -953,7 +953,7 @@ TEST(ServingThreads, TinyCallsRunOnTheCallingThreadLargeOnesOnTwo) {
   const ParallelOptions forced = threads(2), one = threads(1);
   using Decoder = BatchedRecurrentLinearAttention<TeamRecordingMap, float>;
 
-  // The decode step of issue 29: 4 sequences x 2 heads of D = M = 5, over a fold (128 steps).
+  // The decode step: 4 sequences x 2 heads of D = M = 5, over a fold (128 steps).
   {
     const Index B = 4, H = 2, D = 5, M = 5;
     Decoder a(B, H, D, M), b(B, H, D, M), c(B, H, D, M);

@@ -1,4 +1,4 @@
-// Linformer (linformer.hpp; issue 26, docs/SPEC.md §5): linformer_attention() against a naive
+// Linformer (linformer.hpp, docs/SPEC.md §5): linformer_attention() against a naive
 // reference written here (E·K, F·V, scores, softmax and the product in long double), float and
 // double, on shapes with D != M and N, L, k straddling the kernels' blocks (the softmax's 128-key
 // and 256-query tiles, the projections' 256-position panels); blocks, Maps, row-major and

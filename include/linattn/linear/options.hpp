@@ -15,7 +15,7 @@ enum class CausalAlgorithm {
   /// Accuracy: Recurrent adds every token to the state one by one, Chunked adds a chunk's
   /// sum at once, so in float over very long calls Chunked rounds less (at N = 2^20, D = M = 16:
   /// 1.7e-6 against 1.5e-5 for EluPlusOne, 1.4e-6 against 8.1e-5 for SoftmaxSplit; see
-  /// tests/test_long_sequence.cpp). Choose Chunked for float sequences of 10^5+ tokens per call
+  /// tests/linear/test_long_sequence.cpp). Choose Chunked for float sequences of 10^5+ tokens per call
   /// when that matters more than speed.
   Auto,
   /// Chunks of C rows: GEMMs inside a chunk, the state carried between chunks (spec §3).
