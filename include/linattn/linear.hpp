@@ -5,6 +5,7 @@
 /// Includes only this module and the modules below it (docs/ARCHITECTURE.md).
 #pragma once
 
+#include "linear/batched.hpp"
 #include "linear/batched_recurrent.hpp"
 #include "linear/causal_linear_attention.hpp"
 #include "linear/cross_attention.hpp"

@@ -23,6 +23,7 @@
 #include "../../core/common.hpp"
 #include "../../core/error.hpp"
 #include "linear_forward.hpp"
+#include "../heads.hpp"
 #include "../multihead_workspace.hpp"
 #include "../../core/parallel.hpp"
 #include "../../core/state.hpp"
@@ -287,6 +288,90 @@ void batched_causal_views(
       }
     }
   }, executor_of(par));
+}
+
+// The batched kernels behind batched_*() and multihead_*(): `fn` names the public function in
+// error messages; q_offsets and k_offsets (OffsetsRef) hold one more entry than
+// the number of sequences, which must agree. keep(j) says whether packed key row j takes part.
+template <class DQ, class DK, class DV, class QOff, class KOff, class Phi, class Keep, class DOut>
+void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                    const Eigen::MatrixBase<DV>& V, const QOff& q_offsets, const KOff& k_offsets,
+                    Index heads, const Phi& phi, const Keep& keep,
+                    const Eigen::MatrixBase<DOut>& out,
+                    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                    const ParallelOptions& par) {
+  static_check_feature_map<Phi, compute_scalar_t<typename DQ::Scalar>>();
+  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, false);
+  const Index D = dims.first, M = dims.second;
+  check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
+  check_output(fn, out, Q.rows(), V.cols());
+  check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
+  check_offsets(fn, "q_offsets", q_offsets, Q.rows());
+  check_offsets(fn, "k_offsets", k_offsets, K.rows());
+  if (q_offsets.size() != k_offsets.size())
+    throw_invalid(fn, "q_offsets and k_offsets must describe the same number of sequences (" +
+                          std::to_string(q_offsets.size()) + " and " +
+                          std::to_string(k_offsets.size()) + " entries)");
+  // Once, here: every task takes a block of each input, and a block of a lazy expression
+  // (X * Wq) would evaluate the whole expression again for each (sequence, head). As views
+  // (detail/views.hpp), the kernels below are compiled once per storage order.
+  const auto map = erase_map<compute_scalar_t<typename DQ::Scalar>>(phi);
+  with_views(
+      Q.derived(), K.derived(), V.derived(), writable(out),
+      [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+        batched_linear_views(fn, q, k, v, q_offsets, k_offsets, heads, map, keep, dst, ws, par, D,
+                             M);
+      },
+      &ws.storage_copies());
+}
+
+// `states` (nullptr: every sequence starts from an empty state of the workspace's) holds the
+// B·H states of the caller, sequence-major, carried in and out.
+template <class DQ, class DK, class DV, class Off, class Phi, class Keep, class DOut>
+void batched_causal_linear(
+    const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Off& offsets, Index heads, const Phi& phi,
+    const Keep& keep,
+    std::vector<LinearAttentionState<compute_scalar_t<typename DQ::Scalar>>>* states,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const CausalOptions& options,
+    const ParallelOptions& par) {
+  using Storage = typename DQ::Scalar;
+  using Scalar = compute_scalar_t<Storage>;
+  static_check_feature_map<Phi, compute_scalar_t<Scalar>>();
+  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
+  const Index D = dims.first, M = dims.second;
+  check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
+  check_output(fn, out, Q.rows(), V.cols());
+  check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
+  check_offsets(fn, "offsets", offsets, Q.rows());
+  if (options.chunk_size < 0)
+    throw_invalid(fn, "chunk_size must be >= 0 (0 = default), got " +
+                          std::to_string(options.chunk_size));
+  const Index B = static_cast<Index>(offsets.size()) - 1;
+  if (states) {
+    const StateApart apart("out", out, "Q", Q, "K", K, "V", V);
+    for (std::size_t i = 0; i < states->size(); ++i)
+      apart.check(fn, (*states)[i], "states", Index(i));
+    check_states(fn, *states, B, heads, phi, D, M);
+  }
+  // Viewed once, not per (sequence, head): see batched_linear.
+  const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
+  if constexpr (is_low_precision_v<Storage>) {
+    // The operands stay in bf16 / half here (in place, or a copy of an expression): the kernel
+    // widens each head's rows a piece at a time (batched_causal_views).
+    with_storage_views(Q.derived(), K.derived(), V.derived(), writable(out),
+                       [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+                         batched_causal_views(fn, q, k, v, offsets, heads, map, keep, states, dst,
+                                              ws, options, par, D, M);
+                       });
+  } else {
+    with_views(Q.derived(), K.derived(), V.derived(), writable(out),
+               [&](const auto& q, const auto& k, const auto& v, auto& dst) {
+                 batched_causal_views(fn, q, k, v, offsets, heads, map, keep, states, dst, ws,
+                                      options, par, D, M);
+               });
+  }
 }
 
 }  // namespace linattn::detail
