@@ -77,7 +77,7 @@ template <class Scalar>
 class Workspace {
  public:
   /// The number of buffers: each kernel uses fixed slots below this.
-  static constexpr int kSlots = 18;
+  static constexpr int kSlots = 20;
 
   /// An empty workspace: nothing is allocated until a kernel asks.
   Workspace() = default;

@@ -155,7 +155,8 @@ void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
       std::is_same_v<Storage, typename DB::Scalar> && std::is_same_v<Storage, typename DA::Scalar>,
       "linattn: beta and log_a must have the scalar type of Q, K and V");
   check_qkv(fn, Q, K, V, /*causal=*/true);
-  check_head_dims(fn, Q, V, 1, opts.key_dim, opts.value_dim, "beta");
+  check_head_dims(fn, Q, V, 1, resolve_key_heads(fn, 1, opts.key_heads), opts.key_dim,
+                  opts.value_dim, "beta");
   check_feature_map(fn, phi, Q.cols());
   const Index N = Q.rows(), D = Q.cols(), M = V.cols();
   check_delta_params(fn, beta, log_a, N, 1, qkv_shapes(Q, K, V));
@@ -193,9 +194,9 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
   static_assert(
       std::is_same_v<Storage, typename DB::Scalar> && std::is_same_v<Storage, typename DA::Scalar>,
       "linattn: beta and log_a must have the scalar type of Q, K and V");
-  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
-  const Index D = dims.first, M = dims.second;
-  check_head_dims(fn, Q, V, heads, opts.key_dim, opts.value_dim, "beta");
+  const HeadLayout hl = check_grouped_heads(fn, Q, K, V, heads, opts.key_heads, true);
+  const Index D = hl.D, M = hl.M;
+  check_head_dims(fn, Q, V, heads, hl.key_heads, opts.key_dim, opts.value_dim, "beta");
   check_feature_map(fn, phi, D);
   const Index F = phi.feature_dim(D);
   check_delta_params(fn, beta, log_a, Q.rows(), heads, qkv_shapes(Q, K, V));
@@ -223,7 +224,8 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
       Workspace<Scalar>& tws = ws.for_thread(thread);
       const auto params = delta_head_params(beta.derived(), log_a.derived(), r0, n, h, heads, tws);
       auto os = sub_view(o, r0, h * M, n, M);
-      delta_run(map, sub_view(q, r0, h * D, n, D), sub_view(k, r0, h * D, n, D),
+      const Index c = hl.key_head(h) * D;
+      delta_run(map, sub_view(q, r0, c, n, D), sub_view(k, r0, c, n, D),
                 sub_view(v, r0, h * M, n, M), params.first, params.second, *st, os, tws, opts);
     });
   };
@@ -358,18 +360,26 @@ Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
 /// over heads.
 ///
 /// For H > 1 beta and log_a are N x H always: a 1 x H operand is one token of H heads (only a
-/// single head's N entries may also come as a row). The layout gives D = Q.cols() / H and
-/// M = V.cols() / H; it cannot tell fewer key heads shared by H value heads (GVA), which
-/// would run as H heads of a fraction of each key: state DeltaOptions::key_dim (and
-/// value_dim) to have such a call rejected.
+/// single head's N entries may also come as a row).
+///
+/// Shared query/key heads (GVA, Qwen3-Next's 16 key heads for 32 value heads): with
+/// DeltaOptions::key_heads = Hk < H, Q and K hold Hk heads (N x Hk·D) and value head h reads
+/// query/key head h / (H / Hk), without copying; beta, log_a, V and the output stay per value
+/// head. Without key_heads the layout gives D = Q.cols() / H; state DeltaOptions::key_dim to
+/// have a call of another layout rejected.
 /// \code
 /// linattn::MultiHeadWorkspace<float> ws;
 /// Eigen::MatrixXf out(N, 8 * 128);
 /// linattn::multihead_delta_rule_attention(Q, K, V, beta, log_a, 8,
 ///                                         linattn::L2Normalize<linattn::Silu>{}, out, ws, opts);
+/// // Qwen3-Next: 32 value heads over 16 query/key heads (Q, K: N x 16·128).
+/// opts.key_heads = 16;
+/// linattn::multihead_delta_rule_attention(Q16, K16, V32, beta32, log_a32, 32,
+///                                         linattn::L2Normalize<linattn::Silu>{}, out32, ws, opts);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
@@ -396,8 +406,9 @@ void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen:
 
 /// \brief The multi-head delta rule carrying the H heads' states in and out (an empty vector
 /// is resized to H zero states; head h continues from states[h]).
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
@@ -428,8 +439,9 @@ void multihead_delta_rule_attention(
 /// \code
 /// Eigen::MatrixXf out = linattn::multihead_delta_rule_attention(Q, K, V, beta, log_a, 8);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
@@ -459,8 +471,9 @@ Matrix<typename DQ::Scalar> multihead_delta_rule_attention(
 /// linattn::batched_delta_rule_attention(Q, K, V, beta, log_a, cu_seqlens, 8,
 ///                                       linattn::L2Normalize<linattn::Silu>{}, out, ws);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
@@ -488,8 +501,9 @@ void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::M
 /// \brief batched_delta_rule_attention() carrying the B·H states in and out (sequence-major,
 /// head h of sequence b at b·H + h; an empty vector is resized to B·H zero states): a server's
 /// prefill, whose states then continue in RecurrentDeltaRule decoders.
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.

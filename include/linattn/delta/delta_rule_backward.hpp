@@ -59,8 +59,9 @@ void check_delta_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
                 "linattn: beta, log_a and their gradients must have the scalar type of Q, K "
                 "and V");
   check_backward(fn, Q, K, V, dOut, dQ, dK, dV, /*causal=*/true);
-  check_head_dims(fn, Q, V, heads, opts.key_dim, opts.value_dim, "beta");
-  check_feature_map(fn, phi, Q.cols() / heads);
+  const Index key_heads = resolve_key_heads(fn, heads, opts.key_heads);
+  check_head_dims(fn, Q, V, heads, key_heads, opts.key_dim, opts.value_dim, "beta");
+  check_feature_map(fn, phi, Q.cols() / key_heads);
   check_delta_params(fn, beta, log_a, Q.rows(), heads, qkv_shapes(Q, K, V));
   if (dbeta.rows() != beta.rows() || dbeta.cols() != beta.cols())
     throw_invalid(fn, "dbeta is " + shape_of(dbeta) + " but must be " + shape_of(beta) +
@@ -262,16 +263,18 @@ DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
 /// columns (beta, log_a and their gradients N x H; log_a and dlog_a may be empty).
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi, class DdQ,
           class DdK, class DdV, class DdB, class DdA>
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
 /// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param dQ receives the N x H·D gradient with respect to Q.
-/// \param dK receives the L x H·D gradient with respect to K.
+/// \param dQ receives the N x Hk·D gradient with respect to Q (a shared head's: the sum over
+///     its value heads).
+/// \param dK receives the L x Hk·D gradient with respect to K.
 /// \param dV receives the L x H·M gradient with respect to V.
 /// \param dbeta receives the gradient with respect to beta.
 /// \param dlog_a receives the gradient with respect to log_a.
@@ -290,8 +293,9 @@ void multihead_delta_rule_attention_backward(
   using Storage = typename DQ::Scalar;
   using Scalar = compute_scalar_t<Storage>;
   const char* fn = "multihead_delta_rule_attention_backward";
-  const std::pair<Index, Index> dims = detail::check_heads(fn, Q, K, V, heads, true);
-  const Index D = dims.first, M = dims.second;
+  const detail::HeadLayout hl =
+      detail::check_grouped_heads(fn, Q, K, V, heads, options.key_heads, true);
+  const Index D = hl.D, M = hl.M, G = hl.group();
   detail::check_delta_backward(fn, Q, K, V, beta, log_a, dOut, phi, dQ, dK, dV, dbeta, dlog_a,
                                heads, options);
   const Index N = Q.rows();
@@ -302,17 +306,36 @@ void multihead_delta_rule_attention_backward(
                        auto& dk, auto& dv) {
     const double work =
         4.0 * double(heads) * detail::causal_head_work(N, phi.feature_dim(D), M);
-    detail::parallel_tasks<Scalar>(heads, work, par, ws, [&](Index h, int thread) {
-      auto dqs = detail::sub_view(dq, 0, h * D, N, D);
-      auto dks = detail::sub_view(dk, 0, h * D, N, D);
-      auto dvs = detail::sub_view(dv, 0, h * M, N, M);
-      detail::delta_backward_head(
-          map, detail::sub_view(q, 0, h * D, N, D), detail::sub_view(k, 0, h * D, N, D),
-          detail::sub_view(v, 0, h * M, N, M), detail::sub_view(go, 0, h * M, N, M),
-          beta.derived(), log_a.derived(), h, heads,
-          static_cast<const LinearAttentionState<Scalar>*>(nullptr),
-          static_cast<const StateGradient<Scalar>*>(nullptr), dqs, dks, dvs, gb, ga,
-          static_cast<StateGradient<Scalar>*>(nullptr), ws.for_thread(thread), options);
+    using GQ = std::decay_t<decltype(dq)>;
+    using GK = std::decay_t<decltype(dk)>;
+    // One task per query/key head, its G value heads in turn: the first writes the shared
+    // head's dQ and dK, the others add theirs (no two threads write one block).
+    detail::parallel_tasks<Scalar>(hl.key_heads, work, par, ws, [&](Index kh, int thread) {
+      Workspace<Scalar>& tws = ws.for_thread(thread);
+      auto dqs = detail::sub_view(dq, 0, kh * D, N, D);
+      auto dks = detail::sub_view(dk, 0, kh * D, N, D);
+      for (Index j = 0; j < G; ++j) {
+        const Index h = kh * G + j;
+        auto dvs = detail::sub_view(dv, 0, h * M, N, M);
+        const auto head = [&](GQ& oq, GK& ok) {
+          detail::delta_backward_head(
+              map, detail::sub_view(q, 0, kh * D, N, D), detail::sub_view(k, 0, kh * D, N, D),
+              detail::sub_view(v, 0, h * M, N, M), detail::sub_view(go, 0, h * M, N, M),
+              beta.derived(), log_a.derived(), h, heads,
+              static_cast<const LinearAttentionState<Scalar>*>(nullptr),
+              static_cast<const StateGradient<Scalar>*>(nullptr), oq, ok, dvs, gb, ga,
+              static_cast<StateGradient<Scalar>*>(nullptr), tws, options);
+        };
+        if (j == 0) {
+          head(dqs, dks);
+          continue;
+        }
+        GQ tq = detail::scratch_view<GQ>(tws, detail::kSlotSharedQ, N, D);
+        GK tk = detail::scratch_view<GK>(tws, detail::kSlotSharedK, N, D);
+        head(tq, tk);
+        dqs += tq;
+        dks += tk;
+      }
     });
   };
   detail::with_backward_views(Q.derived(), K.derived(), V.derived(), dOut.derived(),
@@ -324,8 +347,9 @@ void multihead_delta_rule_attention_backward(
 /// \code
 /// auto g = linattn::multihead_delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, 8);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
 /// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.

@@ -62,7 +62,8 @@ void gated_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   static_assert(std::is_same_v<Storage, typename DG::Scalar>,
                 "linattn: log_gates must have the scalar type of Q, K and V");
   check_qkv(fn, Q, K, V, /*causal=*/true);
-  check_head_dims(fn, Q, V, 1, opts.key_dim, opts.value_dim, "the log gates");
+  check_head_dims(fn, Q, V, 1, resolve_key_heads(fn, 1, opts.key_heads), opts.key_dim,
+                  opts.value_dim, "the log gates");
   check_feature_map(fn, phi, Q.cols());
   const Index N = Q.rows(), D = Q.cols(), M = V.cols(), F = phi.feature_dim(D);
   check_log_gates(fn, log_gates, N, 1, F,
@@ -103,9 +104,9 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
   static_check_gated<Phi, Scalar>();
   static_assert(std::is_same_v<Storage, typename DG::Scalar>,
                 "linattn: log_gates must have the scalar type of Q, K and V");
-  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
-  const Index D = dims.first, M = dims.second;
-  check_head_dims(fn, Q, V, heads, opts.key_dim, opts.value_dim, "the log gates");
+  const HeadLayout hl = check_grouped_heads(fn, Q, K, V, heads, opts.key_heads, true);
+  const Index D = hl.D, M = hl.M;
+  check_head_dims(fn, Q, V, heads, hl.key_heads, opts.key_dim, opts.value_dim, "the log gates");
   check_feature_map(fn, phi, D);
   const Index F = phi.feature_dim(D);
   check_log_gates(fn, log_gates, Q.rows(), heads, heads * F,
@@ -148,7 +149,8 @@ void batched_gated(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
       LinearAttentionState<Scalar>* st = &task_state(states, t, ws, thread, F, M, gw);
       // sub_view, not block: an empty operand's memory may be null, where no offset applies.
       auto os = sub_view(dst, r0, h * M, n, M);
-      gated_run(map, sub_view(q.view, r0, h * D, n, D), sub_view(k.view, r0, h * D, n, D),
+      const Index c = hl.key_head(h) * D;
+      gated_run(map, sub_view(q.view, r0, c, n, D), sub_view(k.view, r0, c, n, D),
                 sub_view(v.view, r0, h * M, n, M), sub_view(g.view, r0, h * gw, n, gw), *st, os,
                 ws.for_thread(thread), opts);
     });
@@ -280,16 +282,23 @@ Matrix<typename DQ::Scalar> gated_linear_attention(const Eigen::MatrixBase<DQ>& 
 /// \param log_gates N x H (a log-decay per head and token) or N x H·F (head h's per-feature
 ///        gates in columns [h·F, (h+1)·F)), for every N (one token: 1 x H).
 ///
-/// The layout gives D = Q.cols() / H and M = V.cols() / H; it cannot tell fewer key heads
-/// shared by H value heads (GVA): state GatedOptions::key_dim (and value_dim) to have such a
-/// call rejected.
+/// Shared query/key heads (GVA): with GatedOptions::key_heads = Hk < H, Q and K hold Hk heads
+/// (N x Hk·D) and value head h reads query/key head h / (H / Hk), without copying; the log
+/// gates, V and the output stay per value head. Without key_heads the layout gives
+/// D = Q.cols() / H; state GatedOptions::key_dim to have a call of another layout rejected.
 /// \code
 /// linattn::MultiHeadWorkspace<float> ws;
 /// Eigen::MatrixXf out(N, 8 * 64);
 /// linattn::multihead_gated_linear_attention(Q, K, V, log_gates, 8, linattn::Identity{}, out, ws);
+/// // 4 query/key heads shared by the 8 value heads: Q, K are N x 4·64.
+/// linattn::GatedOptions shared;
+/// shared.key_heads = 4;
+/// linattn::multihead_gated_linear_attention(Q4, K4, V, log_gates, 8, linattn::Identity{}, out,
+///                                           ws, shared);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
@@ -316,8 +325,9 @@ void multihead_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \brief Multi-head gated linear attention carrying the H heads' states in and out (an empty
 /// vector is resized to H zero states; head h continues from states[h] and leaves its final
 /// state there, as gated_linear_attention() on its columns does).
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param heads H, the number of heads (Q's and V's columns divisible by H).
@@ -347,8 +357,9 @@ void multihead_gated_linear_attention(
 /// \code
 /// Eigen::MatrixXf out = linattn::multihead_gated_linear_attention(Q, K, V, log_gates, 8);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param heads H, the number of heads (Q's and V's columns divisible by H).
@@ -377,8 +388,9 @@ Matrix<typename DQ::Scalar> multihead_gated_linear_attention(
 /// linattn::batched_gated_linear_attention(Q, K, V, log_gates, cu_seqlens, 8,
 ///                                         linattn::Identity{}, out, ws);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
@@ -406,8 +418,9 @@ void batched_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen:
 /// \brief batched_gated_linear_attention() carrying the B·H states in and out (sequence-major,
 /// head h of sequence b at b·H + h; an empty vector is resized to B·H zero states): a server's
 /// prefill, whose states then continue in RecurrentGatedAttention decoders.
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to

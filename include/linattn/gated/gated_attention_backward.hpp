@@ -6,6 +6,7 @@
 #include <Eigen/Core>
 
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "../core/detail/checks.hpp"
@@ -45,8 +46,9 @@ void check_gated_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   static_assert(std::is_same_v<Storage, typename DG::Scalar>,
                 "linattn: log_gates must have the scalar type of Q, K and V");
   check_backward(fn, Q, K, V, dOut, dQ, dK, dV, /*causal=*/true);
-  check_head_dims(fn, Q, V, heads, opts.key_dim, opts.value_dim, "the log gates");
-  const Index D = Q.cols() / heads;
+  const Index key_heads = resolve_key_heads(fn, heads, opts.key_heads);
+  check_head_dims(fn, Q, V, heads, key_heads, opts.key_dim, opts.value_dim, "the log gates");
+  const Index D = Q.cols() / key_heads;
   check_feature_map(fn, phi, D);
   const Index F = phi.feature_dim(D);
   check_log_gates(fn, log_gates, Q.rows(), heads, heads * F,
@@ -245,15 +247,17 @@ GatedGradients<typename DQ::Scalar> gated_linear_attention_backward(
 /// on its columns.
 template <class DQ, class DK, class DV, class DG, class DO, class Phi, class DdQ, class DdK,
           class DdV, class DdG>
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
 /// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param dQ receives the N x H·D gradient with respect to Q.
-/// \param dK receives the L x H·D gradient with respect to K.
+/// \param dQ receives the N x Hk·D gradient with respect to Q (a shared head's: the sum over
+///     its value heads).
+/// \param dK receives the L x Hk·D gradient with respect to K.
 /// \param dV receives the L x H·M gradient with respect to V.
 /// \param dlog_gates receives the gradient with respect to log_gates.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
@@ -270,8 +274,9 @@ void multihead_gated_linear_attention_backward(
   using Storage = typename DQ::Scalar;
   using Scalar = compute_scalar_t<Storage>;
   const char* fn = "multihead_gated_linear_attention_backward";
-  const std::pair<Index, Index> dims = detail::check_heads(fn, Q, K, V, heads, true);
-  const Index D = dims.first, M = dims.second;
+  const detail::HeadLayout hl =
+      detail::check_grouped_heads(fn, Q, K, V, heads, options.key_heads, true);
+  const Index D = hl.D, M = hl.M, G = hl.group();
   detail::check_gated_backward(fn, Q, K, V, log_gates, dOut, phi, dQ, dK, dV, dlog_gates, heads,
                                options);
   const Index N = Q.rows(), gw = log_gates.cols() / heads;
@@ -287,18 +292,39 @@ void multihead_gated_linear_attention_backward(
     detail::with_output_views(
         detail::writable(dQ), detail::writable(dK), detail::writable(dV),
         [&](auto& gq, auto& gk, auto& gv) {
+          using GQ = std::decay_t<decltype(gq)>;
+          using GK = std::decay_t<decltype(gk)>;
           const double work =
               2.0 * double(heads) * detail::causal_head_work(N, phi.feature_dim(D), M);
-          detail::parallel_tasks<Scalar>(heads, work, par, ws, [&](Index h, int thread) {
-            auto dqs = gq.block(0, h * D, N, D);
-            auto dks = gk.block(0, h * D, N, D);
-            auto dvs = gv.block(0, h * M, N, M);
-            auto dgs = gg.block(0, h * gw, N, gw);
-            detail::gated_backward_run(
-                map, q.view.block(0, h * D, N, D), k.view.block(0, h * D, N, D),
-                v.view.block(0, h * M, N, M), g.view.block(0, h * gw, N, gw),
-                go.view.block(0, h * M, N, M), zero, none, dqs, dks, dvs, dgs,
-                static_cast<StateGradient<Scalar>*>(nullptr), ws.for_thread(thread), options);
+          // One task per query/key head, its G value heads in turn: the first writes the
+          // shared head's dQ and dK, the others add theirs (no two threads write one block).
+          detail::parallel_tasks<Scalar>(hl.key_heads, work, par, ws, [&](Index kh, int thread) {
+            Workspace<Scalar>& tws = ws.for_thread(thread);
+            auto dqs = gq.block(0, kh * D, N, D);
+            auto dks = gk.block(0, kh * D, N, D);
+            for (Index j = 0; j < G; ++j) {
+              const Index h = kh * G + j;
+              auto dvs = gv.block(0, h * M, N, M);
+              auto dgs = gg.block(0, h * gw, N, gw);
+              const auto head = [&](auto& oq, auto& ok) {
+                detail::gated_backward_run(
+                    map, q.view.block(0, kh * D, N, D), k.view.block(0, kh * D, N, D),
+                    v.view.block(0, h * M, N, M), g.view.block(0, h * gw, N, gw),
+                    go.view.block(0, h * M, N, M), zero, none, oq, ok, dvs, dgs,
+                    static_cast<StateGradient<Scalar>*>(nullptr), tws, options);
+              };
+              if (j == 0) {
+                head(dqs, dks);
+                continue;
+              }
+              GQ sq = detail::scratch_view<GQ>(tws, detail::kSlotSharedQ, N, D);
+              GK sk = detail::scratch_view<GK>(tws, detail::kSlotSharedK, N, D);
+              auto tq = sq.block(0, 0, N, D);
+              auto tk = sk.block(0, 0, N, D);
+              head(tq, tk);
+              dqs += tq;
+              dks += tk;
+            }
           });
         });
   });
@@ -308,8 +334,9 @@ void multihead_gated_linear_attention_backward(
 /// \code
 /// auto g = linattn::multihead_gated_linear_attention_backward(Q, K, V, log_gates, dOut, 8);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = the options' key_heads, or H): value head h reads the
+///     columns [c·D, (c+1)·D) of query/key head c = h / (H / Hk).
+/// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param log_gates N x H (one log-decay per head and token) or N x H·F (per feature), all <= 0.
 /// \param dOut the N x H·M gradient of the loss with respect to the output.

@@ -31,13 +31,19 @@ struct GatedOptions {
   Index chunk_size = 0;
   /// Chunked (GEMMs per chunk), Recurrent (one token at a time), or Auto (by the state's size).
   CausalAlgorithm algorithm = CausalAlgorithm::Auto;
+  /// The number of query/key heads Hk when fewer than the H value heads share them (GVA,
+  /// grouped value attention: Qwen3-Next's 16 key heads for 32 value heads); 0 (the default):
+  /// as many as the value heads. Hk must divide H; Q and K then hold Hk heads (N x Hk·D),
+  /// V, the output and the per-head parameters H, and value head h reads query/key head
+  /// h / (H / Hk), as FLA and transformers (`repeat_interleave`) pair them, without copying.
+  /// The gradients of a shared head are the sums over its value heads.
+  Index key_heads = 0;
   /// The size of one head's keys, D, and of its values, M, as the model defines them (0: not
-  /// stated; the kernels take D = Q.cols() / H and M = V.cols() / H). The packed layout alone
-  /// cannot tell H heads of D = Q.cols() / H from fewer key heads shared by H value heads
-  /// (grouped value heads, GVA: Qwen3-Next's 16 key heads for 32 value heads), which would
-  /// run silently as H heads of a fraction of each key. State them and a call whose Q and K
-  /// do not hold H heads of key_dim (V: of value_dim) is rejected (std::invalid_argument);
-  /// shared key heads are not supported: repeat each key head over its value heads.
+  /// stated; the kernels take D = Q.cols() / Hk and M = V.cols() / H). The packed layout alone
+  /// cannot tell H heads of D = Q.cols() / H from fewer key heads shared by H value heads,
+  /// which without key_heads would run silently as H heads of a fraction of each key. State
+  /// them and a call whose Q and K do not hold Hk heads of key_dim (V: H heads of value_dim)
+  /// is rejected (std::invalid_argument).
   Index key_dim = 0;
   /// M, one head's value size (0: not stated), checked against V as key_dim is against Q and K.
   Index value_dim = 0;

@@ -15,6 +15,7 @@
 #include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "../core/state.hpp"
+#include "../core/workspace.hpp"
 #include "../maps/map_state.hpp"
 
 namespace linattn {
@@ -38,6 +39,50 @@ std::pair<Index, Index> check_heads(const char* function, const Eigen::MatrixBas
     throw_invalid(function, "the columns of Q and V must be multiples of heads" + shapes());
   check_qkv(function, Q, K, V, causal);
   return {Q.cols() / heads, V.cols() / heads};
+}
+
+// The packed layout of H value heads over Hk query/key heads (Hk = H unless heads are
+// shared, GVA): Q and K are N x Hk·D, V is L x H·M, and value head h reads key head
+// h / (H / Hk) (FLA's and transformers' order: each key head serves consecutive value heads).
+struct HeadLayout {
+  Index heads, key_heads, D, M;
+  Index group() const noexcept { return heads / key_heads; }
+  Index key_head(Index h) const noexcept { return h / group(); }
+};
+
+// check_heads() for `heads` value heads sharing `key_heads` query/key heads (the options'
+// value; 0: as many as heads). Messages name both counts.
+template <class DQ, class DK, class DV>
+HeadLayout check_grouped_heads(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                               const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                               Index heads, Index key_heads, bool causal) {
+  if (key_heads == 0 || key_heads == heads) {
+    const std::pair<Index, Index> dims = check_heads(function, Q, K, V, heads, causal);
+    return {heads, heads, dims.first, dims.second};
+  }
+  static_check_scalars<DQ, DK, DV>();
+  const auto shapes = [&] {
+    return " (Q is " + shape_of(Q) + ", K is " + shape_of(K) + ", V is " + shape_of(V) +
+           ", heads = " + std::to_string(heads) + ", key_heads = " + std::to_string(key_heads) +
+           ")";
+  };
+  if (heads <= 0) throw_invalid(function, "heads must be positive" + shapes());
+  const Index kh = resolve_key_heads(function, heads, key_heads);
+  if (Q.cols() % kh != 0)
+    throw_invalid(function, "the columns of Q and K must be multiples of key_heads" + shapes());
+  if (V.cols() % heads != 0)
+    throw_invalid(function, "the columns of V must be multiples of heads" + shapes());
+  check_qkv(function, Q, K, V, causal);
+  return {heads, kh, Q.cols() / kh, V.cols() / heads};
+}
+
+// A rows x cols scratch of the view type View (a Map with an outer stride, detail/views.hpp)
+// in the workspace's buffer `slot`: a kernel writing into it is the instantiation that writes
+// the caller's gradients.
+template <class View, class Scalar>
+View scratch_view(Workspace<Scalar>& ws, int slot, Index rows, Index cols) {
+  return View(ws.vector(slot, rows * cols).data(), rows, cols,
+              Eigen::OuterStride<>(View::IsRowMajor ? cols : rows));
 }
 
 // Sequence offsets (cu_seqlens) read in place, whatever their integer type and layout: a

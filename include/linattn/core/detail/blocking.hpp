@@ -33,6 +33,8 @@ enum Slot : int {
   kSlotBackwardC = 15,
   kSlotProductA = 16,  // the state products' (products.hpp) copies: token-major features,
   kSlotProductB = 17,  // a transposed state, values not readable in place
+  kSlotSharedQ = 18,   // a value head's dQ and dK when it shares its query/key head (GVA),
+  kSlotSharedK = 19,   // added into the shared head's gradients after the head's backward
 };
 
 // dst(c, r) = src(r, c) for a rows x cols column-major src (leading dimension src_ld) into a

@@ -91,38 +91,54 @@ void check_qkv(const char* function, const Eigen::MatrixBase<DQ>& Q,
   if (Q.cols() == 0) throw_invalid(function, "the key dimension D must be positive" + shapes());
 }
 
+// The number of query/key heads a call's options state (key_heads; 0: as many as `heads`)
+// for `heads` value heads: positive and dividing heads, so that value head h reads key head
+// h / (heads / key_heads), as FLA and transformers share them (GVA: Qwen3-Next's 16 key
+// heads for 32 value heads).
+inline Index resolve_key_heads(const char* function, Index heads, Index key_heads) {
+  if (key_heads == 0) return heads;
+  if (key_heads < 0 || heads % key_heads != 0)
+    throw_invalid(function, "key_heads = " + std::to_string(key_heads) +
+                                " must be 0 (as many as heads) or a positive divisor of heads = " +
+                                std::to_string(heads) + " (each key head serves heads / " +
+                                "key_heads value heads)");
+  return key_heads;
+}
+
 // The head sizes a caller stated (DeltaOptions / GatedOptions::key_dim, value_dim; 0: not
-// stated) against the packed Q (N x H·D) and V (N x H·M) of H heads; `params` names the
-// operands that give H ("beta", "the log gates").
+// stated) against the packed Q (N x Hk·D) and V (N x H·M) of Hk = key_heads query/key heads
+// and H value heads; `params` names the operands that give H ("beta", "the log gates").
 template <class DQ, class DV>
 void check_head_dims(const char* function, const Eigen::MatrixBase<DQ>& Q,
-                     const Eigen::MatrixBase<DV>& V, Index heads, Index key_dim, Index value_dim,
-                     const char* params) {
+                     const Eigen::MatrixBase<DV>& V, Index heads, Index key_heads, Index key_dim,
+                     Index value_dim, const char* params) {
   if (key_dim == 0 && value_dim == 0) return;
   const auto shapes = [&] {
-    return " (Q is " + shape_of(Q) + ", V is " + shape_of(V) +
-           ", heads = " + std::to_string(heads) + ", key_dim = " + std::to_string(key_dim) +
-           ", value_dim = " + std::to_string(value_dim) + ")";
+    return " (Q is " + shape_of(Q) + ", V is " + shape_of(V) + ", heads = " +
+           std::to_string(heads) + ", key_heads = " + std::to_string(key_heads) +
+           ", key_dim = " + std::to_string(key_dim) + ", value_dim = " +
+           std::to_string(value_dim) + ")";
   };
   if (key_dim < 0 || value_dim < 0)
     throw_invalid(function, "key_dim and value_dim must be >= 0 (0: not stated)" + shapes());
-  // "Q and K hold", key_dim; "V holds", value_dim.
-  const auto held = [&](const char* what, Index cols, Index dim, const char* dim_name) {
-    if (dim == 0 || cols == heads * dim) return;
+  // "Q and K hold", key_dim over the key heads; "V holds", value_dim over the value heads.
+  const auto held = [&](const char* what, Index cols, Index count, Index dim,
+                        const char* dim_name) {
+    if (dim == 0 || cols == count * dim) return;
     if (cols % dim == 0)
       throw_invalid(function, std::string(what) + " " + std::to_string(cols / dim) +
                                   " head(s) of " + dim_name + " = " + std::to_string(dim) +
-                                  " but " + params +
-                                  " and heads give H = " + std::to_string(heads) +
-                                  ": heads shared by several others (GVA) are not supported; "
-                                  "repeat each shared head for every head it serves" +
-                                  shapes());
-    throw_invalid(function, std::string(what) + " " + std::to_string(cols) +
-                                " columns, not heads x " + dim_name + " = " +
-                                std::to_string(heads * dim) + shapes());
+                                  " but " + params + " and heads give H = " +
+                                  std::to_string(heads) + " with key_heads = " +
+                                  std::to_string(key_heads) +
+                                  " query/key heads: for query/key heads shared by several "
+                                  "value heads (GVA), set key_heads to their number" + shapes());
+    throw_invalid(function, std::string(what) + " " + std::to_string(cols) + " columns, not " +
+                                (count == heads ? "heads" : "key_heads") + " x " + dim_name +
+                                " = " + std::to_string(count * dim) + shapes());
   };
-  held("Q and K hold", Q.cols(), key_dim, "key_dim");
-  held("V holds", V.cols(), value_dim, "value_dim");
+  held("Q and K hold", Q.cols(), key_heads, key_dim, "key_dim");
+  held("V holds", V.cols(), heads, value_dim, "value_dim");
 }
 
 template <class DOut>
