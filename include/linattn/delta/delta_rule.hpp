@@ -64,12 +64,20 @@ inline std::string param_entry(const char* name, Index i, Index h, bool one_head
          (one_head ? std::string() : ", " + std::to_string(h)) + ")";
 }
 
+// Whether log_a holds one log-decay per key channel (KDA): N x H·F with F > 1, against one per
+// token and head (N x H; one head: a vector of N entries).
+template <class DA>
+bool per_channel_decays(const DA& log_a, Index N, Index heads, Index F) {
+  return F > 1 && log_a.rows() == N && log_a.cols() == heads * F && log_a.size() != 0;
+}
+
 // beta: N x H (H = 1: a vector of N entries, column or row), every entry in [0, 2];
-// log_a: of size 0 (no decay) or shaped as beta, every entry finite and <= 0. `shapes` names
-// the other operands for the message (called on failure only: no string is built otherwise).
+// log_a: of size 0 (no decay), shaped as beta, or N x H·F (per key channel, KDA), every entry
+// finite and <= 0. `shapes` names the other operands for the message (called on failure only:
+// no string is built otherwise).
 template <class DB, class DA, class Shapes>
 void check_delta_params(const char* fn, const Eigen::MatrixBase<DB>& beta,
-                        const Eigen::MatrixBase<DA>& log_a, Index N, Index heads,
+                        const Eigen::MatrixBase<DA>& log_a, Index N, Index heads, Index F,
                         const Shapes& shapes) {
   const bool one = heads == 1;
   const auto fits = [&](Index r, Index c) {
@@ -82,9 +90,11 @@ void check_delta_params(const char* fn, const Eigen::MatrixBase<DB>& beta,
   };
   if (!fits(beta.rows(), beta.cols()))
     throw_invalid(fn, "beta is " + shape_of(beta) + " but must be " + want() + shapes());
-  if (log_a.size() != 0 && !fits(log_a.rows(), log_a.cols()))
-    throw_invalid(fn, "log_a is " + shape_of(log_a) + " but must be empty (no decay) or " +
-                          want() + shapes());
+  const bool channels = per_channel_decays(log_a, N, heads, F);
+  if (log_a.size() != 0 && !channels && !fits(log_a.rows(), log_a.cols()))
+    throw_invalid(fn, "log_a is " + shape_of(log_a) + " but must be empty (no decay), " +
+                          want() + " or " + shape_string(N, heads * F) +
+                          " (one per key channel, F = " + std::to_string(F) + ")" + shapes());
   using S = typename DB::Scalar;
   for (Index h = 0; h < heads; ++h)
     for (Index i = 0; i < N; ++i) {
@@ -94,27 +104,51 @@ void check_delta_params(const char* fn, const Eigen::MatrixBase<DB>& beta,
                               ": beta must be in [0, 2]" + shapes());
     }
   if (log_a.size() == 0) return;
+  const auto bad = [](S g) { return !(g <= S(0)) || !(g - g == S(0)); };
+  if (channels) {
+    for (Index c = 0; c < log_a.cols(); ++c)
+      for (Index i = 0; i < N; ++i)
+        if (bad(log_a.coeff(i, c)))
+          throw_invalid(fn, "log_a(" + std::to_string(i) + ", " + std::to_string(c) + ") = " +
+                                value_string(log_a.coeff(i, c)) +
+                                ": log-decays must be finite and <= 0" + shapes());
+    return;
+  }
   for (Index h = 0; h < heads; ++h)
     for (Index i = 0; i < N; ++i) {
       const S g = token_param(log_a.derived(), i, h, heads);
-      if (!(g <= S(0)) || !(g - g == S(0)))
+      if (bad(g))
         throw_invalid(fn, param_entry("log_a", i, h, one) + " = " + value_string(g) +
                               ": log-decays must be finite and <= 0" + shapes());
     }
 }
 
-// Head h (of `heads`)'s rows [r0, r0 + n) of beta (and of log_a when it has entries) as
-// contiguous arrays in the thread's workspace; the g pointer is null without decay.
+// One head's per-token parameters as contiguous arrays in the thread's workspace: beta's n
+// entries, and g, n x gw token-major (gw = 1: a log-decay per token; gw = F: per key
+// channel), null without decay.
+template <class Scalar>
+struct DeltaHeadParams {
+  const Scalar* beta;
+  const Scalar* g;
+  Index gw;
+};
+
+// Head h (of `heads`)'s rows [r0, r0 + n) of beta and log_a (F: the head's key channels).
 template <class DB, class DA, class Scalar>
-std::pair<const Scalar*, const Scalar*> delta_head_params(const DB& beta, const DA& log_a,
-                                                          Index r0, Index n, Index h, Index heads,
-                                                          Workspace<Scalar>& ws) {
+DeltaHeadParams<Scalar> delta_head_params(const DB& beta, const DA& log_a, Index r0, Index n,
+                                          Index h, Index heads, Index F, Workspace<Scalar>& ws) {
   auto b = ws.vector(kSlotBackwardA, n);
   for (Index i = 0; i < n; ++i) b(i) = token_param(beta, r0 + i, h, heads);
-  if (log_a.size() == 0) return {b.data(), nullptr};
+  if (log_a.size() == 0) return {b.data(), nullptr, 1};
+  if (per_channel_decays(log_a, log_a.rows(), heads, F)) {
+    auto g = ws.vector(kSlotBackwardB, n * F);
+    for (Index i = 0; i < n; ++i)
+      for (Index c = 0; c < F; ++c) g(i * F + c) = log_a.coeff(r0 + i, h * F + c);
+    return {b.data(), g.data(), F};
+  }
   auto g = ws.vector(kSlotBackwardB, n);
   for (Index i = 0; i < n; ++i) g(i) = token_param(log_a, r0 + i, h, heads);
-  return {b.data(), g.data()};
+  return {b.data(), g.data(), 1};
 }
 
 // A carried state for the delta rule: sized or checked, its low parts added into S (the delta
@@ -159,7 +193,7 @@ void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
                   opts.value_dim, "beta");
   check_feature_map(fn, phi, Q.cols());
   const Index N = Q.rows(), D = Q.cols(), M = V.cols();
-  check_delta_params(fn, beta, log_a, N, 1, qkv_shapes(Q, K, V));
+  check_delta_params(fn, beta, log_a, N, 1, phi.feature_dim(D), qkv_shapes(Q, K, V));
   check_output(fn, out, N, M);
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V, "beta", beta, "log_a", log_a);
   StateApart("out", out, "Q", Q, "K", K, "V", V, "beta", beta, "log_a", log_a)
@@ -167,12 +201,13 @@ void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   check_delta_chunk_size(fn, opts);
   prepare_state(fn, st, phi, D, M);
   delta_absorb_low(st);
-  const auto params = delta_head_params(beta.derived(), log_a.derived(), 0, N, 0, 1, ws);
+  const auto params =
+      delta_head_params(beta.derived(), log_a.derived(), 0, N, 0, 1, phi.feature_dim(D), ws);
   const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
   with_views(
       Q.derived(), K.derived(), V.derived(), writable(out),
       [&](const auto& q, const auto& k, const auto& v, auto& o) {
-        delta_run(map, q, k, v, params.first, params.second, st, o, ws, opts);
+        delta_run(map, q, k, v, params.beta, params.g, params.gw, st, o, ws, opts);
       },
       &ws.storage_copies());
 }
@@ -199,7 +234,7 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
   check_head_dims(fn, Q, V, heads, hl.key_heads, opts.key_dim, opts.value_dim, "beta");
   check_feature_map(fn, phi, D);
   const Index F = phi.feature_dim(D);
-  check_delta_params(fn, beta, log_a, Q.rows(), heads, qkv_shapes(Q, K, V));
+  check_delta_params(fn, beta, log_a, Q.rows(), heads, F, qkv_shapes(Q, K, V));
   check_output(fn, out, Q.rows(), V.cols());
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V, "beta", beta, "log_a", log_a);
   check_offsets(fn, "offsets", offsets, Q.rows());
@@ -222,11 +257,13 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
       const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
       LinearAttentionState<Scalar>* st = &task_state(states, t, ws, thread, F, M, 0);
       Workspace<Scalar>& tws = ws.for_thread(thread);
-      const auto params = delta_head_params(beta.derived(), log_a.derived(), r0, n, h, heads, tws);
+      const auto params =
+          delta_head_params(beta.derived(), log_a.derived(), r0, n, h, heads, F, tws);
       auto os = sub_view(o, r0, h * M, n, M);
       const Index c = hl.key_head(h) * D;
       delta_run(map, sub_view(q, r0, c, n, D), sub_view(k, r0, c, n, D),
-                sub_view(v, r0, h * M, n, M), params.first, params.second, *st, os, tws, opts);
+                sub_view(v, r0, h * M, n, M), params.beta, params.g, params.gw, *st, os, tws,
+                opts);
     });
   };
   with_views(Q.derived(), K.derived(), V.derived(), writable(out), run, &ws.storage_copies());

@@ -62,7 +62,13 @@ void check_delta_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   const Index key_heads = resolve_key_heads(fn, heads, opts.key_heads);
   check_head_dims(fn, Q, V, heads, key_heads, opts.key_dim, opts.value_dim, "beta");
   check_feature_map(fn, phi, Q.cols() / key_heads);
-  check_delta_params(fn, beta, log_a, Q.rows(), heads, qkv_shapes(Q, K, V));
+  const Index F = phi.feature_dim(Q.cols() / key_heads);
+  check_delta_params(fn, beta, log_a, Q.rows(), heads, F, qkv_shapes(Q, K, V));
+  if (per_channel_decays(log_a, Q.rows(), heads, F))
+    throw_invalid(fn, "log_a is " + shape_of(log_a) +
+                          ": the gradients of per-channel log-decays (KDA) are not available "
+                          "yet; the backward takes one log-decay per token and head" +
+                          qkv_shapes(Q, K, V)());
   if (dbeta.rows() != beta.rows() || dbeta.cols() != beta.cols())
     throw_invalid(fn, "dbeta is " + shape_of(dbeta) + " but must be " + shape_of(beta) +
                           " (the shape of beta)");
@@ -109,11 +115,11 @@ void delta_backward_head(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
                          OB& dbeta, OA& dlog_a, StateGradient<Scalar>* d_initial,
                          Workspace<Scalar>& ws, const DeltaOptions& opts) {
   const Index N = Q.rows(), M = V.cols(), F = phi.feature_dim(Q.cols());
-  const auto params = delta_head_params(beta, log_a, 0, N, h, heads, ws);
+  const auto params = delta_head_params(beta, log_a, 0, N, h, heads, F, ws);
   Workspace<Scalar>& xs = ws.template extension<DeltaScratch<Scalar>>().more;
   Scalar* db = xs.vector(kDeltaDBeta, N).data();
-  Scalar* dg = params.second ? xs.vector(kDeltaDG, N).data() : nullptr;
-  delta_backward_run(phi, Q, K, V, dOut, params.first, params.second, initial, d_final, dQ, dK,
+  Scalar* dg = params.g ? xs.vector(kDeltaDG, N).data() : nullptr;
+  delta_backward_run(phi, Q, K, V, dOut, params.beta, params.g, initial, d_final, dQ, dK,
                      dV, db, dg, d_initial, ws, opts, F, M);
   for (Index i = 0; i < N; ++i)
     token_param_ref(dbeta, i, h, heads) = static_cast<typename std::decay_t<OB>::Scalar>(db[i]);

@@ -157,7 +157,8 @@ class RecurrentDeltaRule {
     State copy = state_;
     if (pending_.pending)
       detail::delta_flush(copy.S.data(), copy.S.outerStride(), copy.S.rows(), copy.S.cols(),
-                          pending_.a, kp_.data(), dp_.data());
+                          pending_.a, static_cast<const Scalar*>(nullptr), kp_.data(),
+                          dp_.data());
     return copy;
   }
 
@@ -220,7 +221,9 @@ class RecurrentDeltaRule {
     const Index M = state_.S.cols();
     std::copy(state_.S.data() + r * state_.S.outerStride(),
               state_.S.data() + r * state_.S.outerStride() + M, row);
-    if (pending_.pending) detail::delta_flush(row, M, 1, M, pending_.a, kp_.data() + r, dp_.data());
+    if (pending_.pending)
+      detail::delta_flush(row, M, 1, M, pending_.a, static_cast<const Scalar*>(nullptr),
+                          kp_.data() + r, dp_.data());
   }
 
   Phi phi_;

@@ -42,11 +42,12 @@ namespace linattn::detail {
 inline constexpr int kDeltaSweepPackets = 4;
 
 // One pass over the row-major F x M state (row stride ld): if `pending`, S ← a_p S + k_p d_pᵀ
-// first (entry by entry, as the pass reaches it); then y_q = Sᵀ w and y_k = Sᵀ k.
+// first (entry by entry, as the pass reaches it; row r decayed by ar[r] instead of a_p when ar
+// holds per-channel decays, KDA); then y_q = Sᵀ w and y_k = Sᵀ k.
 template <int NB, class Scalar>
 void delta_sweep_block(Scalar* S, Index ld, Index F, Index c0, bool pending, Scalar ap,
-                       const Scalar* kp, const Scalar* dp, const Scalar* w, const Scalar* k,
-                       Scalar* yq, Scalar* yk) {
+                       const Scalar* ar, const Scalar* kp, const Scalar* dp, const Scalar* w,
+                       const Scalar* k, Scalar* yq, Scalar* yk) {
   using namespace Eigen::internal;
   using Packet = typename packet_traits<Scalar>::type;
   constexpr Index P = packet_traits<Scalar>::size;
@@ -56,11 +57,12 @@ void delta_sweep_block(Scalar* S, Index ld, Index F, Index c0, bool pending, Sca
     ak[j] = aq[j];
   }
   if (pending) {
-    const Packet pa = pset1<Packet>(ap);
+    const Packet pa1 = pset1<Packet>(ap);
     for (int j = 0; j < NB; ++j) d[j] = ploadu<Packet>(dp + c0 + j * P);
     for (Index r = 0; r < F; ++r) {
       Scalar* row = S + r * ld + c0;
       const Packet kpr = pset1<Packet>(kp[r]), wr = pset1<Packet>(w[r]), kr = pset1<Packet>(k[r]);
+      const Packet pa = ar ? pset1<Packet>(ar[r]) : pa1;
       for (int j = 0; j < NB; ++j) {
         const Packet x = pmadd(kpr, d[j], pmul(pa, ploadu<Packet>(row + j * P)));
         pstoreu(row + j * P, x);
@@ -86,22 +88,23 @@ void delta_sweep_block(Scalar* S, Index ld, Index F, Index c0, bool pending, Sca
 }
 
 template <class Scalar>
-void delta_sweep(Scalar* S, Index ld, Index F, Index M, bool pending, Scalar ap, const Scalar* kp,
-                 const Scalar* dp, const Scalar* w, const Scalar* k, Scalar* yq, Scalar* yk) {
+void delta_sweep(Scalar* S, Index ld, Index F, Index M, bool pending, Scalar ap, const Scalar* ar,
+                 const Scalar* kp, const Scalar* dp, const Scalar* w, const Scalar* k, Scalar* yq,
+                 Scalar* yk) {
   constexpr Index P = Eigen::internal::packet_traits<Scalar>::size;
   constexpr int NB = kDeltaSweepPackets;
   Index c0 = 0;
   if constexpr (P > 1) {
     for (; c0 + NB * P <= M; c0 += NB * P)
-      delta_sweep_block<NB>(S, ld, F, c0, pending, ap, kp, dp, w, k, yq, yk);
+      delta_sweep_block<NB>(S, ld, F, c0, pending, ap, ar, kp, dp, w, k, yq, yk);
     for (; c0 + P <= M; c0 += P)
-      delta_sweep_block<1>(S, ld, F, c0, pending, ap, kp, dp, w, k, yq, yk);
+      delta_sweep_block<1>(S, ld, F, c0, pending, ap, ar, kp, dp, w, k, yq, yk);
   }
   for (; c0 < M; ++c0) {
     Scalar aq = 0, ak = 0;
     for (Index r = 0; r < F; ++r) {
       Scalar& x = S[r * ld + c0];
-      if (pending) x = kp[r] * dp[c0] + ap * x;
+      if (pending) x = kp[r] * dp[c0] + (ar ? ar[r] : ap) * x;
       aq += w[r] * x;
       ak += k[r] * x;
     }
@@ -110,33 +113,37 @@ void delta_sweep(Scalar* S, Index ld, Index F, Index M, bool pending, Scalar ap,
   }
 }
 
-// S ← a_p S + k_p d_pᵀ: the last token's pending update.
+// S ← a_p S + k_p d_pᵀ (row r decayed by ar[r] when ar is given): the last token's pending
+// update.
 template <class Scalar>
-void delta_flush(Scalar* S, Index ld, Index F, Index M, Scalar ap, const Scalar* kp,
-                 const Scalar* dp) {
+void delta_flush(Scalar* S, Index ld, Index F, Index M, Scalar ap, const Scalar* ar,
+                 const Scalar* kp, const Scalar* dp) {
   using namespace Eigen::internal;
   using Packet = typename packet_traits<Scalar>::type;
   constexpr Index P = packet_traits<Scalar>::size;
-  const Packet pa = pset1<Packet>(ap);
   for (Index r = 0; r < F; ++r) {
     Scalar* row = S + r * ld;
-    const Packet kr = pset1<Packet>(kp[r]);
+    const Scalar a = ar ? ar[r] : ap;
+    const Packet kr = pset1<Packet>(kp[r]), pa = pset1<Packet>(a);
     Index c = 0;
     if constexpr (P > 1)
       for (; c + P <= M; c += P)
         pstoreu(row + c, pmadd(kr, ploadu<Packet>(dp + c), pmul(pa, ploadu<Packet>(row + c))));
-    for (; c < M; ++c) row[c] = kp[r] * dp[c] + ap * row[c];
+    for (; c < M; ++c) row[c] = kp[r] * dp[c] + a * row[c];
   }
 }
 
 // The recurrent form's carry between tokens: the update of the last token read, not yet applied
-// to the state (k_p: F entries, d_p: M entries).
+// to the state (k_p: F entries, d_p: M entries; with per-channel decays, ar: the F decays of
+// the pending update, and ar_next: where the next token's are formed).
 template <class Scalar>
 struct DeltaPending {
   bool pending = false;
   Scalar a = 1;
   Scalar* k = nullptr;
   Scalar* d = nullptr;
+  Scalar* ar = nullptr;
+  Scalar* ar_next = nullptr;
 };
 
 // One token (token-major features: w = s q̂, k̂; v and out: M entries; yq, yk: M-entry scratch).
@@ -146,7 +153,8 @@ template <class Scalar>
 void delta_token(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p, Scalar a,
                  Scalar beta, const Scalar* w, const Scalar* k, const Scalar* v, Scalar* out,
                  Scalar* yq, Scalar* yk) {
-  delta_sweep(S, ld, F, M, p.pending, p.a, p.k, p.d, w, k, yq, yk);
+  delta_sweep(S, ld, F, M, p.pending, p.a, static_cast<const Scalar*>(nullptr), p.k, p.d, w, k,
+              yq, yk);
   Scalar wk = 0;
   for (Index r = 0; r < F; ++r) wk += w[r] * k[r];
   for (Index c = 0; c < M; ++c) {
@@ -159,10 +167,37 @@ void delta_token(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p,
   p.pending = true;
 }
 
+// One token with per-channel decays (KDA; spec §9.3): S' = diag(a) S_{t-1} is read as
+// S_{t-1}ᵀ (a ∘ w) and S_{t-1}ᵀ (a ∘ k) in the one pass, δ = β (v − S'ᵀ k̂),
+// out = S'ᵀ w + (w·k̂) δ. The token's decays a (F entries) are in p.ar_next; they become the
+// pending update's. wa, ka: F-entry scratch.
+template <class Scalar>
+void delta_token_channels(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p,
+                          Scalar beta, const Scalar* w, const Scalar* k, const Scalar* v,
+                          Scalar* out, Scalar* yq, Scalar* yk, Scalar* wa, Scalar* ka) {
+  const Scalar* a = p.ar_next;
+  Scalar wk = 0;
+  for (Index r = 0; r < F; ++r) {
+    wa[r] = a[r] * w[r];
+    ka[r] = a[r] * k[r];
+    wk += w[r] * k[r];
+  }
+  delta_sweep(S, ld, F, M, p.pending, Scalar(1), static_cast<const Scalar*>(p.ar), p.k, p.d, wa,
+              ka, yq, yk);
+  for (Index c = 0; c < M; ++c) {
+    const Scalar d = beta * (v[c] - yk[c]);
+    p.d[c] = d;
+    out[c] = yq[c] + wk * d;
+  }
+  std::copy(k, k + F, p.k);
+  std::swap(p.ar, p.ar_next);
+  p.pending = true;
+}
+
 // Applies the pending update, if any.
 template <class Scalar>
 void delta_settle(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p) {
-  if (p.pending) delta_flush(S, ld, F, M, p.a, p.k, p.d);
+  if (p.pending) delta_flush(S, ld, F, M, p.a, static_cast<const Scalar*>(p.ar), p.k, p.d);
   p.pending = false;
 }
 
@@ -174,10 +209,11 @@ Scalar delta_decay(const Scalar* g, Index t) {
 
 // Rows [r0, r0 + b) one token at a time: queries (scaled by s) and keys mapped token-major,
 // values and outputs through row-major buffers. beta and g (nullptr: no decay) hold the head's
-// N entries; the last token's update is left pending in `pend`.
+// N entries (g: N x gw token-major, gw = F for per-channel decays); the last token's update is
+// left pending in `pend`.
 template <class Phi, class DQ, class DK, class DV, class Scalar, class Out>
 void delta_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
-                          const Scalar* beta, const Scalar* g, Index r0, Index b,
+                          const Scalar* beta, const Scalar* g, Index gw, Index r0, Index b,
                           LinearAttentionState<Scalar>& st, Out& dst, Workspace<Scalar>& ws,
                           Scalar scale, DeltaPending<Scalar>& pend) {
   const Index F = st.S.rows(), M = st.S.cols();
@@ -191,10 +227,22 @@ void delta_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   copy_to_row_major(V.middleRows(r0, b), vb);
   Scalar* yq = ws.vector(kSlotProductA, M).data();
   Scalar* yk = ws.vector(kSlotProductB, M).data();
-  for (Index i = 0; i < b; ++i)
-    delta_token(st.S.data(), st.S.outerStride(), F, M, pend, delta_decay(g, r0 + i),
-                beta[r0 + i], pqt.data() + i * F, pkt.data() + i * F, vb + i * M, ob + i * M,
-                yq, yk);
+  if (gw > 1) {
+    Scalar* wa = ws.vector(kSlotStateLow, 2 * F).data();
+    const exp_nonpositive_op<Scalar> decay;
+    for (Index i = 0; i < b; ++i) {
+      const Scalar* gi = g + (r0 + i) * F;
+      for (Index r = 0; r < F; ++r) pend.ar_next[r] = decay(gi[r]);
+      delta_token_channels(st.S.data(), st.S.outerStride(), F, M, pend, beta[r0 + i],
+                           pqt.data() + i * F, pkt.data() + i * F, vb + i * M, ob + i * M, yq, yk,
+                           wa, wa + F);
+    }
+  } else {
+    for (Index i = 0; i < b; ++i)
+      delta_token(st.S.data(), st.S.outerStride(), F, M, pend, delta_decay(g, r0 + i),
+                  beta[r0 + i], pqt.data() + i * F, pkt.data() + i * F, vb + i * M, ob + i * M,
+                  yq, yk);
+  }
   copy_from_row_major(ob, b, M, dst.middleRows(r0, b));
 }
 
@@ -329,14 +377,17 @@ inline bool delta_runs_recurrent(const DeltaOptions& opts, Index state_size) {
 }
 
 // One head's rows, its state prepared (and folded: the delta rule keeps no low part; the decay
-// and the overwrite bound the state's memory). beta and g (nullptr: no decay) hold N entries.
+// and the overwrite bound the state's memory). beta holds N entries, g (nullptr: no decay)
+// N x gw token-major: one log-decay per token (gw = 1) or one per key channel (gw = F, KDA,
+// which runs the recurrent form whatever the algorithm: the chunked form takes scalar decays).
 template <class Phi, class DQ, class DK, class DV, class Scalar, class Out>
 void delta_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scalar* beta,
-               const Scalar* g, LinearAttentionState<Scalar>& st, Out& dst,
+               const Scalar* g, Index gw, LinearAttentionState<Scalar>& st, Out& dst,
                Workspace<Scalar>& ws, const DeltaOptions& opts) {
   const Index N = Q.rows();
   const Scalar scale = static_cast<Scalar>(opts.scale);
-  const bool recurrent = delta_runs_recurrent(opts, st.S.size());
+  if (!g) gw = 1;
+  const bool recurrent = gw > 1 || delta_runs_recurrent(opts, st.S.size());
   const Index C = recurrent ? kLinearRowBlock
                             : (opts.chunk_size > 0 ? opts.chunk_size : kDeltaDefaultChunk);
   const Index F = st.S.rows(), M = st.S.cols();
@@ -347,11 +398,15 @@ void delta_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scal
   if (recurrent) {
     pend.k = ws.vector(kSlotRowA, F).data();
     pend.d = ws.vector(kSlotRowB, M).data();
+    if (gw > 1) {
+      pend.ar = ws.vector(kSlotNormalizerLow, 2 * F).data();
+      pend.ar_next = pend.ar + F;
+    }
   }
   for (Index r0 = 0; r0 < N; r0 += C) {
     const Index b = std::min(C, N - r0);
     if (recurrent)
-      delta_rows_recurrent(phi, Q, K, V, beta, g, r0, b, st, dst, ws, scale, pend);
+      delta_rows_recurrent(phi, Q, K, V, beta, g, gw, r0, b, st, dst, ws, scale, pend);
     else
       delta_chunk(phi, Q, K, V, beta, g, r0, b, st, dst, ws, scale);
   }

@@ -1,0 +1,189 @@
+// KDA (Kimi Delta Attention): the delta rule with one log-decay per key channel, log_a of
+// N x H·F, against a long-double per-token recurrence written here from the spec
+// (S' = diag(e^{g_t}) S_{t-1}, S_t = S' + β_t k̂_t (v_t − S'ᵀ k̂_t)ᵀ, out_t = s S_tᵀ q̂_t): one
+// head and several, shared key heads, packed batches with carried states, both storage orders,
+// strong decays and resets; equal channels against the scalar-decay kernel; the shape and value
+// errors, and the backward's refusal of per-channel decays.
+#include <gtest/gtest.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cstdint>
+#include <linattn/linattn.hpp>
+#include <string>
+#include <vector>
+
+#include "gated_reference.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using linattn::DeltaOptions;
+using L2 = linattn::L2Normalize<linattn::Identity>;
+using test::Index;
+using test::Mat;
+using test::MatD;
+using test::RowMat;
+using LD = long double;
+using LMat = Eigen::Matrix<long double, Eigen::Dynamic, Eigen::Dynamic>;
+using LVec = Eigen::Matrix<long double, Eigen::Dynamic, 1>;
+template <class S>
+using State = linattn::LinearAttentionState<S>;
+using Needles = std::vector<std::string>;
+
+MatD frand(Index rows, Index cols, std::uint32_t seed, double lo = -1.0, double hi = 1.0) {
+  return test::random_matrix<float>(rows, cols, seed, lo, hi).cast<double>();
+}
+
+double rel(const MatD& got, const MatD& want) {
+  const double scale = std::max(want.cwiseAbs().maxCoeff(), 1e-300);
+  return test::max_abs_diff(got, want) / scale;
+}
+
+// The per-token recurrence in long double on mapped rows (N x F), G: N x F log-decays; S: the
+// initial state (empty: zero), receives the final one.
+MatD kda_recurrence(const MatD& PQ, const MatD& PK, const MatD& V, const MatD& beta,
+                    const MatD& G, double scale, MatD* S) {
+  const Index N = PQ.rows(), F = PQ.cols(), M = V.cols();
+  LMat St = (S && S->size()) ? LMat(S->cast<LD>()) : LMat(LMat::Zero(F, M));
+  MatD out(N, M);
+  for (Index t = 0; t < N; ++t) {
+    for (Index r = 0; r < F; ++r) St.row(r) *= std::exp(static_cast<LD>(G(t, r)));
+    const LVec k = PK.row(t).transpose().cast<LD>(), q = PQ.row(t).transpose().cast<LD>();
+    const LVec v = V.row(t).transpose().cast<LD>();
+    const LVec delta = static_cast<LD>(beta(t, 0)) * (v - St.transpose() * k);
+    St += k * delta.transpose();
+    const LVec o = static_cast<LD>(scale) * (St.transpose() * q);
+    for (Index c = 0; c < M; ++c) out(t, c) = static_cast<double>(o(c));
+  }
+  if (S) *S = St.cast<double>();
+  return out;
+}
+
+struct Shape {
+  Index Hk, G, D, M;
+  std::vector<int> offsets;
+  Index H() const { return Hk * G; }
+  Index N() const { return offsets.back(); }
+  std::string name() const {
+    std::string s = "Hk = " + std::to_string(Hk) + ", G = " + std::to_string(G) + ", D = " +
+                    std::to_string(D) + ", M = " + std::to_string(M) + ", offsets =";
+    for (int o : offsets) s += " " + std::to_string(o);
+    return s;
+  }
+};
+
+const Shape kShapes[] = {{1, 1, 4, 3, {0, 1}},          // one head, one token
+                         {1, 1, 6, 5, {0, 70}},         // past a row block of the recurrence
+                         {3, 1, 5, 4, {0, 37}},         // several heads, D != M
+                         {2, 2, 4, 6, {0, 1, 23, 40}}};  // shared key heads, varlen
+
+// Log-decays per channel: mild, with a strong channel (-20) and a reset (-1e4) at a few tokens.
+MatD channel_decays(Index N, Index cols, std::uint32_t seed) {
+  MatD g = frand(N, cols, seed, -0.7, -0.001);
+  for (Index t = 0; t < N; t += 7) g(t, (t / 7) % cols) = -20.0;
+  for (Index t = 5; t < N; t += 11) g(t, (t * 3) % cols) = -1e4;
+  return g;
+}
+
+template <class S, class QL>
+void check_kda(const Shape& sh, linattn::CausalAlgorithm algorithm) {
+  SCOPED_TRACE(sh.name());
+  const Index N = sh.N(), H = sh.H(), D = sh.D, M = sh.M, F = D;
+  const std::uint32_t seed = 700 + std::uint32_t(N + 13 * H);
+  const MatD Qd = frand(N, sh.Hk * D, seed), Kd = frand(N, sh.Hk * D, seed + 1),
+             Vd = frand(N, H * M, seed + 2), Bd = frand(N, H, seed + 3, 0.05, 1.95),
+             Gd = channel_decays(N, H * F, seed + 4);
+  const Index B = Index(sh.offsets.size()) - 1;
+  std::vector<MatD> S0;
+  for (Index i = 0; i < B * H; ++i) S0.push_back(frand(F, M, seed + 10 + std::uint32_t(i)));
+  DeltaOptions o;
+  o.scale = 0.7;
+  o.algorithm = algorithm;
+  o.key_heads = sh.Hk;
+  const QL Q = Qd.cast<S>(), K = Kd.cast<S>();
+  const Mat<S> V = Vd.cast<S>(), beta = Bd.cast<S>(), log_a = Gd.cast<S>();
+  std::vector<State<S>> states(S0.size());
+  for (std::size_t i = 0; i < S0.size(); ++i) {
+    states[i].S = S0[i].cast<S>();
+    states[i].z = linattn::Vector<S>::Zero(F);  // the delta rule leaves z as it is
+  }
+  linattn::MultiHeadWorkspace<S> ws;
+  Mat<S> out(N, H * M);
+  linattn::batched_delta_rule_attention(Q, K, V, beta, log_a, sh.offsets, H, L2{}, states, out,
+                                        ws, o);
+  MatD want(N, H * M);
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < H; ++h) {
+      const Index r0 = sh.offsets[std::size_t(b)], n = sh.offsets[std::size_t(b) + 1] - r0;
+      const Index c = (h / sh.G) * D;
+      MatD Sref = S0[std::size_t(b * H + h)];
+      want.block(r0, h * M, n, M) = kda_recurrence(
+          gref::features(L2{}, Qd.block(r0, c, n, D)), gref::features(L2{}, Kd.block(r0, c, n, D)),
+          Vd.block(r0, h * M, n, M), Bd.block(r0, h, n, 1), Gd.block(r0, h * F, n, F), o.scale,
+          &Sref);
+      EXPECT_LE(rel(states[std::size_t(b * H + h)].S.template cast<double>(), Sref),
+                test::bound<S>(5e-6, 1e-13))
+          << "state of sequence " << b << ", head " << h;
+    }
+  EXPECT_LE(rel(out.template cast<double>(), want), test::bound<S>(5e-6, 1e-13));
+  // One sequence and one head: the single-head form, and equal channels = the scalar decay.
+  if (B == 1 && H == 1) {
+    State<S> st;
+    st.S = S0[0].cast<S>();
+    st.z = linattn::Vector<S>::Zero(F);
+    const Mat<S> single = linattn::delta_rule_attention(Q, K, V, beta, log_a, L2{}, st, o);
+    EXPECT_LE(rel(single.template cast<double>(), want.middleCols(0, M)),
+              test::bound<S>(5e-6, 1e-13));
+    const Mat<S> scalar = Gd.col(0).cast<S>();
+    const Mat<S> equal = scalar.replicate(1, F);
+    DeltaOptions rec = o;
+    rec.algorithm = linattn::CausalAlgorithm::Recurrent;
+    const Mat<S> by_scalar = linattn::delta_rule_attention(Q, K, V, beta, scalar, L2{}, rec);
+    const Mat<S> by_channels = linattn::delta_rule_attention(Q, K, V, beta, equal, L2{}, rec);
+    EXPECT_LE(rel(by_channels.template cast<double>(), by_scalar.template cast<double>()),
+              test::bound<S>(2e-6, 1e-14));
+  }
+}
+
+template <class S>
+void check_all() {
+  for (const Shape& sh : kShapes)
+    for (const auto algorithm : {linattn::CausalAlgorithm::Auto, linattn::CausalAlgorithm::Chunked}) {
+      check_kda<S, Mat<S>>(sh, algorithm);
+      check_kda<S, RowMat<S>>(sh, algorithm);
+    }
+}
+
+TEST(kda, AgainstTheLongDoubleRecurrence) {
+  IF_FLOAT(check_all<float>());
+  IF_DOUBLE(check_all<double>());
+}
+
+TEST(kda, ShapesValuesAndBackward) {
+  const Index N = 4, H = 2, D = 3, M = 2;
+  const Eigen::MatrixXf Q = frand(N, H * D, 1).cast<float>(), V = frand(N, H * M, 2).cast<float>();
+  const Eigen::MatrixXf beta = Eigen::MatrixXf::Constant(N, H, 0.5f);
+  Eigen::MatrixXf log_a = Eigen::MatrixXf::Constant(N, H * D, -0.1f);
+  log_a(2, 4) = 0.5f;
+  test::expect_invalid(
+      [&] { linattn::multihead_delta_rule_attention(Q, Q, V, beta, log_a, H, L2{}); },
+      Needles{"multihead_delta_rule_attention", "log_a(2, 4) = 0.5", "finite and <= 0"}, "positive");
+  log_a(2, 4) = std::numeric_limits<float>::quiet_NaN();
+  test::expect_invalid(
+      [&] { linattn::multihead_delta_rule_attention(Q, Q, V, beta, log_a, H, L2{}); },
+      Needles{"log_a(2, 4) = nan"}, "NaN");
+  const Eigen::MatrixXf wide = Eigen::MatrixXf::Constant(N, H * D + 1, -0.1f);
+  test::expect_invalid(
+      [&] { linattn::multihead_delta_rule_attention(Q, Q, V, beta, wide, H, L2{}); },
+      Needles{"log_a is 4x7", "4x6 (one per key channel, F = 3)"}, "width");
+  log_a(2, 4) = -0.1f;
+  test::expect_invalid(
+      [&] {
+        linattn::multihead_delta_rule_attention_backward(Q, Q, V, beta, log_a, V, H, L2{});
+      },
+      Needles{"multihead_delta_rule_attention_backward", "per-channel log-decays (KDA)"},
+      "backward");
+}
+
+}  // namespace
