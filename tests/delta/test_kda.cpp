@@ -3,7 +3,7 @@
 // (S' = diag(e^{g_t}) S_{t-1}, S_t = S' + β_t k̂_t (v_t − S'ᵀ k̂_t)ᵀ, out_t = s S_tᵀ q̂_t): one
 // head and several, shared key heads, packed batches with carried states, both storage orders,
 // strong decays and resets; equal channels against the scalar-decay kernel; the shape and value
-// errors, and the backward's refusal of per-channel decays.
+// errors; the gradients against central differences.
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>
@@ -160,7 +160,7 @@ TEST(kda, AgainstTheLongDoubleRecurrence) {
   IF_DOUBLE(check_all<double>());
 }
 
-TEST(kda, ShapesValuesAndBackward) {
+TEST(kda, ShapesAndValues) {
   const Index N = 4, H = 2, D = 3, M = 2;
   const Eigen::MatrixXf Q = frand(N, H * D, 1).cast<float>(), V = frand(N, H * M, 2).cast<float>();
   const Eigen::MatrixXf beta = Eigen::MatrixXf::Constant(N, H, 0.5f);
@@ -177,13 +177,102 @@ TEST(kda, ShapesValuesAndBackward) {
   test::expect_invalid(
       [&] { linattn::multihead_delta_rule_attention(Q, Q, V, beta, wide, H, L2{}); },
       Needles{"log_a is 4x7", "4x6 (one per key channel, F = 3)"}, "width");
-  log_a(2, 4) = -0.1f;
-  test::expect_invalid(
-      [&] {
-        linattn::multihead_delta_rule_attention_backward(Q, Q, V, beta, log_a, V, H, L2{});
-      },
-      Needles{"multihead_delta_rule_attention_backward", "per-channel log-decays (KDA)"},
-      "backward");
+}
+
+// Central differences of a loss in double over every entry of X (step h).
+template <class Loss>
+MatD central(const Loss& loss, MatD& X, double h = 1e-6) {
+  MatD d(X.rows(), X.cols());
+  for (Index c = 0; c < X.cols(); ++c)
+    for (Index r = 0; r < X.rows(); ++r) {
+      const double x = X(r, c);
+      X(r, c) = x + h;
+      const double up = loss();
+      X(r, c) = x - h;
+      const double down = loss();
+      X(r, c) = x;
+      d(r, c) = (up - down) / (2 * h);
+    }
+  return d;
+}
+
+// Gradients of L = Σ out ∘ W + ⟨dS_final, S_N⟩ through one head from a carried state, chunks
+// of 4 rows over N = 9 (a partial chunk), a strong channel and a reset among the decays:
+// every input and the initial state against central differences; float against double.
+TEST(kda, GradientsAgainstCentralDifferences) {
+  const Index N = 9, D = 3, M = 2, F = D;
+  MatD Q = frand(N, D, 41), K = frand(N, D, 42), V = frand(N, M, 43), W = frand(N, M, 44);
+  MatD beta = frand(N, 1, 45, 0.1, 1.9), log_a = channel_decays(N, F, 46);
+  MatD S0 = frand(F, M, 47);
+  const MatD dSN = frand(F, M, 48);
+  DeltaOptions o;
+  o.scale = 0.8;
+  o.chunk_size = 4;
+  const auto loss = [&] {
+    State<double> st;
+    st.S = S0;
+    st.z = Eigen::VectorXd::Zero(F);
+    const MatD out = linattn::delta_rule_attention(Q, K, V, beta, log_a, L2{}, st, o);
+    return out.cwiseProduct(W).sum() + st.S.cwiseProduct(dSN).sum();
+  };
+  State<double> initial;
+  initial.S = S0;
+  initial.z = Eigen::VectorXd::Zero(F);
+  linattn::StateGradient<double> d_final, d_initial;
+  d_final.dS = dSN;
+  MatD dQ(N, D), dK(N, D), dV(N, M), dbeta(N, 1), dlog_a(N, F);
+  linattn::Workspace<double> ws;
+  linattn::delta_rule_attention_backward(Q, K, V, beta, log_a, W, L2{}, initial, d_final, dQ, dK,
+                                         dV, dbeta, dlog_a, d_initial, ws, o);
+  const double tol = 1e-7;
+  EXPECT_LE(rel(dQ, central(loss, Q)), tol) << "dQ";
+  EXPECT_LE(rel(dK, central(loss, K)), tol) << "dK";
+  EXPECT_LE(rel(dV, central(loss, V)), tol) << "dV";
+  EXPECT_LE(rel(dbeta, central(loss, beta)), tol) << "dbeta";
+  EXPECT_LE(rel(dlog_a, central(loss, log_a)), tol) << "dlog_a";
+  EXPECT_LE(rel(d_initial.dS, central(loss, S0)), tol) << "d initial state";
+  // Float: the same gradients to float rounding.
+  State<float> initial_f;
+  initial_f.S = S0.cast<float>();
+  initial_f.z = Eigen::VectorXf::Zero(F);
+  linattn::StateGradient<float> d_final_f, d_initial_f;
+  d_final_f.dS = dSN.cast<float>();
+  Eigen::MatrixXf fQ(N, D), fK(N, D), fV(N, M), fb(N, 1), fa(N, F);
+  linattn::Workspace<float> wsf;
+  linattn::delta_rule_attention_backward(
+      Eigen::MatrixXf(Q.cast<float>()), Eigen::MatrixXf(K.cast<float>()),
+      Eigen::MatrixXf(V.cast<float>()), Eigen::MatrixXf(beta.cast<float>()),
+      Eigen::MatrixXf(log_a.cast<float>()), Eigen::MatrixXf(W.cast<float>()), L2{}, initial_f,
+      d_final_f, fQ, fK, fV, fb, fa, d_initial_f, wsf, o);
+  EXPECT_LE(rel(fQ.cast<double>(), dQ), 2e-5);
+  EXPECT_LE(rel(fK.cast<double>(), dK), 2e-5);
+  EXPECT_LE(rel(fa.cast<double>(), dlog_a), 2e-5);
+  EXPECT_LE(rel(d_initial_f.dS.cast<double>(), d_initial.dS), 2e-5);
+}
+
+// The multi-head backward with shared key heads (2 value heads on one key head) and
+// per-channel decays, against central differences of the multi-head forward.
+TEST(kda, MultiHeadSharedKeyGradients) {
+  const Index N = 7, Hk = 1, G = 2, H = Hk * G, D = 3, M = 2, F = D;
+  MatD Q = frand(N, Hk * D, 51), K = frand(N, Hk * D, 52), V = frand(N, H * M, 53);
+  MatD beta = frand(N, H, 54, 0.1, 1.9), log_a = channel_decays(N, H * F, 55);
+  const MatD W = frand(N, H * M, 56);
+  DeltaOptions o;
+  o.scale = 0.6;
+  o.key_heads = Hk;
+  const auto loss = [&] {
+    return linattn::multihead_delta_rule_attention(Q, K, V, beta, log_a, H, L2{}, o)
+        .cwiseProduct(W)
+        .sum();
+  };
+  const auto g = linattn::multihead_delta_rule_attention_backward(Q, K, V, beta, log_a, W, H,
+                                                                  L2{}, o);
+  const double tol = 1e-7;
+  EXPECT_LE(rel(g.dQ, central(loss, Q)), tol) << "dQ";
+  EXPECT_LE(rel(g.dK, central(loss, K)), tol) << "dK";
+  EXPECT_LE(rel(g.dV, central(loss, V)), tol) << "dV";
+  EXPECT_LE(rel(g.dbeta, central(loss, beta)), tol) << "dbeta";
+  EXPECT_LE(rel(g.dlog_a, central(loss, log_a)), tol) << "dlog_a";
 }
 
 }  // namespace

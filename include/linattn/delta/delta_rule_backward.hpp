@@ -64,11 +64,6 @@ void check_delta_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   check_feature_map(fn, phi, Q.cols() / key_heads);
   const Index F = phi.feature_dim(Q.cols() / key_heads);
   check_delta_params(fn, beta, log_a, Q.rows(), heads, F, qkv_shapes(Q, K, V));
-  if (per_channel_decays(log_a, Q.rows(), heads, F))
-    throw_invalid(fn, "log_a is " + shape_of(log_a) +
-                          ": the gradients of per-channel log-decays (KDA) are not available "
-                          "yet; the backward takes one log-decay per token and head" +
-                          qkv_shapes(Q, K, V)());
   if (dbeta.rows() != beta.rows() || dbeta.cols() != beta.cols())
     throw_invalid(fn, "dbeta is " + shape_of(dbeta) + " but must be " + shape_of(beta) +
                           " (the shape of beta)");
@@ -118,14 +113,22 @@ void delta_backward_head(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
   const auto params = delta_head_params(beta, log_a, 0, N, h, heads, F, ws);
   Workspace<Scalar>& xs = ws.template extension<DeltaScratch<Scalar>>().more;
   Scalar* db = xs.vector(kDeltaDBeta, N).data();
-  Scalar* dg = params.g ? xs.vector(kDeltaDG, N).data() : nullptr;
-  delta_backward_run(phi, Q, K, V, dOut, params.beta, params.g, initial, d_final, dQ, dK,
-                     dV, db, dg, d_initial, ws, opts, F, M);
-  for (Index i = 0; i < N; ++i)
-    token_param_ref(dbeta, i, h, heads) = static_cast<typename std::decay_t<OB>::Scalar>(db[i]);
-  if (dg)
+  Scalar* dg = params.g ? xs.vector(kDeltaDG, N * params.gw).data() : nullptr;
+  if (params.gw > 1)
+    delta_backward_channels(phi, Q, K, V, dOut, params.beta, params.g, initial, d_final, dQ, dK,
+                            dV, db, dg, d_initial, ws, opts, F, M);
+  else
+    delta_backward_run(phi, Q, K, V, dOut, params.beta, params.g, initial, d_final, dQ, dK, dV,
+                       db, dg, d_initial, ws, opts, F, M);
+  using GB = typename std::decay_t<OB>::Scalar;
+  using GA = typename std::decay_t<OA>::Scalar;
+  for (Index i = 0; i < N; ++i) token_param_ref(dbeta, i, h, heads) = static_cast<GB>(db[i]);
+  if (dg && params.gw > 1) {
     for (Index i = 0; i < N; ++i)
-      token_param_ref(dlog_a, i, h, heads) = static_cast<typename std::decay_t<OA>::Scalar>(dg[i]);
+      for (Index c = 0; c < F; ++c) dlog_a(i, h * F + c) = static_cast<GA>(dg[i * F + c]);
+  } else if (dg) {
+    for (Index i = 0; i < N; ++i) token_param_ref(dlog_a, i, h, heads) = static_cast<GA>(dg[i]);
+  }
 }
 
 template <class Scalar, class DQ, class DK, class DV, class DB, class DA>

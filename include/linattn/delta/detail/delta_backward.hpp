@@ -202,4 +202,114 @@ void delta_backward_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, c
   }
 }
 
+// One head's gradients with per-channel log-decays (KDA; g and dg: N x F token-major), token by
+// token: a forward sweep checkpoints the state entering each chunk of C tokens; the backward
+// sweep recomputes a chunk's C + 1 states from its checkpoint and runs the chain rule back
+// through its tokens (spec §9.3, "Gradients": no state is recovered from a later one). Per
+// token, with S' = diag(a) S_{t-1}, u = S'ᵀ k̂, x = v − u, δ = β x, S_t = S' + k̂ δᵀ,
+// out = s S_tᵀ q̂ and D = ∂L/∂S_t:
+//   D += s q̂ dOᵀ,  ∂L/∂q̂ = s S_t dO,  ∂L/∂δ = Dᵀ k̂,  ∂L/∂v = β ∂L/∂δ,  ∂L/∂β = x·∂L/∂δ,
+//   ∂L/∂u = −β ∂L/∂δ,  D' = D + k̂ ∂L/∂uᵀ,  ∂L/∂k̂ = D δ + S' ∂L/∂u,
+//   ∂L/∂g_r = a_r Σ_c D'_rc S_{t-1,rc},  ∂L/∂S_{t-1} = diag(a) D'.
+template <class Phi, class DQ, class DK, class DV, class DO, class Scalar, class OQ, class OK,
+          class OV>
+void delta_backward_channels(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
+                             const DO& dOut, const Scalar* beta, const Scalar* g,
+                             const LinearAttentionState<Scalar>* initial,
+                             const StateGradient<Scalar>* d_final, OQ& dQ, OK& dK, OV& dV,
+                             Scalar* dbeta, Scalar* dg, StateGradient<Scalar>* d_initial,
+                             Workspace<Scalar>& ws, const DeltaOptions& opts, Index F, Index M) {
+  using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Workspace<Scalar>& xs = ws.template extension<DeltaScratch<Scalar>>().more;
+  const Index N = Q.rows();
+  const Index C = opts.chunk_size > 0 ? opts.chunk_size : kDeltaDefaultChunk;
+  const Index chunks = (N + C - 1) / C;
+  const Scalar s = static_cast<Scalar>(opts.scale);
+  const exp_nonpositive_op<Scalar> decay;
+  const Index FM = F * M;
+  Scalar* ck = ws.vector(kSlotState, std::max<Index>(1, chunks) * FM).data();
+  {
+    RowMap<Scalar> S0(ck, F, M);
+    if (initial && initial->S.size() != 0) {
+      S0 = initial->S;
+      if (initial->S_lo.size() != 0) S0 += initial->S_lo;
+    } else {
+      S0.setZero();
+    }
+  }
+  // The states after each token of chunk [r0, r0 + b) from S0, into `out` (b x FM; null: only
+  // the last, into S1), x_t into X (when given).
+  const auto run_chunk = [&](Index r0, Index b, const Scalar* S0, Scalar* states, Scalar* S1,
+                             Scalar* X) {
+    auto pk = ws.matrix(kSlotPhiK, b, F);
+    map_keys(phi, K.middleRows(r0, b), pk, false);
+    Eigen::Map<RowMatrix> Sc(S1, F, M);
+    Sc = Eigen::Map<const RowMatrix>(S0, F, M);
+    for (Index i = 0; i < b; ++i) {
+      const Index t = r0 + i;
+      for (Index r = 0; r < F; ++r) Sc.row(r) *= decay(g[t * F + r]);
+      Eigen::Map<Vector<Scalar>> x(X + i * M, M);
+      x = V.row(t).transpose();
+      x.noalias() -= Sc.transpose() * pk.row(i).transpose();
+      Sc.noalias() += pk.row(i).transpose() * (beta[t] * x).transpose();
+      if (states) std::copy(S1, S1 + FM, states + (i + 1) * FM);
+    }
+  };
+  Scalar* Xbuf = xs.vector(kDeltaX, C * M).data();
+  for (Index c = 0; c + 1 < chunks; ++c) {
+    const Index r0 = c * C, b = std::min(C, N - r0);
+    run_chunk(r0, b, ck + c * FM, nullptr, ck + (c + 1) * FM, Xbuf);
+  }
+  RowMap<Scalar> dS(ws.vector(kSlotBackwardC, FM).data(), F, M);
+  if (d_final && d_final->dS.size() != 0)
+    dS = d_final->dS;
+  else
+    dS.setZero();
+  Scalar* states = xs.vector(kDeltaStates, (C + 1) * FM).data();
+  Scalar* tail = xs.vector(kDeltaKdS, FM).data();
+  auto du = xs.vector(kDeltaDU, M);
+  auto dd = xs.vector(kDeltaDA, M);
+  for (Index c = chunks - 1; c >= 0; --c) {
+    const Index r0 = c * C, b = std::min(C, N - r0);
+    std::copy(ck + c * FM, ck + (c + 1) * FM, states);
+    run_chunk(r0, b, states, states, tail, Xbuf);
+    auto pq = ws.matrix(kSlotPhiQ, b, F);
+    map_queries(phi, Q.middleRows(r0, b), pq, false);
+    const auto pk = ws.matrix(kSlotPhiK, b, F);
+    auto dPQ = xs.matrix(kDeltaDPQ, b, F);
+    auto dPK = xs.matrix(kDeltaDPK, b, F);
+    for (Index i = b - 1; i >= 0; --i) {
+      const Index t = r0 + i;
+      const Eigen::Map<const RowMatrix> St(states + (i + 1) * FM, F, M),
+          Sprev(states + i * FM, F, M);
+      const Eigen::Map<const Vector<Scalar>> x(Xbuf + i * M, M);
+      const auto dO = dOut.row(t).transpose();
+      const auto k = pk.row(i).transpose();
+      dPQ.row(i).noalias() = s * (St * dO).transpose();
+      dS.noalias() += (s * pq.row(i).transpose()) * dO.transpose();
+      dd.noalias() = dS.transpose() * k;              // ∂L/∂δ
+      dV.row(t) = (beta[t] * dd).transpose();
+      dbeta[t] = x.dot(dd);
+      dPK.row(i).noalias() = (dS * (beta[t] * x)).transpose();  // D δ
+      du = -beta[t] * dd;
+      dS.noalias() += k * du.transpose();             // D'
+      for (Index r = 0; r < F; ++r) {
+        const Scalar a = decay(g[t * F + r]);
+        // S' du, row r: a_r (S_{t-1} du)_r.
+        dPK(i, r) += a * Sprev.row(r).dot(du);
+        dg[t * F + r] = a * dS.row(r).dot(Sprev.row(r));
+        dS.row(r) *= a;
+      }
+    }
+    auto dqo = dQ.middleRows(r0, b);
+    auto dko = dK.middleRows(r0, b);
+    map_backward_into(phi, Q.middleRows(r0, b), dPQ, dqo, ws, QuerySide{false});
+    map_backward_into(phi, K.middleRows(r0, b), dPK, dko, ws, KeySide{false});
+  }
+  if (d_initial) {
+    d_initial->dS = dS;
+    d_initial->dz.setZero(F);
+  }
+}
+
 }  // namespace linattn::detail

@@ -268,6 +268,8 @@ enum DeltaSlot : int {
   kDeltaDGam = 10,   // ∂L/∂γ_i, γ_i = Σ_{l<=i} g_l within the chunk
   kDeltaDEq = 11,    // ∂L/∂eq_i
   kDeltaKdS = 12,    // K̂ ∂L/∂S_out (b x M)
+  kDeltaStates = 13,  // per-channel decays: the b + 1 states of a chunk, row-major
+  kDeltaX = 14,       // per-channel decays: v_t − S'_tᵀ k̂_t of the chunk's tokens (b x M)
 };
 
 template <class Scalar>
