@@ -281,9 +281,10 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// \param beta N entries in [0, 2] (a column or row vector): the writing strength. β = 0
 ///        leaves the state only decayed; β = 1 with a unit key replaces the value stored under
 ///        it; β = 2 reflects.
-/// \param log_a N log-decays \f$g_t \le 0\f$, finite (Gated DeltaNet), or a vector of size 0
-///        (DeltaNet: no decay). Both checked in O(N): std::invalid_argument names the first bad
-///        entry.
+/// \param log_a N log-decays \f$g_t \le 0\f$, finite (Gated DeltaNet), N x F of them, one per
+///        key channel (KDA, Kimi Linear: \f$S'_t = \mathrm{diag}(e^{g_t}) S_{t-1}\f$ replaces
+///        \f$a_t S_{t-1}\f$), or a vector of size 0 (DeltaNet: no decay). Checked in O(N·F):
+///        std::invalid_argument names the first bad entry.
 /// \param state the state to continue from (empty: zero); on return the state after the last
 ///        row. Only S is used: its low part is added into it (the delta rule keeps no
 ///        compensated sum: the overwrite and the decay bound its memory); z, m and log_decay are
@@ -299,6 +300,9 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// time, each token one pass over the state (the decode step's kernel). Auto runs Recurrent
 /// for states up to 512 x 512 (measured faster on a CPU at every size up to that: the chunked
 /// form does more flops per token at a similar rate), Chunked beyond. Both agree to rounding.
+/// Per-channel log-decays (KDA) run the recurrent form whatever the algorithm: it reads
+/// \f$S_{t-1}^\top (a_t \circ w)\f$ and \f$S_{t-1}^\top (a_t \circ \hat k_t)\f$ in its one
+/// pass and applies \f$\mathrm{diag}(a_t)\f$ with the token's update.
 ///
 /// Unnormalised keys: with \f$\beta_t \|\hat k_t\|^2 \le 2\f$ (unit keys, β <= 2) every
 /// factor has norm <= 1. Beyond, the state grows by up to \f$|1 - \beta_t \|\hat k_t\|^2|\f$ a
@@ -345,7 +349,8 @@ void delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBas
 /// \param V L x M values, one per key.
 /// \param beta N writing strengths in [0, 2], one per token: how far each step moves the state's
 ///     value for its key.
-/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for none.
+/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), N x F (one per key channel
+///     and token: KDA), or an empty vector for none.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param state the state to continue from (empty: zero); holds the state after the last row on
 ///     return.
@@ -366,6 +371,10 @@ Matrix<typename DQ::Scalar> delta_rule_attention(
 
 /// \brief The delta rule from a zero state, returning the N x M output.
 /// \code
+/// // KDA (Kimi Linear): one log-decay per key channel, N x D; q, k after their SiLU.
+/// Eigen::MatrixXf g = ...;  // N x D, entries <= 0
+/// Eigen::MatrixXf o = linattn::delta_rule_attention(Q, K, V, beta, g,
+///                                                   linattn::L2Normalize<>(1e-6));
 /// // DeltaNet (no decay) on unit keys.
 /// Eigen::VectorXf beta = Eigen::VectorXf::Constant(N, 0.5f), no_decay;
 /// Eigen::MatrixXf out = linattn::delta_rule_attention(Q, K, V, beta, no_decay,
@@ -376,7 +385,8 @@ Matrix<typename DQ::Scalar> delta_rule_attention(
 /// \param V L x M values, one per key.
 /// \param beta N writing strengths in [0, 2], one per token: how far each step moves the state's
 ///     value for its key.
-/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for none.
+/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), N x F (one per key channel
+///     and token: KDA), or an empty vector for none.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \return the N x M output, in the operands' scalar type.
@@ -419,7 +429,8 @@ Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
 /// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
-/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), N x H·F (per key channel,
+///     KDA: head h's in columns [h·F, (h+1)·F)), or empty for none.
 /// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
@@ -448,7 +459,8 @@ void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen:
 /// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
-/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), N x H·F (per key channel,
+///     KDA: head h's in columns [h·F, (h+1)·F)), or empty for none.
 /// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
@@ -481,7 +493,8 @@ void multihead_delta_rule_attention(
 /// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
-/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), N x H·F (per key channel,
+///     KDA: head h's in columns [h·F, (h+1)·F)), or empty for none.
 /// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
@@ -513,7 +526,8 @@ Matrix<typename DQ::Scalar> multihead_delta_rule_attention(
 /// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
-/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), N x H·F (per key channel,
+///     KDA: head h's in columns [h·F, (h+1)·F)), or empty for none.
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
 /// \param heads H, the number of heads (Q's and V's columns divisible by H).
@@ -543,7 +557,8 @@ void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::M
 /// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
-/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), N x H·F (per key channel,
+///     KDA: head h's in columns [h·F, (h+1)·F)), or empty for none.
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
 /// \param heads H, the number of heads (Q's and V's columns divisible by H).

@@ -149,7 +149,9 @@ DeltaGradients<Scalar> delta_gradients_like(const DQ& Q, const DK& K, const DV& 
 /// every chunk (⌈N/C⌉ states of F x M in `ws`: the working memory), then the chunks are
 /// recomputed from their checkpoints in reverse order, each carrying \f$\partial L/\partial S\f$
 /// back to its start. No state is recovered by running a step backwards:
-/// \f$I - \beta \hat k \hat k^\top\f$ is singular at β = 1.
+/// \f$I - \beta \hat k \hat k^\top\f$ is singular at β = 1. With per-channel log-decays (KDA)
+/// each chunk's C + 1 states are recomputed from its checkpoint and the chain rule runs back
+/// token by token (C x F x M more working memory; dlog_a is then N x F).
 ///
 /// \param dOut ∂L/∂out, N x M.
 /// \param initial the state the forward started from (empty: zero; its low part counts).
@@ -172,7 +174,8 @@ template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi,
 /// \param V L x M values, one per key.
 /// \param beta N writing strengths in [0, 2], one per token: how far each step moves the state's
 ///     value for its key.
-/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for none.
+/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), N x F (one per key channel
+///     and token: KDA), or an empty vector for none.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param dQ receives the N x D gradient with respect to Q.
 /// \param dK receives the L x D gradient with respect to K.
@@ -217,7 +220,8 @@ void delta_rule_attention_backward(
 /// \param V L x M values, one per key.
 /// \param beta N writing strengths in [0, 2], one per token: how far each step moves the state's
 ///     value for its key.
-/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for none.
+/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), N x F (one per key channel
+///     and token: KDA), or an empty vector for none.
 /// \param dOut the N x M gradient of the loss with respect to the output.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param initial the state the forward started from (empty: zero).
@@ -252,7 +256,8 @@ DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
 /// \param V L x M values, one per key.
 /// \param beta N writing strengths in [0, 2], one per token: how far each step moves the state's
 ///     value for its key.
-/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), or an empty vector for none.
+/// \param log_a N log-decays g_t <= 0, one per token (Gated DeltaNet), N x F (one per key channel
+///     and token: KDA), or an empty vector for none.
 /// \param dOut the N x M gradient of the loss with respect to the output.
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
@@ -277,7 +282,8 @@ template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi,
 /// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
-/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), N x H·F (per key channel,
+///     KDA: head h's in columns [h·F, (h+1)·F)), or empty for none.
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
 /// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
@@ -361,7 +367,8 @@ void multihead_delta_rule_attention_backward(
 /// \param K L x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param beta N x H writing strengths in [0, 2], per token and head.
-/// \param log_a N x H log-decays <= 0 (a token's decay per head), or empty for none.
+/// \param log_a N x H log-decays <= 0 (a token's decay per head), N x H·F (per key channel,
+///     KDA: head h's in columns [h·F, (h+1)·F)), or empty for none.
 /// \param dOut the N x H·M gradient of the loss with respect to the output.
 /// \param heads H, the number of heads (Q's and V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).

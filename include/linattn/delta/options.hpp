@@ -57,7 +57,7 @@ struct DeltaGradients {
   Matrix<Scalar> dK;      ///< N x D
   Matrix<Scalar> dV;      ///< N x M
   Matrix<Scalar> dbeta;   ///< as beta: N x 1 (N x H)
-  Matrix<Scalar> dlog_a;  ///< as log_a: N x 1 (N x H), or empty without decay
+  Matrix<Scalar> dlog_a;  ///< as log_a: N x 1 (N x H; per channel N x F, N x H·F), or empty
 };
 
 }  // namespace linattn
