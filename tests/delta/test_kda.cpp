@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <linattn/linattn.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -273,6 +274,72 @@ TEST(kda, MultiHeadSharedKeyGradients) {
   EXPECT_LE(rel(g.dV, central(loss, V)), tol) << "dV";
   EXPECT_LE(rel(g.dbeta, central(loss, beta)), tol) << "dbeta";
   EXPECT_LE(rel(g.dlog_a, central(loss, log_a)), tol) << "dlog_a";
+}
+
+// The decode step with per-channel decays: token by token equal to the parallel kernel and to
+// the reference; scalar and per-channel steps mixed (a scalar step is the per-channel one with
+// equal channels); state() between steps; the step's errors leave the decoder unchanged.
+template <class S>
+void check_decode() {
+  const Index N = 23, D = 4, M = 3, F = D;
+  const MatD Qd = frand(N, D, 61), Kd = frand(N, D, 62), Vd = frand(N, M, 63),
+             Bd = frand(N, 1, 64, 0.1, 1.9);
+  MatD Gd = channel_decays(N, F, 65);
+  for (Index t = 3; t < N; t += 4) Gd.row(t).setConstant(Gd(t, 0));  // scalar steps below
+  DeltaOptions o;
+  o.scale = 0.9;
+  linattn::RecurrentDeltaRule<L2, S> rnn(D, M, o);
+  linattn::Vector<S> out(M);
+  Mat<S> steps(N, M);
+  for (Index t = 0; t < N; ++t) {
+    const linattn::Vector<S> g = Gd.row(t).transpose().cast<S>();
+    if (t % 4 == 3)
+      rnn.step(Qd.row(t).cast<S>(), Kd.row(t).cast<S>(), Vd.row(t).cast<S>(), S(Bd(t, 0)), g(0),
+               out);
+    else
+      rnn.step(Qd.row(t).cast<S>(), Kd.row(t).cast<S>(), Vd.row(t).cast<S>(), S(Bd(t, 0)), g,
+               out);
+    steps.row(t) = out.transpose();
+  }
+  MatD Sref;
+  const MatD want = kda_recurrence(gref::features(L2{}, Qd), gref::features(L2{}, Kd), Vd, Bd, Gd,
+                                   o.scale, &Sref);
+  EXPECT_LE(rel(steps.template cast<double>(), want), test::bound<S>(5e-6, 1e-13));
+  EXPECT_LE(rel(rnn.state().S.template cast<double>(), Sref), test::bound<S>(5e-6, 1e-13));
+  const Mat<S> parallel = linattn::delta_rule_attention(
+      Mat<S>(Qd.cast<S>()), Mat<S>(Kd.cast<S>()), Mat<S>(Vd.cast<S>()), Mat<S>(Bd.cast<S>()),
+      Mat<S>(Gd.cast<S>()), L2{}, o);
+  EXPECT_LE(rel(steps.template cast<double>(), parallel.template cast<double>()),
+            test::bound<S>(2e-6, 1e-14));
+  // Errors: a wrong size, a positive entry; the decoder is unchanged.
+  const auto before = rnn.state();
+  const linattn::Vector<S> q = Qd.row(0).transpose().cast<S>(), v = Vd.row(0).transpose().cast<S>();
+  linattn::Vector<S> g = linattn::Vector<S>::Constant(F, S(-0.1));
+  g(2) = S(0.25);
+  test::expect_invalid([&] { rnn.step(q, q, v, S(0.5), g, out); },
+                       Needles{"RecurrentDeltaRule::step", "log_a(2) = 0.25", "token 23"}, "value");
+  test::expect_invalid(
+      [&] { rnn.step(q, q, v, S(0.5), linattn::Vector<S>::Constant(F + 1, S(-0.1)), out); },
+      Needles{"log_a is 5x1", "4 entries"}, "size");
+  EXPECT_EQ(rnn.position(), N);
+  EXPECT_EQ(test::max_abs_diff(rnn.state().S, before.S), 0.0);
+  // Parked with a per-channel update pending and resumed: the same bits as continuing.
+  std::stringstream file;
+  linattn::save_state(file, rnn);
+  linattn::RecurrentDeltaRule<L2, S> resumed(D, M, o);
+  linattn::load_state(file, resumed);
+  EXPECT_EQ(resumed.position(), N);
+  g(2) = S(-3);
+  linattn::Vector<S> out2(M);
+  rnn.step(q, q, v, S(0.5), g, out);
+  resumed.step(q, q, v, S(0.5), g, out2);
+  EXPECT_EQ(test::max_abs_diff(out, out2), 0.0);
+  EXPECT_EQ(test::max_abs_diff(rnn.state().S, resumed.state().S), 0.0);
+}
+
+TEST(kda, DecodeStep) {
+  IF_FLOAT(check_decode<float>());
+  IF_DOUBLE(check_decode<double>());
 }
 
 }  // namespace

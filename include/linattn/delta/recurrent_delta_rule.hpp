@@ -89,6 +89,8 @@ class RecurrentDeltaRule {
     yk_.resize(value_dim);
     kp_.resize(F);
     dp_.resize(value_dim);
+    ar_.resize(2 * F);
+    wa_.resize(2 * F);
   }
 
   /// Consumes one token and writes its output (M entries) into `out`. q, k: D entries; v: M
@@ -137,6 +139,62 @@ class RecurrentDeltaRule {
     ++position_;
   }
 
+  /// Consumes one token with one log-decay per key channel (KDA, Kimi Linear):
+  /// \f$S'_t = \mathrm{diag}(e^{g_t}) S_{t-1}\f$, then the delta rule's overwrite, in one pass
+  /// over the state as the scalar step; the parallel kernels' per-channel form token by token.
+  /// No allocation. \throws std::invalid_argument on a wrong size, a beta outside [0, 2] or a
+  /// log-decay that is not finite and <= 0 (naming the entry and the token); the decoder is then
+  /// unchanged.
+  /// \code
+  /// linattn::RecurrentDeltaRule<linattn::L2Normalize<>, float> rnn(128, 128);
+  /// rnn.step(q, k, v, beta, g, out);  // g: 128 log-decays <= 0, one per key channel
+  /// \endcode
+  /// \param q the query row (D entries).
+  /// \param k the key row (D entries).
+  /// \param v the value row (M entries).
+  /// \param beta the writing strength, in [0, 2].
+  /// \param log_a the token's F log-decays (F = feature_dim(), D for the L2 maps), row or column.
+  /// \param out receives the token's M output entries.
+  template <class DQ, class DK, class DV, class DG, class DOut>
+  void step(const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+            const Eigen::MatrixBase<DV>& v, Scalar beta, const Eigen::MatrixBase<DG>& log_a,
+            const Eigen::MatrixBase<DOut>& out) {
+    detail::static_check_scalars<DQ, DK, DV>();
+    static_assert(std::is_same_v<compute_scalar_t<typename DQ::Scalar>, Scalar> &&
+                      std::is_same_v<compute_scalar_t<typename DOut::Scalar>, Scalar> &&
+                      std::is_same_v<compute_scalar_t<typename DG::Scalar>, Scalar>,
+                  "linattn: the token's scalar type must be the RecurrentDeltaRule's (or bf16 / "
+                  "half for a float one)");
+    const char* fn = "RecurrentDeltaRule::step";
+    const Index F = state_.S.rows();
+    detail::check_token(fn, "q", q, key_dim_);
+    detail::check_token(fn, "k", k, key_dim_);
+    detail::check_token(fn, "v", v, value_dim_);
+    detail::check_token(fn, "log_a", log_a, F);
+    detail::check_token(fn, "out", out, value_dim_);
+    if (!(beta >= Scalar(0) && beta <= Scalar(2)))
+      detail::throw_step_value(fn, "beta", beta, position_, "beta must be in [0, 2]");
+    const auto g = log_a.reshaped();
+    for (Index r = 0; r < F; ++r)
+      if (!detail::finite_nonpositive(static_cast<Scalar>(g(r))))
+        detail::throw_step_value(fn, "log_a(" + std::to_string(r) + ")",
+                                 static_cast<Scalar>(g(r)), position_,
+                                 "log-decays must be finite and <= 0");
+    token_.map(phi_, q, pqv_, QuerySide{false});
+    token_.map(phi_, k, pkv_, KeySide{false});
+    pqv_ *= static_cast<Scalar>(options_.scale);
+    v_ = v.reshaped().template cast<Scalar>();
+    bind_pending();
+    const detail::exp_nonpositive_op<Scalar> decay;
+    for (Index r = 0; r < F; ++r) pending_.ar_next[r] = decay(static_cast<Scalar>(g(r)));
+    detail::delta_token_channels(state_.S.data(), state_.S.outerStride(), F, value_dim_,
+                                 pending_, beta, pqv_.data(), pkv_.data(), v_.data(), o_.data(),
+                                 yq_.data(), yk_.data(), wa_.data(), wa_.data() + F);
+    ar_half_ = 1 - ar_half_;
+    detail::writable(out).reshaped() = o_.template cast<typename DOut::Scalar>();
+    ++position_;
+  }
+
   /// Back to the empty sequence.
   void reset() {
     state_.reset();
@@ -157,8 +215,7 @@ class RecurrentDeltaRule {
     State copy = state_;
     if (pending_.pending)
       detail::delta_flush(copy.S.data(), copy.S.outerStride(), copy.S.rows(), copy.S.cols(),
-                          pending_.a, static_cast<const Scalar*>(nullptr), kp_.data(),
-                          dp_.data());
+                          pending_.a, pending_decays(), kp_.data(), dp_.data());
     return copy;
   }
 
@@ -213,6 +270,13 @@ class RecurrentDeltaRule {
   void bind_pending() noexcept {
     pending_.k = kp_.data();
     pending_.d = dp_.data();
+    const Index F = state_.S.rows();
+    pending_.ar = ar_.data() + ar_half_ * F;
+    pending_.ar_next = ar_.data() + (1 - ar_half_) * F;
+  }
+  // The pending update's per-channel decays (null when it has one decay).
+  const Scalar* pending_decays() const noexcept {
+    return pending_.per_row ? ar_.data() + ar_half_ * state_.S.rows() : nullptr;
   }
 
   // Row r of state() (M entries) into `row`, through the same delta_flush as state(): the
@@ -222,7 +286,8 @@ class RecurrentDeltaRule {
     std::copy(state_.S.data() + r * state_.S.outerStride(),
               state_.S.data() + r * state_.S.outerStride() + M, row);
     if (pending_.pending)
-      detail::delta_flush(row, M, 1, M, pending_.a, static_cast<const Scalar*>(nullptr),
+      detail::delta_flush(row, M, 1, M, pending_.a,
+                          pending_.per_row ? pending_decays() + r : nullptr,
                           kp_.data() + r, dp_.data());
   }
 
@@ -235,6 +300,9 @@ class RecurrentDeltaRule {
   detail::TokenFeatures<Scalar> token_;
   Vector<Scalar> pqv_, pkv_, v_, o_, yq_, yk_;
   Vector<Scalar> kp_, dp_;
+  // Per-channel decays: two halves of F, the pending update's (ar_half_) and the next token's.
+  Vector<Scalar> ar_, wa_;
+  Index ar_half_ = 0;
   detail::DeltaPending<Scalar> pending_;
 };
 

@@ -134,16 +134,19 @@ void delta_flush(Scalar* S, Index ld, Index F, Index M, Scalar ap, const Scalar*
 }
 
 // The recurrent form's carry between tokens: the update of the last token read, not yet applied
-// to the state (k_p: F entries, d_p: M entries; with per-channel decays, ar: the F decays of
-// the pending update, and ar_next: where the next token's are formed).
+// to the state (k_p: F entries, d_p: M entries). Its decay is a (per_row false) or the F
+// per-channel decays in ar (KDA); ar_next is where the next token's are formed (both F-entry
+// buffers, bound only where per-channel decays occur).
 template <class Scalar>
 struct DeltaPending {
   bool pending = false;
+  bool per_row = false;
   Scalar a = 1;
   Scalar* k = nullptr;
   Scalar* d = nullptr;
   Scalar* ar = nullptr;
   Scalar* ar_next = nullptr;
+  const Scalar* row_decays() const noexcept { return per_row ? ar : nullptr; }
 };
 
 // One token (token-major features: w = s q̂, k̂; v and out: M entries; yq, yk: M-entry scratch).
@@ -153,8 +156,7 @@ template <class Scalar>
 void delta_token(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p, Scalar a,
                  Scalar beta, const Scalar* w, const Scalar* k, const Scalar* v, Scalar* out,
                  Scalar* yq, Scalar* yk) {
-  delta_sweep(S, ld, F, M, p.pending, p.a, static_cast<const Scalar*>(nullptr), p.k, p.d, w, k,
-              yq, yk);
+  delta_sweep(S, ld, F, M, p.pending, p.a, p.row_decays(), p.k, p.d, w, k, yq, yk);
   Scalar wk = 0;
   for (Index r = 0; r < F; ++r) wk += w[r] * k[r];
   for (Index c = 0; c < M; ++c) {
@@ -164,6 +166,7 @@ void delta_token(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p,
   }
   std::copy(k, k + F, p.k);
   p.a = a;
+  p.per_row = false;
   p.pending = true;
 }
 
@@ -182,8 +185,7 @@ void delta_token_channels(Scalar* S, Index ld, Index F, Index M, DeltaPending<Sc
     ka[r] = a[r] * k[r];
     wk += w[r] * k[r];
   }
-  delta_sweep(S, ld, F, M, p.pending, Scalar(1), static_cast<const Scalar*>(p.ar), p.k, p.d, wa,
-              ka, yq, yk);
+  delta_sweep(S, ld, F, M, p.pending, p.a, p.row_decays(), p.k, p.d, wa, ka, yq, yk);
   for (Index c = 0; c < M; ++c) {
     const Scalar d = beta * (v[c] - yk[c]);
     p.d[c] = d;
@@ -191,13 +193,14 @@ void delta_token_channels(Scalar* S, Index ld, Index F, Index M, DeltaPending<Sc
   }
   std::copy(k, k + F, p.k);
   std::swap(p.ar, p.ar_next);
+  p.per_row = true;
   p.pending = true;
 }
 
 // Applies the pending update, if any.
 template <class Scalar>
 void delta_settle(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p) {
-  if (p.pending) delta_flush(S, ld, F, M, p.a, static_cast<const Scalar*>(p.ar), p.k, p.d);
+  if (p.pending) delta_flush(S, ld, F, M, p.a, p.row_decays(), p.k, p.d);
   p.pending = false;
 }
 
