@@ -5,6 +5,7 @@
 /// Includes only this module and the modules below it (docs/ARCHITECTURE.md).
 #pragma once
 
+#include "core/batched_heads.hpp"
 #include "core/checksum.hpp"
 #include "core/common.hpp"
 #include "core/error.hpp"

@@ -20,7 +20,9 @@
 /// A file is \f$80 + s\,FM\f$ bytes (kind 7) or \f$80 + s\,(FM + 2F)\f$ (kind 8) for s-byte
 /// scalars: 65 616 bytes for one float delta-rule head of F = M = 128, its 64 KiB of state and
 /// 80 bytes. The gated decoder's older kind-4 files (with zero low parts and an unfolded
-/// count) still load; only kind 8 is written.
+/// count) still load; only kind 8 is written. A BatchedRecurrentGatedAttention or
+/// BatchedRecurrentDeltaRule is B·H such records, sequence-major (head h of sequence b is
+/// record b·H + h).
 #pragma once
 
 #include <Eigen/Core>
@@ -33,7 +35,10 @@
 
 #include "../core/common.hpp"
 #include "detail/state_io_format.hpp"
+#include "../core/batched_heads.hpp"
+#include "../delta/batched_recurrent_delta_rule.hpp"
 #include "../delta/recurrent_delta_rule.hpp"
+#include "../gated/batched_recurrent_gated_attention.hpp"
 #include "../gated/recurrent_gated_attention.hpp"
 
 namespace linattn {
@@ -166,6 +171,50 @@ void load_state(std::istream& is, RecurrentDeltaRule<Phi, Scalar>& rnn) {
   auto heads = detail::io::read_payload<Scalar>(is, fn, hd, crc);
   auto& r = heads.front();
   detail::RecurrentStateAccess::install(rnn, std::move(r.state), r.position);
+}
+
+/// \brief Writes every head of a batched gated or delta-rule decoder: B·H records of its head
+/// decoders (kind 8 or 7), sequence-major, one after the other, so that load_state() into a
+/// decoder of the same B, H and sizes resumes every sequence bit for bit.
+/// \throws std::runtime_error if the stream was not writable or a write failed.
+/// \code
+/// linattn::BatchedRecurrentDeltaRule<linattn::L2Normalize<>, float> dec(8, 32, 128, 128);
+/// // ... dec.step(Q, K, V, beta, log_a, out) ...
+/// std::ofstream file("server.state", std::ios::binary);
+/// linattn::save_state(file, dec);  // 8·32 records of 80 + 4·128·128 bytes
+/// \endcode
+/// \param os the binary stream the records are appended to.
+/// \param dec the batched decoder whose heads are written.
+template <class Decoder>
+void save_state(std::ostream& os, const BatchedHeads<Decoder>& dec) {
+  for (Index b = 0; b < dec.sequences(); ++b)
+    for (Index h = 0; h < dec.heads(); ++h) save_state(os, dec.decoder(b, h));
+}
+
+/// \brief Restores into `dec` the B·H records save_state(os, dec) wrote (the same B, H and
+/// sizes): afterwards every sequence steps exactly as the saved object's would have. Strong
+/// guarantee: every record is read and checked before any head changes.
+/// \throws std::runtime_error as load_state() of one head decoder (truncated, corrupted, wrong
+/// kind or shapes), for the first bad record.
+/// \code
+/// linattn::BatchedRecurrentDeltaRule<linattn::L2Normalize<>, float> dec(8, 32, 128, 128);
+/// std::ifstream file("server.state", std::ios::binary);
+/// linattn::load_state(file, dec);
+/// \endcode
+/// \param is the binary stream, positioned at the first record.
+/// \param dec receives every head's state and position.
+template <class Decoder>
+void load_state(std::istream& is, BatchedHeads<Decoder>& dec) {
+  std::vector<Decoder> heads;
+  heads.reserve(static_cast<std::size_t>(dec.sequences() * dec.heads()));
+  for (Index b = 0; b < dec.sequences(); ++b)
+    for (Index h = 0; h < dec.heads(); ++h) {
+      heads.push_back(dec.decoder(b, h));
+      load_state(is, heads.back());
+    }
+  auto& grid = detail::RecurrentStateAccess::grid(dec);
+  for (std::size_t i = 0; i < heads.size(); ++i)
+    grid.at(Index(i) / dec.heads(), Index(i) % dec.heads()) = std::move(heads[i]);
 }
 
 }  // namespace linattn

@@ -26,6 +26,7 @@
 
 #include "../../linear/batched_recurrent.hpp"
 #include "../../core/detail/checks.hpp"
+#include "../../core/batched_heads.hpp"
 #include "../../core/checksum.hpp"
 #include "../../core/common.hpp"
 #include "../../core/error.hpp"
@@ -87,6 +88,12 @@ struct RecurrentStateAccess {
     r.state_ = std::move(st);
     r.pending_.pending = false;
     r.position_ = position;
+  }
+  // The batched gated and delta-rule decoders (BatchedHeads): their heads' decoders, which a
+  // load replaces all at once.
+  template <class Decoder>
+  static detail::DecoderGrid<Decoder>& grid(BatchedHeads<Decoder>& d) noexcept {
+    return d.grid_;
   }
   // The batched decoder: head h of sequence b (a LinearAttentionState, or a LowPrecisionState
   // for states kept in bf16 / half), its unfolded count, and the install of B sequences
