@@ -131,16 +131,21 @@ class BatchedHeads {
   Index heads() const noexcept { return grid_.heads(); }
 
  protected:
-  /// `sequences` empty sequences of `heads` heads, each a copy of `prototype`; `name` is the
-  /// class's, for messages.
+  /// `sequences` empty sequences of `heads` heads, each a copy of `prototype`.
+  /// \param name the derived class's name, for messages.
+  /// \param sequences B, the number of sequences.
+  /// \param heads H, the heads of every sequence.
+  /// \param prototype the empty decoder every head starts as.
   BatchedHeads(const char* name, Index sequences, Index heads, Decoder prototype)
       : name_(name), grid_(heads, std::move(prototype)) {
     grid_.resize(name, sequences);
   }
+  /// \cond INTERNAL
   std::string name(const char* member) const { return std::string(name_) + "::" + member; }
 
   const char* name_;
   detail::DecoderGrid<Decoder> grid_;
+  /// \endcond
 
  private:
   friend struct detail::RecurrentStateAccess;
