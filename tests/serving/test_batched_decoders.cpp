@@ -1,8 +1,9 @@
 // The batched decoders of the gated and delta-rule families (BatchedRecurrentGatedAttention,
 // BatchedRecurrentDeltaRule): one step for B sequences x H heads equals B·H separate
 // single-head steps bit for bit, serially and on threads, with shared key heads, scalar,
-// per-channel and no decays; the slots overload; sequences added and removed; a prefill's
-// states handed over; save and load; errors that change nothing; no allocation.
+// per-channel and no decays; the slots overload; several tokens of several sequences in one
+// call (extend) and rollback to the states after its last tokens; sequences added and removed;
+// a prefill's states handed over; save and load; errors that change nothing; no allocation.
 #ifndef EIGEN_RUNTIME_NO_MALLOC
 #define EIGEN_RUNTIME_NO_MALLOC
 #endif
@@ -266,6 +267,92 @@ TEST(batched_decoders, ErrorsChangeNothing) {
       Needles{"BatchedRecurrentGatedAttention::step", "log_gates(0, 0) = 0.001"}, "gated");
 }
 
+// extend(): tokens of several sequences in one call equal those steps of separate decoders, bit
+// for bit; rollback() to the state after any of the last K tokens equals the decoder that
+// stopped there, and both continue alike.
+template <class S>
+void check_extend_rollback(int threads) {
+  SCOPED_TRACE("threads " + std::to_string(threads));
+  const Index B = 3, H = 2, Hk = 1, D = 4, M = 3, F = D, K = 3;
+  DeltaOptions o;
+  o.scale = 0.7;
+  o.key_heads = Hk;
+  linattn::BatchedRecurrentDeltaRule<L2, S> dec(B, H, D, M, L2{}, o);
+  dec.keep_snapshots(K);
+  // Sequence 2 gets 5 tokens, sequence 0 gets 2 (fewer than K), sequence 1 none.
+  const Eigen::VectorXi slots = (Eigen::VectorXi(2) << 2, 0).finished();
+  const std::vector<long> cu = {0, 5, 7};
+  const Index N = 7;
+  const Mat<S> q = rnd<S>(N, Hk * D, 11), k = rnd<S>(N, Hk * D, 12), v = rnd<S>(N, H * M, 13),
+               beta = rnd<S>(N, H, 14, 0.1, 1.9), g = rnd<S>(N, H * F, 15, -1, 0);
+  RowMat<S> out(N, H * M);
+  dec.extend(slots, cu, q, k, v, beta, g, out, on_threads(threads));
+  // The reference: per (sequence, head) decoders, and their states after each token.
+  std::vector<std::vector<linattn::LinearAttentionState<S>>> after(2 * H);
+  std::vector<linattn::RecurrentDeltaRule<L2, S>> ref(2 * H, {D, M, L2{}, o});
+  linattn::Vector<S> o1(M);
+  for (Index i = 0; i < 2; ++i)
+    for (Index h = 0; h < H; ++h)
+      for (Index r = cu[std::size_t(i)]; r < cu[std::size_t(i) + 1]; ++r) {
+        auto& rnn = ref[std::size_t(i * H + h)];
+        rnn.step(q.row(r).segment(0, D), k.row(r).segment(0, D), v.row(r).segment(h * M, M),
+                 beta(r, h), g.row(r).segment(h * F, F), o1);
+        EXPECT_EQ(test::max_abs_diff(out.row(r).segment(h * M, M).transpose(), o1), 0.0)
+            << "row " << r << ", head " << h;
+        after[std::size_t(i * H + h)].push_back(rnn.state());
+      }
+  EXPECT_EQ(dec.position(2), 5);
+  EXPECT_EQ(dec.position(0), 2);
+  EXPECT_EQ(dec.position(1), 0);
+  EXPECT_EQ(dec.snapshots(2), K);
+  EXPECT_EQ(dec.snapshots(0), 2);
+  EXPECT_EQ(dec.snapshots(1), 0);
+  // Sequence 2 keeps 3 of its 5 tokens: its state after token 3, and it continues as a decoder
+  // that stopped there.
+  dec.rollback(2, 3);
+  EXPECT_EQ(dec.position(2), 3);
+  for (Index h = 0; h < H; ++h)
+    EXPECT_EQ(test::max_abs_diff(dec.state(2, h).S, after[std::size_t(h)][2].S), 0.0);
+  linattn::RecurrentDeltaRule<L2, S> stopped(D, M, L2{}, o);
+  stopped.set_state(after[0][2], 3);
+  const Mat<S> qn = rnd<S>(1, D, 16), vn = rnd<S>(1, H * M, 17), gn = rnd<S>(1, H * F, 18, -1, 0);
+  const Mat<S> bn = Mat<S>::Constant(1, H, S(0.5));
+  RowMat<S> on(1, H * M);
+  dec.step(Eigen::VectorXi::Constant(1, 2), qn, qn, vn, bn, gn, on);
+  stopped.step(qn.row(0), qn.row(0), vn.row(0).segment(0, M), S(0.5), gn.row(0).segment(0, F), o1);
+  EXPECT_EQ(test::max_abs_diff(on.row(0).segment(0, M).transpose(), o1), 0.0);
+  // A step drops the rollback points; out-of-range requests name the range.
+  EXPECT_EQ(dec.snapshots(2), 0);
+  test::expect_invalid([&] { dec.rollback(2, 1); }, Needles{"BatchedRecurrentDeltaRule::rollback",
+                                                            "no snapshot kept"}, "after a step");
+  test::expect_invalid([&] { dec.rollback(0, 0); }, Needles{"can be set back to 1 ... 2 tokens",
+                                                            "got 0"}, "range");
+  dec.rollback(0, 2);  // the whole call: nothing to undo
+  EXPECT_EQ(dec.position(0), 2);
+  dec.rollback(0, 1);
+  EXPECT_EQ(test::max_abs_diff(dec.state(0, 1).S, after[std::size_t(H + 1)][0].S), 0.0);
+  // The gated decoder: the same for per-feature gates.
+  linattn::BatchedRecurrentGatedAttention<linattn::Identity, S> gated(B, H, D, M);
+  gated.keep_snapshots(2);
+  const Mat<S> qg = rnd<S>(N, H * D, 21), kg = rnd<S>(N, H * D, 22);
+  gated.extend(slots, cu, qg, kg, v, g, out, on_threads(threads));
+  linattn::RecurrentGatedAttention<linattn::Identity, S> one(D, M);
+  for (Index r = 0; r < 4; ++r)
+    one.step(qg.row(r).segment(D, D), kg.row(r).segment(D, D), v.row(r).segment(M, M),
+             g.row(r).segment(F, F), o1);
+  gated.rollback(2, 4);
+  EXPECT_EQ(test::max_abs_diff(gated.state(2, 1).S, one.state().S), 0.0);
+  EXPECT_EQ(test::max_abs_diff(gated.state(2, 1).log_decay, one.state().log_decay), 0.0);
+  EXPECT_EQ(gated.position(2), 4);
+}
+
+TEST(batched_decoders, ExtendAndRollback) {
+  for (int threads : {1, 2}) {
+    IF_FLOAT(check_extend_rollback<float>(threads));
+    IF_DOUBLE(check_extend_rollback<double>(threads));
+  }
+}
+
 // A step of every sequence (all decays), on one thread and on three, and a slots step, allocate
 // nothing once the decoder is built.
 TEST(batched_decoders, StepAllocatesNothing) {
@@ -283,6 +370,9 @@ TEST(batched_decoders, StepAllocatesNothing) {
   Eigen::MatrixXf out(B, H * M);
   RowMat<float> out2(2, H * M);
   const Eigen::VectorXi slots = (Eigen::VectorXi(2) << 4, 1).finished();
+  const std::vector<int> cu = {0, 3, 5};  // 3 tokens of sequence 4, 2 of sequence 1
+  dec.keep_snapshots(2);
+  dec.extend(slots, cu, q, q, v, beta, gc, out);  // sizes the snapshots
   const test::Allocations a = test::allocations_in([&] {
     for (int t = 0; t < 6; ++t) {
       dec.step(q, q, v, beta, g, out, on_threads(t % 2 ? 3 : 1));
@@ -292,6 +382,8 @@ TEST(batched_decoders, StepAllocatesNothing) {
                out2, on_threads(2));
       gated.step(qg, qg, v, g, out, on_threads(t % 2 ? 3 : 1));
       gated.step(qg, qg, v, gc, out, on_threads(1));
+      dec.extend(slots, cu, q, q, v, beta, gc, out, on_threads(t % 2 ? 2 : 1));
+      dec.rollback(4, 2);
     }
   });
   EXPECT_EQ(a.eigen, 0) << "Eigen heap allocations";

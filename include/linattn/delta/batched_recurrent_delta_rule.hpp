@@ -5,6 +5,7 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "../core/detail/decoder_grid.hpp"
 #include "../core/parallel.hpp"
 #include "../core/state.hpp"
+#include "../linear/heads.hpp"
 #include "../maps/identity.hpp"
 #include "options.hpp"
 #include "recurrent_delta_rule.hpp"
@@ -125,6 +127,67 @@ class BatchedRecurrentDeltaRule : public BatchedHeads<RecurrentDeltaRule<Phi, Sc
         q, k, v, beta, log_a, out, par);
   }
 
+  /// Several tokens of several sequences in one call (a chunked prefill's next piece, or the
+  /// 1 + T draft tokens of a speculative verification): sequence slots(i) consumes rows
+  /// [offsets[i], offsets[i+1]) in order, each head token by token through its decoder,
+  /// exactly as that many step() calls, with the fixed cost of one; the states after its last
+  /// K tokens are kept when keep_snapshots(K) was called (rollback()). Operands as step()'s,
+  /// one row per token; offsets of any integer type (cu_seqlens). No allocation.
+  /// \throws std::invalid_argument on a slot out of range or repeated, offsets that do not
+  /// cover the rows, or a wrong shape or value; nothing changed.
+  /// \code
+  /// dec.keep_snapshots(5);
+  /// const Eigen::VectorXi slots = (Eigen::VectorXi(2) << 3, 0).finished();
+  /// const std::vector<int> cu = {0, 5, 9};  // 5 tokens of sequence 3, 4 of sequence 0
+  /// dec.extend(slots, cu, Q, K, V, beta, log_a, out);
+  /// dec.rollback(3, 2);  // sequence 3 accepts 2 of its 5
+  /// \endcode
+  /// \param slots the sequences, distinct, any integer vector.
+  /// \param offsets slots.size() + 1 row offsets, from 0 to q.rows().
+  /// \param q the queries, one row per token.
+  /// \param k the keys, one row per token.
+  /// \param v the values, one row per token.
+  /// \param beta the writing strengths, one per token and head.
+  /// \param log_a the log-decays (one per token and head, per key channel, or empty).
+  /// \param out receives the outputs, one row per token.
+  /// \param par the threads to split the (sequence, head) pairs over.
+  template <class DSlots, class Off, class DQ, class DK, class DV, class DB, class DA,
+            class DOut>
+  void extend(const Eigen::DenseBase<DSlots>& slots, const Off& offsets,
+              const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+              const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DB>& beta,
+              const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DOut>& out,
+              const ParallelOptions& par = {}) {
+    const char* fn = "BatchedRecurrentDeltaRule::extend";
+    this->grid_.check_slots(fn, slots);
+    const detail::OffsetsRef off = detail::offsets_of(fn, "offsets", offsets);
+    if (static_cast<Index>(off.size()) != slots.size() + 1)
+      detail::throw_invalid(fn, "offsets has " + std::to_string(off.size()) +
+                                    " entries but slots has " + std::to_string(slots.size()) +
+                                    ": one more offset than slots is needed");
+    detail::check_offsets(fn, "offsets", off, q.rows());
+    const bool channels = check_tokens(fn, q.rows(), q, k, v, beta, log_a, out);
+    const Index S = slots.size();
+    const auto slot = [&slots](Index i) {
+      return static_cast<Index>(detail::DecoderGrid<Decoder>::slot_of(slots, i));
+    };
+    for (Index i = 0; i < S; ++i)
+      this->begin_call(slot(i), off[std::size_t(i) + 1] - off[std::size_t(i)]);
+    const detail::Nested<DQ> qe(q.derived());
+    const detail::Nested<DK> ke(k.derived());
+    const detail::Nested<DV> ve(v.derived());
+    auto& dst = detail::writable(out);
+    const double pair_work = 2.0 * detail::decode_pair_work(prototype_features(), value_dim_) *
+                             double(q.rows()) / double(std::max<Index>(S, 1));
+    this->grid_.run(S, slot, pair_work, par, [&](Index i, Index h, Decoder& dec) {
+      const Index r0 = off[std::size_t(i)], n = off[std::size_t(i) + 1] - r0, b = slot(i);
+      for (Index t = 0; t < n; ++t) {
+        token(dec, r0 + t, h, channels, qe, ke, ve, beta.derived(), log_a.derived(), dst);
+        this->after_token(b, h, t);
+      }
+    });
+  }
+
   /// The number Hk of query/key heads (heads() without sharing).
   /// \return Hk.
   Index key_heads() const noexcept { return key_heads_; }
@@ -147,14 +210,15 @@ class BatchedRecurrentDeltaRule : public BatchedHeads<RecurrentDeltaRule<Phi, Sc
     return heads;
   }
 
-  template <class Slot, class DQ, class DK, class DV, class DB, class DA, class DOut>
-  void step_impl(const char* fn, Index n, const Slot& slot, const Eigen::MatrixBase<DQ>& q,
-                 const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-                 const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a,
-                 const Eigen::MatrixBase<DOut>& out, const ParallelOptions& par) {
+  // Shapes (n token rows) and every value, before any state moves (the heads' own checks then
+  // cannot fail midway); returns whether log_a holds one log-decay per key channel.
+  template <class DQ, class DK, class DV, class DB, class DA, class DOut>
+  bool check_tokens(const char* fn, Index n, const Eigen::MatrixBase<DQ>& q,
+                    const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a,
+                    const Eigen::MatrixBase<DOut>& out) const {
     const Index H = this->heads(), Hk = key_heads_, D = key_dim_, M = value_dim_;
     const Index F = prototype_features();
-    const Index G = H / Hk;
     if (q.rows() != n || k.rows() != n || v.rows() != n || out.rows() != n ||
         q.cols() != Hk * D || k.cols() != Hk * D || v.cols() != H * M || out.cols() != H * M ||
         beta.rows() != n || beta.cols() != H)
@@ -164,7 +228,7 @@ class BatchedRecurrentDeltaRule : public BatchedHeads<RecurrentDeltaRule<Phi, Sc
                   detail::shape_of(out) + " but must be " + detail::shape_string(n, Hk * D) +
                   ", " + detail::shape_string(n, Hk * D) + ", " + detail::shape_string(n, H * M) +
                   ", " + detail::shape_string(n, H) + ", " + detail::shape_string(n, H * M) +
-                  " (one row per sequence; H = " + std::to_string(H) + " value heads over " +
+                  " (one row per token; H = " + std::to_string(H) + " value heads over " +
                   std::to_string(Hk) + " key heads, D = " + std::to_string(D) + ", M = " +
                   std::to_string(M) + ")");
     const bool decays = log_a.size() != 0;
@@ -175,7 +239,6 @@ class BatchedRecurrentDeltaRule : public BatchedHeads<RecurrentDeltaRule<Phi, Sc
                                     detail::shape_string(n, H * F) + " (one per key channel, F = " +
                                     std::to_string(F) + ")");
     detail::check_no_overlap(fn, out, "q", q, "k", k, "v", v, "beta", beta, "log_a", log_a);
-    // Every value before any state moves (the heads' own checks then cannot fail midway).
     for (Index r = 0; r < n; ++r) {
       for (Index h = 0; h < H; ++h) {
         const Scalar b = static_cast<Scalar>(beta.coeff(r, h));
@@ -192,22 +255,40 @@ class BatchedRecurrentDeltaRule : public BatchedHeads<RecurrentDeltaRule<Phi, Sc
                                         ": log-decays must be finite and <= 0");
       }
     }
+    return channels;
+  }
+
+  // Row r of the operands through head h's decoder.
+  template <class Q, class K, class V, class DB, class DA, class Out>
+  void token(Decoder& dec, Index r, Index h, bool channels, const Q& qe, const K& ke, const V& ve,
+             const DB& beta, const DA& log_a, Out& dst) const {
+    const Index D = key_dim_, M = value_dim_, F = prototype_features();
+    const Index c = (h / (this->heads() / key_heads_)) * D;
+    const Scalar b = static_cast<Scalar>(beta.coeff(r, h));
+    auto o = dst.row(r).segment(h * M, M);
+    if (channels)
+      dec.step(qe.row(r).segment(c, D), ke.row(r).segment(c, D), ve.row(r).segment(h * M, M), b,
+               log_a.row(r).segment(h * F, F), o);
+    else
+      dec.step(qe.row(r).segment(c, D), ke.row(r).segment(c, D), ve.row(r).segment(h * M, M), b,
+               log_a.size() ? static_cast<Scalar>(log_a.coeff(r, h)) : Scalar(0), o);
+  }
+
+  template <class Slot, class DQ, class DK, class DV, class DB, class DA, class DOut>
+  void step_impl(const char* fn, Index n, const Slot& slot, const Eigen::MatrixBase<DQ>& q,
+                 const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                 const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a,
+                 const Eigen::MatrixBase<DOut>& out, const ParallelOptions& par) {
+    const bool channels = check_tokens(fn, n, q, k, v, beta, log_a, out);
+    for (Index r = 0; r < n; ++r) this->forget_call(slot(r));
     const detail::Nested<DQ> qe(q.derived());
     const detail::Nested<DK> ke(k.derived());
     const detail::Nested<DV> ve(v.derived());
     auto& dst = detail::writable(out);
     // The sweep reads the state twice per entry (the query's and the key's products).
-    const double pair_work = 2.0 * detail::decode_pair_work(F, M);
+    const double pair_work = 2.0 * detail::decode_pair_work(prototype_features(), value_dim_);
     this->grid_.run(n, slot, pair_work, par, [&](Index r, Index h, Decoder& dec) {
-      const Index c = (h / G) * D;
-      const Scalar b = static_cast<Scalar>(beta.coeff(r, h));
-      auto o = dst.row(r).segment(h * M, M);
-      if (channels)
-        dec.step(qe.row(r).segment(c, D), ke.row(r).segment(c, D), ve.row(r).segment(h * M, M), b,
-                 log_a.row(r).segment(h * F, F), o);
-      else
-        dec.step(qe.row(r).segment(c, D), ke.row(r).segment(c, D), ve.row(r).segment(h * M, M), b,
-                 decays ? static_cast<Scalar>(log_a.coeff(r, h)) : Scalar(0), o);
+      token(dec, r, h, channels, qe, ke, ve, beta.derived(), log_a.derived(), dst);
     });
   }
 

@@ -264,6 +264,20 @@ class RecurrentDeltaRule {
   // save_state() / load_state() (state_io.hpp) write the state with the pending update applied
   // (row by row, as state() would) and install a loaded one with none pending.
   friend struct detail::RecurrentStateAccess;
+  // The batched decoders' rollback snapshots: the state copied out without allocating, and a
+  // snapshot swapped in.
+  template <class>
+  friend class BatchedHeads;
+  void snapshot_into(State& out) const {
+    const Index F = state_.S.rows(), M = state_.S.cols();
+    if (out.S.rows() != F || out.S.cols() != M) out = State(F, M);
+    for (Index r = 0; r < F; ++r) settled_row(r, out.S.data() + r * out.S.outerStride());
+  }
+  void restore_from(State& snapshot, Index position) noexcept {
+    std::swap(state_.S, snapshot.S);
+    pending_.pending = false;
+    position_ = position;
+  }
 
   // The pending update lives in this object's kp_ and dp_ (bound before each step, so that the
   // implicit copies and moves stay correct); const members read kp_ and dp_ directly.

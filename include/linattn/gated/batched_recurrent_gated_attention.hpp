@@ -5,6 +5,7 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "../core/detail/decoder_grid.hpp"
 #include "../core/parallel.hpp"
 #include "../core/state.hpp"
+#include "../linear/heads.hpp"
 #include "../maps/identity.hpp"
 #include "options.hpp"
 #include "recurrent_gated_attention.hpp"
@@ -115,6 +117,62 @@ class BatchedRecurrentGatedAttention : public BatchedHeads<RecurrentGatedAttenti
         q, k, v, log_gates, out, par);
   }
 
+  /// Several tokens of several sequences in one call (a chunked prefill's next piece, or a
+  /// speculative verification's tokens): sequence slots(i) consumes rows
+  /// [offsets[i], offsets[i+1]) in order, each head token by token through its decoder,
+  /// exactly as that many step() calls; the states after its last K tokens are kept when
+  /// keep_snapshots(K) was called (rollback()). Operands as step()'s, one row per token;
+  /// offsets of any integer type (cu_seqlens). No allocation.
+  /// \throws std::invalid_argument on a slot out of range or repeated, offsets that do not
+  /// cover the rows, or a wrong shape or value; nothing changed.
+  /// \code
+  /// const std::vector<int> cu = {0, 4};
+  /// dec.extend(Eigen::VectorXi::Constant(1, 2), cu, Q, K, V, log_gates, out);  // 4 tokens of 2
+  /// \endcode
+  /// \param slots the sequences, distinct, any integer vector.
+  /// \param offsets slots.size() + 1 row offsets, from 0 to q.rows().
+  /// \param q the queries, one row per token.
+  /// \param k the keys, one row per token.
+  /// \param v the values, one row per token.
+  /// \param log_gates the log gates, one per token and head (or per feature).
+  /// \param out receives the outputs, one row per token.
+  /// \param par the threads to split the (sequence, head) pairs over.
+  template <class DSlots, class Off, class DQ, class DK, class DV, class DG, class DOut>
+  void extend(const Eigen::DenseBase<DSlots>& slots, const Off& offsets,
+              const Eigen::MatrixBase<DQ>& q, const Eigen::MatrixBase<DK>& k,
+              const Eigen::MatrixBase<DV>& v, const Eigen::MatrixBase<DG>& log_gates,
+              const Eigen::MatrixBase<DOut>& out, const ParallelOptions& par = {}) {
+    const char* fn = "BatchedRecurrentGatedAttention::extend";
+    this->grid_.check_slots(fn, slots);
+    const detail::OffsetsRef off = detail::offsets_of(fn, "offsets", offsets);
+    if (static_cast<Index>(off.size()) != slots.size() + 1)
+      detail::throw_invalid(fn, "offsets has " + std::to_string(off.size()) +
+                                    " entries but slots has " + std::to_string(slots.size()) +
+                                    ": one more offset than slots is needed");
+    detail::check_offsets(fn, "offsets", off, q.rows());
+    const Index gw = check_tokens(fn, q.rows(), q, k, v, log_gates, out);
+    const Index S = slots.size();
+    const auto slot = [&slots](Index i) {
+      return static_cast<Index>(detail::DecoderGrid<Decoder>::slot_of(slots, i));
+    };
+    for (Index i = 0; i < S; ++i)
+      this->begin_call(slot(i), off[std::size_t(i) + 1] - off[std::size_t(i)]);
+    const detail::Nested<DQ> qe(q.derived());
+    const detail::Nested<DK> ke(k.derived());
+    const detail::Nested<DV> ve(v.derived());
+    const detail::Nested<DG> ge(log_gates.derived());
+    auto& dst = detail::writable(out);
+    const double pair_work = detail::decode_pair_work(prototype_features(), value_dim_) *
+                             double(q.rows()) / double(std::max<Index>(S, 1));
+    this->grid_.run(S, slot, pair_work, par, [&](Index i, Index h, Decoder& dec) {
+      const Index r0 = off[std::size_t(i)], n = off[std::size_t(i) + 1] - r0, b = slot(i);
+      for (Index t = 0; t < n; ++t) {
+        token(dec, r0 + t, h, gw, qe, ke, ve, ge, dst);
+        this->after_token(b, h, t);
+      }
+    });
+  }
+
   /// The number Hk of query/key heads (heads() without sharing).
   /// \return Hk.
   Index key_heads() const noexcept { return key_heads_; }
@@ -137,14 +195,15 @@ class BatchedRecurrentGatedAttention : public BatchedHeads<RecurrentGatedAttenti
     return heads;
   }
 
-  template <class Slot, class DQ, class DK, class DV, class DG, class DOut>
-  void step_impl(const char* fn, Index n, const Slot& slot, const Eigen::MatrixBase<DQ>& q,
-                 const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
-                 const Eigen::MatrixBase<DG>& log_gates, const Eigen::MatrixBase<DOut>& out,
-                 const ParallelOptions& par) {
+  // Shapes (n token rows) and every value, before any state moves; returns the log gates per
+  // head (1 or F).
+  template <class DQ, class DK, class DV, class DG, class DOut>
+  Index check_tokens(const char* fn, Index n, const Eigen::MatrixBase<DQ>& q,
+                     const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                     const Eigen::MatrixBase<DG>& log_gates,
+                     const Eigen::MatrixBase<DOut>& out) const {
     const Index H = this->heads(), Hk = key_heads_, D = key_dim_, M = value_dim_;
     const Index F = prototype_features();
-    const Index G = H / Hk;
     if (q.rows() != n || k.rows() != n || v.rows() != n || out.rows() != n ||
         q.cols() != Hk * D || k.cols() != Hk * D || v.cols() != H * M || out.cols() != H * M)
       detail::throw_invalid(
@@ -152,17 +211,15 @@ class BatchedRecurrentGatedAttention : public BatchedHeads<RecurrentGatedAttenti
                   detail::shape_of(v) + ", out is " + detail::shape_of(out) + " but must be " +
                   detail::shape_string(n, Hk * D) + ", " + detail::shape_string(n, Hk * D) + ", " +
                   detail::shape_string(n, H * M) + ", " + detail::shape_string(n, H * M) +
-                  " (one row per sequence; H = " + std::to_string(H) + " value heads over " +
+                  " (one row per token; H = " + std::to_string(H) + " value heads over " +
                   std::to_string(Hk) + " key heads, D = " + std::to_string(D) + ", M = " +
                   std::to_string(M) + ")");
-    const Index gw = log_gates.cols() == H * F ? F : 1;
     if (log_gates.rows() != n || (log_gates.cols() != H && log_gates.cols() != H * F))
       detail::throw_invalid(fn, "log_gates is " + detail::shape_of(log_gates) + " but must be " +
                                     detail::shape_string(n, H) + " (one per head) or " +
                                     detail::shape_string(n, H * F) + " (one per feature, F = " +
                                     std::to_string(F) + ")");
     detail::check_no_overlap(fn, out, "q", q, "k", k, "v", v, "log_gates", log_gates);
-    // Every value before any state moves (the heads' own checks then cannot fail midway).
     for (Index r = 0; r < n; ++r)
       for (Index c = 0; c < log_gates.cols(); ++c) {
         const Scalar g = static_cast<Scalar>(log_gates.coeff(r, c));
@@ -171,17 +228,35 @@ class BatchedRecurrentGatedAttention : public BatchedHeads<RecurrentGatedAttenti
                                         ") = " + detail::value_string(g) +
                                         ": log gates must be finite and <= 0");
       }
+    return log_gates.cols() == H ? 1 : F;
+  }
+
+  // Row r of the operands through head h's decoder.
+  template <class Q, class K, class V, class G, class Out>
+  void token(Decoder& dec, Index r, Index h, Index gw, const Q& qe, const K& ke, const V& ve,
+             const G& ge, Out& dst) const {
+    const Index D = key_dim_, M = value_dim_;
+    const Index c = (h / (this->heads() / key_heads_)) * D;
+    auto o = dst.row(r).segment(h * M, M);
+    dec.step(qe.row(r).segment(c, D), ke.row(r).segment(c, D), ve.row(r).segment(h * M, M),
+             ge.row(r).segment(h * gw, gw), o);
+  }
+
+  template <class Slot, class DQ, class DK, class DV, class DG, class DOut>
+  void step_impl(const char* fn, Index n, const Slot& slot, const Eigen::MatrixBase<DQ>& q,
+                 const Eigen::MatrixBase<DK>& k, const Eigen::MatrixBase<DV>& v,
+                 const Eigen::MatrixBase<DG>& log_gates, const Eigen::MatrixBase<DOut>& out,
+                 const ParallelOptions& par) {
+    const Index gw = check_tokens(fn, n, q, k, v, log_gates, out);
+    for (Index r = 0; r < n; ++r) this->forget_call(slot(r));
     const detail::Nested<DQ> qe(q.derived());
     const detail::Nested<DK> ke(k.derived());
     const detail::Nested<DV> ve(v.derived());
     const detail::Nested<DG> ge(log_gates.derived());
     auto& dst = detail::writable(out);
-    this->grid_.run(n, slot, detail::decode_pair_work(F, M), par,
+    this->grid_.run(n, slot, detail::decode_pair_work(prototype_features(), value_dim_), par,
                     [&](Index r, Index h, Decoder& dec) {
-                      const Index c = (h / G) * D;
-                      auto o = dst.row(r).segment(h * M, M);
-                      dec.step(qe.row(r).segment(c, D), ke.row(r).segment(c, D),
-                               ve.row(r).segment(h * M, M), ge.row(r).segment(h * gw, gw), o);
+                      token(dec, r, h, gw, qe, ke, ve, ge, dst);
                     });
   }
 

@@ -230,6 +230,26 @@ class RecurrentGatedAttention {
   // save_state() / load_state() (state_io.hpp) restore the state's bits and position() as
   // saved; set_state() would add the (zero) low parts, turning a -0 of S into +0.
   friend struct detail::RecurrentStateAccess;
+  // The batched decoders' rollback snapshots: the state copied out without allocating (once
+  // sized), and a snapshot swapped in.
+  template <class>
+  friend class BatchedHeads;
+  void snapshot_into(State& out) const {
+    if (out.S.rows() != state_.S.rows() || out.S.cols() != state_.S.cols() ||
+        out.log_decay.size() != state_.log_decay.size())
+      out = state_;
+    else {
+      out.S = state_.S;
+      out.z = state_.z;
+      out.log_decay = state_.log_decay;
+    }
+  }
+  void restore_from(State& snapshot, Index position) noexcept {
+    std::swap(state_.S, snapshot.S);
+    std::swap(state_.z, snapshot.z);
+    std::swap(state_.log_decay, snapshot.log_decay);
+    position_ = position;
+  }
 
   // The gw log gates of the token (in alpha_, before their exponentials), as the parallel
   // kernels check theirs; nothing has changed yet when this throws.
