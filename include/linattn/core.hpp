@@ -9,6 +9,7 @@
 #include "core/checksum.hpp"
 #include "core/common.hpp"
 #include "core/error.hpp"
+#include "core/gates.hpp"
 #include "core/gradients.hpp"
 #include "core/parallel.hpp"
 #include "core/state.hpp"
