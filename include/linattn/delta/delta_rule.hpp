@@ -106,6 +106,10 @@ void check_delta_params(const char* fn, const Eigen::MatrixBase<DB>& beta,
   if (log_a.size() == 0) return;
   const auto bad = [](S g) { return !(g <= S(0)) || !(g - g == S(0)); };
   if (channels) {
+    // Two vectorised reductions in storage order clear every valid call: x − x is 0 for each
+    // finite entry (NaN otherwise, which the sum keeps), and then the maximum is reliable.
+    const auto& la = log_a.derived();
+    if ((la.array() - la.array()).sum() == S(0) && la.maxCoeff() <= S(0)) return;
     for (Index c = 0; c < log_a.cols(); ++c)
       for (Index i = 0; i < N; ++i)
         if (bad(log_a.coeff(i, c)))
@@ -142,8 +146,21 @@ DeltaHeadParams<Scalar> delta_head_params(const DB& beta, const DA& log_a, Index
   if (log_a.size() == 0) return {b.data(), nullptr, 1};
   if (per_channel_decays(log_a, log_a.rows(), heads, F)) {
     auto g = ws.vector(kSlotBackwardB, n * F);
-    for (Index i = 0; i < n; ++i)
-      for (Index c = 0; c < F; ++c) g(i * F + c) = log_a.coeff(r0 + i, h * F + c);
+    Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> gt(
+        g.data(), n, F);
+    const auto src = log_a.block(r0, h * F, n, F);
+    if constexpr ((int(DA::Flags) & Eigen::RowMajorBit) != 0) {
+      gt = src.template cast<Scalar>();
+    } else {
+      // Column-major: a token's F entries lie a column apart, often a multiple of 4 KiB that
+      // maps them all to one cache set; blocks of 32 tokens read each column contiguously.
+      constexpr Index kBlock = 32;
+      for (Index i0 = 0; i0 < n; i0 += kBlock) {
+        const Index m = std::min(kBlock, n - i0);
+        for (Index c = 0; c < F; ++c)
+          for (Index i = i0; i < i0 + m; ++i) gt(i, c) = static_cast<Scalar>(src.coeff(i, c));
+      }
+    }
     return {b.data(), g.data(), F};
   }
   auto g = ws.vector(kSlotBackwardB, n);

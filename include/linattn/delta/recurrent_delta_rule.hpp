@@ -185,8 +185,8 @@ class RecurrentDeltaRule {
     pqv_ *= static_cast<Scalar>(options_.scale);
     v_ = v.reshaped().template cast<Scalar>();
     bind_pending();
-    const detail::exp_nonpositive_op<Scalar> decay;
-    for (Index r = 0; r < F; ++r) pending_.ar_next[r] = decay(static_cast<Scalar>(g(r)));
+    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(pending_.ar_next, F) =
+        g.template cast<Scalar>().array().unaryExpr(detail::exp_nonpositive_op<Scalar>());
     detail::delta_token_channels(state_.S.data(), state_.S.outerStride(), F, value_dim_,
                                  pending_, beta, pqv_.data(), pkv_.data(), v_.data(), o_.data(),
                                  yq_.data(), yk_.data(), wa_.data(), wa_.data() + F);

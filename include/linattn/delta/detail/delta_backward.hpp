@@ -225,8 +225,10 @@ void delta_backward_channels(const Phi& phi, const DQ& Q, const DK& K, const DV&
   const Index C = opts.chunk_size > 0 ? opts.chunk_size : kDeltaDefaultChunk;
   const Index chunks = (N + C - 1) / C;
   const Scalar s = static_cast<Scalar>(opts.scale);
-  const exp_nonpositive_op<Scalar> decay;
   const Index FM = F * M;
+  // Each decay is read three times (two chunk sweeps and the chain rule): formed once.
+  Scalar* A = xs.vector(kDeltaDecays, N * F).data();
+  delta_channel_decays(g, N * F, A);
   Scalar* ck = ws.vector(kSlotState, std::max<Index>(1, chunks) * FM).data();
   {
     RowMap<Scalar> S0(ck, F, M);
@@ -247,7 +249,8 @@ void delta_backward_channels(const Phi& phi, const DQ& Q, const DK& K, const DV&
     Sc = Eigen::Map<const RowMatrix>(S0, F, M);
     for (Index i = 0; i < b; ++i) {
       const Index t = r0 + i;
-      for (Index r = 0; r < F; ++r) Sc.row(r) *= decay(g[t * F + r]);
+      Sc.array().colwise() *=
+          Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(A + t * F, F);
       Eigen::Map<Vector<Scalar>> x(X + i * M, M);
       x = V.row(t).transpose();
       x.noalias() -= Sc.transpose() * pk.row(i).transpose();
@@ -294,7 +297,7 @@ void delta_backward_channels(const Phi& phi, const DQ& Q, const DK& K, const DV&
       du = -beta[t] * dd;
       dS.noalias() += k * du.transpose();             // D'
       for (Index r = 0; r < F; ++r) {
-        const Scalar a = decay(g[t * F + r]);
+        const Scalar a = A[t * F + r];
         // S' du, row r: a_r (S_{t-1} du)_r.
         dPK(i, r) += a * Sprev.row(r).dot(du);
         dg[t * F + r] = a * dS.row(r).dot(Sprev.row(r));
