@@ -1,6 +1,6 @@
 /// \file linattn/layers.hpp
-/// \brief The layers module: Attention layers with their projections: LinearAttentionLayer and the
-/// batched layer.
+/// \brief The layers module: Attention layers with their projections (LinearAttentionLayer and the
+/// batched layer) and the pieces of the 2026 layers (the short convolution).
 ///
 /// Includes only this module and the modules below it (docs/ARCHITECTURE.md).
 #pragma once
@@ -8,4 +8,5 @@
 #include "layers/attention_layer.hpp"
 #include "layers/batched_layer.hpp"
 #include "layers/linear_layer.hpp"
+#include "layers/short_convolution.hpp"
 #include "layers/softmax_layer.hpp"
