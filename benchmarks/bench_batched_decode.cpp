@@ -13,9 +13,9 @@
 //     benchmark's time) and per token (ns_per_token = step ÷ B); bytes_moved = each head's state
 //     read and written once (2 × state_bytes) plus the token's q, k, v, gates and output;
 //     frac_of_bw = bytes_moved ÷ time ÷ bw_rw, the read + write bandwidth of a buffer of the
-//     states' size on the same threads, measured in this process (bench_common.hpp:
-//     rw_bandwidth); frac_of_peak = useful flops (4·F·M per head and token) ÷ time ÷ the FMA peak
-//     measured in this process × threads.
+//     states' size on the same threads, measured in this process right after the timed loop
+//     (bench_common.hpp: rw_bandwidth); frac_of_peak = useful flops (4·F·M per head and token) ÷
+//     time ÷ the FMA peak of the same threads measured right after the loop (fma_peak_now).
 //   - bdec_extend_pair: T = 1, 4, 16, 64 tokens of S = 1 and 8 sequences (H = 16, D = M = 128),
 //     three decoders fed the same tokens: T step() calls (the slots' rows one token at a time),
 //     one extend() of the T·S rows, and one extend() of a decoder with keep_snapshots(8), timed
@@ -176,7 +176,6 @@ void BM_step(benchmark::State& st, Kind kind, Index H, Index D, int threads) {
   for (int w = 0; w < 8; ++w) one();  // faults the states in, clock
   const double state = double(B * H) * head_state_bytes(kind, D);
   const double moved = 2.0 * state + double(B) * tok.bytes_per_row();
-  const double bw = lb::rw_bandwidth(state, threads);
   const double flops = double(B * H) * 4.0 * double(D) * double(D);
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : st) {
@@ -187,6 +186,7 @@ void BM_step(benchmark::State& st, Kind kind, Index H, Index D, int threads) {
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
                    double(std::max<benchmark::IterationCount>(st.iterations(), 1));
   if (!lb::all_finite(tok.out)) st.SkipWithError("non-finite output");
+  const double bw = lb::rw_bandwidth(state, threads);  // right after the loop, as the peak
   st.SetItemsProcessed(int64_t(st.iterations()) * int64_t(B));
   st.SetComplexityN(B);
   lb::set_common_counters(st, flops, 1, D, D, H, threads);

@@ -22,8 +22,9 @@
 //
 // Useful flops per head 4·N·F·M, as bench_delta counts them (the delta rule's recurrence itself
 // does 6·N·F·M and KDA the per-channel decay on top). peak_GFLOPs is the FMA peak of one core
-// measured in this process (bench_common.hpp: fma_peak_gflops) and frac_of_peak the useful
-// GFLOP/s ÷ that. Names follow bench_common.hpp:
+// measured in this process right after each benchmark's timed loop (bench_common.hpp:
+// fma_peak_now: on this shared virtual machine it varies with the neighbours' load) and
+// frac_of_peak the useful GFLOP/s ÷ that. Names follow bench_common.hpp:
 //   kda_prefill/var:kda/dtype:f32/H:16/D:128/thr:1/N:4096
 #include <linattn/linattn.hpp>
 
@@ -241,7 +242,10 @@ void BM_pair(benchmark::State& st, Index H, Index D) {
   st.counters["kda_vs_causal_cpu"] = lb::median(c_kc);
   const double flops = useful_flops(N, H, D);
   st.counters["flops"] = flops;
-  st.counters["peak_GFLOPs"] = lb::fma_peak_gflops<float>();
+  const double peak = lb::fma_peak_now(1);
+  st.counters["peak_GFLOPs"] = peak;
+  st.counters["delta_frac_of_peak"] = flops / lb::median(tk[0]) * 1e-9 / peak;
+  st.counters["kda_frac_of_peak"] = flops / lb::median(tk[1]) * 1e-9 / peak;
   st.counters["N"] = double(N);
   st.counters["D"] = double(D);
   st.counters["H"] = double(H);
@@ -252,7 +256,7 @@ void BM_pair(benchmark::State& st, Index H, Index D) {
 void register_all(const lb::Profile& p) {
 #if LINATTN_BENCH_KDA
   const KdaSizes s = kda_sizes(p);
-  const double peak = lb::fma_peak_gflops<float>();  // measured once, before the kernels
+  const double peak = lb::fma_peak_gflops<float>();  // at the start, for the context
   benchmark::AddCustomContext("linattn_fma_peak_f32_gflops", std::to_string(peak));
   for (Index H : s.heads)
     for (Index D : s.dims) {
