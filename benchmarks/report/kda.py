@@ -22,6 +22,8 @@ def run_line(res: Results, program: str, command: str) -> list[str]:
     """Where the block's figures come from: the program's context (CPU, ISA, compiler, date, load,
     the FMA peak it measured) and how busy the machine was (cpu/wall of its single-thread runs)."""
     ctx = res.contexts.get(program, {})
+    # A command naming several programs ("a; b"): the part that ran this one.
+    command = next((c.strip() for c in command.split(";") if program in c), command)
     runs = [r for r in res.runs if r.program == program and r.params.get("thr", "1") == "1"
             and r.wall > 0]
     busy = statistics.median(r.cpu / r.wall for r in runs) if runs else None
@@ -35,15 +37,21 @@ def run_line(res: Results, program: str, command: str) -> list[str]:
     if busy is not None:
         text += f" (median cpu/wall of its one-thread runs {busy:.2f})"
     text += "."
-    if peak:
-        text += (f" FMA peak measured in the same process: {float(peak):.1f} GFLOP/s (float, one "
-                 "thread).")
+    peaks = [r.get("peak_GFLOPs") for r in runs if r.get("peak_GFLOPs")]
+    if peaks:
+        text += (f" The FMA peak of one thread, measured in the same process right after each "
+                 f"benchmark's timed loop: {min(peaks):.0f}–{max(peaks):.0f} GFLOP/s (float; "
+                 f"{float(peak):.0f} at the program's start): what the neighbours left of the core "
+                 "varied that much, and each fraction of the peak below is taken against the "
+                 "measurement next to it.")
+    elif peak:
+        text += f" FMA peak at the program's start: {float(peak):.1f} GFLOP/s (float, one thread)."
     return wrap(text)
 
 
-def _find(res: Results, kind: str, size: int, **params) -> Run | None:
+def _find(res: Results, bench: str, size: int, /, **params) -> Run | None:
     for r in res.runs:
-        if r.kind == kind and r.size == size and all(r.params.get(k) == v
+        if r.kind == bench and r.size == size and all(r.params.get(k) == v
                                                      for k, v in params.items()):
             return r
     return None
@@ -204,8 +212,8 @@ def batched_decode_section(res: Results, warn: list[str],
         L += [""] + wrap("`extend()` of T tokens for each of S sequences (D = M = 128) against T "
                          "`step()` calls of the same tokens, and `extend()` on a decoder with "
                          "`keep_snapshots(8)` against one without (`bdec_extend_pair`: the three "
-                         "timed back to back in rotating order, each small call repeated to cover "
-                         "256 tokens; medians of the per-iteration times and ratios, wall (cpu)):")
+                         "timed back to back in rotating order, each call repeated reps = max(1, 256 ÷ (S·T)) "
+                         "times per measurement (quick profile); medians of the per-iteration times and ratios, wall (cpu)):")
         L.append("")
         L += table(["decoder", "H", "S", "T", "threads", "T steps", "extend",
                     "extend ÷ steps", f"≤ {TARGET_EXTEND_VS_STEPS:.1f}", "extend, 8 snapshots",
