@@ -1,6 +1,6 @@
 // The batched decoders of Gated DeltaNet / KDA and of decayed linear attention
-// (BatchedRecurrentDeltaRule, BatchedRecurrentGatedAttention), float, D = M, row-major-free
-// column-major token matrices (one row per sequence or token):
+// (BatchedRecurrentDeltaRule, BatchedRecurrentGatedAttention), float, D = M, tokens in
+// column-major matrices (one row per sequence or token):
 //
 //   - bdec_step: one step() of B sequences × H heads, B = 1, 8, 64, H = 16, 32, D = M = 128, on 1
 //     and 2 threads (ParallelOptions::num_threads; the decoder uses fewer where the work does not

@@ -32,8 +32,8 @@ def run_line(res: Results, program: str, command: str) -> list[str]:
     text = (f"One run, `{command}`, on {cpu_model()} ({ctx.get('num_cpus', '?')} CPUs, "
             f"{ctx.get('linattn_isa', '?')}), {ctx.get('linattn_compiler', '?')} "
             f"`{ctx.get('linattn_cxx_flags', '?')}`, profile {ctx.get('linattn_profile', '?')}, "
-            f"{ctx.get('date', '?')}; load average {load} when `{program}` started: the machine was "
-            "shared with other engineers' compiles")
+            f"{ctx.get('date', '?')}; the machine is shared with other engineers, whose compiles "
+            f"come and go: load average {load} when `{program}` started")
     if busy is not None:
         text += f" (median cpu/wall of its one-thread runs {busy:.2f})"
     text += "."
@@ -41,9 +41,8 @@ def run_line(res: Results, program: str, command: str) -> list[str]:
     if peaks:
         text += (f" The FMA peak of one thread, measured in the same process right after each "
                  f"benchmark's timed loop: {min(peaks):.0f}–{max(peaks):.0f} GFLOP/s (float; "
-                 f"{float(peak):.0f} at the program's start): what the neighbours left of the core "
-                 "varied that much, and each fraction of the peak below is taken against the "
-                 "measurement next to it.")
+                 f"{float(peak):.0f} at the program's start); each fraction of the peak below is "
+                 "taken against the measurement next to it.")
     elif peak:
         text += f" FMA peak at the program's start: {float(peak):.1f} GFLOP/s (float, one thread)."
     return wrap(text)
