@@ -181,6 +181,170 @@ inline double median(std::vector<double> v) {
   return n == 0 ? 0.0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
 }
 
+// ---------------------------------------------------------------------------------------------
+// The FMA peak of one core, measured in the calling process (the programs that report a fraction
+// of the peak beside their kernels, so that a neighbour's load falls on both): kChains independent
+// accumulators of Eigen's widest packet (Packet16f with AVX-512, Packet8f with AVX2) updated by
+// pmadd, a true FMA where the ISA has one; 2·lanes flops per FMA. The fastest of kBlocks blocks
+// of ~5 ms each (another process on the core can only slow a block down). bench_roofline measures
+// the same with each ISA's intrinsics and a longer calibration; this is its short form.
+// ---------------------------------------------------------------------------------------------
+
+template <class T>
+volatile T g_peak_sink = T(0);
+
+template <class T>
+T peak_opaque(T x) {
+  volatile T v = x;
+  return v;
+}
+
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 8)
+#define LINATTN_BENCH_UNROLL _Pragma("GCC unroll 32")
+#else
+#define LINATTN_BENCH_UNROLL
+#endif
+
+template <class T>
+T fma_peak_chains(std::int64_t rounds) {
+  using V = typename Eigen::internal::packet_traits<T>::type;
+  constexpr int kChains = 16;  // ≥ 2 pipes × 4 cycles of latency; 16 of 32 vector registers
+  const T a = peak_opaque(T(0.5)), b = peak_opaque(T(0.5));
+  const V va = Eigen::internal::pset1<V>(a), vb = Eigen::internal::pset1<V>(b);
+  V acc[kChains];
+  LINATTN_BENCH_UNROLL
+  for (int c = 0; c < kChains; ++c) acc[c] = Eigen::internal::pset1<V>(peak_opaque(T(1 + c)));
+  for (std::int64_t i = 0; i < rounds; ++i) {
+    LINATTN_BENCH_UNROLL
+    for (int c = 0; c < kChains; ++c) acc[c] = Eigen::internal::pmadd(acc[c], va, vb);
+  }
+  V s = acc[0];
+  LINATTN_BENCH_UNROLL
+  for (int c = 1; c < kChains; ++c) s = Eigen::internal::padd(s, acc[c]);
+  return Eigen::internal::predux(s);
+}
+
+// GFLOP/s of one thread at the FMA peak of T: the fastest of `blocks` blocks of ~2 ms each.
+template <class T>
+double fma_peak_one_thread(int blocks) {
+  const double lanes = double(Eigen::internal::packet_traits<T>::size);
+  constexpr std::int64_t kRounds = 1 << 14;
+  const double flops_per_call = 2.0 * lanes * 16.0 * double(kRounds);
+  g_peak_sink<T> = fma_peak_chains<T>(kRounds);  // warm-up (clock)
+  double best = 0;
+  for (int b = 0; b < blocks; ++b) {
+    timespec t0{}, t1{};
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int calls = 0;
+    double s = 0;
+    do {
+      g_peak_sink<T> = fma_peak_chains<T>(kRounds);
+      ++calls;
+      clock_gettime(CLOCK_MONOTONIC, &t1);
+      s = double(t1.tv_sec - t0.tv_sec) + 1e-9 * double(t1.tv_nsec - t0.tv_nsec);
+    } while (s < 0.002);
+    best = std::max(best, flops_per_call * calls / s * 1e-9);
+  }
+  return best;
+}
+
+// The float FMA peak of `threads` threads running at once (the sum of each thread's own), measured
+// now: on a shared virtual machine the core's arithmetic varies with what runs beside it (here
+// from about half to all of it: the virtual CPUs may share physical cores), so a kernel's fraction
+// of the peak is taken against a measurement made right after its timed loop (~20 ms).
+inline double fma_peak_now(int threads) {
+  const int thr = std::max(threads, 1);
+#ifdef _OPENMP
+  if (thr > 1) {
+    std::vector<double> per(std::size_t(thr), 0.0);
+#pragma omp parallel num_threads(thr)
+    {
+#pragma omp barrier
+      per[std::size_t(omp_get_thread_num())] = fma_peak_one_thread<float>(10);
+    }
+    double sum = 0;
+    for (double v : per) sum += v;
+    return sum;
+  }
+#endif
+  return fma_peak_one_thread<float>(10);
+}
+
+// The float FMA peak of one thread at the start of the process (cached; for the JSON context).
+template <class T>
+double fma_peak_gflops() {
+  static const double peak = fma_peak_one_thread<T>(25);
+  return peak;
+}
+
+// Counters of the peak: peak_GFLOPs, the FMA peak of `threads` threads measured right after the
+// timed loop (fma_peak_now), and frac_of_peak = the run's useful flops per second (`flops` in
+// `seconds_per_iteration`, timed by the caller around its loop) ÷ that.
+inline void set_peak_counters(benchmark::State& st, double flops, double seconds_per_iteration,
+                              int threads) {
+  const double peak = fma_peak_now(threads);
+  st.counters["peak_GFLOPs"] = peak;
+  st.counters["frac_of_peak"] =
+      seconds_per_iteration > 0 && peak > 0 ? flops / seconds_per_iteration * 1e-9 / peak : 0.0;
+}
+
+// Read + write bandwidth (bytes/s; x = x·a + b in place, 2 × `bytes` moved per pass) of a float
+// buffer of `bytes` split statically over `threads` OpenMP threads, measured in the calling
+// process: the bandwidth of the level a working set of that size lives in, for the decode steps'
+// fraction of it. The fastest of 5 blocks of ≥ 4 ms; measured at every call (the decode
+// benchmarks call it right after their timed loop: what the neighbours leave varies).
+inline double rw_bandwidth(double bytes, int threads) {
+  const Index n = std::max<Index>(Index(bytes / sizeof(float)) / 64 * 64, 64);
+  std::vector<float> x(std::size_t(n), 1.0f);
+  const float a = peak_opaque(0.5f), b = peak_opaque(0.5f);
+  const int thr = std::max(threads, 1);
+  // Each thread sweeps its own part for ≥ `seconds` and times itself (after a barrier, so that
+  // they run together), and the bandwidth is the sum of the threads' own: the wake-up of a
+  // thread on a loaded machine (milliseconds when the other core is busy) is not counted.
+  const auto now = [] {
+    timespec t{};
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+  };
+  const auto part = [&](int t, double seconds) {
+    const Index lo = n * t / thr / 16 * 16, hi = t + 1 == thr ? n : n * (t + 1) / thr / 16 * 16;
+    Eigen::Map<Eigen::ArrayXf> m(x.data() + lo, hi - lo);
+    m = m * a + b;  // faults the pages in
+    double best = 0;
+    for (int block = 0; block < 5; ++block) {
+      const double t0 = now();
+      double t1 = t0;
+      Index passes = 0;
+      const Index inner = std::max<Index>(1, (Index(1) << 18) / (hi - lo));  // ≥ ~1 MiB a check
+      do {
+        for (Index r = 0; r < inner; ++r) {
+          m = m * a + b;
+          benchmark::ClobberMemory();
+        }
+        passes += inner;
+        t1 = now();
+      } while (t1 - t0 < seconds / 5);
+      best = std::max(best, 2.0 * double(hi - lo) * sizeof(float) * double(passes) / (t1 - t0));
+    }
+    return best;
+  };
+  double best = 0;
+#ifdef _OPENMP
+  if (thr > 1) {
+    std::vector<double> per(std::size_t(thr), 0.0);
+#pragma omp parallel num_threads(thr)
+    {
+#pragma omp barrier
+      per[std::size_t(omp_get_thread_num())] = part(omp_get_thread_num(), 0.02);
+    }
+    for (double v : per) best += v;
+  } else
+#endif
+    best = part(0, 0.02);
+  g_peak_sink<float> = x[std::size_t(n / 2)];
+  return best;
+}
+
 // The calling thread's number in an OpenMP team (0 without OpenMP).
 inline int thread_num() {
 #ifdef _OPENMP

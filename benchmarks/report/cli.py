@@ -22,6 +22,7 @@ import sys
 from .document import write_markdown
 from .generation import generation
 from .headline import headline
+from .kda import batched_decode_section, kda_section
 from .plots import gen_plot, roofline_plot, svg_plot
 from .results import Results, contention
 from .splice import update_readme
@@ -61,7 +62,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--readme", help="rewrite the headline table between the bench:headline "
                                      "markers of this "
                                      "README.md")
+    ap.add_argument("--only", help="comma-separated blocks to fill (e.g. kda,batched_decode: "
+                                   "the results of those programs alone); the template's other "
+                                   "blocks are left as they are")
     args = ap.parse_args(argv)
+    only = [b.strip() for b in args.only.split(",") if b.strip()] if args.only else None
 
     if args.md and not os.path.isfile(args.template):
         print(f"report.py: no template {args.template} (the page whose bench:<name> blocks --md "
@@ -81,7 +86,14 @@ def main(argv: list[str]) -> int:
     print("== Summary of the performance targets (ratios from " + args.results + ")")
     print("\n".join(lines))
     print()
-    for w in warnings:
+    own: list[str] = []
+    print("== KDA, shared key heads")
+    print("\n".join(kda_section(res, own, args.command)))
+    print()
+    print("== Batched gated / delta decode, extend")
+    print("\n".join(batched_decode_section(res, own, args.command)))
+    print()
+    for w in warnings + own:
         print("warning:", w)
     if noise:
         print(noise)
@@ -102,7 +114,7 @@ def main(argv: list[str]) -> int:
     if args.md:
         missing = write_markdown(res, args.md, args.template, svg_name, args.command,
                                  args.load_before, lines,
-                                 warnings, noise, gen_svg_name)
+                                 warnings, noise, gen_svg_name, only)
         if missing:
             print(f"report.py: {args.template} lacks the markers of the blocks "
                   f"{', '.join(missing)} "

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from .fmt import escape_md, table
 from .generation import generation
 from .headline import headline
+from .kda import batched_decode_section, kda_section
 from .machine import machine_info
 from .splice import splice
 from .tables import fit_table, full_tables, memory_table
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 
 # The blocks of the template, in its order.
-BLOCKS = ("run", "machine", "caps", "headline", "results")
+BLOCKS = ("run", "machine", "caps", "headline", "kda", "batched_decode", "results")
 
 
 def blocks(res: Results, svg_name: str | None, command: str, load_before: str,
@@ -38,6 +39,10 @@ def blocks(res: Results, svg_name: str | None, command: str, load_before: str,
         ["", noise],
         "caps": [f"- `{p}`: {escape_md(n)}" for p, n in ctx_notes if n],
         "headline": headline(res, load_before, "this page"),
+        # Sections of their own, each naming the run it came from (report.py --only refreshes
+        # them from a run of their programs alone).
+        "kda": kda_section(res, [], command),
+        "batched_decode": batched_decode_section(res, [], command),
     }
     L = ["## Summary of the performance targets", ""]
     L += summary_lines
@@ -77,9 +82,10 @@ def relink(text: str, src_dir: str, dst_dir: str) -> str:
 
 def write_markdown(res: Results, path: str, template: str, svg_name: str | None, command: str,
                    load_before: str, summary_lines: list[str], warnings: list[str], noise: str,
-                   gen_svg_name: str | None = None) -> list[str]:
+                   gen_svg_name: str | None = None, only: list[str] | None = None) -> list[str]:
     """Writes the template with its blocks filled to `path` (the template itself with --docs);
-    returns the names of the blocks whose markers the template lacks (nothing written then)."""
+    returns the names of the blocks whose markers the template lacks (nothing written then).
+    `only`: fill these blocks and leave the others as the template has them."""
     with open(template, encoding="utf-8") as f:
         text = f.read()
     text = relink(text, os.path.dirname(os.path.abspath(template)),
@@ -87,6 +93,8 @@ def write_markdown(res: Results, path: str, template: str, svg_name: str | None,
     missing = []
     for name, block in blocks(res, svg_name, command, load_before, summary_lines, warnings, noise,
                               gen_svg_name).items():
+        if only is not None and name not in only:
+            continue
         new = splice(text, name, block)
         if new is None:
             missing.append(name)

@@ -57,6 +57,8 @@ KIND_TITLES = {
     "fm_causal": "Every feature map, causal (feature_map_quality; errors in docs/feature_maps.md)",
 }
 KIND_ORDER = list(KIND_TITLES)
+# Kinds whose every figure is in a section of their own (kda.py), not repeated in the full tables.
+OWN_SECTION = ("kda_", "bdec_")
 
 # Columns of a table; every other param makes a table.
 VARIANT_KEYS = {"causal": ("alg", "chunk", "layout", "form"),
@@ -103,6 +105,8 @@ def full_tables(res: Results) -> list[str]:
                         "frac_of_peak (– without bench_roofline's runs or a flop count)."]
     groups: dict[tuple, dict[tuple, dict[int, Run]]] = {}
     for r in res.runs:
+        if r.kind.startswith(OWN_SECTION):
+            continue
         vk = variant_keys(r.kind)
         gkey = (r.kind,) + tuple(sorted((k, v) for k, v in r.params.items() if k not in vk))
         vkey = tuple(sorted((k, v) for k, v in r.params.items() if k in vk))
