@@ -223,7 +223,9 @@ TEST(short_convolution, GradientsAgainstCentralDifferences) {
       EXPECT_LE(rel(g.dbias, central(loss, b)), 1e-8);
       ASSERT_EQ(g.dinitial.size(), init.size());
       for (std::size_t s = 0; s < init.size(); ++s)
-        if (W > 1) EXPECT_LE(rel(MatD(g.dinitial[s]), central(loss, init[s])), 1e-8) << s;
+        if (W > 1) {
+          EXPECT_LE(rel(MatD(g.dinitial[s]), central(loss, init[s])), 1e-8) << s;
+        }
       // From zeros, without bias: the one-sequence form.
       const auto loss0 = [&] {
         return linattn::short_convolution(X, w, VecD(), o).cwiseProduct(G).sum();

@@ -128,8 +128,9 @@ void check_delta_params(const char* fn, const Eigen::MatrixBase<DB>& beta,
 }
 
 // One head's per-token parameters as contiguous arrays in the thread's workspace: beta's n
-// entries, and g, n x gw token-major (gw = 1: a log-decay per token; gw = F: per key
-// channel), null without decay.
+// entries, and the decays: g, n log-decays (gw = 1), or for per-channel decays (gw = F, KDA)
+// the n x F factors e^{g} themselves, token-major (the kernels use no log-decay of a channel
+// but through its exponential); null without decay.
 template <class Scalar>
 struct DeltaHeadParams {
   const Scalar* beta;
@@ -146,19 +147,28 @@ DeltaHeadParams<Scalar> delta_head_params(const DB& beta, const DA& log_a, Index
   if (log_a.size() == 0) return {b.data(), nullptr, 1};
   if (per_channel_decays(log_a, log_a.rows(), heads, F)) {
     auto g = ws.vector(kSlotBackwardB, n * F);
-    Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> gt(
+    Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> a(
         g.data(), n, F);
     const auto src = log_a.block(r0, h * F, n, F);
+    const exp_nonpositive_op<Scalar> decay;
     if constexpr ((int(DA::Flags) & Eigen::RowMajorBit) != 0) {
-      gt = src.template cast<Scalar>();
+      a = src.template cast<Scalar>().unaryExpr(decay);
     } else {
-      // Column-major: a token's F entries lie a column apart, often a multiple of 4 KiB that
-      // maps them all to one cache set; blocks of 32 tokens read each column contiguously.
-      constexpr Index kBlock = 32;
+      // Column-major: a token's F entries lie a column apart (often a multiple of 4 KiB, which
+      // maps them all to one cache set). Blocks of 16 tokens read each column's 16 entries
+      // contiguously, take their exponentials in one packet and store them token-major.
+      constexpr Index kBlock = 16;
+      Eigen::Array<Scalar, kBlock, 1> e;
       for (Index i0 = 0; i0 < n; i0 += kBlock) {
         const Index m = std::min(kBlock, n - i0);
-        for (Index c = 0; c < F; ++c)
-          for (Index i = i0; i < i0 + m; ++i) gt(i, c) = static_cast<Scalar>(src.coeff(i, c));
+        for (Index c = 0; c < F; ++c) {
+          if (m == kBlock)
+            e = src.col(c).template segment<kBlock>(i0).template cast<Scalar>().array().unaryExpr(
+                decay);
+          else
+            e.head(m) = src.col(c).segment(i0, m).template cast<Scalar>().array().unaryExpr(decay);
+          for (Index i = 0; i < m; ++i) a(i0 + i, c) = e[i];
+        }
       }
     }
     return {b.data(), g.data(), F};

@@ -124,8 +124,12 @@ void delta_backward_head(const Phi& phi, const DQ& Q, const DK& K, const DV& V, 
   using GA = typename std::decay_t<OA>::Scalar;
   for (Index i = 0; i < N; ++i) token_param_ref(dbeta, i, h, heads) = static_cast<GB>(db[i]);
   if (dg && params.gw > 1) {
-    for (Index i = 0; i < N; ++i)
-      for (Index c = 0; c < F; ++c) dlog_a(i, h * F + c) = static_cast<GA>(dg[i * F + c]);
+    // In blocks of 16 tokens, column by column: a column-major dlog_a is then written
+    // contiguously (its token-major rows would lie a column apart).
+    for (Index i0 = 0; i0 < N; i0 += 16)
+      for (Index c = 0; c < F; ++c)
+        for (Index i = i0; i < std::min(N, i0 + 16); ++i)
+          dlog_a(i, h * F + c) = static_cast<GA>(dg[i * F + c]);
   } else if (dg) {
     for (Index i = 0; i < N; ++i) token_param_ref(dlog_a, i, h, heads) = static_cast<GA>(dg[i]);
   }

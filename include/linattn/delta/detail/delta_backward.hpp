@@ -226,9 +226,7 @@ void delta_backward_channels(const Phi& phi, const DQ& Q, const DK& K, const DV&
   const Index chunks = (N + C - 1) / C;
   const Scalar s = static_cast<Scalar>(opts.scale);
   const Index FM = F * M;
-  // Each decay is read three times (two chunk sweeps and the chain rule): formed once.
-  Scalar* A = xs.vector(kDeltaDecays, N * F).data();
-  delta_channel_decays(g, N * F, A);
+  const Scalar* A = g;  // the decay factors e^{g}, N x F token-major (DeltaHeadParams)
   Scalar* ck = ws.vector(kSlotState, std::max<Index>(1, chunks) * FM).data();
   {
     RowMap<Scalar> S0(ck, F, M);

@@ -159,14 +159,6 @@ Scalar delta_dot(const Scalar* w, const Scalar* k, Index F) {
   return Eigen::Map<const Vec>(w, F).dot(Eigen::Map<const Vec>(k, F));
 }
 
-// a = exp(g) over a token's F per-channel log-decays, in packets (a scalar exponential per
-// channel costs as much as the token's pass over the state).
-template <class Scalar>
-void delta_channel_decays(const Scalar* g, Index F, Scalar* a) {
-  using Arr = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
-  Eigen::Map<Arr>(a, F) = Eigen::Map<const Arr>(g, F).unaryExpr(exp_nonpositive_op<Scalar>());
-}
-
 template <class Scalar>
 void delta_token(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p, Scalar a,
                  Scalar beta, const Scalar* w, const Scalar* k, const Scalar* v, Scalar* out,
@@ -225,8 +217,8 @@ Scalar delta_decay(const Scalar* g, Index t) {
 
 // Rows [r0, r0 + b) one token at a time: queries (scaled by s) and keys mapped token-major,
 // values and outputs through row-major buffers. beta and g (nullptr: no decay) hold the head's
-// N entries (g: N x gw token-major, gw = F for per-channel decays); the last token's update is
-// left pending in `pend`.
+// N entries (g: N log-decays, or for gw = F the N x F per-channel decay factors e^{g},
+// token-major); the last token's update is left pending in `pend`.
 template <class Phi, class DQ, class DK, class DV, class Scalar, class Out>
 void delta_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
                           const Scalar* beta, const Scalar* g, Index gw, Index r0, Index b,
@@ -246,7 +238,7 @@ void delta_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
   if (gw > 1) {
     Scalar* wa = ws.vector(kSlotStateLow, 2 * F).data();
     for (Index i = 0; i < b; ++i) {
-      delta_channel_decays(g + (r0 + i) * F, F, pend.ar_next);
+      std::copy(g + (r0 + i) * F, g + (r0 + i + 1) * F, pend.ar_next);
       delta_token_channels(st.S.data(), st.S.outerStride(), F, M, pend, beta[r0 + i],
                            pqt.data() + i * F, pkt.data() + i * F, vb + i * M, ob + i * M, yq, yk,
                            wa, wa + F);
@@ -284,7 +276,6 @@ enum DeltaSlot : int {
   kDeltaKdS = 12,    // K̂ ∂L/∂S_out (b x M)
   kDeltaStates = 13,  // per-channel decays: the b + 1 states of a chunk, row-major
   kDeltaX = 14,       // per-channel decays: v_t − S'_tᵀ k̂_t of the chunk's tokens (b x M)
-  kDeltaDecays = 15,  // per-channel decays: exp(g) of the head's N x F log-decays
 };
 
 template <class Scalar>
@@ -395,8 +386,9 @@ inline bool delta_runs_recurrent(const DeltaOptions& opts, Index state_size) {
 
 // One head's rows, its state prepared (and folded: the delta rule keeps no low part; the decay
 // and the overwrite bound the state's memory). beta holds N entries, g (nullptr: no decay)
-// N x gw token-major: one log-decay per token (gw = 1) or one per key channel (gw = F, KDA,
-// which runs the recurrent form whatever the algorithm: the chunked form takes scalar decays).
+// one log-decay per token (gw = 1) or N x F decay factors e^{g} per key channel, token-major
+// (gw = F, KDA, which runs the recurrent form whatever the algorithm: the chunked form takes
+// scalar decays).
 template <class Phi, class DQ, class DK, class DV, class Scalar, class Out>
 void delta_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scalar* beta,
                const Scalar* g, Index gw, LinearAttentionState<Scalar>& st, Out& dst,
