@@ -51,8 +51,10 @@ Decoding: ``linear_attention(..., causal=True, output_final_state=True)`` return
 library's state file).
 
 The names of flash-linear-attention's kernels (``chunk_gla``, ``chunk_simple_gla``,
-``chunk_delta_rule``, ``chunk_gated_delta_rule`` and their ``fused_recurrent_*`` twins) call
-these functions with FLA's conventions and return ``(o, None)``.
+``chunk_delta_rule``, ``chunk_gated_delta_rule``, ``chunk_kda`` and their ``fused_recurrent_*``
+twins) take FLA's arguments and layout, [B, T, H, K] (v with HV, a multiple of H, heads: GVA),
+its states ``initial_state`` [N, HV, K, V] and return ``(o, final_state)`` (``final_state``
+None unless ``output_final_state=True``).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ __all__ = [
     "fused_recurrent_delta_rule",
     "chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
+    "chunk_kda",
+    "fused_recurrent_kda",
     "set_num_threads",
     "get_num_threads",
     "__version__",
@@ -616,57 +620,19 @@ def _restore(heads, key_dim, value_dim, feature_map, dtype, data):
     return state
 
 
-#: The eps of flash-linear-attention's l2norm (fla.modules.l2norm, and transformers' Qwen3-Next
-#: torch_chunk_gated_delta_rule): x / sqrt(Σ x² + 1e-6), the map of use_qk_l2norm_in_kernel.
-_FLA_L2NORM_EPS = 1e-6
+# flash-linear-attention's names (docs/python.md); the library picks the chunked or the
+# recurrent form itself, so a chunk_ name and its fused_recurrent_ twin run the same kernels.
+from ._fla import FLA_L2NORM_EPS as _FLA_L2NORM_EPS  # noqa: E402
+from ._fla_names import NumpyOps as _NumpyOps, fla_names as _fla_names  # noqa: E402
 
-
-def _fla_names(gated, delta, module: str) -> dict:
-    """flash-linear-attention's kernel names over `gated` (gated_linear_attention) and `delta`
-    (delta_rule_attention): FLA's argument order and defaults (identity maps, scale 1/√K, q and
-    k normalised by the caller unless use_qk_l2norm_in_kernel, then FLA's l2norm with its eps of
-    1e-6), returning (o, None)."""
-
-    def no_state(fn, initial_state, output_final_state):
-        if initial_state is not None or output_final_state:
-            raise ValueError(f"{module}.{fn}: initial_state / output_final_state are not offered for the "
-                             f"gated and delta-rule kernels from Python")
-
-    def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
-        """GLA: per-feature log gates g of q's shape [B, T, H, K]."""
-        no_state("chunk_gla", initial_state, output_final_state)
-        return gated(q, k, v, g, "identity", scale, False, cu_seqlens), None
-
-    def chunk_simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
-        """A log decay g per token and head, [B, T, H] (RetNet, Mamba-2)."""
-        no_state("chunk_simple_gla", initial_state, output_final_state)
-        return gated(q, k, v, g, "identity", scale, False, cu_seqlens), None
-
-    def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
-                         cu_seqlens=None, use_qk_l2norm_in_kernel=False):
-        """DeltaNet: beta [B, T, H]. use_qk_l2norm_in_kernel=True: q and k (only) mapped by FLA's
-        l2norm, x / sqrt(|x|² + 1e-6) (feature_map "l2norm", l2norm_eps = 1e-6); False: q and k
-        as given (identity)."""
-        no_state("chunk_delta_rule", initial_state, output_final_state)
-        fmap, eps = ("l2norm", _FLA_L2NORM_EPS) if use_qk_l2norm_in_kernel else ("identity", 0.0)
-        return delta(q, k, v, beta, None, fmap, scale, cu_seqlens, l2norm_eps=eps), None
-
-    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               cu_seqlens=None, use_qk_l2norm_in_kernel=False):
-        """Gated DeltaNet, Qwen3-Next: g (log decays) and beta [B, T, H]; q, k, v after the model's
-        short convolution and SiLU. use_qk_l2norm_in_kernel=True: q and k (only) mapped by FLA's
-        l2norm, x / sqrt(|x|² + 1e-6); False: q and k as given."""
-        no_state("chunk_gated_delta_rule", initial_state, output_final_state)
-        fmap, eps = ("l2norm", _FLA_L2NORM_EPS) if use_qk_l2norm_in_kernel else ("identity", 0.0)
-        return delta(q, k, v, beta, g, fmap, scale, cu_seqlens, l2norm_eps=eps), None
-
-    return dict(gla=chunk_gla, simple_gla=chunk_simple_gla, delta_rule=chunk_delta_rule,
-                gated_delta_rule=chunk_gated_delta_rule)
-
-
-# The library picks the chunked or the recurrent form itself: both of FLA's names run the same.
-_fla = _fla_names(gated_linear_attention, delta_rule_attention, "linattn")
-chunk_gla = fused_recurrent_gla = _fla["gla"]
-chunk_simple_gla = fused_recurrent_simple_gla = _fla["simple_gla"]
-chunk_delta_rule = fused_recurrent_delta_rule = _fla["delta_rule"]
-chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = _fla["gated_delta_rule"]
+_fla_funcs = _fla_names(_NumpyOps, "linattn")
+chunk_gla = _fla_funcs["chunk_gla"]
+fused_recurrent_gla = _fla_funcs["fused_recurrent_gla"]
+chunk_simple_gla = _fla_funcs["chunk_simple_gla"]
+fused_recurrent_simple_gla = _fla_funcs["fused_recurrent_simple_gla"]
+chunk_delta_rule = _fla_funcs["chunk_delta_rule"]
+fused_recurrent_delta_rule = _fla_funcs["fused_recurrent_delta_rule"]
+chunk_gated_delta_rule = _fla_funcs["chunk_gated_delta_rule"]
+fused_recurrent_gated_delta_rule = _fla_funcs["fused_recurrent_gated_delta_rule"]
+chunk_kda = _fla_funcs["chunk_kda"]
+fused_recurrent_kda = _fla_funcs["fused_recurrent_kda"]
