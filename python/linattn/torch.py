@@ -12,6 +12,10 @@ errors raise ``ValueError`` naming the numpy function, the argument and the shap
 functions' checks). The backward passes are the library's gradient kernels (first derivatives
 only). Normalised attention gives zero rows where a denominator is degenerate (negative ones
 included) and linattn keeps its own thread count beside torch's: see the numpy module's docs.
+
+The FLA names (chunk_gla, ..., chunk_kda) return ``(o, final_state)`` and are differentiable in
+initial_state too (and in KDA's A_log and dt_bias); they also take bfloat16 and float16 tensors,
+computed in float32, o returned in q's dtype and the state in float32 (docs/python.md).
 """
 
 from __future__ import annotations
