@@ -51,8 +51,10 @@ Decoding: ``linear_attention(..., causal=True, output_final_state=True)`` return
 library's state file).
 
 The names of flash-linear-attention's kernels (``chunk_gla``, ``chunk_simple_gla``,
-``chunk_delta_rule``, ``chunk_gated_delta_rule`` and their ``fused_recurrent_*`` twins) call
-these functions with FLA's conventions and return ``(o, None)``.
+``chunk_delta_rule``, ``chunk_gated_delta_rule``, ``chunk_kda`` and their ``fused_recurrent_*``
+twins) take FLA's arguments and layout, [B, T, H, K] (v with HV, a multiple of H, heads: GVA),
+its states ``initial_state`` [N, HV, K, V] and return ``(o, final_state)`` (``final_state``
+None unless ``output_final_state=True``).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ __all__ = [
     "fused_recurrent_delta_rule",
     "chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
+    "chunk_kda",
+    "fused_recurrent_kda",
     "set_num_threads",
     "get_num_threads",
     "__version__",
@@ -457,216 +461,21 @@ def delta_rule_attention_backward(q, k, v, beta, g, dout, feature_map: str = "l2
             db.reshape(np.shape(beta)), None if dg is None else dg.reshape(np.shape(g)))
 
 
-class RecurrentState:
-    """The decoding state of B sequences of H heads: one token of every sequence per
-    ``step``, O(H·F·M) memory per sequence whatever its length (the C++ library's
-    BatchedRecurrentLinearAttention; each head computes exactly what a single-head decoder with
-    the same history computes, bit for bit, for any thread count).
+# The decoder lives in _decode.py (imported here, after the helpers it uses).
+from ._decode import RecurrentState, _restore  # noqa: E402,F401
 
-    Sequences are numbered 0 … B−1 and own row b of every step. ``add_sequence`` appends one,
-    ``remove_sequence(b)`` gives number b to the last one; ``step(..., slots=[...])`` advances a
-    subset. ``save()`` returns the exact decoding position as bytes (the C++ ``save_state``
-    file, checksummed); ``load(data)`` restores it into a state of the same heads, dimensions,
-    map and dtype, taking the file's number of sequences, and stepping on gives the bits an
-    uninterrupted state gives. Pickling goes through the same bytes.
+# flash-linear-attention's names (docs/python.md); the library picks the chunked or the
+# recurrent form itself, so a chunk_ name and its fused_recurrent_ twin run the same kernels.
+from ._fla_names import NumpyOps as _NumpyOps, fla_names as _fla_names  # noqa: E402
 
-    >>> out, state = linattn.linear_attention(q, k, v, causal=True, output_final_state=True)
-    >>> y = state.step(q_t, k_t, v_t)      # q_t, k_t: [B, H, D], v_t: [B, H, M] -> [B, H, M]
-    >>> blob = state.save()                # park the conversations
-    """
-
-    def __init__(self, batch_size: int, num_heads: int, key_dim: int, value_dim: int | None = None,
-                 feature_map: str = "elu", dtype=np.float32):
-        dtype = np.dtype(dtype)
-        if dtype not in _FLOATS:
-            raise TypeError(f"RecurrentState: dtype must be float32 or float64, got {dtype}")
-        new = _ext.new_decoder_f32 if dtype == np.float32 else _ext.new_decoder_f64
-        M = key_dim if value_dim is None else value_dim
-        self._d = new(int(batch_size), int(num_heads), int(key_dim), int(M), str(feature_map))
-        self.dtype = dtype
-
-    @property
-    def batch_size(self) -> int:
-        """B, the number of sequences."""
-        return self._d.sequences
-
-    @property
-    def num_heads(self) -> int:
-        return self._d.heads
-
-    @property
-    def key_dim(self) -> int:
-        return self._d.key_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self._d.value_dim
-
-    @property
-    def feature_dim(self) -> int:
-        """F, the feature map's output size per head."""
-        return self._d.feature_dim
-
-    @property
-    def feature_map(self) -> str:
-        return self._d.feature_map
-
-    @property
-    def positions(self) -> np.ndarray:
-        """Tokens consumed by each sequence (int64, B entries)."""
-        return np.asarray(self._d.positions(), dtype=np.int64)
-
-    @property
-    def S(self) -> np.ndarray:
-        """The states Σ φ(k) vᵀ, [B, H, F, M] (a copy, the compensated low parts folded in)."""
-        S, _ = self._d.states()
-        return S.reshape(self.batch_size, self.num_heads, self.feature_dim, self.value_dim)
-
-    @property
-    def z(self) -> np.ndarray:
-        """The normalisers Σ φ(k), [B, H, F] (a copy)."""
-        _, z = self._d.states()
-        return z.reshape(self.batch_size, self.num_heads, self.feature_dim)
-
-    def step(self, q, k, v, slots=None) -> np.ndarray:
-        """One token of every sequence (or of the sequences listed in slots, row r belonging to
-        sequence slots[r]): q, k [R, H, D] (or FLA's [R, 1, H, D]), v [R, H, M]; returns
-        [R, H, M] (or [R, 1, H, M])."""
-        fn = "RecurrentState.step"
-        q, k, v = _arrays(fn, q=q, k=k, v=v)
-        if q.dtype != self.dtype:
-            raise TypeError(f"{fn}: the state holds {self.dtype}, the tokens are {q.dtype}")
-        shapes = _Shapes("qkv", (q, k, v))
-        if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim or (q.ndim == 4 and q.shape[1] != 1):
-            raise ValueError(f"{fn}: q, k, v must be [R, H, D] (or [R, 1, H, D]), got {shapes}")
-        H, D, M, B = self.num_heads, self.key_dim, self.value_dim, self.batch_size
-        if q.shape[-2:] != (H, D) or k.shape[-2:] != (H, D) or v.shape[-2:] != (H, M):
-            raise ValueError(f"{fn}: the state has H = {H} heads of D = {D}, M = {M}: q and k must end in ({H}, {D}) "
-                             f"and v in ({H}, {M}), got {shapes}")
-        R = q.shape[0]
-        if k.shape[0] != R or v.shape[0] != R:
-            raise ValueError(f"{fn}: q, k and v must have the same rows R (one token per sequence), got {shapes}")
-        idx = None
-        if slots is None:
-            if R != B:
-                raise ValueError(f"{fn}: without slots, q, k, v have one row per sequence of the state (B = {B}), "
-                                 f"got {shapes}")
-        else:
-            idx = np.ascontiguousarray(slots, dtype=np.int64)
-            if idx.ndim != 1 or idx.shape[0] != R:
-                raise ValueError(f"{fn}: slots must be 1-D with one entry per row of q (R = {R}), got slots of shape "
-                                 f"{idx.shape} (with {shapes})")
-            bad = (idx < 0) | (idx >= B)
-            if bad.any():
-                r = int(np.argmax(bad))
-                raise ValueError(f"{fn}: slots[{r}] = {idx[r]}: slots must be in [0, {B}) (the state's sequences)")
-            uniq, first = np.unique(idx, return_index=True)
-            if uniq.size != R:
-                r = int(np.setdiff1d(np.arange(R), first)[0])
-                raise ValueError(f"{fn}: slots[{r}] = {idx[r]} is repeated: each sequence takes one token per step")
-        rows = [np.ascontiguousarray(a).reshape(a.shape[0], -1) for a in (q, k, v)]
-        out = _kernel(fn, shapes, self._d.step, *rows, idx)
-        return out.reshape(q.shape[:-2] + (self.num_heads, self.value_dim))
-
-    def reset(self, b: int | None = None) -> None:
-        """Every sequence (or sequence b) back to no tokens."""
-        self._d.reset(None if b is None else int(b))
-
-    def add_sequence(self) -> int:
-        """Appends an empty sequence; returns its number."""
-        return self._d.add_sequence()
-
-    def remove_sequence(self, b: int) -> None:
-        """Removes sequence b; the last sequence takes its number."""
-        self._d.remove_sequence(int(b))
-
-    def resize(self, batch_size: int) -> None:
-        """batch_size sequences: the first keep their states, new ones are empty."""
-        self._d.resize(int(batch_size))
-
-    def save(self) -> bytes:
-        """The exact decoding position of every sequence and head, as the C++ save_state()
-        writes it (docs/SPEC.md §8)."""
-        return self._d.save()
-
-    def load(self, data: bytes) -> None:
-        """Restores what save() wrote (of the same heads, D, M, map and dtype); the number of
-        sequences becomes the file's. Raises RuntimeError naming the problem (truncated,
-        corrupted, another shape) and leaves the state unchanged then."""
-        self._d.load(bytes(data))
-
-    def copy(self) -> "RecurrentState":
-        c = RecurrentState.__new__(RecurrentState)
-        c._d, c.dtype = self._d.clone(), self.dtype
-        return c
-
-    def __reduce__(self):
-        return (_restore, (self.num_heads, self.key_dim, self.value_dim, self.feature_map, self.dtype.str,
-                           self.save()))
-
-    def __repr__(self) -> str:
-        return (f"linattn.RecurrentState(batch_size={self.batch_size}, num_heads={self.num_heads}, "
-                f"key_dim={self.key_dim}, value_dim={self.value_dim}, feature_map='{self.feature_map}', "
-                f"dtype={self.dtype})")
-
-
-def _restore(heads, key_dim, value_dim, feature_map, dtype, data):
-    state = RecurrentState(0, heads, key_dim, value_dim, feature_map, np.dtype(dtype))
-    state.load(data)
-    return state
-
-
-#: The eps of flash-linear-attention's l2norm (fla.modules.l2norm, and transformers' Qwen3-Next
-#: torch_chunk_gated_delta_rule): x / sqrt(Σ x² + 1e-6), the map of use_qk_l2norm_in_kernel.
-_FLA_L2NORM_EPS = 1e-6
-
-
-def _fla_names(gated, delta, module: str) -> dict:
-    """flash-linear-attention's kernel names over `gated` (gated_linear_attention) and `delta`
-    (delta_rule_attention): FLA's argument order and defaults (identity maps, scale 1/√K, q and
-    k normalised by the caller unless use_qk_l2norm_in_kernel, then FLA's l2norm with its eps of
-    1e-6), returning (o, None)."""
-
-    def no_state(fn, initial_state, output_final_state):
-        if initial_state is not None or output_final_state:
-            raise ValueError(f"{module}.{fn}: initial_state / output_final_state are not offered for the "
-                             f"gated and delta-rule kernels from Python")
-
-    def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
-        """GLA: per-feature log gates g of q's shape [B, T, H, K]."""
-        no_state("chunk_gla", initial_state, output_final_state)
-        return gated(q, k, v, g, "identity", scale, False, cu_seqlens), None
-
-    def chunk_simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
-        """A log decay g per token and head, [B, T, H] (RetNet, Mamba-2)."""
-        no_state("chunk_simple_gla", initial_state, output_final_state)
-        return gated(q, k, v, g, "identity", scale, False, cu_seqlens), None
-
-    def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
-                         cu_seqlens=None, use_qk_l2norm_in_kernel=False):
-        """DeltaNet: beta [B, T, H]. use_qk_l2norm_in_kernel=True: q and k (only) mapped by FLA's
-        l2norm, x / sqrt(|x|² + 1e-6) (feature_map "l2norm", l2norm_eps = 1e-6); False: q and k
-        as given (identity)."""
-        no_state("chunk_delta_rule", initial_state, output_final_state)
-        fmap, eps = ("l2norm", _FLA_L2NORM_EPS) if use_qk_l2norm_in_kernel else ("identity", 0.0)
-        return delta(q, k, v, beta, None, fmap, scale, cu_seqlens, l2norm_eps=eps), None
-
-    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               cu_seqlens=None, use_qk_l2norm_in_kernel=False):
-        """Gated DeltaNet, Qwen3-Next: g (log decays) and beta [B, T, H]; q, k, v after the model's
-        short convolution and SiLU. use_qk_l2norm_in_kernel=True: q and k (only) mapped by FLA's
-        l2norm, x / sqrt(|x|² + 1e-6); False: q and k as given."""
-        no_state("chunk_gated_delta_rule", initial_state, output_final_state)
-        fmap, eps = ("l2norm", _FLA_L2NORM_EPS) if use_qk_l2norm_in_kernel else ("identity", 0.0)
-        return delta(q, k, v, beta, g, fmap, scale, cu_seqlens, l2norm_eps=eps), None
-
-    return dict(gla=chunk_gla, simple_gla=chunk_simple_gla, delta_rule=chunk_delta_rule,
-                gated_delta_rule=chunk_gated_delta_rule)
-
-
-# The library picks the chunked or the recurrent form itself: both of FLA's names run the same.
-_fla = _fla_names(gated_linear_attention, delta_rule_attention, "linattn")
-chunk_gla = fused_recurrent_gla = _fla["gla"]
-chunk_simple_gla = fused_recurrent_simple_gla = _fla["simple_gla"]
-chunk_delta_rule = fused_recurrent_delta_rule = _fla["delta_rule"]
-chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = _fla["gated_delta_rule"]
+_fla_funcs = _fla_names(_NumpyOps, "linattn")
+chunk_gla = _fla_funcs["chunk_gla"]
+fused_recurrent_gla = _fla_funcs["fused_recurrent_gla"]
+chunk_simple_gla = _fla_funcs["chunk_simple_gla"]
+fused_recurrent_simple_gla = _fla_funcs["fused_recurrent_simple_gla"]
+chunk_delta_rule = _fla_funcs["chunk_delta_rule"]
+fused_recurrent_delta_rule = _fla_funcs["fused_recurrent_delta_rule"]
+chunk_gated_delta_rule = _fla_funcs["chunk_gated_delta_rule"]
+fused_recurrent_gated_delta_rule = _fla_funcs["fused_recurrent_gated_delta_rule"]
+chunk_kda = _fla_funcs["chunk_kda"]
+fused_recurrent_kda = _fla_funcs["fused_recurrent_kda"]

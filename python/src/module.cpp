@@ -12,6 +12,10 @@
 #include "bindings.hpp"
 
 namespace linattn_python {
+// Declared here, not in bindings.hpp, which every translation unit includes.
+void register_fla_f32(py::module_& m);
+void register_fla_f64(py::module_& m);
+
 namespace {
 
 void set_num_threads(int n) {
@@ -54,6 +58,8 @@ PYBIND11_MODULE(_linattn, m) {
   lp::register_softmax(m);
   lp::register_gated_delta_f32(m);
   lp::register_gated_delta_f64(m);
+  lp::register_fla_f32(m);
+  lp::register_fla_f64(m);
   lp::register_recurrent_f32(m);
   lp::register_recurrent_f64(m);
   lp::thread_count().store(lp::default_thread_count(), std::memory_order_relaxed);
