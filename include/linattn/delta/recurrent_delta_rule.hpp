@@ -174,19 +174,23 @@ class RecurrentDeltaRule {
     detail::check_token(fn, "out", out, value_dim_);
     if (!(beta >= Scalar(0) && beta <= Scalar(2)))
       detail::throw_step_value(fn, "beta", beta, position_, "beta must be in [0, 2]");
-    const auto g = log_a.reshaped();
-    for (Index r = 0; r < F; ++r)
-      if (!detail::finite_nonpositive(static_cast<Scalar>(g(r))))
-        detail::throw_step_value(fn, "log_a(" + std::to_string(r) + ")",
-                                 static_cast<Scalar>(g(r)), position_,
+    // The log-decays into the free half of the decay buffer (the pending update's are in the
+    // other), indexed as a row or a column: reshaped() of a strided row would divide per entry.
+    bind_pending();
+    Scalar* a = pending_.ar_next;
+    const bool row = log_a.rows() == 1;
+    for (Index r = 0; r < F; ++r) {
+      a[r] = static_cast<Scalar>(row ? log_a.coeff(0, r) : log_a.coeff(r, 0));
+      if (!detail::finite_nonpositive(a[r]))
+        detail::throw_step_value(fn, "log_a(" + std::to_string(r) + ")", a[r], position_,
                                  "log-decays must be finite and <= 0");
+    }
     token_.map(phi_, q, pqv_, QuerySide{false});
     token_.map(phi_, k, pkv_, KeySide{false});
     pqv_ *= static_cast<Scalar>(options_.scale);
     v_ = v.reshaped().template cast<Scalar>();
-    bind_pending();
-    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(pending_.ar_next, F) =
-        g.template cast<Scalar>().array().unaryExpr(detail::exp_nonpositive_op<Scalar>());
+    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> av(a, F);
+    av = av.unaryExpr(detail::exp_nonpositive_op<Scalar>());
     detail::delta_token_channels(state_.S.data(), state_.S.outerStride(), F, value_dim_,
                                  pending_, beta, pqv_.data(), pkv_.data(), v_.data(), o_.data(),
                                  yq_.data(), yk_.data(), wa_.data(), wa_.data() + F);
