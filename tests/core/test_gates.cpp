@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "gradient_util.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -47,22 +48,6 @@ MatD reference_gates(const MatD& a, const VecD& A_log, const VecD& dt, const Gat
                            : LD(o.lower_bound) * sigmoid_ld(r * x));
     }
   return g;
-}
-
-template <class Loss>
-MatD central(const Loss& loss, MatD& X, double h = 1e-6) {
-  MatD d(X.rows(), X.cols());
-  for (Index c = 0; c < X.cols(); ++c)
-    for (Index r = 0; r < X.rows(); ++r) {
-      const double x = X(r, c);
-      X(r, c) = x + h;
-      const double up = loss();
-      X(r, c) = x - h;
-      const double down = loss();
-      X(r, c) = x;
-      d(r, c) = (up - down) / (2 * h);
-    }
-  return d;
 }
 
 TEST(gates, ActivationsAgainstTheirFormulas) {
@@ -122,9 +107,9 @@ TEST(gates, GradientsAgainstCentralDifferences) {
       MatD da(N, H * C);
       VecD dA(H), ddt(H * C);
       linattn::gate_activation_backward(a, VecD(A_log), VecD(dt), W, da, dA, ddt, o);
-      EXPECT_LE(rel(da, central(loss, a)), 1e-8);
-      EXPECT_LE(rel(dA, central(loss, A_log)), 1e-8);
-      EXPECT_LE(rel(ddt, central(loss, dt)), 1e-8);
+      EXPECT_LE(rel(da, test::central_differences(loss, a)), 1e-8);
+      EXPECT_LE(rel(dA, test::central_differences(loss, A_log)), 1e-8);
+      EXPECT_LE(rel(ddt, test::central_differences(loss, dt)), 1e-8);
     }
   MatD b = frand(4, 3, 15, -4, 4);
   const MatD W = frand(4, 3, 16);
@@ -136,7 +121,7 @@ TEST(gates, GradientsAgainstCentralDifferences) {
     };
     MatD db(4, 3);
     linattn::beta_activation_backward(b, W, db, two);
-    EXPECT_LE(rel(db, central(loss, b)), 1e-8);
+    EXPECT_LE(rel(db, test::central_differences(loss, b)), 1e-8);
   }
 }
 
@@ -174,10 +159,10 @@ TEST(gates, KdaChainReachesEveryParameter) {
   VecD dA(H), ddt(H * D);
   linattn::gate_activation_backward(a, VecD(A_log), VecD(dt), k.dlog_a, da, dA, ddt, o);
   linattn::beta_activation_backward(b, k.dbeta, db, true);
-  EXPECT_LE(rel(da, central(loss, a)), 1e-7) << "da";
-  EXPECT_LE(rel(dA, central(loss, A_log)), 1e-7) << "dA_log";
-  EXPECT_LE(rel(ddt, central(loss, dt)), 1e-7) << "ddt_bias";
-  EXPECT_LE(rel(db, central(loss, b)), 1e-7) << "db";
+  EXPECT_LE(rel(da, test::central_differences(loss, a)), 1e-7) << "da";
+  EXPECT_LE(rel(dA, test::central_differences(loss, A_log)), 1e-7) << "dA_log";
+  EXPECT_LE(rel(ddt, test::central_differences(loss, dt)), 1e-7) << "ddt_bias";
+  EXPECT_LE(rel(db, test::central_differences(loss, b)), 1e-7) << "db";
 }
 
 TEST(gates, Errors) {

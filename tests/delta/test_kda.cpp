@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "gated_reference.hpp"
+#include "gradient_util.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -180,23 +181,6 @@ TEST(kda, ShapesAndValues) {
       Needles{"log_a is 4x7", "4x6 (one per key channel, F = 3)"}, "width");
 }
 
-// Central differences of a loss in double over every entry of X (step h).
-template <class Loss>
-MatD central(const Loss& loss, MatD& X, double h = 1e-6) {
-  MatD d(X.rows(), X.cols());
-  for (Index c = 0; c < X.cols(); ++c)
-    for (Index r = 0; r < X.rows(); ++r) {
-      const double x = X(r, c);
-      X(r, c) = x + h;
-      const double up = loss();
-      X(r, c) = x - h;
-      const double down = loss();
-      X(r, c) = x;
-      d(r, c) = (up - down) / (2 * h);
-    }
-  return d;
-}
-
 // Gradients of L = Σ out ∘ W + ⟨dS_final, S_N⟩ through one head from a carried state, chunks
 // of 4 rows over N = 9 (a partial chunk), a strong channel and a reset among the decays:
 // every input and the initial state against central differences; float against double.
@@ -226,12 +210,12 @@ TEST(kda, GradientsAgainstCentralDifferences) {
   linattn::delta_rule_attention_backward(Q, K, V, beta, log_a, W, L2{}, initial, d_final, dQ, dK,
                                          dV, dbeta, dlog_a, d_initial, ws, o);
   const double tol = 1e-7;
-  EXPECT_LE(rel(dQ, central(loss, Q)), tol) << "dQ";
-  EXPECT_LE(rel(dK, central(loss, K)), tol) << "dK";
-  EXPECT_LE(rel(dV, central(loss, V)), tol) << "dV";
-  EXPECT_LE(rel(dbeta, central(loss, beta)), tol) << "dbeta";
-  EXPECT_LE(rel(dlog_a, central(loss, log_a)), tol) << "dlog_a";
-  EXPECT_LE(rel(d_initial.dS, central(loss, S0)), tol) << "d initial state";
+  EXPECT_LE(rel(dQ, test::central_differences(loss, Q)), tol) << "dQ";
+  EXPECT_LE(rel(dK, test::central_differences(loss, K)), tol) << "dK";
+  EXPECT_LE(rel(dV, test::central_differences(loss, V)), tol) << "dV";
+  EXPECT_LE(rel(dbeta, test::central_differences(loss, beta)), tol) << "dbeta";
+  EXPECT_LE(rel(dlog_a, test::central_differences(loss, log_a)), tol) << "dlog_a";
+  EXPECT_LE(rel(d_initial.dS, test::central_differences(loss, S0)), tol) << "d initial state";
   // Float: the same gradients to float rounding.
   State<float> initial_f;
   initial_f.S = S0.cast<float>();
@@ -269,11 +253,11 @@ TEST(kda, MultiHeadSharedKeyGradients) {
   const auto g = linattn::multihead_delta_rule_attention_backward(Q, K, V, beta, log_a, W, H,
                                                                   L2{}, o);
   const double tol = 1e-7;
-  EXPECT_LE(rel(g.dQ, central(loss, Q)), tol) << "dQ";
-  EXPECT_LE(rel(g.dK, central(loss, K)), tol) << "dK";
-  EXPECT_LE(rel(g.dV, central(loss, V)), tol) << "dV";
-  EXPECT_LE(rel(g.dbeta, central(loss, beta)), tol) << "dbeta";
-  EXPECT_LE(rel(g.dlog_a, central(loss, log_a)), tol) << "dlog_a";
+  EXPECT_LE(rel(g.dQ, test::central_differences(loss, Q)), tol) << "dQ";
+  EXPECT_LE(rel(g.dK, test::central_differences(loss, K)), tol) << "dK";
+  EXPECT_LE(rel(g.dV, test::central_differences(loss, V)), tol) << "dV";
+  EXPECT_LE(rel(g.dbeta, test::central_differences(loss, beta)), tol) << "dbeta";
+  EXPECT_LE(rel(g.dlog_a, test::central_differences(loss, log_a)), tol) << "dlog_a";
 }
 
 // The decode step with per-channel decays: token by token equal to the parallel kernel and to

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "gradient_util.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -63,8 +64,8 @@ TEST(gated_rms_norm, AgainstItsFormula) {
           MatD inplace = o;
           linattn::gated_rms_norm(inplace, z, w, inplace, opt);
           EXPECT_LE(rel(inplace, want), 1e-15);
-          const Eigen::MatrixXf f = linattn::gated_rms_norm(
-              o.cast<float>(), z.cast<float>(), Eigen::VectorXf(w.cast<float>()), opt);
+          const Eigen::MatrixXf f = linattn::gated_rms_norm(o.cast<float>(), z.cast<float>(),
+                                                            Eigen::VectorXf(w.cast<float>()), opt);
           EXPECT_LE(rel(f.cast<double>(), want), 1e-6);
           // bf16 storage: the float computation on the rounded inputs, rounded once.
           using B16 = Eigen::bfloat16;
@@ -76,22 +77,6 @@ TEST(gated_rms_norm, AgainstItsFormula) {
         }
 }
 
-template <class Loss>
-MatD central(const Loss& loss, MatD& X, double h = 1e-6) {
-  MatD d(X.rows(), X.cols());
-  for (Index c = 0; c < X.cols(); ++c)
-    for (Index r = 0; r < X.rows(); ++r) {
-      const double x = X(r, c);
-      X(r, c) = x + h;
-      const double up = loss();
-      X(r, c) = x - h;
-      const double down = loss();
-      X(r, c) = x;
-      d(r, c) = (up - down) / (2 * h);
-    }
-  return d;
-}
-
 TEST(gated_rms_norm, GradientsAgainstCentralDifferences) {
   for (const auto gate : {NormGate::Silu, NormGate::Sigmoid}) {
     GatedRMSNormOptions opt;
@@ -99,21 +84,23 @@ TEST(gated_rms_norm, GradientsAgainstCentralDifferences) {
     const Index H = 2, M = 4;
     MatD o = frand(3, H * M, 4, -2, 2), z = frand(3, H * M, 5, -3, 3), w = frand(M, 1, 6);
     const MatD G = frand(3, H * M, 7);
-    const auto loss = [&] { return linattn::gated_rms_norm(o, z, VecD(w), opt).cwiseProduct(G).sum(); };
+    const auto loss = [&] {
+      return linattn::gated_rms_norm(o, z, VecD(w), opt).cwiseProduct(G).sum();
+    };
     const auto g = linattn::gated_rms_norm_backward(o, z, VecD(w), G, opt);
-    EXPECT_LE(rel(g.dO, central(loss, o)), 1e-8);
-    EXPECT_LE(rel(g.dZ, central(loss, z)), 1e-8);
-    EXPECT_LE(rel(g.dweight, central(loss, w)), 1e-8);
+    EXPECT_LE(rel(g.dO, test::central_differences(loss, o)), 1e-8);
+    EXPECT_LE(rel(g.dZ, test::central_differences(loss, z)), 1e-8);
+    EXPECT_LE(rel(g.dweight, test::central_differences(loss, w)), 1e-8);
   }
 }
 
 TEST(gated_rms_norm, Errors) {
   const MatD o = frand(2, 6, 8), z = frand(2, 6, 9);
   const VecD w = frand(4, 1, 10);
-  test::expect_invalid([&] { linattn::gated_rms_norm(o, z, w); },
-                       Needles{"gated_rms_norm", "o's columns a multiple of M", "o is 2x6",
-                               "weight is 4x1"},
-                       "weight");
+  test::expect_invalid(
+      [&] { linattn::gated_rms_norm(o, z, w); },
+      Needles{"gated_rms_norm", "o's columns a multiple of M", "o is 2x6", "weight is 4x1"},
+      "weight");
   test::expect_invalid([&] { linattn::gated_rms_norm(o, MatD(frand(2, 3, 1)), VecD(w.head(3))); },
                        Needles{"z must have o's shape"}, "z");
   GatedRMSNormOptions opt;

@@ -6,9 +6,10 @@
 #ifndef EIGEN_RUNTIME_NO_MALLOC
 #define EIGEN_RUNTIME_NO_MALLOC
 #endif
+// clang-format off
 #include "eigen_assert_hook.hpp"  // first: before any Eigen header
-
 #include "allocation_count.hpp"  // counts Eigen allocations and global operator new
+// clang-format on
 
 #include <gtest/gtest.h>
 
@@ -20,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "gradient_util.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -175,26 +177,10 @@ TEST(short_convolution, Bf16StorageComputesInFloat) {
   linattn::ShortConvState<float> st;
   const Eigen::Matrix<B16, -1, -1> y = linattn::short_convolution(X, w, b, st);
   linattn::ShortConvState<float> sf;
-  const Eigen::MatrixXf want = linattn::short_convolution(
-      X.cast<float>(), w.cast<float>(), Eigen::VectorXf(b.cast<float>()), sf);
+  const Eigen::MatrixXf want = linattn::short_convolution(X.cast<float>(), w.cast<float>(),
+                                                          Eigen::VectorXf(b.cast<float>()), sf);
   EXPECT_EQ(y, want.cast<B16>());
   EXPECT_EQ(st, sf);
-}
-
-template <class Loss>
-MatD central(const Loss& loss, MatD& X, double h = 1e-6) {
-  MatD d(X.rows(), X.cols());
-  for (Index c = 0; c < X.cols(); ++c)
-    for (Index r = 0; r < X.rows(); ++r) {
-      const double x = X(r, c);
-      X(r, c) = x + h;
-      const double up = loss();
-      X(r, c) = x - h;
-      const double down = loss();
-      X(r, c) = x;
-      d(r, c) = (up - down) / (2 * h);
-    }
-  return d;
 }
 
 TEST(short_convolution, GradientsAgainstCentralDifferences) {
@@ -218,21 +204,21 @@ TEST(short_convolution, GradientsAgainstCentralDifferences) {
       };
       const std::vector<StateD> st0(init.begin(), init.end());
       const auto g = linattn::batched_short_convolution_backward(X, w, VecD(b), cu, st0, G, o);
-      EXPECT_LE(rel(g.dX, central(loss, X)), 1e-8);
-      EXPECT_LE(rel(g.dweight, central(loss, w)), 1e-8);
-      EXPECT_LE(rel(g.dbias, central(loss, b)), 1e-8);
+      EXPECT_LE(rel(g.dX, test::central_differences(loss, X)), 1e-8);
+      EXPECT_LE(rel(g.dweight, test::central_differences(loss, w)), 1e-8);
+      EXPECT_LE(rel(g.dbias, test::central_differences(loss, b)), 1e-8);
       ASSERT_EQ(g.dinitial.size(), init.size());
       for (std::size_t s = 0; s < init.size(); ++s)
         if (W > 1) {
-          EXPECT_LE(rel(MatD(g.dinitial[s]), central(loss, init[s])), 1e-8) << s;
+          EXPECT_LE(rel(MatD(g.dinitial[s]), test::central_differences(loss, init[s])), 1e-8) << s;
         }
       // From zeros, without bias: the one-sequence form.
       const auto loss0 = [&] {
         return linattn::short_convolution(X, w, VecD(), o).cwiseProduct(G).sum();
       };
       const auto g0 = linattn::short_convolution_backward(X, w, VecD(), G, o);
-      EXPECT_LE(rel(g0.dX, central(loss0, X)), 1e-8);
-      EXPECT_LE(rel(g0.dweight, central(loss0, w)), 1e-8);
+      EXPECT_LE(rel(g0.dX, test::central_differences(loss0, X)), 1e-8);
+      EXPECT_LE(rel(g0.dweight, test::central_differences(loss0, w)), 1e-8);
       EXPECT_EQ(g0.dbias.size(), 0);
       EXPECT_TRUE(g0.dinitial.empty());
     }
@@ -242,10 +228,10 @@ TEST(short_convolution, Errors) {
   const MatD X = frand(5, 4, 23), w = frand(4, 3, 24);
   const VecD b = frand(4, 1, 25);
   StateD st;
-  test::expect_invalid([&] { linattn::short_convolution(X, MatD(frand(3, 3, 1)), b, st); },
-                       Needles{"short_convolution", "weight must be C x W", "X is 5x4",
-                               "weight is 3x3"},
-                       "weight rows");
+  test::expect_invalid(
+      [&] { linattn::short_convolution(X, MatD(frand(3, 3, 1)), b, st); },
+      Needles{"short_convolution", "weight must be C x W", "X is 5x4", "weight is 3x3"},
+      "weight rows");
   test::expect_invalid([&] { linattn::short_convolution(X, MatD(4, 0), b, st); },
                        Needles{"kernel size W >= 1"}, "W = 0");
   test::expect_invalid([&] { linattn::short_convolution(X, w, VecD(VecD::Zero(3)), st); },
@@ -257,11 +243,15 @@ TEST(short_convolution, Errors) {
   MatD out(5, 4);
   linattn::Workspace<double> ws;
   test::expect_invalid(
-      [&] { linattn::batched_short_convolution(X, w, b, std::vector<int>{0, 5}, states, out, ws); },
+      [&] {
+        linattn::batched_short_convolution(X, w, b, std::vector<int>{0, 5}, states, out, ws);
+      },
       Needles{"batched_short_convolution", "states holds 2 states but the offsets give B = 1"},
       "states count");
   test::expect_invalid(
-      [&] { linattn::batched_short_convolution(X, w, b, std::vector<int>{0, 4}, states, out, ws); },
+      [&] {
+        linattn::batched_short_convolution(X, w, b, std::vector<int>{0, 4}, states, out, ws);
+      },
       Needles{"offsets must start at 0 and end at 5"}, "offsets");
   MatD Xm = X;
   test::expect_invalid([&] { linattn::short_convolution(Xm, w, b, st, Xm, ws); },
@@ -270,9 +260,8 @@ TEST(short_convolution, Errors) {
   test::expect_invalid(
       [&] { linattn::short_convolution_step(X.topRows(1), w, b, states, y, ws); },
       Needles{"short_convolution_step", "states holds 2 states but x has B = 1 rows"}, "step");
-  test::expect_invalid(
-      [&] { linattn::short_convolution_backward(X, w, b, MatD(frand(4, 4, 2))); },
-      Needles{"short_convolution_backward", "dY is 4x4 but must be 5x4"}, "dY");
+  test::expect_invalid([&] { linattn::short_convolution_backward(X, w, b, MatD(frand(4, 4, 2))); },
+                       Needles{"short_convolution_backward", "dY is 4x4 but must be 5x4"}, "dY");
 }
 
 TEST(short_convolution, DecodeStepAllocatesNothing) {

@@ -1,4 +1,5 @@
-// Finite differences for the gradient tests (test_backward.cpp, test_softmax_backward.cpp).
+// Finite differences for the gradient tests (test_backward.cpp, test_softmax_backward.cpp, and
+// the central differences of any scalar loss for the gradients of the 2026 kernels and layers).
 #pragma once
 
 #include <algorithm>
@@ -9,6 +10,23 @@
 #include "test_util.hpp"
 
 namespace test {
+
+// ∂loss/∂X by central differences over every entry of X, step h; X is restored after each.
+template <class Loss>
+MatD central_differences(const Loss& loss, MatD& X, double h = 1e-6) {
+  MatD d(X.rows(), X.cols());
+  for (Index c = 0; c < X.cols(); ++c)
+    for (Index r = 0; r < X.rows(); ++r) {
+      const double x = X(r, c);
+      X(r, c) = x + h;
+      const double up = loss();
+      X(r, c) = x - h;
+      const double down = loss();
+      X(r, c) = x;
+      d(r, c) = (up - down) / (2 * h);
+    }
+  return d;
+}
 
 // The rows of an input of n rows at which a gradient test takes finite differences: every row of
 // a short input (n <= 24); of a longer one, the first and last four and the two rows either side

@@ -17,6 +17,7 @@
 
 #include "common.hpp"
 #include "detail/checks.hpp"
+#include "detail/scalar_functions.hpp"
 
 namespace linattn {
 
@@ -36,19 +37,6 @@ struct GateOptions {
 };
 
 namespace detail {
-
-// softplus(x) = log(1 + e^x), x itself above 20 (FLA's and torch's threshold); sigmoid without
-// overflow on either side.
-template <class S>
-S softplus(S x) {
-  return x > S(20) ? x : std::log1p(std::exp(x));
-}
-template <class S>
-S sigmoid(S x) {
-  if (x >= S(0)) return S(1) / (S(1) + std::exp(-x));
-  const S e = std::exp(x);
-  return e / (S(1) + e);
-}
 
 // a: N x H·C; A_log: H entries; dt_bias: H·C entries or none. Returns C.
 template <class DA, class DL, class DB>

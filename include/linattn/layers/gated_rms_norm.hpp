@@ -12,7 +12,6 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -31,7 +30,7 @@ enum class NormGate {
 
 /// \brief Options of gated_rms_norm().
 struct GatedRMSNormOptions {
-  double eps = 1e-6;             ///< added to the mean square (transformers' and FLA's 1e-6), >= 0
+  double eps = 1e-6;  ///< added to the mean square (transformers' and FLA's 1e-6), >= 0
   NormGate gate = NormGate::Silu;  ///< the gate's activation
 };
 
@@ -46,8 +45,9 @@ struct GatedRMSNormGradients {
 namespace detail {
 
 template <class DO, class DZ, class DW>
-Index check_gated_norm(const char* fn, const Eigen::MatrixBase<DO>& o, const Eigen::MatrixBase<DZ>& z,
-                       const Eigen::MatrixBase<DW>& weight, const GatedRMSNormOptions& opts) {
+Index check_gated_norm(const char* fn, const Eigen::MatrixBase<DO>& o,
+                       const Eigen::MatrixBase<DZ>& z, const Eigen::MatrixBase<DW>& weight,
+                       const GatedRMSNormOptions& opts) {
   static_assert(std::is_same_v<compute_scalar_t<typename DO::Scalar>,
                                compute_scalar_t<typename DZ::Scalar>> &&
                     std::is_same_v<compute_scalar_t<typename DO::Scalar>,
@@ -60,8 +60,10 @@ Index check_gated_norm(const char* fn, const Eigen::MatrixBase<DO>& o, const Eig
   };
   const Index M = weight.size();
   if ((weight.rows() != 1 && weight.cols() != 1) || M == 0 || o.cols() % M != 0)
-    throw_invalid(fn, "weight must be a vector of M > 0 entries (one head's size) and o's "
-                      "columns a multiple of M" + shapes());
+    throw_invalid(fn,
+                  "weight must be a vector of M > 0 entries (one head's size) and o's "
+                  "columns a multiple of M" +
+                      shapes());
   if (z.rows() != o.rows() || z.cols() != o.cols())
     throw_invalid(fn, "z must have o's shape" + shapes());
   if (!(opts.eps >= 0) || !std::isfinite(opts.eps))
@@ -145,8 +147,8 @@ GatedRMSNormGradients<compute_scalar_t<typename DO::Scalar>> gated_rms_norm_back
   const bool silu = options.gate == NormGate::Silu;
   for (Index t = 0; t < o.rows(); ++t)
     for (Index c0 = 0; c0 < o.cols(); c0 += M)
-      detail::gated_norm_group_backward<S>(o.derived(), z.derived(), w, dY.derived(), t, c0, M,
-                                           eps, silu, g.dO, g.dZ, g.dweight);
+      detail::gated_norm_group_backward<S>(o.derived(), z.derived(), w, dY.derived(), t, c0, M, eps,
+                                           silu, g.dO, g.dZ, g.dweight);
   return g;
 }
 

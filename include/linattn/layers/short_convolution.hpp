@@ -14,14 +14,13 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "../core/common.hpp"
-#include "../core/workspace.hpp"
 #include "../core/detail/checks.hpp"
+#include "../core/workspace.hpp"
 #include "../linear/heads.hpp"
 #include "detail/short_convolution.hpp"
 
@@ -50,9 +49,9 @@ using ShortConvState = detail::ConvRows<Scalar>;
 /// from zeros).
 template <class Scalar>
 struct ShortConvGradients {
-  Matrix<Scalar> dX;       ///< N x C
-  Matrix<Scalar> dweight;  ///< C x W
-  Vector<Scalar> dbias;    ///< C entries, or empty
+  Matrix<Scalar> dX;                             ///< N x C
+  Matrix<Scalar> dweight;                        ///< C x W
+  Vector<Scalar> dbias;                          ///< C entries, or empty
   std::vector<ShortConvState<Scalar>> dinitial;  ///< one per sequence given an initial state
 };
 
@@ -60,8 +59,8 @@ namespace detail {
 
 // The shapes of a convolution call; returns W. weight: C x W, W >= 1; bias: empty or C entries.
 template <class DX, class DW, class DB>
-Index check_conv(const char* fn, const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DW>& weight,
-                 const Eigen::MatrixBase<DB>& bias) {
+Index check_conv(const char* fn, const Eigen::MatrixBase<DX>& X,
+                 const Eigen::MatrixBase<DW>& weight, const Eigen::MatrixBase<DB>& bias) {
   static_assert(std::is_same_v<compute_scalar_t<typename DX::Scalar>,
                                compute_scalar_t<typename DW::Scalar>> &&
                     std::is_same_v<compute_scalar_t<typename DX::Scalar>,
@@ -76,8 +75,8 @@ Index check_conv(const char* fn, const Eigen::MatrixBase<DX>& X, const Eigen::Ma
     throw_invalid(fn, "weight must be C x W with C = X.cols() = " + std::to_string(X.cols()) +
                           " channels and a kernel size W >= 1" + shapes());
   if (bias.size() != 0 && ((bias.rows() != 1 && bias.cols() != 1) || bias.size() != X.cols()))
-    throw_invalid(fn, "bias must be empty (none) or a vector of C = " +
-                          std::to_string(X.cols()) + " entries" + shapes());
+    throw_invalid(fn, "bias must be empty (none) or a vector of C = " + std::to_string(X.cols()) +
+                          " entries" + shapes());
   return weight.cols();
 }
 
@@ -91,8 +90,8 @@ void prepare_conv_state(const char* fn, const std::string& name, ShortConvState<
   }
   if (st.rows() != W - 1 || st.cols() != C)
     throw_invalid(fn, name + " is " + shape_of(st) + " but must be empty or " +
-                          shape_string(W - 1, C) + " (the last W - 1 = " +
-                          std::to_string(W - 1) + " inputs of C channels)");
+                          shape_string(W - 1, C) + " (the last W - 1 = " + std::to_string(W - 1) +
+                          " inputs of C channels)");
 }
 
 // One sequence's rows: u into `rows` (a C-entry buffer per row), activated, written to out.
@@ -107,8 +106,9 @@ void conv_forward_rows(const DX& X, const DW& w, const DB& bias, const ShortConv
     };
     conv_row<S>(w, bias, window, y);
     if (silu)
-      for (Index c = 0; c < C; ++c) y[c] *= conv_sigmoid(y[c]);
-    out.row(t) = Eigen::Map<const Vector<S>>(y, C).transpose().template cast<typename DOut::Scalar>();
+      for (Index c = 0; c < C; ++c) y[c] *= sigmoid(y[c]);
+    out.row(t) =
+        Eigen::Map<const Vector<S>>(y, C).transpose().template cast<typename DOut::Scalar>();
   }
 }
 
@@ -202,12 +202,12 @@ Matrix<typename DX::Scalar> short_convolution(const Eigen::MatrixBase<DX>& X,
 /// \param ws scratch reused across calls.
 /// \param options the activation.
 template <class DX, class DW, class DB, class Off, class DOut>
-void batched_short_convolution(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DW>& weight,
-                               const Eigen::MatrixBase<DB>& bias, const Off& offsets,
-                               std::vector<ShortConvState<compute_scalar_t<typename DX::Scalar>>>& states,
-                               const Eigen::MatrixBase<DOut>& out,
-                               Workspace<compute_scalar_t<typename DX::Scalar>>& ws,
-                               const ShortConvOptions& options = {}) {
+void batched_short_convolution(
+    const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DW>& weight,
+    const Eigen::MatrixBase<DB>& bias, const Off& offsets,
+    std::vector<ShortConvState<compute_scalar_t<typename DX::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DX::Scalar>>& ws,
+    const ShortConvOptions& options = {}) {
   using S = compute_scalar_t<typename DX::Scalar>;
   const char* fn = "batched_short_convolution";
   const Index W = detail::check_conv(fn, X, weight, bias), C = X.cols();
@@ -254,12 +254,12 @@ void batched_short_convolution(const Eigen::MatrixBase<DX>& X, const Eigen::Matr
 /// \param ws scratch reused across calls.
 /// \param options the activation.
 template <class DX, class DW, class DB, class DOut>
-void short_convolution_step(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DW>& weight,
-                            const Eigen::MatrixBase<DB>& bias,
-                            std::vector<ShortConvState<compute_scalar_t<typename DX::Scalar>>>& states,
-                            const Eigen::MatrixBase<DOut>& out,
-                            Workspace<compute_scalar_t<typename DX::Scalar>>& ws,
-                            const ShortConvOptions& options = {}) {
+void short_convolution_step(
+    const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DW>& weight,
+    const Eigen::MatrixBase<DB>& bias,
+    std::vector<ShortConvState<compute_scalar_t<typename DX::Scalar>>>& states,
+    const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DX::Scalar>>& ws,
+    const ShortConvOptions& options = {}) {
   using S = compute_scalar_t<typename DX::Scalar>;
   const char* fn = "short_convolution_step";
   const Index W = detail::check_conv(fn, x, weight, bias), C = x.cols(), B = x.rows();
@@ -280,7 +280,8 @@ void short_convolution_step(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixB
     for (Index c = 0; c < C; ++c) xin[c] = static_cast<S>(x.coeff(b, c));
     detail::conv_token(weight.derived(), bias.derived(), states[static_cast<std::size_t>(b)], xin,
                        y, silu);
-    dst.row(b) = Eigen::Map<const Vector<S>>(y, C).transpose().template cast<typename DOut::Scalar>();
+    dst.row(b) =
+        Eigen::Map<const Vector<S>>(y, C).transpose().template cast<typename DOut::Scalar>();
   }
 }
 
@@ -317,9 +318,8 @@ namespace detail {
 
 template <class DX, class DW, class DB, class DdY, class S>
 ShortConvGradients<S> conv_backward(const char* fn, const DX& X, const DW& weight, const DB& bias,
-                                    OffsetsRef off,
-                                    const std::vector<ShortConvState<S>>* initial, const DdY& dY,
-                                    const ShortConvOptions& options) {
+                                    OffsetsRef off, const std::vector<ShortConvState<S>>* initial,
+                                    const DdY& dY, const ShortConvOptions& options) {
   const Index W = check_conv(fn, X, weight, bias), C = X.cols();
   bool zero_initial = false;  // an empty vector of initial states: B zero states
   check_offsets(fn, "offsets", off, X.rows());

@@ -5,15 +5,14 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <algorithm>
 #include <string>
 
 #include "../../core/common.hpp"
-#include "../../core/workspace.hpp"
 #include "../../core/detail/blocking.hpp"
 #include "../../core/detail/checks.hpp"
 #include "../../core/detail/fast_exp.hpp"
+#include "../../core/workspace.hpp"
 #include "delta_forward.hpp"
 
 namespace linattn::detail {
@@ -53,15 +52,15 @@ void check_delta_params(const char* fn, const Eigen::MatrixBase<DB>& beta,
   };
   const auto want = [&] {
     return one ? "a vector of N = " + std::to_string(N) + " entries"
-               : shape_string(N, heads) + " (one entry per token and head, H = " +
-                     std::to_string(heads) + ")";
+               : shape_string(N, heads) +
+                     " (one entry per token and head, H = " + std::to_string(heads) + ")";
   };
   if (!fits(beta.rows(), beta.cols()))
     throw_invalid(fn, "beta is " + shape_of(beta) + " but must be " + want() + shapes());
   const bool channels = per_channel_decays(log_a, N, heads, F);
   if (log_a.size() != 0 && !channels && !fits(log_a.rows(), log_a.cols()))
-    throw_invalid(fn, "log_a is " + shape_of(log_a) + " but must be empty (no decay), " +
-                          want() + " or " + shape_string(N, heads * F) +
+    throw_invalid(fn, "log_a is " + shape_of(log_a) + " but must be empty (no decay), " + want() +
+                          " or " + shape_string(N, heads * F) +
                           " (one per key channel, F = " + std::to_string(F) + ")" + shapes());
   using S = typename DB::Scalar;
   for (Index h = 0; h < heads; ++h)
@@ -81,8 +80,8 @@ void check_delta_params(const char* fn, const Eigen::MatrixBase<DB>& beta,
     for (Index c = 0; c < log_a.cols(); ++c)
       for (Index i = 0; i < N; ++i)
         if (bad(log_a.coeff(i, c)))
-          throw_invalid(fn, "log_a(" + std::to_string(i) + ", " + std::to_string(c) + ") = " +
-                                value_string(log_a.coeff(i, c)) +
+          throw_invalid(fn, "log_a(" + std::to_string(i) + ", " + std::to_string(c) +
+                                ") = " + value_string(log_a.coeff(i, c)) +
                                 ": log-decays must be finite and <= 0" + shapes());
     return;
   }
@@ -115,8 +114,8 @@ DeltaHeadParams<Scalar> delta_head_params(const DB& beta, const DA& log_a, Index
   if (log_a.size() == 0) return {b.data(), nullptr, 1};
   if (per_channel_decays(log_a, log_a.rows(), heads, F)) {
     auto g = ws.vector(kSlotBackwardB, n * F);
-    Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> a(
-        g.data(), n, F);
+    Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> a(g.data(),
+                                                                                         n, F);
     const auto src = log_a.block(r0, h * F, n, F);
     const exp_nonpositive_op<Scalar> decay;
     if constexpr ((int(DA::Flags) & Eigen::RowMajorBit) != 0) {

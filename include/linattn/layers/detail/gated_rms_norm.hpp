@@ -3,28 +3,21 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <cmath>
 
 #include "../../core/common.hpp"
+#include "../../core/detail/scalar_functions.hpp"
 
 namespace linattn::detail {
-
-template <class S>
-S norm_sigmoid(S x) {
-  if (x >= S(0)) return S(1) / (S(1) + std::exp(-x));
-  const S e = std::exp(x);
-  return e / (S(1) + e);
-}
 
 // The gate g = act(z) and its derivative.
 template <class S>
 S norm_gate(S z, bool silu) {
-  return silu ? z * norm_sigmoid(z) : norm_sigmoid(z);
+  return silu ? z * sigmoid(z) : sigmoid(z);
 }
 template <class S>
 S norm_gate_derivative(S z, bool silu) {
-  const S s = norm_sigmoid(z);
+  const S s = sigmoid(z);
   return silu ? s * (S(1) + z * (S(1) - s)) : s * (S(1) - s);
 }
 

@@ -11,23 +11,16 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <algorithm>
 #include <cmath>
 
 #include "../../core/common.hpp"
+#include "../../core/detail/scalar_functions.hpp"
 
 namespace linattn::detail {
 
 template <class S>
 using ConvRows = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-
-template <class S>
-S conv_sigmoid(S x) {
-  if (x >= S(0)) return S(1) / (S(1) + std::exp(-x));
-  const S e = std::exp(x);
-  return e / (S(1) + e);
-}
 
 // One output row, channels [0, C): y = bias + Σ_i w(·, i) ∘ window_i, each term fused
 // (std::fma: one rounding, and no compiler's choice to contract or not, so that the prefill and
@@ -38,7 +31,8 @@ void conv_row(const DW& w, const DB& bias, const Window& window, S* y) {
   const Index C = w.rows(), W = w.cols();
   for (Index c = 0; c < C; ++c) y[c] = bias.size() != 0 ? static_cast<S>(bias.coeff(c)) : S(0);
   for (Index i = 0; i < W; ++i)
-    for (Index c = 0; c < C; ++c) y[c] = std::fma(window(i, c), static_cast<S>(w.coeff(c, i)), y[c]);
+    for (Index c = 0; c < C; ++c)
+      y[c] = std::fma(window(i, c), static_cast<S>(w.coeff(c, i)), y[c]);
 }
 
 // u (the pre-activations, N x C row-major, compute scalar) of one sequence: X its N inputs, w
@@ -86,7 +80,7 @@ void conv_backward_sequence(const DX& X, const DW& w, const DB& bias, const Conv
     conv_preactivations(X, w, bias, state, du);
     for (Index c = 0; c < C; ++c)
       for (Index t = 0; t < N; ++t) {
-        const S x = du(t, c), s = conv_sigmoid(x);
+        const S x = du(t, c), s = sigmoid(x);
         du(t, c) = static_cast<S>(dY.coeff(t, c)) * s * (S(1) + x * (S(1) - s));
       }
   } else {
@@ -121,7 +115,7 @@ void conv_token(const DW& w, const DB& bias, ConvRows<S>& state, const S* x, S* 
   const auto window = [&](Index i, Index c) -> S { return i < L ? state(i, c) : x[c]; };
   conv_row<S>(w, bias, window, y);
   if (silu)
-    for (Index c = 0; c < C; ++c) y[c] *= conv_sigmoid(y[c]);
+    for (Index c = 0; c < C; ++c) y[c] *= sigmoid(y[c]);
   if (L == 0) return;
   std::copy(state.data() + C, state.data() + L * C, state.data());
   std::copy(x, x + C, state.data() + (L - 1) * C);
