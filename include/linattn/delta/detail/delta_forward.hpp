@@ -149,9 +149,6 @@ struct DeltaPending {
   const Scalar* row_decays() const noexcept { return per_row ? ar : nullptr; }
 };
 
-// One token (token-major features: w = s q̂, k̂; v and out: M entries; yq, yk: M-entry scratch).
-// Reads for this token (applying the pending update on the way), makes this token's update the
-// pending one.
 // w·k̂ in packets: a serial sum's latency chain would cost a fifth of the token at F = 128.
 template <class Scalar>
 Scalar delta_dot(const Scalar* w, const Scalar* k, Index F) {
@@ -159,6 +156,9 @@ Scalar delta_dot(const Scalar* w, const Scalar* k, Index F) {
   return Eigen::Map<const Vec>(w, F).dot(Eigen::Map<const Vec>(k, F));
 }
 
+// One token (token-major features: w = s q̂, k̂; v and out: M entries; yq, yk: M-entry scratch).
+// Reads for this token (applying the pending update on the way), makes this token's update the
+// pending one.
 template <class Scalar>
 void delta_token(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p, Scalar a,
                  Scalar beta, const Scalar* w, const Scalar* k, const Scalar* v, Scalar* out,
