@@ -285,7 +285,8 @@ void short_convolution_step(
   }
 }
 
-/// \brief One decode token of one sequence (x: C entries, a row or a column).
+/// \brief One decode token of one sequence (x: C entries, a row or a column). It allocates two
+/// C-entry buffers per call; the B-sequence overload with a workspace allocates nothing.
 /// \param x the C inputs of the token.
 /// \param weight C x W.
 /// \param bias C entries, or empty.
