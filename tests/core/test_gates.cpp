@@ -30,10 +30,6 @@ MatD frand(Index rows, Index cols, std::uint32_t seed, double lo = -1.0, double 
   return test::random_matrix<double>(rows, cols, seed, lo, hi);
 }
 
-double rel(const MatD& got, const MatD& want) {
-  return test::max_abs_diff(got, want) / std::max(want.cwiseAbs().maxCoeff(), 1e-300);
-}
-
 LD softplus_ld(LD x) { return x > 20 ? x : std::log1p(std::exp(x)); }
 LD sigmoid_ld(LD x) { return 1 / (1 + std::exp(-x)); }
 
@@ -66,14 +62,14 @@ TEST(gates, ActivationsAgainstTheirFormulas) {
         const VecD d = bias ? dt : VecD();
         MatD g(N, H * C);
         linattn::gate_activation(a, A_log, d, g, o);
-        EXPECT_LE(rel(g, reference_gates(a, A_log, d, o)), 1e-15);
+        EXPECT_LE(test::relative_error(g, reference_gates(a, A_log, d, o)), 1e-15);
         EXPECT_LE(g.maxCoeff(), 0.0);
         if (act == GateActivation::LowerBoundSigmoid) {
           EXPECT_GE(g.minCoeff(), o.lower_bound);
         }
         Eigen::MatrixXf gf(N, H * C);
         linattn::gate_activation(a.cast<float>(), A_log.cast<float>(), d.cast<float>(), gf, o);
-        EXPECT_LE(rel(gf.cast<double>(), g), 1e-6);
+        EXPECT_LE(test::relative_error(gf.cast<double>(), g), 1e-6);
       }
     }
   }
@@ -107,9 +103,9 @@ TEST(gates, GradientsAgainstCentralDifferences) {
       MatD da(N, H * C);
       VecD dA(H), ddt(H * C);
       linattn::gate_activation_backward(a, VecD(A_log), VecD(dt), W, da, dA, ddt, o);
-      EXPECT_LE(rel(da, test::central_differences(loss, a)), 1e-8);
-      EXPECT_LE(rel(dA, test::central_differences(loss, A_log)), 1e-8);
-      EXPECT_LE(rel(ddt, test::central_differences(loss, dt)), 1e-8);
+      EXPECT_LE(test::relative_error(da, test::central_differences(loss, a)), 1e-8);
+      EXPECT_LE(test::relative_error(dA, test::central_differences(loss, A_log)), 1e-8);
+      EXPECT_LE(test::relative_error(ddt, test::central_differences(loss, dt)), 1e-8);
     }
   MatD b = frand(4, 3, 15, -4, 4);
   const MatD W = frand(4, 3, 16);
@@ -121,7 +117,7 @@ TEST(gates, GradientsAgainstCentralDifferences) {
     };
     MatD db(4, 3);
     linattn::beta_activation_backward(b, W, db, two);
-    EXPECT_LE(rel(db, test::central_differences(loss, b)), 1e-8);
+    EXPECT_LE(test::relative_error(db, test::central_differences(loss, b)), 1e-8);
   }
 }
 
@@ -159,10 +155,10 @@ TEST(gates, KdaChainReachesEveryParameter) {
   VecD dA(H), ddt(H * D);
   linattn::gate_activation_backward(a, VecD(A_log), VecD(dt), k.dlog_a, da, dA, ddt, o);
   linattn::beta_activation_backward(b, k.dbeta, db, true);
-  EXPECT_LE(rel(da, test::central_differences(loss, a)), 1e-7) << "da";
-  EXPECT_LE(rel(dA, test::central_differences(loss, A_log)), 1e-7) << "dA_log";
-  EXPECT_LE(rel(ddt, test::central_differences(loss, dt)), 1e-7) << "ddt_bias";
-  EXPECT_LE(rel(db, test::central_differences(loss, b)), 1e-7) << "db";
+  EXPECT_LE(test::relative_error(da, test::central_differences(loss, a)), 1e-7) << "da";
+  EXPECT_LE(test::relative_error(dA, test::central_differences(loss, A_log)), 1e-7) << "dA_log";
+  EXPECT_LE(test::relative_error(ddt, test::central_differences(loss, dt)), 1e-7) << "ddt_bias";
+  EXPECT_LE(test::relative_error(db, test::central_differences(loss, b)), 1e-7) << "db";
 }
 
 TEST(gates, Errors) {

@@ -37,11 +37,6 @@ MatD frand(Index rows, Index cols, std::uint32_t seed, double lo = -1.0, double 
   return test::random_matrix<float>(rows, cols, seed, lo, hi).cast<double>();
 }
 
-double rel(const MatD& got, const MatD& want) {
-  const double scale = std::max(want.cwiseAbs().maxCoeff(), 1e-300);
-  return test::max_abs_diff(got, want) / scale;
-}
-
 // The per-token recurrence in long double on mapped rows (N x F), G: N x F log-decays; S: the
 // initial state (empty: zero), receives the final one.
 MatD kda_recurrence(const MatD& PQ, const MatD& PK, const MatD& V, const MatD& beta,
@@ -124,18 +119,18 @@ void check_kda(const Shape& sh, linattn::CausalAlgorithm algorithm) {
           gref::features(L2{}, Qd.block(r0, c, n, D)), gref::features(L2{}, Kd.block(r0, c, n, D)),
           Vd.block(r0, h * M, n, M), Bd.block(r0, h, n, 1), Gd.block(r0, h * F, n, F), o.scale,
           &Sref);
-      EXPECT_LE(rel(states[std::size_t(b * H + h)].S.template cast<double>(), Sref),
+      EXPECT_LE(test::relative_error(states[std::size_t(b * H + h)].S.template cast<double>(), Sref),
                 test::bound<S>(5e-6, 1e-13))
           << "state of sequence " << b << ", head " << h;
     }
-  EXPECT_LE(rel(out.template cast<double>(), want), test::bound<S>(5e-6, 1e-13));
+  EXPECT_LE(test::relative_error(out.template cast<double>(), want), test::bound<S>(5e-6, 1e-13));
   // One sequence and one head: the single-head form, and equal channels = the scalar decay.
   if (B == 1 && H == 1) {
     State<S> st;
     st.S = S0[0].cast<S>();
     st.z = linattn::Vector<S>::Zero(F);
     const Mat<S> single = linattn::delta_rule_attention(Q, K, V, beta, log_a, L2{}, st, o);
-    EXPECT_LE(rel(single.template cast<double>(), want.middleCols(0, M)),
+    EXPECT_LE(test::relative_error(single.template cast<double>(), want.middleCols(0, M)),
               test::bound<S>(5e-6, 1e-13));
     const Mat<S> scalar = Gd.col(0).cast<S>();
     const Mat<S> equal = scalar.replicate(1, F);
@@ -143,7 +138,7 @@ void check_kda(const Shape& sh, linattn::CausalAlgorithm algorithm) {
     rec.algorithm = linattn::CausalAlgorithm::Recurrent;
     const Mat<S> by_scalar = linattn::delta_rule_attention(Q, K, V, beta, scalar, L2{}, rec);
     const Mat<S> by_channels = linattn::delta_rule_attention(Q, K, V, beta, equal, L2{}, rec);
-    EXPECT_LE(rel(by_channels.template cast<double>(), by_scalar.template cast<double>()),
+    EXPECT_LE(test::relative_error(by_channels.template cast<double>(), by_scalar.template cast<double>()),
               test::bound<S>(2e-6, 1e-14));
   }
 }
@@ -210,12 +205,12 @@ TEST(kda, GradientsAgainstCentralDifferences) {
   linattn::delta_rule_attention_backward(Q, K, V, beta, log_a, W, L2{}, initial, d_final, dQ, dK,
                                          dV, dbeta, dlog_a, d_initial, ws, o);
   const double tol = 1e-7;
-  EXPECT_LE(rel(dQ, test::central_differences(loss, Q)), tol) << "dQ";
-  EXPECT_LE(rel(dK, test::central_differences(loss, K)), tol) << "dK";
-  EXPECT_LE(rel(dV, test::central_differences(loss, V)), tol) << "dV";
-  EXPECT_LE(rel(dbeta, test::central_differences(loss, beta)), tol) << "dbeta";
-  EXPECT_LE(rel(dlog_a, test::central_differences(loss, log_a)), tol) << "dlog_a";
-  EXPECT_LE(rel(d_initial.dS, test::central_differences(loss, S0)), tol) << "d initial state";
+  EXPECT_LE(test::relative_error(dQ, test::central_differences(loss, Q)), tol) << "dQ";
+  EXPECT_LE(test::relative_error(dK, test::central_differences(loss, K)), tol) << "dK";
+  EXPECT_LE(test::relative_error(dV, test::central_differences(loss, V)), tol) << "dV";
+  EXPECT_LE(test::relative_error(dbeta, test::central_differences(loss, beta)), tol) << "dbeta";
+  EXPECT_LE(test::relative_error(dlog_a, test::central_differences(loss, log_a)), tol) << "dlog_a";
+  EXPECT_LE(test::relative_error(d_initial.dS, test::central_differences(loss, S0)), tol) << "d initial state";
   // Float: the same gradients to float rounding.
   State<float> initial_f;
   initial_f.S = S0.cast<float>();
@@ -229,10 +224,10 @@ TEST(kda, GradientsAgainstCentralDifferences) {
       Eigen::MatrixXf(V.cast<float>()), Eigen::MatrixXf(beta.cast<float>()),
       Eigen::MatrixXf(log_a.cast<float>()), Eigen::MatrixXf(W.cast<float>()), L2{}, initial_f,
       d_final_f, fQ, fK, fV, fb, fa, d_initial_f, wsf, o);
-  EXPECT_LE(rel(fQ.cast<double>(), dQ), 2e-5);
-  EXPECT_LE(rel(fK.cast<double>(), dK), 2e-5);
-  EXPECT_LE(rel(fa.cast<double>(), dlog_a), 2e-5);
-  EXPECT_LE(rel(d_initial_f.dS.cast<double>(), d_initial.dS), 2e-5);
+  EXPECT_LE(test::relative_error(fQ.cast<double>(), dQ), 2e-5);
+  EXPECT_LE(test::relative_error(fK.cast<double>(), dK), 2e-5);
+  EXPECT_LE(test::relative_error(fa.cast<double>(), dlog_a), 2e-5);
+  EXPECT_LE(test::relative_error(d_initial_f.dS.cast<double>(), d_initial.dS), 2e-5);
 }
 
 // The multi-head backward with shared key heads (2 value heads on one key head) and
@@ -253,11 +248,11 @@ TEST(kda, MultiHeadSharedKeyGradients) {
   const auto g = linattn::multihead_delta_rule_attention_backward(Q, K, V, beta, log_a, W, H,
                                                                   L2{}, o);
   const double tol = 1e-7;
-  EXPECT_LE(rel(g.dQ, test::central_differences(loss, Q)), tol) << "dQ";
-  EXPECT_LE(rel(g.dK, test::central_differences(loss, K)), tol) << "dK";
-  EXPECT_LE(rel(g.dV, test::central_differences(loss, V)), tol) << "dV";
-  EXPECT_LE(rel(g.dbeta, test::central_differences(loss, beta)), tol) << "dbeta";
-  EXPECT_LE(rel(g.dlog_a, test::central_differences(loss, log_a)), tol) << "dlog_a";
+  EXPECT_LE(test::relative_error(g.dQ, test::central_differences(loss, Q)), tol) << "dQ";
+  EXPECT_LE(test::relative_error(g.dK, test::central_differences(loss, K)), tol) << "dK";
+  EXPECT_LE(test::relative_error(g.dV, test::central_differences(loss, V)), tol) << "dV";
+  EXPECT_LE(test::relative_error(g.dbeta, test::central_differences(loss, beta)), tol) << "dbeta";
+  EXPECT_LE(test::relative_error(g.dlog_a, test::central_differences(loss, log_a)), tol) << "dlog_a";
 }
 
 // The decode step with per-channel decays: token by token equal to the parallel kernel and to
@@ -288,12 +283,12 @@ void check_decode() {
   MatD Sref;
   const MatD want = kda_recurrence(gref::features(L2{}, Qd), gref::features(L2{}, Kd), Vd, Bd, Gd,
                                    o.scale, &Sref);
-  EXPECT_LE(rel(steps.template cast<double>(), want), test::bound<S>(5e-6, 1e-13));
-  EXPECT_LE(rel(rnn.state().S.template cast<double>(), Sref), test::bound<S>(5e-6, 1e-13));
+  EXPECT_LE(test::relative_error(steps.template cast<double>(), want), test::bound<S>(5e-6, 1e-13));
+  EXPECT_LE(test::relative_error(rnn.state().S.template cast<double>(), Sref), test::bound<S>(5e-6, 1e-13));
   const Mat<S> parallel = linattn::delta_rule_attention(
       Mat<S>(Qd.cast<S>()), Mat<S>(Kd.cast<S>()), Mat<S>(Vd.cast<S>()), Mat<S>(Bd.cast<S>()),
       Mat<S>(Gd.cast<S>()), L2{}, o);
-  EXPECT_LE(rel(steps.template cast<double>(), parallel.template cast<double>()),
+  EXPECT_LE(test::relative_error(steps.template cast<double>(), parallel.template cast<double>()),
             test::bound<S>(2e-6, 1e-14));
   // Errors: a wrong size, a positive entry; the decoder is unchanged.
   const auto before = rnn.state();

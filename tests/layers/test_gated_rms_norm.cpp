@@ -27,10 +27,6 @@ MatD frand(Index rows, Index cols, std::uint32_t seed, double lo = -1.0, double 
   return test::random_matrix<double>(rows, cols, seed, lo, hi);
 }
 
-double rel(const MatD& got, const MatD& want) {
-  return test::max_abs_diff(got, want) / std::max(want.cwiseAbs().maxCoeff(), 1e-300);
-}
-
 MatD reference(const MatD& o, const MatD& z, const VecD& w, const GatedRMSNormOptions& opt) {
   const Index M = w.size();
   MatD y(o.rows(), o.cols());
@@ -60,13 +56,13 @@ TEST(gated_rms_norm, AgainstItsFormula) {
           const MatD o = frand(4, H * M, 1, -3, 3), z = frand(4, H * M, 2, -8, 8);
           const VecD w = frand(M, 1, 3);
           const MatD want = reference(o, z, w, opt);
-          EXPECT_LE(rel(linattn::gated_rms_norm(o, z, w, opt), want), 1e-15);
+          EXPECT_LE(test::relative_error(linattn::gated_rms_norm(o, z, w, opt), want), 1e-15);
           MatD inplace = o;
           linattn::gated_rms_norm(inplace, z, w, inplace, opt);
-          EXPECT_LE(rel(inplace, want), 1e-15);
+          EXPECT_LE(test::relative_error(inplace, want), 1e-15);
           const Eigen::MatrixXf f = linattn::gated_rms_norm(o.cast<float>(), z.cast<float>(),
                                                             Eigen::VectorXf(w.cast<float>()), opt);
-          EXPECT_LE(rel(f.cast<double>(), want), 1e-6);
+          EXPECT_LE(test::relative_error(f.cast<double>(), want), 1e-6);
           // bf16 storage: the float computation on the rounded inputs, rounded once.
           using B16 = Eigen::bfloat16;
           const Eigen::Matrix<B16, -1, -1> ob = o.cast<B16>(), zb = z.cast<B16>();
@@ -88,9 +84,9 @@ TEST(gated_rms_norm, GradientsAgainstCentralDifferences) {
       return linattn::gated_rms_norm(o, z, VecD(w), opt).cwiseProduct(G).sum();
     };
     const auto g = linattn::gated_rms_norm_backward(o, z, VecD(w), G, opt);
-    EXPECT_LE(rel(g.dO, test::central_differences(loss, o)), 1e-8);
-    EXPECT_LE(rel(g.dZ, test::central_differences(loss, z)), 1e-8);
-    EXPECT_LE(rel(g.dweight, test::central_differences(loss, w)), 1e-8);
+    EXPECT_LE(test::relative_error(g.dO, test::central_differences(loss, o)), 1e-8);
+    EXPECT_LE(test::relative_error(g.dZ, test::central_differences(loss, z)), 1e-8);
+    EXPECT_LE(test::relative_error(g.dweight, test::central_differences(loss, w)), 1e-8);
   }
 }
 

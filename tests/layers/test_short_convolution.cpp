@@ -57,10 +57,6 @@ MatD reference(const MatD& X, const MatD& w, const VecD& b, const StateD& st, bo
   return y;
 }
 
-double rel(const MatD& got, const MatD& want) {
-  return test::max_abs_diff(got, want) / std::max(want.cwiseAbs().maxCoeff(), 1e-300);
-}
-
 TEST(short_convolution, AgainstItsFormula) {
   for (const Index W : {Index(1), Index(2), Index(4), Index(5)})
     for (const Index N : {Index(1), Index(3), Index(17)})
@@ -80,7 +76,7 @@ TEST(short_convolution, AgainstItsFormula) {
             o.activation = silu ? ConvActivation::Silu : ConvActivation::None;
             const MatD want = reference(X, w, b, st0, silu);
             const MatD got = linattn::short_convolution(X, w, b, st, o);
-            EXPECT_LE(rel(got, want), 1e-15);
+            EXPECT_LE(test::relative_error(got, want), 1e-15);
             // The state is the last W − 1 rows of [state; X].
             MatD all(W - 1 + N, C);
             all.topRows(W - 1) = st0.size() ? MatD(st0) : MatD::Zero(W - 1, C);
@@ -98,7 +94,7 @@ TEST(short_convolution, AgainstItsFormula) {
             linattn::ShortConvState<float> sf = st0.cast<float>();
             const Eigen::MatrixXf gf = linattn::short_convolution(
                 X.cast<float>(), w.cast<float>(), Eigen::VectorXf(b.cast<float>()), sf, o);
-            EXPECT_LE(rel(gf.cast<double>(), want), 2e-6);
+            EXPECT_LE(test::relative_error(gf.cast<double>(), want), 2e-6);
           }
 }
 
@@ -204,21 +200,21 @@ TEST(short_convolution, GradientsAgainstCentralDifferences) {
       };
       const std::vector<StateD> st0(init.begin(), init.end());
       const auto g = linattn::batched_short_convolution_backward(X, w, VecD(b), cu, st0, G, o);
-      EXPECT_LE(rel(g.dX, test::central_differences(loss, X)), 1e-8);
-      EXPECT_LE(rel(g.dweight, test::central_differences(loss, w)), 1e-8);
-      EXPECT_LE(rel(g.dbias, test::central_differences(loss, b)), 1e-8);
+      EXPECT_LE(test::relative_error(g.dX, test::central_differences(loss, X)), 1e-8);
+      EXPECT_LE(test::relative_error(g.dweight, test::central_differences(loss, w)), 1e-8);
+      EXPECT_LE(test::relative_error(g.dbias, test::central_differences(loss, b)), 1e-8);
       ASSERT_EQ(g.dinitial.size(), init.size());
       for (std::size_t s = 0; s < init.size(); ++s)
         if (W > 1) {
-          EXPECT_LE(rel(MatD(g.dinitial[s]), test::central_differences(loss, init[s])), 1e-8) << s;
+          EXPECT_LE(test::relative_error(MatD(g.dinitial[s]), test::central_differences(loss, init[s])), 1e-8) << s;
         }
       // From zeros, without bias: the one-sequence form.
       const auto loss0 = [&] {
         return linattn::short_convolution(X, w, VecD(), o).cwiseProduct(G).sum();
       };
       const auto g0 = linattn::short_convolution_backward(X, w, VecD(), G, o);
-      EXPECT_LE(rel(g0.dX, test::central_differences(loss0, X)), 1e-8);
-      EXPECT_LE(rel(g0.dweight, test::central_differences(loss0, w)), 1e-8);
+      EXPECT_LE(test::relative_error(g0.dX, test::central_differences(loss0, X)), 1e-8);
+      EXPECT_LE(test::relative_error(g0.dweight, test::central_differences(loss0, w)), 1e-8);
       EXPECT_EQ(g0.dbias.size(), 0);
       EXPECT_TRUE(g0.dinitial.empty());
     }
