@@ -7,6 +7,7 @@
 
 #include "layers/attention_layer.hpp"
 #include "layers/batched_layer.hpp"
+#include "layers/gated_delta_net_layer.hpp"
 #include "layers/gated_rms_norm.hpp"
 #include "layers/linear_layer.hpp"
 #include "layers/short_convolution.hpp"

@@ -122,6 +122,10 @@ constexpr void static_check_offsets() {
                 "linattn: offsets must be integers (std::vector, an Eigen vector or Map of any "
                 "integer type)");
 }
+// Offsets already read in place (a layer passing its checked offsets on to the kernels).
+inline OffsetsRef offsets_of(const char*, const char*, const OffsetsRef& v) noexcept {
+  return v;
+}
 template <class Int, class Alloc>
 OffsetsRef offsets_of(const char*, const char*, const std::vector<Int, Alloc>& v) {
   static_check_offsets<Int>();

@@ -1,0 +1,519 @@
+/// \file layers/gated_delta_net_layer.hpp
+/// \brief GatedDeltaNetLayer: the linear-attention layer of Qwen3-Next, with the parameter names,
+/// shapes and head layout of its transformers implementation (`Qwen3NextGatedDeltaNet`), its
+/// per-sequence state, and a batched decode step over B sequences.
+#pragma once
+
+#include <Eigen/Core>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../core/common.hpp"
+#include "../core/detail/checks.hpp"
+#include "../core/gates.hpp"
+#include "../core/parallel.hpp"
+#include "../core/state.hpp"
+#include "../core/workspace.hpp"
+#include "../delta/batched_recurrent_delta_rule.hpp"
+#include "../delta/delta_rule.hpp"
+#include "../linear/multihead_workspace.hpp"
+#include "../maps/l2_normalize.hpp"
+#include "batched_layer.hpp"
+#include "detail/gated_delta_net.hpp"
+#include "gated_rms_norm.hpp"
+#include "short_convolution.hpp"
+
+namespace linattn {
+
+/// \brief The shape of a GatedDeltaNetLayer, with the names of the transformers configuration
+/// (`Qwen3NextConfig`); the defaults are Qwen3-Next-80B-A3B's.
+struct GatedDeltaNetConfig {
+  Index hidden_size = 2048;           ///< d, the width of the layer's input and output rows
+  Index linear_num_key_heads = 16;    ///< Hk, query/key heads (each shared by Hv / Hk)
+  Index linear_num_value_heads = 32;  ///< Hv, value heads (a multiple of Hk)
+  Index linear_key_head_dim = 128;    ///< Dk, one query/key head's width
+  Index linear_value_head_dim = 128;  ///< Dv, one value head's width
+  Index linear_conv_kernel_dim = 4;   ///< W, the short convolution's width
+  double rms_norm_eps = 1e-6;         ///< the gated RMSNorm's epsilon
+};
+
+/// \brief The state of one sequence of a GatedDeltaNetLayer: the convolution's last W − 1 inputs
+/// and the Hv heads' K x V delta-rule states. Empty parts are zeros (a new sequence); copy it
+/// to fork a sequence.
+///
+/// transformers' cache holds the same: `conv_states` [conv_dim, W] (its last W − 1 columns
+/// transposed are `conv`) and `recurrent_states` [Hv, Dk, Dv] (`heads[h].S`).
+template <class Scalar>
+struct GatedDeltaNetState {
+  ShortConvState<Scalar> conv;                      ///< (W − 1) x (2·Hk·Dk + Hv·Dv), or empty
+  std::vector<LinearAttentionState<Scalar>> heads;  ///< Hv states, or empty
+  Index position = 0;                               ///< tokens consumed
+};
+
+template <class Scalar>
+class GatedDeltaNetLayer;
+
+/// \brief B sequences of a GatedDeltaNetLayer decoded together (spelled
+/// `GatedDeltaNetLayer<Scalar>::BatchedState`, from make_batched_state()): their convolution
+/// states, their Hv·B delta-rule heads in a BatchedRecurrentDeltaRule (decoder()), and the
+/// buffers of a step, reused: once they hold B rows, GatedDeltaNetLayer::step() allocates
+/// nothing. Sequence b owns row b of every step's input and output.
+template <class Scalar>
+class GatedDeltaNetBatchedState {
+ public:
+  /// The delta-rule decoder of the sequences' heads (its keep_snapshots(), rollback() and
+  /// save_state() act on the recurrent part alone).
+  using Decoder = BatchedRecurrentDeltaRule<L2Normalize<>, Scalar>;
+
+  /// B, the number of sequences.
+  /// \return the sequences.
+  Index sequences() const noexcept { return dec_.sequences(); }
+
+  /// A new sequence at the end (zero state), numbered sequences() − 1.
+  /// \return its number.
+  Index add_sequence() {
+    conv_.emplace_back();
+    return dec_.add_sequence();
+  }
+
+  /// Removes sequence b; the last sequence takes its number (as the decoder's).
+  /// \throws std::invalid_argument if b is out of range.
+  /// \param b the sequence to remove.
+  void remove_sequence(Index b) {
+    dec_.remove_sequence(b);  // checks b first
+    conv_[static_cast<std::size_t>(b)] = std::move(conv_.back());
+    conv_.pop_back();
+  }
+
+  /// Sequence b's state (a copy), as GatedDeltaNetLayer::forward() carries it.
+  /// \param b the sequence.
+  /// \return its convolution and head states.
+  GatedDeltaNetState<Scalar> state(Index b) const {
+    GatedDeltaNetState<Scalar> st;
+    st.conv = conv_.at(static_cast<std::size_t>(b));
+    for (Index h = 0; h < dec_.heads(); ++h) st.heads.push_back(dec_.state(b, h));
+    st.position = dec_.position(b);
+    return st;
+  }
+
+  /// Makes `state` (a prefill's, from GatedDeltaNetLayer::forward()) sequence b's.
+  /// \throws std::invalid_argument if b is out of range or a part has another shape.
+  /// \param b the sequence.
+  /// \param state its convolution and head states (empty parts: zeros).
+  void set_state(Index b, const GatedDeltaNetState<Scalar>& state) {
+    const char* fn = "GatedDeltaNetBatchedState::set_state";
+    if (b < 0 || b >= sequences())
+      detail::throw_invalid(fn, "sequence " + std::to_string(b) + " is out of range [0, " +
+                                    std::to_string(sequences()) + ")");
+    if (state.conv.size() != 0 && (state.conv.rows() != w_ - 1 || state.conv.cols() != conv_dim_))
+      detail::throw_invalid(fn, "conv is " + detail::shape_of(state.conv) + " but must be " +
+                                    std::to_string(w_ - 1) + " x " + std::to_string(conv_dim_));
+    if (!state.heads.empty() && static_cast<Index>(state.heads.size()) != dec_.heads())
+      detail::throw_invalid(fn, "heads holds " + std::to_string(state.heads.size()) +
+                                    " states but the layer has " + std::to_string(dec_.heads()));
+    if (!state.heads.empty())  // a dry run on copies of single heads: nothing moves on a throw
+      for (Index h = 0; h < dec_.heads(); ++h) {
+        typename Decoder::Decoder one = dec_.decoder(b, h);
+        one.set_state(state.heads[static_cast<std::size_t>(h)], state.position);
+      }
+    if (state.heads.empty())
+      dec_.reset(b);
+    else
+      for (Index h = 0; h < dec_.heads(); ++h)
+        dec_.set_state(b, h, state.heads[static_cast<std::size_t>(h)], state.position);
+    conv_[static_cast<std::size_t>(b)] = state.conv;
+  }
+
+  /// The delta-rule heads of every sequence.
+  /// \return the decoder.
+  Decoder& decoder() noexcept { return dec_; }
+  /// \copydoc decoder()
+  const Decoder& decoder() const noexcept { return dec_; }
+
+  /// The sequences' convolution states (empty: zeros).
+  /// \return one per sequence.
+  const std::vector<ShortConvState<Scalar>>& conv_states() const noexcept { return conv_; }
+
+ private:
+  friend class GatedDeltaNetLayer<Scalar>;
+  GatedDeltaNetBatchedState(const detail::GdnSizes& s, Index sequences, Decoder dec)
+      : conv_(static_cast<std::size_t>(sequences)),
+        dec_(std::move(dec)),
+        w_(s.w),
+        conv_dim_(s.conv_dim()),
+        x_(0, s.d),
+        y_(0, s.d) {
+    buf_.reserve(s, sequences);
+    x_.resize(sequences, s.d);
+    y_.resize(sequences, s.d);
+  }
+
+  std::vector<ShortConvState<Scalar>> conv_;
+  Decoder dec_;
+  Index w_, conv_dim_;
+  detail::GdnBuffers<Scalar> buf_;
+  detail::RowMatrix<Scalar> x_, y_;
+  Workspace<Scalar> ws_;
+};
+
+/// \brief The Gated DeltaNet layer of Qwen3-Next (transformers' `Qwen3NextGatedDeltaNet`): for
+/// input rows X (N x d),
+///
+/// \f[ [q, k, v, z] = X W_{qkvz}^\top,\quad [b, a] = X W_{ba}^\top,\quad
+///     [q, k, v] \leftarrow \mathrm{SiLU}(\mathrm{conv}([q, k, v])), \f]
+/// \f[ \beta = \sigma(b),\quad g = -e^{A_{\log}}\,\mathrm{softplus}(a + dt_{bias}),\quad
+///     o = \mathrm{GatedDeltaRule}(\hat q, \hat k, v, \beta, g),\quad
+///     Y = \mathrm{RMSNorm}(o) \odot w \odot \mathrm{SiLU}(z)\; W_{out}^\top, \f]
+///
+/// with \f$\hat q, \hat k\f$ L2-normalised (ε = 1e-6), the scale 1/√Dk, value head h reading
+/// query/key head h / (Hv / Hk), the convolution depthwise and causal, the norm per value head.
+///
+/// The parameters are public members, named and shaped as transformers' (the torch weight of
+/// `nn.Linear`, out x in; the convolution's [conv_dim, 1, W] as conv_dim x W), so that a
+/// checkpoint's tensors are copied as they are: the rows of in_proj_qkvz are transformers'
+/// interleaved order (per key head: q, k, then the values and gates of its Hv / Hk value
+/// heads), those of in_proj_ba per key head its b's then its a's. parameter_shapes() lists
+/// them with their checkpoint names. They are drawn as torch initialises the module
+/// (reset_parameters()).
+///
+/// \code
+/// linattn::GatedDeltaNetConfig cfg;  // Qwen3-Next: d = 2048, 16 key heads, 32 value heads
+/// linattn::GatedDeltaNetLayer<float> layer(cfg);
+/// auto state = layer.make_state();
+/// Eigen::MatrixXf Y = layer.forward(prompt, state);   // prefill, N x 2048
+/// auto batch = layer.make_batched_state(1);
+/// batch.set_state(0, state);
+/// Eigen::MatrixXf y(1, 2048);
+/// layer.step(x, batch, y);                            // one token, no allocation
+/// \endcode
+template <class Scalar = float>
+class GatedDeltaNetLayer {
+  static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
+                "linattn: GatedDeltaNetLayer computes in float or double");
+
+ public:
+  /// One sequence's state (GatedDeltaNetState).
+  using State = GatedDeltaNetState<Scalar>;
+  /// B sequences decoded together (GatedDeltaNetBatchedState).
+  using BatchedState = GatedDeltaNetBatchedState<Scalar>;
+
+  /// A layer of the given shape with torch's initial parameters (reset_parameters(seed)).
+  /// \throws std::invalid_argument on a size <= 0, value heads not a multiple of key heads, or
+  /// a negative or non-finite epsilon.
+  /// \param config the shape.
+  /// \param seed the seed of the initial parameters.
+  explicit GatedDeltaNetLayer(const GatedDeltaNetConfig& config = {}, std::uint32_t seed = 0)
+      : config_(config), s_(checked_sizes(config)) {
+    reset_parameters(seed);
+  }
+
+  /// \name Parameters (transformers' names in parentheses)
+  /// @{
+  Matrix<Scalar> in_proj_qkvz;   ///< (2·Hk·Dk + 2·Hv·Dv) x d (`in_proj_qkvz.weight`)
+  Matrix<Scalar> in_proj_ba;     ///< 2·Hv x d (`in_proj_ba.weight`)
+  Matrix<Scalar> conv1d_weight;  ///< (2·Hk·Dk + Hv·Dv) x W (`conv1d.weight`, [C, 1, W])
+  Vector<Scalar> dt_bias;        ///< Hv (`dt_bias`)
+  Vector<Scalar> A_log;          ///< Hv (`A_log`)
+  Vector<Scalar> norm_weight;    ///< Dv (`norm.weight`)
+  Matrix<Scalar> out_proj;       ///< d x Hv·Dv (`out_proj.weight`)
+  /// @}
+
+  /// The shape the layer was made with.
+  /// \return the configuration.
+  const GatedDeltaNetConfig& config() const noexcept { return config_; }
+
+  /// The parameters' checkpoint names and torch shapes, in the order of the members.
+  /// \return (name, shape) pairs, e.g. ("conv1d.weight", {C, 1, W}).
+  std::vector<std::pair<std::string, std::vector<Index>>> parameter_shapes() const {
+    const Index C = s_.conv_dim();
+    return {{"in_proj_qkvz.weight", {s_.qkvz_dim(), s_.d}},
+            {"in_proj_ba.weight", {2 * s_.hv, s_.d}},
+            {"conv1d.weight", {C, 1, s_.w}},
+            {"dt_bias", {s_.hv}},
+            {"A_log", {s_.hv}},
+            {"norm.weight", {s_.dv}},
+            {"out_proj.weight", {s_.d, s_.value_dim}}};
+  }
+
+  /// Draws the parameters as torch initialises the module: the projections and the convolution
+  /// uniformly in ±1/√fan_in (`nn.Linear`, `nn.Conv1d`), dt_bias = 1, A_log = log U(0, 16),
+  /// norm_weight = 1; from a std::mt19937 seeded with `seed`.
+  /// \param seed the generator's seed.
+  void reset_parameters(std::uint32_t seed = 0) {
+    std::mt19937 gen(seed);
+    const auto uniform = [&gen](Matrix<Scalar>& m, Index rows, Index cols, double fan_in) {
+      std::uniform_real_distribution<double> u(-1 / std::sqrt(fan_in), 1 / std::sqrt(fan_in));
+      m.resize(rows, cols);
+      for (Index j = 0; j < cols; ++j)
+        for (Index i = 0; i < rows; ++i) m(i, j) = static_cast<Scalar>(u(gen));
+    };
+    uniform(in_proj_qkvz, s_.qkvz_dim(), s_.d, double(s_.d));
+    uniform(in_proj_ba, 2 * s_.hv, s_.d, double(s_.d));
+    uniform(conv1d_weight, s_.conv_dim(), s_.w, double(s_.w));
+    uniform(out_proj, s_.d, s_.value_dim, double(s_.value_dim));
+    dt_bias = Vector<Scalar>::Ones(s_.hv);
+    std::uniform_real_distribution<double> a(0.0, 16.0);
+    A_log.resize(s_.hv);
+    for (Index h = 0; h < s_.hv; ++h) A_log(h) = static_cast<Scalar>(std::log(a(gen)));
+    norm_weight = Vector<Scalar>::Ones(s_.dv);
+  }
+
+  /// A new sequence's state (zeros, position 0).
+  /// \return the state.
+  State make_state() const { return State{}; }
+
+  /// B zero-state sequences to decode together.
+  /// \throws std::invalid_argument if sequences < 0.
+  /// \param sequences B.
+  /// \return the batched state.
+  BatchedState make_batched_state(Index sequences) const {
+    if (sequences < 0)
+      detail::throw_invalid("GatedDeltaNetLayer::make_batched_state",
+                            "sequences = " + std::to_string(sequences) + " must be >= 0");
+    return BatchedState(s_, sequences,
+                        typename BatchedState::Decoder(sequences, s_.hv, s_.dk, s_.dv,
+                                                       L2Normalize<>(kL2Epsilon), delta_options()));
+  }
+
+  /// Y (N x d) for the rows of one new sequence X (N x d).
+  /// \param X N x d input rows.
+  /// \return Y, N x d.
+  template <class DX>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X) const {
+    State state;
+    return forward(X, state);
+  }
+
+  /// The forward of one sequence continuing `state` (a prefill or its continuation), leaving
+  /// it after the last row; equal to step() through the rows to rounding. On an exception
+  /// `state` is unchanged.
+  /// \throws std::invalid_argument on a wrong shape (of X, a parameter or the state) or a
+  /// non-finite entry of X (naming it: the gates must be finite).
+  /// \param X N x d input rows.
+  /// \param state the sequence's state, moved past the N rows.
+  /// \return Y, N x d.
+  template <class DX>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, State& state) const {
+    std::vector<State> states(1);
+    states[0] = state;
+    const Index offsets[2] = {0, X.rows()};
+    Matrix<Scalar> Y =
+        forward_impl("GatedDeltaNetLayer::forward", X, detail::OffsetsRef(offsets, 2), states);
+    state = std::move(states[0]);
+    return Y;
+  }
+
+  /// The forward of B sequences packed one after another (rows [offsets[b], offsets[b+1]) are
+  /// sequence b, FLA's cu_seqlens), each continuing states[b] (an empty vector: B new
+  /// sequences), which move past their rows. A sequence never reads another's rows.
+  /// \throws std::invalid_argument as forward(X, state), or on offsets that are not
+  /// non-decreasing from 0 to N.
+  /// \param X the packed N x d input rows.
+  /// \param offsets B + 1 offsets (std::vector or Eigen vector of any integer type).
+  /// \param states B states, or an empty vector.
+  /// \return Y, N x d.
+  template <class DX, class Off>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, const Off& offsets,
+                         std::vector<State>& states) const {
+    const char* fn = "GatedDeltaNetLayer::forward";
+    const auto off = detail::offsets_of(fn, "offsets", offsets);
+    detail::check_offsets(fn, "offsets", off, X.rows());
+    if (states.empty()) states.resize(off.size() - 1);
+    std::vector<State> next = states;
+    Matrix<Scalar> Y = forward_impl(fn, X, off, next);
+    states = std::move(next);
+    return Y;
+  }
+
+  /// One token of each of `state`'s B sequences: row b of Xb (B x d) is sequence b's next
+  /// input, its output row goes to row b of Yb (which may be Xb). Equal to forward() of the
+  /// same tokens to rounding; allocates nothing once `state` has held B rows.
+  /// \throws std::invalid_argument on a wrong shape or a non-finite entry of Xb (naming it;
+  /// the state then unchanged).
+  /// \param Xb B x d inputs, one row per sequence.
+  /// \param state the B sequences, moved on by one token each.
+  /// \param Yb receives the B x d outputs.
+  /// \param par the threads of the projections and the heads (default: OpenMP's, where they pay).
+  template <class DX, class DY>
+  void step(const Eigen::MatrixBase<DX>& Xb, BatchedState& state, const Eigen::MatrixBase<DY>& Yb,
+            const ParallelOptions& par = {}) const {
+    const char* fn = "GatedDeltaNetLayer::step";
+    static_assert(std::is_same_v<typename DX::Scalar, Scalar>,
+                  "linattn: the tokens' scalar type must be the layer's");
+    check_parameters(fn);
+    const Index B = state.sequences();
+    if (Xb.rows() != B || Xb.cols() != s_.d)
+      detail::throw_invalid(fn, "Xb is " + detail::shape_of(Xb) + " but must be " +
+                                    std::to_string(B) + " x " + std::to_string(s_.d) +
+                                    " (B sequences x hidden_size)");
+    detail::check_output(fn, Yb, B, s_.d);
+    if (state.w_ != s_.w || state.conv_dim_ != s_.conv_dim() || state.dec_.heads() != s_.hv)
+      detail::throw_invalid(fn, "the batched state was made by a layer of another shape");
+    detail::check_finite_entries(fn, "Xb", Xb);
+    auto& buf = state.buf_;
+    buf.reserve(s_, B);
+    if (state.x_.rows() < B) state.x_.resize(B, s_.d), state.y_.resize(B, s_.d);
+    state.x_.topRows(B) = Xb;
+    const double work = 2.0 * double(B) * double(s_.d) * double(s_.qkvz_dim() + s_.value_dim);
+    int threads = 1;
+    if (work >= 2 * detail::kLayerProjectionWorkPerThread)
+      threads = static_cast<int>(std::min<double>(detail::resolve_threads(par),
+                                                  work / detail::kLayerProjectionWorkPerThread));
+    if (detail::in_parallel_region()) threads = 1;
+    const auto* exec = detail::executor_of(par);
+    detail::layer_rows_times_transpose(in_proj_qkvz, state.x_, B, buf.p, threads, exec);
+    detail::layer_rows_times_transpose(in_proj_ba, state.x_, B, buf.r, threads, exec);
+    buf.gather(s_, B);
+    gates(buf, B);  // checks every gate input before any state moves
+    short_convolution_step(buf.mixed.topRows(B), conv1d_weight, Vector<Scalar>(), state.conv_,
+                           buf.c.topRows(B), state.ws_);
+    const auto c = buf.c.topRows(B);
+    state.dec_.step(c.leftCols(s_.key_dim), c.middleCols(s_.key_dim, s_.key_dim),
+                    c.rightCols(s_.value_dim), buf.b.topRows(B), buf.a.topRows(B), buf.o.topRows(B),
+                    par);
+    norm(buf, B);
+    detail::layer_rows_times_transpose(out_proj, buf.o, B, state.y_, threads, exec);
+    detail::writable(Yb) = state.y_.topRows(B);
+  }
+
+ private:
+  static constexpr double kL2Epsilon = 1e-6;  // transformers' and FLA's l2norm
+
+  static detail::GdnSizes checked_sizes(const GatedDeltaNetConfig& c) {
+    const char* fn = "GatedDeltaNetLayer";
+    const auto positive = [fn](const char* name, Index v) {
+      if (v <= 0)
+        detail::throw_invalid(fn, std::string(name) + " = " + std::to_string(v) + " must be > 0");
+    };
+    positive("hidden_size", c.hidden_size);
+    positive("linear_num_key_heads", c.linear_num_key_heads);
+    positive("linear_num_value_heads", c.linear_num_value_heads);
+    positive("linear_key_head_dim", c.linear_key_head_dim);
+    positive("linear_value_head_dim", c.linear_value_head_dim);
+    positive("linear_conv_kernel_dim", c.linear_conv_kernel_dim);
+    if (c.linear_num_value_heads % c.linear_num_key_heads != 0)
+      detail::throw_invalid(fn,
+                            "linear_num_value_heads = " + std::to_string(c.linear_num_value_heads) +
+                                " must be a multiple of linear_num_key_heads = " +
+                                std::to_string(c.linear_num_key_heads));
+    if (!(c.rms_norm_eps >= 0) || !std::isfinite(c.rms_norm_eps))
+      detail::throw_invalid(fn, "rms_norm_eps = " + detail::value_string(c.rms_norm_eps) +
+                                    " must be finite and >= 0");
+    detail::GdnSizes s;
+    s.d = c.hidden_size;
+    s.hk = c.linear_num_key_heads;
+    s.hv = c.linear_num_value_heads;
+    s.dk = c.linear_key_head_dim;
+    s.dv = c.linear_value_head_dim;
+    s.w = c.linear_conv_kernel_dim;
+    s.group = s.hv / s.hk;
+    s.key_dim = s.hk * s.dk;
+    s.value_dim = s.hv * s.dv;
+    return s;
+  }
+
+  DeltaOptions delta_options() const {
+    DeltaOptions o;
+    o.scale = 1.0 / std::sqrt(double(s_.dk));
+    o.key_heads = s_.hk;
+    o.key_dim = s_.dk;
+    o.value_dim = s_.dv;
+    return o;
+  }
+
+  // Every parameter's shape, naming the first that is wrong (the members are public).
+  void check_parameters(const char* fn) const {
+    const auto check = [fn](const char* name, Index rows, Index cols, Index want_rows,
+                            Index want_cols) {
+      if (rows != want_rows || cols != want_cols)
+        detail::throw_invalid(fn, std::string(name) + " is " + std::to_string(rows) + " x " +
+                                      std::to_string(cols) + " but the configuration needs " +
+                                      std::to_string(want_rows) + " x " +
+                                      std::to_string(want_cols));
+    };
+    check("in_proj_qkvz", in_proj_qkvz.rows(), in_proj_qkvz.cols(), s_.qkvz_dim(), s_.d);
+    check("in_proj_ba", in_proj_ba.rows(), in_proj_ba.cols(), 2 * s_.hv, s_.d);
+    check("conv1d_weight", conv1d_weight.rows(), conv1d_weight.cols(), s_.conv_dim(), s_.w);
+    check("dt_bias", dt_bias.rows(), 1, s_.hv, 1);
+    check("A_log", A_log.rows(), 1, s_.hv, 1);
+    check("norm_weight", norm_weight.rows(), 1, s_.dv, 1);
+    check("out_proj", out_proj.rows(), out_proj.cols(), s_.d, s_.value_dim);
+  }
+
+  // β = sigmoid(b) and g = −exp(A_log)·softplus(a + dt_bias), in place over rows [0, n).
+  void gates(detail::GdnBuffers<Scalar>& buf, Index n) const {
+    auto b = buf.b.topRows(n);
+    auto a = buf.a.topRows(n);
+    beta_activation(b, b);
+    gate_activation(a, A_log, dt_bias, a);
+  }
+
+  void norm(detail::GdnBuffers<Scalar>& buf, Index n) const {
+    GatedRMSNormOptions o;
+    o.eps = config_.rms_norm_eps;
+    auto out = buf.o.topRows(n);
+    gated_rms_norm(out, buf.z.topRows(n), norm_weight, out, o);
+  }
+
+  template <class DX>
+  Matrix<Scalar> forward_impl(const char* fn, const Eigen::MatrixBase<DX>& X,
+                              detail::OffsetsRef off, std::vector<State>& states) const {
+    static_assert(std::is_same_v<typename DX::Scalar, Scalar>,
+                  "linattn: the input's scalar type must be the layer's");
+    check_parameters(fn);
+    if (X.cols() != s_.d)
+      detail::throw_invalid(fn, "X is " + detail::shape_of(X) + " but must have hidden_size = " +
+                                    std::to_string(s_.d) + " columns");
+    // A non-finite input would reach the gates, which reject it: name the input instead.
+    detail::check_finite_entries(fn, "X", X);
+    const Index N = X.rows(), B = static_cast<Index>(off.size()) - 1;
+    if (static_cast<Index>(states.size()) != B)
+      detail::throw_invalid(fn, "states holds " + std::to_string(states.size()) +
+                                    " states but offsets give B = " + std::to_string(B));
+    std::vector<ShortConvState<Scalar>> conv(static_cast<std::size_t>(B));
+    std::vector<LinearAttentionState<Scalar>> heads;
+    heads.reserve(static_cast<std::size_t>(B * s_.hv));
+    for (Index b = 0; b < B; ++b) {
+      auto& st = states[static_cast<std::size_t>(b)];
+      if (!st.heads.empty() && static_cast<Index>(st.heads.size()) != s_.hv)
+        detail::throw_invalid(fn, "states[" + std::to_string(b) + "] holds " +
+                                      std::to_string(st.heads.size()) +
+                                      " head states but the layer has " + std::to_string(s_.hv));
+      conv[static_cast<std::size_t>(b)] = st.conv;
+      for (Index h = 0; h < s_.hv; ++h)
+        heads.push_back(st.heads.empty() ? LinearAttentionState<Scalar>()
+                                         : st.heads[static_cast<std::size_t>(h)]);
+    }
+    detail::GdnBuffers<Scalar> buf;
+    buf.reserve(s_, N);
+    buf.p.noalias() = X * in_proj_qkvz.transpose();
+    buf.r.noalias() = X * in_proj_ba.transpose();
+    buf.gather(s_, N);
+    gates(buf, N);
+    Workspace<Scalar> ws;
+    batched_short_convolution(buf.mixed, conv1d_weight, Vector<Scalar>(), off, conv, buf.c, ws);
+    MultiHeadWorkspace<Scalar> mws;
+    batched_delta_rule_attention(buf.c.leftCols(s_.key_dim),
+                                 buf.c.middleCols(s_.key_dim, s_.key_dim),
+                                 buf.c.rightCols(s_.value_dim), buf.b, buf.a, off, s_.hv,
+                                 L2Normalize<>(kL2Epsilon), heads, buf.o, mws, delta_options());
+    norm(buf, N);
+    Matrix<Scalar> Y = buf.o * out_proj.transpose();
+    for (Index b = 0; b < B; ++b) {
+      auto& st = states[static_cast<std::size_t>(b)];
+      st.conv = std::move(conv[static_cast<std::size_t>(b)]);
+      st.heads.assign(heads.begin() + b * s_.hv, heads.begin() + (b + 1) * s_.hv);
+      st.position += off[static_cast<std::size_t>(b + 1)] - off[static_cast<std::size_t>(b)];
+    }
+    return Y;
+  }
+
+  GatedDeltaNetConfig config_;
+  detail::GdnSizes s_;
+};
+
+}  // namespace linattn
