@@ -94,8 +94,9 @@ struct TensorInfo {
 ///
 /// Tensors are read by name into float or double (also Eigen::bfloat16 / Eigen::half) from
 /// any floating dtype: F32 and F64 into their own type and F16 / BF16 into anything keep
-/// every bit; a narrower target rounds to nearest even. NaN and infinities are values like
-/// any other. The object is immutable after construction, so concurrent reads are safe.
+/// every bit; a narrower target rounds to nearest even (F64 into bf16 or half through float).
+/// NaN and infinities are values like any other. The object is immutable after construction,
+/// so concurrent reads are safe.
 /// \code
 /// linattn::SafetensorsFile file("model.safetensors");
 /// Eigen::MatrixXf Wq = file.matrix<float>("model.layers.0.attn.q_proj.weight", 512, 512);
@@ -207,13 +208,13 @@ class SafetensorsFile {
             const Eigen::MatrixBase<Derived>& out) const {
     constexpr const char* fn = "SafetensorsFile::read";
     using Scalar = typename Derived::Scalar;
+    const TensorInfo& t = checked(fn, name, shape);
     std::uint64_t count = 0;
-    const bool fits = detail::st::element_count(detail::st::nonnegative(fn, source_, shape), count);
-    if (!fits || count != static_cast<std::uint64_t>(out.rows() * out.cols()))
+    if (!detail::st::element_count(shape, count) ||
+        count != static_cast<std::uint64_t>(out.rows() * out.cols()))
       detail::throw_invalid(fn, source_ + ": tensor " + detail::st::in_quotes(name) + ": shape " +
                                     detail::st::shape_text(shape) + " does not fill the " +
                                     detail::shape_of(out) + " output");
-    const TensorInfo& t = checked(fn, name, shape);
     Derived& o = detail::writable(out);
     const Index cols = o.cols();
     detail::st::decode<Scalar>(static_cast<int>(t.dtype), data(t), t.size(),
