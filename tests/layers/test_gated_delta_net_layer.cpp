@@ -370,4 +370,39 @@ TEST(GatedDeltaNetLayer, ParameterShapesUseTransformersNames) {
   EXPECT_TRUE((layer.A_log.array() < std::log(16.0f)).all());
 }
 
+TEST(GatedDeltaNetLayer, WeightsFromASafetensorsCheckpoint) {
+  const auto cfg = small_config(2, 4, 6, 5, 4);
+  const Layer<double> trained(cfg, 41);
+  linattn::SafetensorsWriter w;
+  trained.save(w, "model.layers.0.linear_attn.");
+  const auto file = linattn::SafetensorsFile::from_bytes(w.bytes(), "ckpt");
+  EXPECT_EQ(file.info("model.layers.0.linear_attn.conv1d.weight").shape,
+            (std::vector<Index>{44, 1, 4}));
+  Layer<double> layer(cfg, 1);
+  layer.load(file, "model.layers.0.linear_attn.");
+  EXPECT_EQ(layer.in_proj_qkvz, trained.in_proj_qkvz);
+  EXPECT_EQ(layer.conv1d_weight, trained.conv1d_weight);
+  EXPECT_EQ(layer.A_log, trained.A_log);
+  const Eigen::MatrixXd X = inputs<double>(9, cfg.hidden_size, 42);
+  EXPECT_EQ(layer.forward(X), trained.forward(X));
+  // float from the same checkpoint: converted once per entry.
+  Layer<float> lf(cfg, 1);
+  lf.load(file, "model.layers.0.linear_attn.");
+  EXPECT_EQ(lf.out_proj, trained.out_proj.cast<float>());
+
+  // A missing tensor or a wrong shape is named, and the layer keeps its parameters.
+  const Layer<double> before = layer;
+  try {
+    layer.load(file, "model.layers.1.linear_attn.");
+    ADD_FAILURE() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("GatedDeltaNetLayer::load"), std::string::npos) << m;
+    EXPECT_NE(m.find("model.layers.1.linear_attn.in_proj_qkvz.weight"), std::string::npos) << m;
+  }
+  Layer<double> other(small_config(2, 4, 6, 6, 4), 1);  // Dv = 6: every value shape differs
+  EXPECT_THROW(other.load(file, "model.layers.0.linear_attn."), std::invalid_argument);
+  EXPECT_EQ(layer.in_proj_qkvz, before.in_proj_qkvz);
+}
+
 }  // namespace

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,6 +23,7 @@
 #include "../delta/delta_rule.hpp"
 #include "../linear/multihead_workspace.hpp"
 #include "../maps/l2_normalize.hpp"
+#include "../serving/safetensors.hpp"
 #include "batched_layer.hpp"
 #include "detail/gated_delta_net.hpp"
 #include "gated_rms_norm.hpp"
@@ -237,6 +239,62 @@ class GatedDeltaNetLayer {
             {"A_log", {s_.hv}},
             {"norm.weight", {s_.dv}},
             {"out_proj.weight", {s_.d, s_.value_dim}}};
+  }
+
+  /// Sets every parameter from a checkpoint's tensors named `prefix` + the names of
+  /// parameter_shapes() (a Qwen3-Next checkpoint: prefix "model.layers.<i>.linear_attn."), of
+  /// any float dtype (F32, F64, BF16, F16: converted to Scalar). Every tensor is read before
+  /// any parameter changes.
+  /// \throws std::invalid_argument naming the tensor and the file if one is missing, has
+  /// another shape (both named) or a dtype that is not a float; the layer is then unchanged.
+  /// \code
+  /// linattn::SafetensorsFile file("model-00001-of-00041.safetensors");
+  /// layer.load(file, "model.layers.0.linear_attn.");
+  /// \endcode
+  /// \param file the opened checkpoint file.
+  /// \param prefix prepended to every parameter's name.
+  void load(const SafetensorsFile& file, const std::string& prefix = "") {
+    const auto shapes = parameter_shapes();
+    Matrix<Scalar> qkvz(s_.qkvz_dim(), s_.d), ba(2 * s_.hv, s_.d), conv(s_.conv_dim(), s_.w),
+        out(s_.d, s_.value_dim);
+    Vector<Scalar> dt(s_.hv), alog(s_.hv), nw(s_.dv);
+    const auto read = [&](std::size_t i, auto& dst) {
+      try {
+        file.read(prefix + shapes[i].first, shapes[i].second, dst);
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument(std::string("linattn::GatedDeltaNetLayer::load: ") + e.what());
+      }
+    };
+    read(0, qkvz);
+    read(1, ba);
+    read(2, conv);
+    read(3, dt);
+    read(4, alog);
+    read(5, nw);
+    read(6, out);
+    in_proj_qkvz = std::move(qkvz);
+    in_proj_ba = std::move(ba);
+    conv1d_weight = std::move(conv);
+    dt_bias = std::move(dt);
+    A_log = std::move(alog);
+    norm_weight = std::move(nw);
+    out_proj = std::move(out);
+  }
+
+  /// Adds every parameter to `writer` under `prefix` + its checkpoint name, in the checkpoint's
+  /// shapes (conv1d.weight as [C, 1, W]), so that load() or transformers reads them back.
+  /// \param writer the file being written.
+  /// \param prefix prepended to every parameter's name.
+  void save(SafetensorsWriter& writer, const std::string& prefix = "") const {
+    const auto shapes = parameter_shapes();
+    writer.add(prefix + shapes[0].first, in_proj_qkvz);
+    writer.add(prefix + shapes[1].first, in_proj_ba);
+    const detail::RowMatrix<Scalar> conv = conv1d_weight;  // [C, 1, W] in row-major order
+    writer.add(prefix + shapes[2].first, shapes[2].second, conv.data());
+    writer.add(prefix + shapes[3].first, dt_bias);
+    writer.add(prefix + shapes[4].first, A_log);
+    writer.add(prefix + shapes[5].first, norm_weight);
+    writer.add(prefix + shapes[6].first, out_proj);
   }
 
   /// Draws the parameters as torch initialises the module: the projections and the convolution
