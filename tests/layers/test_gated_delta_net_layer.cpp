@@ -240,12 +240,12 @@ TEST(GatedDeltaNetLayer, PackedSequencesEqualSeparateOnes) {
 }
 
 template <class S>
-void decode_against_forward() {
-  const auto cfg = small_config(2, 4, 6, 5, 3);
+void decode_against_forward(const GatedDeltaNetConfig& cfg, Index B) {
   Layer<S> layer(cfg, 21);
   const Index T = 6;
-  const std::vector<Index> prompt = {4, 0, 9};  // sequence 1 starts from a zero state
-  auto batch = layer.make_batched_state(3);
+  std::vector<Index> prompt = {4, 0, 9};  // sequence 1 starts from a zero state
+  while (Index(prompt.size()) < B) prompt.push_back(Index(prompt.size()) % 5);
+  auto batch = layer.make_batched_state(B);
   std::vector<Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic>> X;
   for (std::size_t b = 0; b < prompt.size(); ++b) {
     X.push_back(inputs<S>(prompt[b] + T, cfg.hidden_size, 30 + std::uint32_t(b)));
@@ -253,15 +253,15 @@ void decode_against_forward() {
     layer.forward(X[b].topRows(prompt[b]), st);
     batch.set_state(Index(b), st);
   }
-  Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic> xb(3, cfg.hidden_size), yb(3, cfg.hidden_size);
-  std::vector<Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic>> got(3);
+  Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic> xb(B, cfg.hidden_size), yb(B, cfg.hidden_size);
+  std::vector<Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic>> got(static_cast<std::size_t>(B));
   for (auto& g : got) g.resize(T, cfg.hidden_size);
   for (Index t = 0; t < T; ++t) {
-    for (Index b = 0; b < 3; ++b) xb.row(b) = X[std::size_t(b)].row(prompt[std::size_t(b)] + t);
+    for (Index b = 0; b < B; ++b) xb.row(b) = X[std::size_t(b)].row(prompt[std::size_t(b)] + t);
     layer.step(xb, batch, yb);
-    for (Index b = 0; b < 3; ++b) got[std::size_t(b)].row(t) = yb.row(b);
+    for (Index b = 0; b < B; ++b) got[std::size_t(b)].row(t) = yb.row(b);
   }
-  for (std::size_t b = 0; b < 3; ++b) {
+  for (std::size_t b = 0; b < prompt.size(); ++b) {
     RefState ref;
     const MatL want = reference(layer, X[b].template cast<LD>(), ref);
     EXPECT_LE(row_error(got[b], want.bottomRows(T)), tolerance<S>()) << "sequence " << b;
@@ -270,11 +270,14 @@ void decode_against_forward() {
 }
 
 TEST(GatedDeltaNetLayer, BatchedStepsEqualTheForward) {
+  // B = 7 and hidden_size 300: the projections on the micro-kernel, their depth in blocks.
 #ifdef LINATTN_TEST_DOUBLE
-  decode_against_forward<double>();
+  decode_against_forward<double>(small_config(2, 4, 6, 5, 3), 3);
+  decode_against_forward<double>(small_config(1, 2, 8, 8, 4, 300), 7);
 #endif
 #ifdef LINATTN_TEST_FLOAT
-  decode_against_forward<float>();
+  decode_against_forward<float>(small_config(2, 4, 6, 5, 3), 3);
+  decode_against_forward<float>(small_config(1, 2, 8, 8, 4, 300), 7);
 #endif
 }
 

@@ -66,4 +66,10 @@ inline constexpr Index kLinformerPanel = 256;
 // 10 µs of one core, against a few µs to start and join a team (bench_layer_serving).
 inline constexpr double kLayerProjectionWorkPerThread = double(1 << 21);
 
+// Columns of a projection weight per pass of the batched layer's micro-kernel: a tile's pass
+// reads one cache line from each column, and the columns of a large weight are pages apart, so
+// a pass over all of them misses the TLB at every step; passes over this many columns let the
+// next tiles find the same pages (docs/benchmarks.md, the Gated DeltaNet layer's decode).
+inline constexpr Index kLayerDepthBlock = 256;
+
 }  // namespace linattn::detail

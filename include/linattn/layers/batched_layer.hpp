@@ -48,9 +48,12 @@ void layer_rows_times_transpose(const Matrix<Scalar>& W, const RowMat& in, Index
     return;
   }
   const auto rows = [&](Index i0, Index i1) {
-    if (i1 > i0)
-      gemm_acc<Scalar>(i1 - i0, n, k, W.data() + i0, W.outerStride(), in.data(), 1,
-                       in.outerStride(), out.data() + i0, out.outerStride(), false);
+    if (i1 <= i0) return;
+    // k in blocks of kLayerDepthBlock, the same for any thread count (so the same bits).
+    for (Index p0 = 0; p0 < k; p0 += kLayerDepthBlock)
+      gemm_acc<Scalar>(i1 - i0, n, std::min(kLayerDepthBlock, k - p0),
+                       W.data() + i0 + p0 * W.outerStride(), W.outerStride(), in.data() + p0, 1,
+                       in.outerStride(), out.data() + i0, out.outerStride(), p0 > 0);
   };
   const Index tiles = (m + kTile - 1) / kTile;
   const int T = static_cast<int>(std::min<Index>(std::max(threads, 1), tiles));
