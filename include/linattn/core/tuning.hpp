@@ -67,9 +67,9 @@ inline constexpr Index kLinformerPanel = 256;
 inline constexpr double kLayerProjectionWorkPerThread = double(1 << 21);
 
 // Columns of a projection weight per pass of the batched layer's micro-kernel: a tile's pass
-// reads one cache line from each column, and the columns of a large weight are pages apart, so
-// a pass over all of them misses the TLB at every step; passes over this many columns let the
-// next tiles find the same pages (docs/benchmarks.md, the Gated DeltaNet layer's decode).
+// reads one cache line from each column, and the columns of a large weight are pages apart;
+// shorter passes let the next tiles find the same pages still mapped and their lines cached
+// (the Gated DeltaNet layer's decode in docs/benchmarks.md).
 inline constexpr Index kLayerDepthBlock = 256;
 
 }  // namespace linattn::detail
