@@ -22,6 +22,7 @@ import sys
 from .document import write_markdown
 from .generation import generation
 from .headline import headline
+from .gdn_layer import gdn_layer_section
 from .kda import batched_decode_section, kda_section
 from .plots import gen_plot, roofline_plot, svg_plot
 from .results import Results, contention
@@ -62,7 +63,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--readme", help="rewrite the headline table between the bench:headline "
                                      "markers of this "
                                      "README.md")
-    ap.add_argument("--only", help="comma-separated blocks to fill (e.g. kda,batched_decode: "
+    ap.add_argument("--only", help="comma-separated blocks to fill (e.g. kda,batched_decode or "
+                                   "gdn_layer: "
                                    "the results of those programs alone); the template's other "
                                    "blocks are left as they are")
     args = ap.parse_args(argv)
@@ -92,6 +94,9 @@ def main(argv: list[str]) -> int:
     print()
     print("== Batched gated / delta decode, extend")
     print("\n".join(batched_decode_section(res, own, args.command)))
+    print()
+    print("== Gated DeltaNet layer (Qwen3-Next shape)")
+    print("\n".join(gdn_layer_section(res, own, args.command)))
     print()
     for w in warnings + own:
         print("warning:", w)

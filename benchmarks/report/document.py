@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from .fmt import escape_md, table
 from .generation import generation
+from .gdn_layer import gdn_layer_section
 from .headline import headline
 from .kda import batched_decode_section, kda_section
 from .machine import machine_info
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 
 # The blocks of the template, in its order.
-BLOCKS = ("run", "machine", "caps", "headline", "kda", "batched_decode", "results")
+BLOCKS = ("run", "machine", "caps", "headline", "kda", "batched_decode", "gdn_layer", "results")
 
 
 def blocks(res: Results, svg_name: str | None, command: str, load_before: str,
@@ -43,6 +44,7 @@ def blocks(res: Results, svg_name: str | None, command: str, load_before: str,
         # them from a run of their programs alone).
         "kda": kda_section(res, [], command),
         "batched_decode": batched_decode_section(res, [], command),
+        "gdn_layer": gdn_layer_section(res, [], command),
     }
     L = ["## Summary of the performance targets", ""]
     L += summary_lines
