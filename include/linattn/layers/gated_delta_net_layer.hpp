@@ -25,6 +25,8 @@
 #include "../maps/l2_normalize.hpp"
 #include "../serving/safetensors.hpp"
 #include "batched_layer.hpp"
+#include "delta_layer_state.hpp"
+#include "detail/delta_layer.hpp"
 #include "detail/gated_delta_net.hpp"
 #include "gated_rms_norm.hpp"
 #include "short_convolution.hpp"
@@ -43,124 +45,19 @@ struct GatedDeltaNetConfig {
   double rms_norm_eps = 1e-6;         ///< the gated RMSNorm's epsilon
 };
 
-/// \brief The state of one sequence of a GatedDeltaNetLayer: the convolution's last W − 1 inputs
-/// and the Hv heads' K x V delta-rule states. Empty parts are zeros (a new sequence); copy it
-/// to fork a sequence.
+/// \brief The state of one sequence of a GatedDeltaNetLayer (a DeltaLayerState): the
+/// convolution's last W − 1 inputs, (W − 1) x (2·Hk·Dk + Hv·Dv), and the Hv heads' Dk x Dv
+/// delta-rule states.
 ///
 /// transformers' cache holds the same: `conv_states` [conv_dim, W] (its last W − 1 columns
 /// transposed are `conv`) and `recurrent_states` [Hv, Dk, Dv] (`heads[h].S`).
 template <class Scalar>
-struct GatedDeltaNetState {
-  ShortConvState<Scalar> conv;                      ///< (W − 1) x (2·Hk·Dk + Hv·Dv), or empty
-  std::vector<LinearAttentionState<Scalar>> heads;  ///< Hv states, or empty
-  Index position = 0;                               ///< tokens consumed
-};
+using GatedDeltaNetState = DeltaLayerState<Scalar>;
 
+/// \brief B sequences of a GatedDeltaNetLayer decoded together (a DeltaLayerBatchedState,
+/// spelled `GatedDeltaNetLayer<Scalar>::BatchedState`, from make_batched_state()).
 template <class Scalar>
-class GatedDeltaNetLayer;
-
-/// \brief B sequences of a GatedDeltaNetLayer decoded together (spelled
-/// `GatedDeltaNetLayer<Scalar>::BatchedState`, from make_batched_state()): their convolution
-/// states, their Hv·B delta-rule heads in a BatchedRecurrentDeltaRule (decoder()), and the
-/// buffers of a step, reused: once they hold B rows, GatedDeltaNetLayer::step() allocates
-/// nothing. Sequence b owns row b of every step's input and output.
-template <class Scalar>
-class GatedDeltaNetBatchedState {
- public:
-  /// The delta-rule decoder of the sequences' heads (its keep_snapshots(), rollback() and
-  /// save_state() act on the recurrent part alone).
-  using Decoder = BatchedRecurrentDeltaRule<L2Normalize<>, Scalar>;
-
-  /// B, the number of sequences.
-  /// \return the sequences.
-  Index sequences() const noexcept { return dec_.sequences(); }
-
-  /// A new sequence at the end (zero state), numbered sequences() − 1.
-  /// \return its number.
-  Index add_sequence() {
-    conv_.emplace_back();
-    return dec_.add_sequence();
-  }
-
-  /// Removes sequence b; the last sequence takes its number (as the decoder's).
-  /// \throws std::invalid_argument if b is out of range.
-  /// \param b the sequence to remove.
-  void remove_sequence(Index b) {
-    dec_.remove_sequence(b);  // checks b first
-    conv_[static_cast<std::size_t>(b)] = std::move(conv_.back());
-    conv_.pop_back();
-  }
-
-  /// Sequence b's state (a copy), as GatedDeltaNetLayer::forward() carries it.
-  /// \param b the sequence.
-  /// \return its convolution and head states.
-  GatedDeltaNetState<Scalar> state(Index b) const {
-    GatedDeltaNetState<Scalar> st;
-    st.conv = conv_.at(static_cast<std::size_t>(b));
-    for (Index h = 0; h < dec_.heads(); ++h) st.heads.push_back(dec_.state(b, h));
-    st.position = dec_.position(b);
-    return st;
-  }
-
-  /// Makes `state` (a prefill's, from GatedDeltaNetLayer::forward()) sequence b's.
-  /// \throws std::invalid_argument if b is out of range or a part has another shape.
-  /// \param b the sequence.
-  /// \param state its convolution and head states (empty parts: zeros).
-  void set_state(Index b, const GatedDeltaNetState<Scalar>& state) {
-    const char* fn = "GatedDeltaNetBatchedState::set_state";
-    if (b < 0 || b >= sequences())
-      detail::throw_invalid(fn, "sequence " + std::to_string(b) + " is out of range [0, " +
-                                    std::to_string(sequences()) + ")");
-    if (state.conv.size() != 0 && (state.conv.rows() != w_ - 1 || state.conv.cols() != conv_dim_))
-      detail::throw_invalid(fn, "conv is " + detail::shape_of(state.conv) + " but must be " +
-                                    std::to_string(w_ - 1) + " x " + std::to_string(conv_dim_));
-    if (!state.heads.empty() && static_cast<Index>(state.heads.size()) != dec_.heads())
-      detail::throw_invalid(fn, "heads holds " + std::to_string(state.heads.size()) +
-                                    " states but the layer has " + std::to_string(dec_.heads()));
-    if (!state.heads.empty())  // a dry run on copies of single heads: nothing moves on a throw
-      for (Index h = 0; h < dec_.heads(); ++h) {
-        typename Decoder::Decoder one = dec_.decoder(b, h);
-        one.set_state(state.heads[static_cast<std::size_t>(h)], state.position);
-      }
-    if (state.heads.empty())
-      dec_.reset(b);
-    else
-      for (Index h = 0; h < dec_.heads(); ++h)
-        dec_.set_state(b, h, state.heads[static_cast<std::size_t>(h)], state.position);
-    conv_[static_cast<std::size_t>(b)] = state.conv;
-  }
-
-  /// The delta-rule heads of every sequence.
-  /// \return the decoder.
-  Decoder& decoder() noexcept { return dec_; }
-  /// \copydoc decoder()
-  const Decoder& decoder() const noexcept { return dec_; }
-
-  /// The sequences' convolution states (empty: zeros).
-  /// \return one per sequence.
-  const std::vector<ShortConvState<Scalar>>& conv_states() const noexcept { return conv_; }
-
- private:
-  friend class GatedDeltaNetLayer<Scalar>;
-  GatedDeltaNetBatchedState(const detail::GdnSizes& s, Index sequences, Decoder dec)
-      : conv_(static_cast<std::size_t>(sequences)),
-        dec_(std::move(dec)),
-        w_(s.w),
-        conv_dim_(s.conv_dim()),
-        x_(0, s.d),
-        y_(0, s.d) {
-    buf_.reserve(s, sequences);
-    x_.resize(sequences, s.d);
-    y_.resize(sequences, s.d);
-  }
-
-  std::vector<ShortConvState<Scalar>> conv_;
-  Decoder dec_;
-  Index w_, conv_dim_;
-  detail::GdnBuffers<Scalar> buf_;
-  detail::RowMatrix<Scalar> x_, y_;
-  Workspace<Scalar> ws_;
-};
+using GatedDeltaNetBatchedState = DeltaLayerBatchedState<Scalar, detail::GdnBuffers<Scalar>>;
 
 /// \brief The Gated DeltaNet layer of Qwen3-Next (transformers' `Qwen3NextGatedDeltaNet`): for
 /// input rows X (N x d),
@@ -259,11 +156,8 @@ class GatedDeltaNetLayer {
         out(s_.d, s_.value_dim);
     Vector<Scalar> dt(s_.hv), alog(s_.hv), nw(s_.dv);
     const auto read = [&](std::size_t i, auto& dst) {
-      try {
-        file.read(prefix + shapes[i].first, shapes[i].second, dst);
-      } catch (const std::invalid_argument& e) {
-        throw std::invalid_argument(std::string("linattn::GatedDeltaNetLayer::load: ") + e.what());
-      }
+      detail::read_parameter("GatedDeltaNetLayer::load", file, prefix + shapes[i].first,
+                             shapes[i].second, dst);
     };
     read(0, qkvz);
     read(1, ba);
@@ -304,10 +198,7 @@ class GatedDeltaNetLayer {
   void reset_parameters(std::uint32_t seed = 0) {
     std::mt19937 gen(seed);
     const auto uniform = [&gen](Matrix<Scalar>& m, Index rows, Index cols, double fan_in) {
-      std::uniform_real_distribution<double> u(-1 / std::sqrt(fan_in), 1 / std::sqrt(fan_in));
-      m.resize(rows, cols);
-      for (Index j = 0; j < cols; ++j)
-        for (Index i = 0; i < rows; ++i) m(i, j) = static_cast<Scalar>(u(gen));
+      detail::torch_uniform(gen, m, rows, cols, fan_in);
     };
     uniform(in_proj_qkvz, s_.qkvz_dim(), s_.d, double(s_.d));
     uniform(in_proj_ba, 2 * s_.hv, s_.d, double(s_.d));
@@ -332,7 +223,7 @@ class GatedDeltaNetLayer {
     if (sequences < 0)
       detail::throw_invalid("GatedDeltaNetLayer::make_batched_state",
                             "sequences = " + std::to_string(sequences) + " must be >= 0");
-    return BatchedState(s_, sequences,
+    return BatchedState("GatedDeltaNetLayer", s_, sequences,
                         typename BatchedState::Decoder(sequences, s_.hv, s_.dk, s_.dv,
                                                        L2Normalize<>(kL2Epsilon), delta_options()));
   }
@@ -403,25 +294,11 @@ class GatedDeltaNetLayer {
     static_assert(std::is_same_v<typename DX::Scalar, Scalar>,
                   "linattn: the tokens' scalar type must be the layer's");
     check_parameters(fn);
+    state.begin_step(fn, s_, Xb, Yb);
     const Index B = state.sequences();
-    if (Xb.rows() != B || Xb.cols() != s_.d)
-      detail::throw_invalid(fn, "Xb is " + detail::shape_of(Xb) + " but must be " +
-                                    std::to_string(B) + " x " + std::to_string(s_.d) +
-                                    " (B sequences x hidden_size)");
-    detail::check_output(fn, Yb, B, s_.d);
-    if (state.w_ != s_.w || state.conv_dim_ != s_.conv_dim() || state.dec_.heads() != s_.hv)
-      detail::throw_invalid(fn, "the batched state was made by a layer of another shape");
-    detail::check_finite_entries(fn, "Xb", Xb);
     auto& buf = state.buf_;
-    buf.reserve(s_, B);
-    if (state.x_.rows() < B) state.x_.resize(B, s_.d), state.y_.resize(B, s_.d);
-    state.x_.topRows(B) = Xb;
     const double work = 2.0 * double(B) * double(s_.d) * double(s_.qkvz_dim() + s_.value_dim);
-    int threads = 1;
-    if (work >= 2 * detail::kLayerProjectionWorkPerThread)
-      threads = static_cast<int>(std::min<double>(detail::resolve_threads(par),
-                                                  work / detail::kLayerProjectionWorkPerThread));
-    if (detail::in_parallel_region()) threads = 1;
+    const int threads = detail::projection_threads(work, par);
     const auto* exec = detail::executor_of(par);
     detail::layer_rows_times_transpose(in_proj_qkvz, state.x_, B, buf.p, threads, exec);
     detail::layer_rows_times_transpose(in_proj_ba, state.x_, B, buf.r, threads, exec);
@@ -435,7 +312,7 @@ class GatedDeltaNetLayer {
                     par);
     norm(buf, B);
     detail::layer_rows_times_transpose(out_proj, buf.o, B, state.y_, threads, exec);
-    detail::writable(Yb) = state.y_.topRows(B);
+    state.end_step(Yb);
   }
 
  private:
@@ -485,13 +362,8 @@ class GatedDeltaNetLayer {
 
   // Every parameter's shape, naming the first that is wrong (the members are public).
   void check_parameters(const char* fn) const {
-    const auto check = [fn](const char* name, Index rows, Index cols, Index want_rows,
-                            Index want_cols) {
-      if (rows != want_rows || cols != want_cols)
-        detail::throw_invalid(fn, std::string(name) + " is " + std::to_string(rows) + " x " +
-                                      std::to_string(cols) + " but the configuration needs " +
-                                      std::to_string(want_rows) + " x " +
-                                      std::to_string(want_cols));
+    const auto check = [fn](const char* name, Index rows, Index cols, Index wr, Index wc) {
+      detail::check_parameter(fn, name, rows, cols, wr, wc);
     };
     check("in_proj_qkvz", in_proj_qkvz.rows(), in_proj_qkvz.cols(), s_.qkvz_dim(), s_.d);
     check("in_proj_ba", in_proj_ba.rows(), in_proj_ba.cols(), 2 * s_.hv, s_.d);
@@ -529,23 +401,9 @@ class GatedDeltaNetLayer {
     // A non-finite input would reach the gates, which reject it: name the input instead.
     detail::check_finite_entries(fn, "X", X);
     const Index N = X.rows(), B = static_cast<Index>(off.size()) - 1;
-    if (static_cast<Index>(states.size()) != B)
-      detail::throw_invalid(fn, "states holds " + std::to_string(states.size()) +
-                                    " states but offsets give B = " + std::to_string(B));
-    std::vector<ShortConvState<Scalar>> conv(static_cast<std::size_t>(B));
+    std::vector<ShortConvState<Scalar>> conv;
     std::vector<LinearAttentionState<Scalar>> heads;
-    heads.reserve(static_cast<std::size_t>(B * s_.hv));
-    for (Index b = 0; b < B; ++b) {
-      auto& st = states[static_cast<std::size_t>(b)];
-      if (!st.heads.empty() && static_cast<Index>(st.heads.size()) != s_.hv)
-        detail::throw_invalid(fn, "states[" + std::to_string(b) + "] holds " +
-                                      std::to_string(st.heads.size()) +
-                                      " head states but the layer has " + std::to_string(s_.hv));
-      conv[static_cast<std::size_t>(b)] = st.conv;
-      for (Index h = 0; h < s_.hv; ++h)
-        heads.push_back(st.heads.empty() ? LinearAttentionState<Scalar>()
-                                         : st.heads[static_cast<std::size_t>(h)]);
-    }
+    detail::unpack_layer_states(fn, states, B, s_.hv, conv, heads);
     detail::GdnBuffers<Scalar> buf;
     buf.reserve(s_, N);
     buf.p.noalias() = X * in_proj_qkvz.transpose();
@@ -561,12 +419,7 @@ class GatedDeltaNetLayer {
                                  L2Normalize<>(kL2Epsilon), heads, buf.o, mws, delta_options());
     norm(buf, N);
     Matrix<Scalar> Y = buf.o * out_proj.transpose();
-    for (Index b = 0; b < B; ++b) {
-      auto& st = states[static_cast<std::size_t>(b)];
-      st.conv = std::move(conv[static_cast<std::size_t>(b)]);
-      st.heads.assign(heads.begin() + b * s_.hv, heads.begin() + (b + 1) * s_.hv);
-      st.position += off[static_cast<std::size_t>(b + 1)] - off[static_cast<std::size_t>(b)];
-    }
+    detail::pack_layer_states(off, s_.hv, conv, heads, states);
     return Y;
   }
 

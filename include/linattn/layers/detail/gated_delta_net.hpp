@@ -11,6 +11,7 @@
 
 #include "../../core/common.hpp"
 #include "../../core/detail/checks.hpp"
+#include "delta_layer.hpp"
 
 namespace linattn {
 
@@ -18,20 +19,18 @@ struct GatedDeltaNetConfig;
 
 namespace detail {
 
-template <class S>
-using RowMatrix = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-
 // The sizes a GatedDeltaNetConfig implies.
 struct GdnSizes {
-  Index d = 0;          // hidden_size
-  Index hk = 0;         // query/key heads
-  Index hv = 0;         // value heads
-  Index dk = 0;         // one key head's width
-  Index dv = 0;         // one value head's width
-  Index w = 0;          // convolution width
-  Index group = 0;      // value heads per key head
-  Index key_dim = 0;    // hk·dk
-  Index value_dim = 0;  // hv·dv
+  Index d = 0;                        // hidden_size
+  Index hk = 0;                       // query/key heads
+  Index hv = 0;                       // value heads
+  Index dk = 0;                       // one key head's width
+  Index dv = 0;                       // one value head's width
+  Index w = 0;                        // convolution width
+  Index group = 0;                    // value heads per key head
+  Index key_dim = 0;                  // hk·dk
+  Index value_dim = 0;                // hv·dv
+  Index heads() const { return hv; }  // the delta rule's (value) heads
   Index conv_dim() const { return 2 * key_dim + value_dim; }
   Index qkvz_dim() const { return 2 * key_dim + 2 * value_dim; }
 };

@@ -1,0 +1,59 @@
+/// \file layers/detail/kimi_delta_attention.hpp
+/// \brief Internals of KimiDeltaAttentionLayer: the sizes its configuration implies and the
+/// per-call buffers.
+#pragma once
+
+#include <Eigen/Core>
+
+#include "../../core/common.hpp"
+#include "delta_layer.hpp"
+
+namespace linattn {
+namespace detail {
+
+// The sizes a KimiDeltaAttentionConfig implies.
+struct KdaSizes {
+  Index d = 0;          // hidden_size
+  Index h = 0;          // heads
+  Index dk = 0;         // one query/key head's width, and the gates' low rank
+  Index dv = 0;         // one value head's width
+  Index w = 0;          // convolution width
+  Index key_dim = 0;    // h·dk
+  Index value_dim = 0;  // h·dv
+  Index heads() const { return h; }
+  Index conv_dim() const { return 2 * key_dim + value_dim; }
+};
+
+// The intermediate rows of one call, row-major, reused while their capacity holds the rows.
+template <class S>
+struct KdaBuffers {
+  RowMatrix<S> q, k, v;   // the step's projections (the forward writes them into mixed)
+  RowMatrix<S> mixed, c;  // the convolution's input q | k | v and its output: n x conv_dim
+  RowMatrix<S> fa, ga;    // the gates' low-rank rows: n x dk
+  RowMatrix<S> a;         // the decay's pre-activations, then g: n x key_dim
+  RowMatrix<S> b;         // β's pre-activations, then β: n x h
+  RowMatrix<S> z, o;      // the output gate and the attention outputs: n x value_dim
+  Matrix<S> conv_weight;  // the three convolutions' weights stacked: conv_dim x w
+
+  // With `step` false (a forward), q, k and v stay empty: the projections go to mixed.
+  void reserve(const KdaSizes& s, Index n, bool step = true) {
+    conv_weight.resize(s.conv_dim(), s.w);
+    if (mixed.rows() >= n && mixed.cols() == s.conv_dim() && a.cols() == s.key_dim) return;
+    if (step) {
+      q.resize(n, s.key_dim);
+      k.resize(n, s.key_dim);
+      v.resize(n, s.value_dim);
+    }
+    mixed.resize(n, s.conv_dim());
+    c.resize(n, s.conv_dim());
+    fa.resize(n, s.dk);
+    ga.resize(n, s.dk);
+    a.resize(n, s.key_dim);
+    b.resize(n, s.h);
+    z.resize(n, s.value_dim);
+    o.resize(n, s.value_dim);
+  }
+};
+
+}  // namespace detail
+}  // namespace linattn

@@ -1,0 +1,507 @@
+/// \file layers/kimi_delta_attention_layer.hpp
+/// \brief KimiDeltaAttentionLayer: the KDA layer of Kimi Linear, with the parameter names and
+/// shapes of its checkpoints (Kimi Linear's `KimiDeltaAttention`, FLA's layer of that name), its
+/// per-sequence state, and a batched decode step over B sequences.
+#pragma once
+
+#include <Eigen/Core>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../core/common.hpp"
+#include "../core/detail/checks.hpp"
+#include "../core/gates.hpp"
+#include "../core/parallel.hpp"
+#include "../core/state.hpp"
+#include "../core/workspace.hpp"
+#include "../delta/batched_recurrent_delta_rule.hpp"
+#include "../delta/delta_rule.hpp"
+#include "../linear/multihead_workspace.hpp"
+#include "../maps/l2_normalize.hpp"
+#include "../serving/safetensors.hpp"
+#include "batched_layer.hpp"
+#include "delta_layer_state.hpp"
+#include "detail/delta_layer.hpp"
+#include "detail/kimi_delta_attention.hpp"
+#include "gated_rms_norm.hpp"
+#include "short_convolution.hpp"
+
+namespace linattn {
+
+/// \brief The shape of a KimiDeltaAttentionLayer, with the names of Kimi Linear's configuration
+/// (`linear_attn_config`: `num_heads`, `head_dim`, `short_conv_kernel_size`); the defaults are
+/// Kimi-Linear-48B-A3B's.
+struct KimiDeltaAttentionConfig {
+  Index hidden_size = 2304;          ///< d, the width of the layer's input and output rows
+  Index num_heads = 32;              ///< H, the heads (of queries, keys and values alike)
+  Index head_dim = 128;              ///< K, one query/key head's width and the gates' low rank
+  Index head_v_dim = 0;              ///< V, one value head's width; 0: head_dim (Kimi Linear's)
+  Index short_conv_kernel_size = 4;  ///< W, the short convolutions' width
+  double rms_norm_eps = 1e-6;        ///< the gated RMSNorm's epsilon
+  /// Whether g = lower_bound·sigmoid(exp(A_log)·(a + dt_bias)) (FLA's `safe_gate` with its
+  /// `lower_bound`) instead of Kimi Linear's −exp(A_log)·softplus(a + dt_bias).
+  bool use_lower_bound = false;
+  double lower_bound = -5.0;  ///< the lower bound of g when use_lower_bound, finite and < 0
+};
+
+/// \brief The state of one sequence of a KimiDeltaAttentionLayer (a DeltaLayerState): the three
+/// convolutions' last W − 1 inputs side by side, (W − 1) x (2·H·K + H·V) with the columns of q,
+/// then k, then v, and the H heads' K x V delta-rule states.
+///
+/// Kimi Linear's cache holds the same: `conv_states` a tuple (q, k, v) of [C, W] tensors (the
+/// last W − 1 columns of each, transposed, are its block of `conv`) and `recurrent_states`
+/// [H, K, V] (`heads[h].S`).
+template <class Scalar>
+using KimiDeltaAttentionState = DeltaLayerState<Scalar>;
+
+/// \brief B sequences of a KimiDeltaAttentionLayer decoded together (a DeltaLayerBatchedState,
+/// spelled `KimiDeltaAttentionLayer<Scalar>::BatchedState`, from make_batched_state()).
+template <class Scalar>
+using KimiDeltaAttentionBatchedState = DeltaLayerBatchedState<Scalar, detail::KdaBuffers<Scalar>>;
+
+/// \brief The KDA layer of Kimi Linear (`KimiDeltaAttention`): for input rows X (N x d),
+///
+/// \f[ q = \mathrm{SiLU}(\mathrm{conv}_q(X W_q^\top)),\quad
+///     k = \mathrm{SiLU}(\mathrm{conv}_k(X W_k^\top)),\quad
+///     v = \mathrm{SiLU}(\mathrm{conv}_v(X W_v^\top)), \f]
+/// \f[ g = -e^{A_{\log}}\,\mathrm{softplus}(X W_{f_a}^\top W_{f_b}^\top + dt_{bias}),\quad
+///     \beta = \sigma(X W_b^\top),\quad z = X W_{g_a}^\top W_{g_b}^\top, \f]
+/// \f[ o = \mathrm{KDA}(\hat q, \hat k, v, \beta, g),\quad
+///     Y = \mathrm{RMSNorm}(o) \odot w \odot \sigma(z)\; W_o^\top, \f]
+///
+/// with g one log-decay per head and key channel (N x H·K; the lower-bounded form
+/// lb·σ(e^{A_log}(a + dt_bias)) with KimiDeltaAttentionConfig::use_lower_bound), \f$\hat q,
+/// \hat k\f$ L2-normalised (ε = 1e-6), the scale 1/√K, the recurrence per head
+/// S = diag(e^g) S, S += β k (v − Sᵀk)ᵀ, o = Sᵀq/√K, the convolutions depthwise and causal
+/// without bias, the norm per head.
+///
+/// The parameters are public members, named and shaped as the checkpoints' (the torch weight
+/// of `nn.Linear`, out x in; a convolution's [C, 1, W] as C x W), so that a checkpoint's tensors
+/// are copied as they are; parameter_shapes() lists them with their checkpoint names. They are
+/// drawn as torch initialises the module (reset_parameters()).
+///
+/// \code
+/// linattn::KimiDeltaAttentionConfig cfg;  // Kimi-Linear-48B: d = 2304, 32 heads of 128
+/// linattn::KimiDeltaAttentionLayer<float> layer(cfg);
+/// auto state = layer.make_state();
+/// Eigen::MatrixXf Y = layer.forward(prompt, state);   // prefill, N x 2304
+/// auto batch = layer.make_batched_state(1);
+/// batch.set_state(0, state);
+/// Eigen::MatrixXf y(1, 2304);
+/// layer.step(x, batch, y);                            // one token, no allocation
+/// \endcode
+template <class Scalar = float>
+class KimiDeltaAttentionLayer {
+  static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
+                "linattn: KimiDeltaAttentionLayer computes in float or double");
+
+ public:
+  /// One sequence's state (KimiDeltaAttentionState).
+  using State = KimiDeltaAttentionState<Scalar>;
+  /// B sequences decoded together (KimiDeltaAttentionBatchedState).
+  using BatchedState = KimiDeltaAttentionBatchedState<Scalar>;
+
+  /// A layer of the given shape with torch's initial parameters (reset_parameters(seed)).
+  /// \throws std::invalid_argument on a size <= 0 (head_v_dim < 0), a negative or non-finite
+  /// epsilon, or with use_lower_bound a lower bound that is not finite and < 0.
+  /// \param config the shape.
+  /// \param seed the seed of the initial parameters.
+  explicit KimiDeltaAttentionLayer(const KimiDeltaAttentionConfig& config = {},
+                                   std::uint32_t seed = 0)
+      : config_(config), s_(checked_sizes(config)) {
+    reset_parameters(seed);
+  }
+
+  /// \name Parameters (checkpoint names in parentheses)
+  /// @{
+  Matrix<Scalar> q_proj;           ///< H·K x d (`q_proj.weight`)
+  Matrix<Scalar> k_proj;           ///< H·K x d (`k_proj.weight`)
+  Matrix<Scalar> v_proj;           ///< H·V x d (`v_proj.weight`)
+  Matrix<Scalar> q_conv1d_weight;  ///< H·K x W (`q_conv1d.weight`, [H·K, 1, W])
+  Matrix<Scalar> k_conv1d_weight;  ///< H·K x W (`k_conv1d.weight`, [H·K, 1, W])
+  Matrix<Scalar> v_conv1d_weight;  ///< H·V x W (`v_conv1d.weight`, [H·V, 1, W])
+  Matrix<Scalar> f_a_proj;         ///< K x d (`f_a_proj.weight`)
+  Matrix<Scalar> f_b_proj;         ///< H·K x K (`f_b_proj.weight`)
+  Matrix<Scalar> b_proj;           ///< H x d (`b_proj.weight`)
+  Matrix<Scalar> g_a_proj;         ///< K x d (`g_a_proj.weight`)
+  Matrix<Scalar> g_b_proj;         ///< H·V x K (`g_b_proj.weight`)
+  Vector<Scalar> A_log;            ///< H (`A_log`, [1, 1, H, 1] in Kimi Linear's checkpoints)
+  Vector<Scalar> dt_bias;          ///< H·K (`dt_bias`)
+  Vector<Scalar> o_norm_weight;    ///< V (`o_norm.weight`)
+  Matrix<Scalar> o_proj;           ///< d x H·V (`o_proj.weight`)
+  /// @}
+
+  /// The shape the layer was made with.
+  /// \return the configuration.
+  const KimiDeltaAttentionConfig& config() const noexcept { return config_; }
+
+  /// The parameters' checkpoint names and torch shapes, in the order of the members; A_log as
+  /// Kimi Linear stores it, [1, 1, H, 1].
+  /// \return (name, shape) pairs, e.g. ("q_conv1d.weight", {H·K, 1, W}).
+  std::vector<std::pair<std::string, std::vector<Index>>> parameter_shapes() const {
+    const Index d = s_.d, H = s_.h, K = s_.dk, HK = s_.key_dim, HV = s_.value_dim, W = s_.w;
+    return {{"q_proj.weight", {HK, d}},
+            {"k_proj.weight", {HK, d}},
+            {"v_proj.weight", {HV, d}},
+            {"q_conv1d.weight", {HK, 1, W}},
+            {"k_conv1d.weight", {HK, 1, W}},
+            {"v_conv1d.weight", {HV, 1, W}},
+            {"f_a_proj.weight", {K, d}},
+            {"f_b_proj.weight", {HK, K}},
+            {"b_proj.weight", {H, d}},
+            {"g_a_proj.weight", {K, d}},
+            {"g_b_proj.weight", {HV, K}},
+            {"A_log", {1, 1, H, 1}},
+            {"dt_bias", {HK}},
+            {"o_norm.weight", {s_.dv}},
+            {"o_proj.weight", {d, HV}}};
+  }
+
+  /// Sets every parameter from a checkpoint's tensors named `prefix` + the names of
+  /// parameter_shapes() (a Kimi Linear checkpoint: prefix "model.layers.<i>.self_attn."), of
+  /// any float dtype (F32, F64, BF16, F16: converted to Scalar); A_log may be [1, 1, H, 1] or
+  /// [H]. Every tensor is read before any parameter changes.
+  /// \throws std::invalid_argument naming the tensor and the file if one is missing, has
+  /// another shape (both named) or a dtype that is not a float; the layer is then unchanged.
+  /// \code
+  /// linattn::SafetensorsFile file("model-1-of-20.safetensors");
+  /// layer.load(file, "model.layers.0.self_attn.");
+  /// \endcode
+  /// \param file the opened checkpoint file.
+  /// \param prefix prepended to every parameter's name.
+  void load(const SafetensorsFile& file, const std::string& prefix = "") {
+    auto shapes = parameter_shapes();
+    const std::string alog = prefix + shapes[11].first;
+    if (file.contains(alog) && file.info(alog).shape.size() == 1) shapes[11].second = {s_.h};
+    KimiDeltaAttentionLayer next = *this;
+    Matrix<Scalar>* mats[] = {&next.q_proj,          &next.k_proj,          &next.v_proj,
+                              &next.q_conv1d_weight, &next.k_conv1d_weight, &next.v_conv1d_weight,
+                              &next.f_a_proj,        &next.f_b_proj,        &next.b_proj,
+                              &next.g_a_proj,        &next.g_b_proj};
+    Vector<Scalar>* vecs[] = {&next.A_log, &next.dt_bias, &next.o_norm_weight};
+    const auto read = [&](std::size_t i, auto& dst, Index rows, Index cols) {
+      dst.resize(rows, cols);
+      detail::read_parameter("KimiDeltaAttentionLayer::load", file, prefix + shapes[i].first,
+                             shapes[i].second, dst);
+    };
+    for (std::size_t i = 0; i < 11; ++i)  // {rows, cols} or a convolution's {C, 1, W}
+      read(i, *mats[i], shapes[i].second.front(), shapes[i].second.back());
+    read(11, *vecs[0], s_.h, 1);
+    read(12, *vecs[1], s_.key_dim, 1);
+    read(13, *vecs[2], s_.dv, 1);
+    read(14, next.o_proj, s_.d, s_.value_dim);
+    *this = std::move(next);
+  }
+
+  /// Adds every parameter to `writer` under `prefix` + its checkpoint name, in the shapes of
+  /// parameter_shapes() (the convolutions as [C, 1, W], A_log as [1, 1, H, 1]), so that load()
+  /// or Kimi Linear's code reads them back.
+  /// \param writer the file being written.
+  /// \param prefix prepended to every parameter's name.
+  void save(SafetensorsWriter& writer, const std::string& prefix = "") const {
+    const auto shapes = parameter_shapes();
+    const Matrix<Scalar>* mats[] = {&q_proj,          &k_proj,          &v_proj,   &q_conv1d_weight,
+                                    &k_conv1d_weight, &v_conv1d_weight, &f_a_proj, &f_b_proj,
+                                    &b_proj,          &g_a_proj,        &g_b_proj};
+    for (std::size_t i = 0; i < 11; ++i) {
+      const detail::RowMatrix<Scalar> rows = *mats[i];  // torch's row-major order
+      writer.add(prefix + shapes[i].first, shapes[i].second, rows.data());
+    }
+    writer.add(prefix + shapes[11].first, shapes[11].second, A_log.data());
+    writer.add(prefix + shapes[12].first, dt_bias);
+    writer.add(prefix + shapes[13].first, o_norm_weight);
+    writer.add(prefix + shapes[14].first, o_proj);
+  }
+
+  /// Draws the parameters as torch and FLA initialise the module: the projections and the
+  /// convolutions uniformly in ±1/√fan_in (`nn.Linear`; `nn.Conv1d` with one channel per
+  /// group, fan_in = W), A_log = log U(1, 16), dt_bias = 0, o_norm_weight = 1; from a
+  /// std::mt19937 seeded with `seed`.
+  /// \param seed the generator's seed.
+  void reset_parameters(std::uint32_t seed = 0) {
+    std::mt19937 gen(seed);
+    const auto uniform = [&gen](Matrix<Scalar>& m, Index rows, Index cols, Index fan_in) {
+      detail::torch_uniform(gen, m, rows, cols, double(fan_in));
+    };
+    const Index d = s_.d, K = s_.dk, HK = s_.key_dim, HV = s_.value_dim, W = s_.w;
+    uniform(q_proj, HK, d, d);
+    uniform(k_proj, HK, d, d);
+    uniform(v_proj, HV, d, d);
+    uniform(q_conv1d_weight, HK, W, W);
+    uniform(k_conv1d_weight, HK, W, W);
+    uniform(v_conv1d_weight, HV, W, W);
+    uniform(f_a_proj, K, d, d);
+    uniform(f_b_proj, HK, K, K);
+    uniform(b_proj, s_.h, d, d);
+    uniform(g_a_proj, K, d, d);
+    uniform(g_b_proj, HV, K, K);
+    uniform(o_proj, d, HV, HV);
+    std::uniform_real_distribution<double> a(1.0, 16.0);
+    A_log.resize(s_.h);
+    for (Index h = 0; h < s_.h; ++h) A_log(h) = static_cast<Scalar>(std::log(a(gen)));
+    dt_bias = Vector<Scalar>::Zero(HK);
+    o_norm_weight = Vector<Scalar>::Ones(s_.dv);
+  }
+
+  /// A new sequence's state (zeros, position 0).
+  /// \return the state.
+  State make_state() const { return State{}; }
+
+  /// B zero-state sequences to decode together.
+  /// \throws std::invalid_argument if sequences < 0.
+  /// \param sequences B.
+  /// \return the batched state.
+  BatchedState make_batched_state(Index sequences) const {
+    if (sequences < 0)
+      detail::throw_invalid("KimiDeltaAttentionLayer::make_batched_state",
+                            "sequences = " + std::to_string(sequences) + " must be >= 0");
+    return BatchedState("KimiDeltaAttentionLayer", s_, sequences,
+                        typename BatchedState::Decoder(sequences, s_.h, s_.dk, s_.dv,
+                                                       L2Normalize<>(kL2Epsilon), delta_options()));
+  }
+
+  /// Y (N x d) for the rows of one new sequence X (N x d).
+  /// \param X N x d input rows.
+  /// \return Y, N x d.
+  template <class DX>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X) const {
+    State state;
+    return forward(X, state);
+  }
+
+  /// The forward of one sequence continuing `state` (a prefill or its continuation), leaving
+  /// it after the last row; equal to step() through the rows to rounding. On an exception
+  /// `state` is unchanged.
+  /// \throws std::invalid_argument on a wrong shape (of X, a parameter or the state) or a
+  /// non-finite entry of X (naming it: the gates must be finite).
+  /// \param X N x d input rows.
+  /// \param state the sequence's state, moved past the N rows.
+  /// \return Y, N x d.
+  template <class DX>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, State& state) const {
+    std::vector<State> states(1);
+    states[0] = state;
+    const Index offsets[2] = {0, X.rows()};
+    Matrix<Scalar> Y =
+        forward_impl("KimiDeltaAttentionLayer::forward", X, detail::OffsetsRef(offsets, 2), states);
+    state = std::move(states[0]);
+    return Y;
+  }
+
+  /// The forward of B sequences packed one after another (rows [offsets[b], offsets[b+1]) are
+  /// sequence b, FLA's cu_seqlens), each continuing states[b] (an empty vector: B new
+  /// sequences), which move past their rows. A sequence never reads another's rows.
+  /// \throws std::invalid_argument as forward(X, state), or on offsets that are not
+  /// non-decreasing from 0 to N.
+  /// \param X the packed N x d input rows.
+  /// \param offsets B + 1 offsets (std::vector or Eigen vector of any integer type).
+  /// \param states B states, or an empty vector.
+  /// \return Y, N x d.
+  template <class DX, class Off>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, const Off& offsets,
+                         std::vector<State>& states) const {
+    const char* fn = "KimiDeltaAttentionLayer::forward";
+    const auto off = detail::offsets_of(fn, "offsets", offsets);
+    detail::check_offsets(fn, "offsets", off, X.rows());
+    if (states.empty()) states.resize(off.size() - 1);
+    std::vector<State> next = states;
+    Matrix<Scalar> Y = forward_impl(fn, X, off, next);
+    states = std::move(next);
+    return Y;
+  }
+
+  /// One token of each of `state`'s B sequences: row b of Xb (B x d) is sequence b's next
+  /// input, its output row goes to row b of Yb (which may be Xb). Equal to forward() of the
+  /// same tokens to rounding; allocates nothing once `state` has held B rows.
+  /// \throws std::invalid_argument on a wrong shape or a non-finite entry of Xb (naming it;
+  /// the state then unchanged).
+  /// \param Xb B x d inputs, one row per sequence.
+  /// \param state the B sequences, moved on by one token each.
+  /// \param Yb receives the B x d outputs.
+  /// \param par the threads of the projections and the heads (default: OpenMP's, where they pay).
+  template <class DX, class DY>
+  void step(const Eigen::MatrixBase<DX>& Xb, BatchedState& state, const Eigen::MatrixBase<DY>& Yb,
+            const ParallelOptions& par = {}) const {
+    const char* fn = "KimiDeltaAttentionLayer::step";
+    static_assert(std::is_same_v<typename DX::Scalar, Scalar>,
+                  "linattn: the tokens' scalar type must be the layer's");
+    check_parameters(fn);
+    state.begin_step(fn, s_, Xb, Yb);
+    const Index B = state.sequences(), HK = s_.key_dim, HV = s_.value_dim;
+    auto& buf = state.buf_;
+    const auto& x = state.x_;
+    const double work =
+        2.0 * double(B) *
+        (double(s_.d) * double(s_.conv_dim() + 2 * s_.dk + s_.h + HV) + double(s_.dk) * (HK + HV));
+    const int threads = detail::projection_threads(work, par);
+    const auto* exec = detail::executor_of(par);
+    detail::layer_rows_times_transpose(q_proj, x, B, buf.q, threads, exec);
+    detail::layer_rows_times_transpose(k_proj, x, B, buf.k, threads, exec);
+    detail::layer_rows_times_transpose(v_proj, x, B, buf.v, threads, exec);
+    detail::layer_rows_times_transpose(f_a_proj, x, B, buf.fa, threads, exec);
+    detail::layer_rows_times_transpose(f_b_proj, buf.fa, B, buf.a, threads, exec);
+    detail::layer_rows_times_transpose(b_proj, x, B, buf.b, threads, exec);
+    detail::layer_rows_times_transpose(g_a_proj, x, B, buf.ga, threads, exec);
+    detail::layer_rows_times_transpose(g_b_proj, buf.ga, B, buf.z, threads, exec);
+    auto mixed = buf.mixed.topRows(B);
+    mixed.leftCols(HK) = buf.q.topRows(B);
+    mixed.middleCols(HK, HK) = buf.k.topRows(B);
+    mixed.rightCols(HV) = buf.v.topRows(B);
+    gates(buf, B);  // checks every gate input before any state moves
+    stack_conv_weights(buf.conv_weight);
+    short_convolution_step(mixed, buf.conv_weight, Vector<Scalar>(), state.conv_, buf.c.topRows(B),
+                           state.ws_);
+    const auto c = buf.c.topRows(B);
+    state.dec_.step(c.leftCols(HK), c.middleCols(HK, HK), c.rightCols(HV), buf.b.topRows(B),
+                    buf.a.topRows(B), buf.o.topRows(B), par);
+    norm(buf, B);
+    detail::layer_rows_times_transpose(o_proj, buf.o, B, state.y_, threads, exec);
+    state.end_step(Yb);
+  }
+
+ private:
+  static constexpr double kL2Epsilon = 1e-6;  // FLA's l2norm in the KDA kernels
+
+  static detail::KdaSizes checked_sizes(const KimiDeltaAttentionConfig& c) {
+    const char* fn = "KimiDeltaAttentionLayer";
+    const auto positive = [fn](const char* name, Index v) {
+      if (v <= 0)
+        detail::throw_invalid(fn, std::string(name) + " = " + std::to_string(v) + " must be > 0");
+    };
+    positive("hidden_size", c.hidden_size);
+    positive("num_heads", c.num_heads);
+    positive("head_dim", c.head_dim);
+    positive("short_conv_kernel_size", c.short_conv_kernel_size);
+    if (c.head_v_dim < 0)
+      detail::throw_invalid(
+          fn, "head_v_dim = " + std::to_string(c.head_v_dim) + " must be > 0 (or 0: head_dim)");
+    if (!(c.rms_norm_eps >= 0) || !std::isfinite(c.rms_norm_eps))
+      detail::throw_invalid(fn, "rms_norm_eps = " + detail::value_string(c.rms_norm_eps) +
+                                    " must be finite and >= 0");
+    if (c.use_lower_bound && !(c.lower_bound < 0 && std::isfinite(c.lower_bound)))
+      detail::throw_invalid(
+          fn, "lower_bound = " + detail::value_string(c.lower_bound) + " must be finite and < 0");
+    detail::KdaSizes s;
+    s.d = c.hidden_size;
+    s.h = c.num_heads;
+    s.dk = c.head_dim;
+    s.dv = c.head_v_dim == 0 ? c.head_dim : c.head_v_dim;
+    s.w = c.short_conv_kernel_size;
+    s.key_dim = s.h * s.dk;
+    s.value_dim = s.h * s.dv;
+    return s;
+  }
+
+  DeltaOptions delta_options() const {
+    DeltaOptions o;
+    o.scale = 1.0 / std::sqrt(double(s_.dk));
+    o.key_dim = s_.dk;
+    o.value_dim = s_.dv;
+    return o;
+  }
+
+  GateOptions gate_options() const {
+    GateOptions o;
+    if (config_.use_lower_bound) {
+      o.activation = GateActivation::LowerBoundSigmoid;
+      o.lower_bound = config_.lower_bound;
+    }
+    return o;
+  }
+
+  // Every parameter's shape, naming the first that is wrong (the members are public).
+  void check_parameters(const char* fn) const {
+    const Index d = s_.d, H = s_.h, K = s_.dk, HK = s_.key_dim, HV = s_.value_dim, W = s_.w;
+    const auto check = [fn](const char* name, const auto& m, Index rows, Index cols) {
+      detail::check_parameter(fn, name, m.rows(), m.cols(), rows, cols);
+    };
+    check("q_proj", q_proj, HK, d);
+    check("k_proj", k_proj, HK, d);
+    check("v_proj", v_proj, HV, d);
+    check("q_conv1d_weight", q_conv1d_weight, HK, W);
+    check("k_conv1d_weight", k_conv1d_weight, HK, W);
+    check("v_conv1d_weight", v_conv1d_weight, HV, W);
+    check("f_a_proj", f_a_proj, K, d);
+    check("f_b_proj", f_b_proj, HK, K);
+    check("b_proj", b_proj, H, d);
+    check("g_a_proj", g_a_proj, K, d);
+    check("g_b_proj", g_b_proj, HV, K);
+    check("A_log", A_log, H, 1);
+    check("dt_bias", dt_bias, HK, 1);
+    check("o_norm_weight", o_norm_weight, s_.dv, 1);
+    check("o_proj", o_proj, d, HV);
+  }
+
+  // The three depthwise convolutions as one over q | k | v: the channels are independent.
+  void stack_conv_weights(Matrix<Scalar>& w) const {
+    w.topRows(s_.key_dim) = q_conv1d_weight;
+    w.middleRows(s_.key_dim, s_.key_dim) = k_conv1d_weight;
+    w.bottomRows(s_.value_dim) = v_conv1d_weight;
+  }
+
+  // β = sigmoid(b) and g per key channel, in place over rows [0, n).
+  void gates(detail::KdaBuffers<Scalar>& buf, Index n) const {
+    auto b = buf.b.topRows(n);
+    auto a = buf.a.topRows(n);
+    beta_activation(b, b);
+    gate_activation(a, A_log, dt_bias, a, gate_options());
+  }
+
+  void norm(detail::KdaBuffers<Scalar>& buf, Index n) const {
+    GatedRMSNormOptions o;
+    o.eps = config_.rms_norm_eps;
+    o.gate = NormGate::Sigmoid;
+    auto out = buf.o.topRows(n);
+    gated_rms_norm(out, buf.z.topRows(n), o_norm_weight, out, o);
+  }
+
+  template <class DX>
+  Matrix<Scalar> forward_impl(const char* fn, const Eigen::MatrixBase<DX>& X,
+                              detail::OffsetsRef off, std::vector<State>& states) const {
+    static_assert(std::is_same_v<typename DX::Scalar, Scalar>,
+                  "linattn: the input's scalar type must be the layer's");
+    check_parameters(fn);
+    if (X.cols() != s_.d)
+      detail::throw_invalid(fn, "X is " + detail::shape_of(X) + " but must have hidden_size = " +
+                                    std::to_string(s_.d) + " columns");
+    // A non-finite input would reach the gates, which reject it: name the input instead.
+    detail::check_finite_entries(fn, "X", X);
+    const Index N = X.rows(), B = static_cast<Index>(off.size()) - 1;
+    const Index HK = s_.key_dim, HV = s_.value_dim;
+    std::vector<ShortConvState<Scalar>> conv;
+    std::vector<LinearAttentionState<Scalar>> heads;
+    detail::unpack_layer_states(fn, states, B, s_.h, conv, heads);
+    detail::KdaBuffers<Scalar> buf;
+    buf.reserve(s_, N, false);
+    buf.mixed.leftCols(HK).noalias() = X * q_proj.transpose();
+    buf.mixed.middleCols(HK, HK).noalias() = X * k_proj.transpose();
+    buf.mixed.rightCols(HV).noalias() = X * v_proj.transpose();
+    buf.fa.noalias() = X * f_a_proj.transpose();
+    buf.a.noalias() = buf.fa * f_b_proj.transpose();
+    buf.b.noalias() = X * b_proj.transpose();
+    buf.ga.noalias() = X * g_a_proj.transpose();
+    buf.z.noalias() = buf.ga * g_b_proj.transpose();
+    gates(buf, N);
+    stack_conv_weights(buf.conv_weight);
+    Workspace<Scalar> ws;
+    batched_short_convolution(buf.mixed, buf.conv_weight, Vector<Scalar>(), off, conv, buf.c, ws);
+    MultiHeadWorkspace<Scalar> mws;
+    batched_delta_rule_attention(buf.c.leftCols(HK), buf.c.middleCols(HK, HK), buf.c.rightCols(HV),
+                                 buf.b, buf.a, off, s_.h, L2Normalize<>(kL2Epsilon), heads, buf.o,
+                                 mws, delta_options());
+    norm(buf, N);
+    Matrix<Scalar> Y = buf.o * o_proj.transpose();
+    detail::pack_layer_states(off, s_.h, conv, heads, states);
+    return Y;
+  }
+
+  KimiDeltaAttentionConfig config_;
+  detail::KdaSizes s_;
+};
+
+}  // namespace linattn
