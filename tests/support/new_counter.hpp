@@ -29,6 +29,18 @@ void* operator new[](std::size_t n) {
   if (void* p = std::malloc(n ? n : 1)) return p;
   throw std::bad_alloc();
 }
+// The nothrow forms too (std::stable_sort's temporary buffer takes one), so that every pointer
+// freed below came from malloc.
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  if (new_counter::counting.load(std::memory_order_relaxed)) ++new_counter::calls;
+  return std::malloc(n ? n : 1);
+}
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
+  if (new_counter::counting.load(std::memory_order_relaxed)) ++new_counter::calls;
+  return std::malloc(n ? n : 1);
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
