@@ -15,6 +15,7 @@
 #include "../core/state.hpp"
 #include "../core/workspace.hpp"
 #include "../delta/batched_recurrent_delta_rule.hpp"
+#include "../linear/heads.hpp"
 #include "../maps/l2_normalize.hpp"
 #include "short_convolution.hpp"
 
@@ -29,6 +30,76 @@ struct DeltaLayerState {
   ShortConvState<Scalar> conv;                      ///< (W − 1) x C (C: q | k | v), or empty
   std::vector<LinearAttentionState<Scalar>> heads;  ///< one state per (value) head, or empty
   Index position = 0;                               ///< tokens consumed
+};
+
+/// \brief The forward forms of a delta-rule layer (GatedDeltaNetLayer,
+/// KimiDeltaAttentionLayer): one new sequence, one sequence continuing its state (a prefill or
+/// its continuation), and B packed sequences continuing theirs. The layer derives from it and
+/// computes the packed form (its forward_impl).
+/// \tparam Derived the layer
+/// \tparam Scalar float or double
+template <class Derived, class Scalar>
+class DeltaLayerForward {
+ public:
+  /// A new sequence's state (zeros, position 0).
+  /// \return the state.
+  DeltaLayerState<Scalar> make_state() const { return DeltaLayerState<Scalar>{}; }
+
+  /// Y (N x d) for the rows of one new sequence X (N x d).
+  /// \param X N x d input rows.
+  /// \return Y, N x d.
+  template <class DX>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X) const {
+    DeltaLayerState<Scalar> state;
+    return forward(X, state);
+  }
+
+  /// The forward of one sequence continuing `state` (a prefill or its continuation), leaving
+  /// it after the last row; equal to the layer's step() through the rows to rounding. On an
+  /// exception `state` is unchanged.
+  /// \throws std::invalid_argument on a wrong shape (of X, a parameter or the state) or a
+  /// non-finite entry of X (naming it: the gates must be finite).
+  /// \param X N x d input rows.
+  /// \param state the sequence's state, moved past the N rows.
+  /// \return Y, N x d.
+  template <class DX>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, DeltaLayerState<Scalar>& state) const {
+    std::vector<DeltaLayerState<Scalar>> states(1);
+    states[0] = state;
+    const Index offsets[2] = {0, X.rows()};
+    Matrix<Scalar> Y =
+        self().forward_impl(Derived::kForwardName, X, detail::OffsetsRef(offsets, 2), states);
+    state = std::move(states[0]);
+    return Y;
+  }
+
+  /// The forward of B sequences packed one after another (rows [offsets[b], offsets[b+1]) are
+  /// sequence b, FLA's cu_seqlens), each continuing states[b] (an empty vector: B new
+  /// sequences), which move past their rows. A sequence never reads another's rows.
+  /// \throws std::invalid_argument as forward(X, state), or on offsets that are not
+  /// non-decreasing from 0 to N.
+  /// \param X the packed N x d input rows.
+  /// \param offsets B + 1 offsets (std::vector or Eigen vector of any integer type).
+  /// \param states B states, or an empty vector.
+  /// \return Y, N x d.
+  template <class DX, class Off>
+  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, const Off& offsets,
+                         std::vector<DeltaLayerState<Scalar>>& states) const {
+    const char* fn = Derived::kForwardName;
+    const auto off = detail::offsets_of(fn, "offsets", offsets);
+    detail::check_offsets(fn, "offsets", off, X.rows());
+    if (states.empty()) states.resize(off.size() - 1);
+    std::vector<DeltaLayerState<Scalar>> next = states;
+    Matrix<Scalar> Y = self().forward_impl(fn, X, off, next);
+    states = std::move(next);
+    return Y;
+  }
+
+ protected:
+  ~DeltaLayerForward() = default;
+
+ private:
+  const Derived& self() const { return static_cast<const Derived&>(*this); }
 };
 
 template <class Scalar>

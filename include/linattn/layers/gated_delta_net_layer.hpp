@@ -90,7 +90,7 @@ using GatedDeltaNetBatchedState = DeltaLayerBatchedState<Scalar, detail::GdnBuff
 /// layer.step(x, batch, y);                            // one token, no allocation
 /// \endcode
 template <class Scalar = float>
-class GatedDeltaNetLayer {
+class GatedDeltaNetLayer : public DeltaLayerForward<GatedDeltaNetLayer<Scalar>, Scalar> {
   static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
                 "linattn: GatedDeltaNetLayer computes in float or double");
 
@@ -211,10 +211,6 @@ class GatedDeltaNetLayer {
     norm_weight = Vector<Scalar>::Ones(s_.dv);
   }
 
-  /// A new sequence's state (zeros, position 0).
-  /// \return the state.
-  State make_state() const { return State{}; }
-
   /// B zero-state sequences to decode together.
   /// \throws std::invalid_argument if sequences < 0.
   /// \param sequences B.
@@ -226,56 +222,6 @@ class GatedDeltaNetLayer {
     return BatchedState("GatedDeltaNetLayer", s_, sequences,
                         typename BatchedState::Decoder(sequences, s_.hv, s_.dk, s_.dv,
                                                        L2Normalize<>(kL2Epsilon), delta_options()));
-  }
-
-  /// Y (N x d) for the rows of one new sequence X (N x d).
-  /// \param X N x d input rows.
-  /// \return Y, N x d.
-  template <class DX>
-  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X) const {
-    State state;
-    return forward(X, state);
-  }
-
-  /// The forward of one sequence continuing `state` (a prefill or its continuation), leaving
-  /// it after the last row; equal to step() through the rows to rounding. On an exception
-  /// `state` is unchanged.
-  /// \throws std::invalid_argument on a wrong shape (of X, a parameter or the state) or a
-  /// non-finite entry of X (naming it: the gates must be finite).
-  /// \param X N x d input rows.
-  /// \param state the sequence's state, moved past the N rows.
-  /// \return Y, N x d.
-  template <class DX>
-  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, State& state) const {
-    std::vector<State> states(1);
-    states[0] = state;
-    const Index offsets[2] = {0, X.rows()};
-    Matrix<Scalar> Y =
-        forward_impl("GatedDeltaNetLayer::forward", X, detail::OffsetsRef(offsets, 2), states);
-    state = std::move(states[0]);
-    return Y;
-  }
-
-  /// The forward of B sequences packed one after another (rows [offsets[b], offsets[b+1]) are
-  /// sequence b, FLA's cu_seqlens), each continuing states[b] (an empty vector: B new
-  /// sequences), which move past their rows. A sequence never reads another's rows.
-  /// \throws std::invalid_argument as forward(X, state), or on offsets that are not
-  /// non-decreasing from 0 to N.
-  /// \param X the packed N x d input rows.
-  /// \param offsets B + 1 offsets (std::vector or Eigen vector of any integer type).
-  /// \param states B states, or an empty vector.
-  /// \return Y, N x d.
-  template <class DX, class Off>
-  Matrix<Scalar> forward(const Eigen::MatrixBase<DX>& X, const Off& offsets,
-                         std::vector<State>& states) const {
-    const char* fn = "GatedDeltaNetLayer::forward";
-    const auto off = detail::offsets_of(fn, "offsets", offsets);
-    detail::check_offsets(fn, "offsets", off, X.rows());
-    if (states.empty()) states.resize(off.size() - 1);
-    std::vector<State> next = states;
-    Matrix<Scalar> Y = forward_impl(fn, X, off, next);
-    states = std::move(next);
-    return Y;
   }
 
   /// One token of each of `state`'s B sequences: row b of Xb (B x d) is sequence b's next
@@ -316,6 +262,8 @@ class GatedDeltaNetLayer {
   }
 
  private:
+  friend class DeltaLayerForward<GatedDeltaNetLayer<Scalar>, Scalar>;
+  static constexpr const char* kForwardName = "GatedDeltaNetLayer::forward";
   static constexpr double kL2Epsilon = 1e-6;  // transformers' and FLA's l2norm
 
   static detail::GdnSizes checked_sizes(const GatedDeltaNetConfig& c) {
