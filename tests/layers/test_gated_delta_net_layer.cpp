@@ -21,14 +21,20 @@
 #include <string>
 #include <vector>
 
+#include "layer_reference.hpp"
 #include "test_util.hpp"
 
 namespace {
 
 using linattn::GatedDeltaNetConfig;
 using test::Index;
-using LD = long double;
-using MatL = Eigen::Matrix<LD, Eigen::Dynamic, Eigen::Dynamic>;
+using test::layer_ref::inputs;
+using test::layer_ref::LD;
+using test::layer_ref::MatL;
+using test::layer_ref::row_error;
+using test::layer_ref::silu;
+using test::layer_ref::softplus;
+using test::layer_ref::tolerance;
 
 template <class S>
 using Layer = linattn::GatedDeltaNetLayer<S>;
@@ -51,9 +57,6 @@ struct RefState {
   MatL conv;  // rows: previous inputs of the conv_dim channels
   std::vector<MatL> heads;
 };
-
-LD silu(LD x) { return x / (1 + std::exp(-x)); }
-LD softplus(LD x) { return x > 20 ? x : std::log1p(std::exp(x)); }
 
 // transformers' Qwen3NextGatedDeltaNet.forward for one sequence, token by token, in long double.
 template <class S>
@@ -129,28 +132,6 @@ MatL reference(const Layer<S>& layer, const MatL& X, RefState& st) {
     Y.row(t) = (Wo * o).transpose();
   }
   return Y;
-}
-
-template <class S>
-Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic> inputs(Index N, Index d, std::uint32_t seed) {
-  return test::random_matrix<double>(N, d, seed).template cast<S>();
-}
-
-// The largest error of a row relative to the row's magnitude.
-template <class D>
-double row_error(const Eigen::MatrixBase<D>& got, const MatL& want) {
-  double worst = 0;
-  for (Index t = 0; t < want.rows(); ++t) {
-    const LD scale = std::max<LD>(want.row(t).cwiseAbs().maxCoeff(), LD(1e-30));
-    const LD e = (got.row(t).template cast<LD>() - want.row(t)).cwiseAbs().maxCoeff() / scale;
-    worst = std::max(worst, double(e));
-  }
-  return worst;
-}
-
-template <class S>
-double tolerance() {
-  return std::is_same_v<S, double> ? 1e-12 : 1e-5;
 }
 
 template <class S>
