@@ -16,6 +16,10 @@ included) and linattn keeps its own thread count beside torch's: see the numpy m
 The FLA names (chunk_gla, ..., chunk_kda) return ``(o, final_state)`` and are differentiable in
 initial_state too (and in KDA's A_log and dt_bias); they also take bfloat16 and float16 tensors,
 computed in float32, o returned in q's dtype and the state in float32 (docs/python.md).
+
+The 2026 layers as modules, ``ShortConvolution``, ``FusedRMSNormGated``, ``GatedDeltaNet`` and
+``KimiDeltaAttention`` (with the functions ``short_convolution`` and ``gated_rms_norm``), are
+linattn.nn's, exported here.
 """
 
 from __future__ import annotations
@@ -41,6 +45,14 @@ __all__ = [
     "fused_recurrent_gated_delta_rule",
     "chunk_kda",
     "fused_recurrent_kda",
+    # linattn.nn, loaded on first use (it runs the functions above):
+    "short_convolution",
+    "gated_rms_norm",
+    "ShortConvolution",
+    "FusedRMSNormGated",
+    "GatedDeltaNet",
+    "KimiDeltaAttention",
+    "LayerState",
 ]
 
 _DTYPES = (torch.float32, torch.float64)
@@ -291,3 +303,16 @@ chunk_gated_delta_rule = _fla_funcs["chunk_gated_delta_rule"]
 fused_recurrent_gated_delta_rule = _fla_funcs["fused_recurrent_gated_delta_rule"]
 chunk_kda = _fla_funcs["chunk_kda"]
 fused_recurrent_kda = _fla_funcs["fused_recurrent_kda"]
+
+
+_NN_NAMES = ("short_convolution", "gated_rms_norm", "ShortConvolution", "FusedRMSNormGated", "GatedDeltaNet",
+             "KimiDeltaAttention", "LayerState")
+
+
+def __getattr__(name):
+    # linattn.nn imports this module for the FLA names: loaded here on first use, not at import.
+    if name in _NN_NAMES:
+        from . import nn
+
+        return getattr(nn, name)
+    raise AttributeError(f"module 'linattn.torch' has no attribute {name!r}")

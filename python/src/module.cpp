@@ -15,6 +15,7 @@ namespace linattn_python {
 // Declared here, not in bindings.hpp, which every translation unit includes.
 void register_fla_f32(py::module_& m);
 void register_fla_f64(py::module_& m);
+void register_layers(py::module_& m);
 
 namespace {
 
@@ -62,6 +63,7 @@ PYBIND11_MODULE(_linattn, m) {
   lp::register_fla_f64(m);
   lp::register_recurrent_f32(m);
   lp::register_recurrent_f64(m);
+  lp::register_layers(m);
   lp::thread_count().store(lp::default_thread_count(), std::memory_order_relaxed);
   m.def("set_num_threads", &lp::set_num_threads, pybind11::arg("n"));
   m.def("get_num_threads", &lp::get_num_threads);

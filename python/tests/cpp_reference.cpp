@@ -1,11 +1,14 @@
 // What a C++ user of linattn computes for the inputs test_same_bits_as_cpp.py builds in NumPy:
 // the raw little-endian outputs of the library's own entry points, one file each in the
-// directory given as the argument, for the Python package to match bit for bit. Built with the
+// directory given as the argument, for the Python package to match (bit for bit where the same
+// kernels run; the layers to rounding, their projections being torch's GEMMs). Built with the
 // module's flags (same build, same -march) so that the same kernels run.
 #include <linattn/batched_recurrent.hpp>
 #include <linattn/delta_rule.hpp>
 #include <linattn/elu_plus_one.hpp>
 #include <linattn/l2_normalize.hpp>
+#include <linattn/layers/gated_delta_net_layer.hpp>
+#include <linattn/layers/kimi_delta_attention_layer.hpp>
 #include <linattn/multihead.hpp>
 #include <linattn/silu.hpp>
 #include <linattn/softmax_split.hpp>
@@ -19,6 +22,7 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -99,6 +103,40 @@ int main(int argc, char** argv) {
     linattn::save_state(saved, dec);
     const std::string bytes = saved.str();
     write(dir, "decode_f64.state", bytes.data(), bytes.size());
+  }
+  // The layers of Qwen3-Next (two key heads shared by four value heads) and Kimi Linear (K != V),
+  // double, with torch's initial parameters: the checkpoint and the outputs of two packed
+  // sequences, for linattn.torch's modules of the same names to match.
+  {
+    const std::vector<Eigen::Index> offsets{0, 9, 23};
+    const auto X = values<double>(23, 12, 15);
+    linattn::GatedDeltaNetConfig gc;
+    gc.hidden_size = 12;
+    gc.linear_num_key_heads = 2;
+    gc.linear_num_value_heads = 4;
+    gc.linear_key_head_dim = 4;
+    gc.linear_value_head_dim = 3;
+    const linattn::GatedDeltaNetLayer<double> gdn(gc, 5);
+    linattn::SafetensorsWriter gw;
+    gdn.save(gw);
+    gw.write(dir + "/gdn.safetensors");
+    std::vector<linattn::GatedDeltaNetState<double>> gs;
+    const RowMatrix<double> gy = gdn.forward(X, offsets, gs);
+    write(dir, "gdn_f64.bin", gy);
+    linattn::KimiDeltaAttentionConfig kc;
+    kc.hidden_size = 12;
+    kc.num_heads = 2;
+    kc.head_dim = 4;
+    kc.head_v_dim = 3;
+    kc.short_conv_kernel_size = 3;
+    linattn::KimiDeltaAttentionLayer<double> kda(kc, 6);
+    kda.dt_bias.setLinSpaced(-0.5, 0.5);  // not torch's zeros: a wrong layout of it would show
+    linattn::SafetensorsWriter kw;
+    kda.save(kw);
+    kw.write(dir + "/kda.safetensors");
+    std::vector<linattn::KimiDeltaAttentionState<double>> ks;
+    const RowMatrix<double> ky = kda.forward(X, offsets, ks);
+    write(dir, "kda_f64.bin", ky);
   }
   return 0;
 }
