@@ -195,6 +195,13 @@ def test_short_convolution_continues_a_prefill_and_batches():
     close(torch.cat([y1, y2, y3], 1), y, 1e-15)
     for b in range(2):
         close(y[b], ref_conv(x[b], conv.weight, None, True)[0])
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :3] = False  # left padding: those inputs read as zeros
+    xm = x.clone()
+    xm[1, :3] = 0
+    close(conv(x, mask=mask)[0], conv(xm)[0], 0)
+    with pytest.raises(ValueError, match="ShortConvolution.forward: residual is not offered"):
+        conv(x, residual=x)
 
 
 def test_gated_rms_norm_equals_its_formula():
@@ -290,15 +297,20 @@ def test_kimi_delta_attention_packed_sequences():
 
 
 def gradcheck_module(m, x, state=None):
+    """gradcheck of the output and the final recurrent state in x, every parameter and, when
+    given, the initial state (GatedDeltaNet's: one conv cache)."""
     names = [n for n, _ in m.named_parameters()]
     params = [p.detach().clone().requires_grad_() for _, p in m.named_parameters()]
     from torch.nn.utils import stateless
 
-    def f(x, *ps):
-        y, s = stateless.functional_call(m, dict(zip(names, ps)), (x, state, True))
+    states = () if state is None else tuple(t.detach().clone().requires_grad_() for t in state)
+
+    def f(x, *args):
+        ps, st = args[:len(names)], args[len(names):]
+        y, s = stateless.functional_call(m, dict(zip(names, ps)), (x, lt.LayerState(*st) if st else None, True))
         return y, s.recurrent_state
 
-    assert torch.autograd.gradcheck(f, (x.requires_grad_(), *params))
+    assert torch.autograd.gradcheck(f, (x.requires_grad_(), *params, *states))
     assert len(names) == len(dict(m.state_dict()))
 
 
@@ -306,8 +318,7 @@ def test_gradcheck_of_a_tiny_gated_delta_net():
     g = torch.Generator().manual_seed(41)
     m, _, cfg = make_gdn(g, d=3, Hk=1, Hv=2, Dk=2, Dv=2, W=2)
     x = rand(g, 1, 3, 3)
-    _, state = m(x, output_final_state=True)  # a carried state: its paths are checked too
-    state = lt.LayerState(state.conv_state.detach(), state.recurrent_state.detach())
+    _, state = m(x, output_final_state=True)  # a carried state: its gradients are checked too
     gradcheck_module(m, rand(g, 1, 3, 3), state)
 
 
@@ -315,6 +326,18 @@ def test_gradcheck_of_a_tiny_kimi_delta_attention():
     g = torch.Generator().manual_seed(42)
     m, _, cfg = make_kda(g, d=3, H=2, K=2, V=2, W=2)
     gradcheck_module(m, rand(g, 1, 3, 3))
+
+
+def test_float32_modules_agree_with_float64():
+    g = torch.Generator().manual_seed(61)
+    for make in (make_gdn, make_kda):
+        m64, sd, cfg = make(g)
+        m32 = type(m64)(*cfg)  # float32: torch's default dtype
+        m32.load_state_dict({k: v.float() for k, v in sd.items()})
+        x = rand(g, 2, 5, cfg[0])
+        y32 = m32(x.float())
+        assert y32.dtype == torch.float32
+        close(y32.double(), m64(x), 1e-5)
 
 
 def test_state_dicts_have_the_checkpoint_names_and_load_strictly():
