@@ -6,6 +6,7 @@
 
 #include <Eigen/Core>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -93,6 +94,49 @@ class DeltaLayerForward {
     Matrix<Scalar> Y = self().forward_impl(fn, X, off, next);
     states = std::move(next);
     return Y;
+  }
+
+  /// The gradients of a loss L through forward(X) of one new sequence, given dY = ∂L/∂Y
+  /// (N x d): every parameter's (members named as the layer's parameters) and the input's
+  /// (dX), for training. The forward pass is computed again inside: nothing is kept between
+  /// the calls.
+  /// \throws std::invalid_argument as forward(X), or on a dY that is not N x d.
+  /// \code
+  /// Eigen::MatrixXd Y = layer.forward(X);
+  /// auto g = layer.backward(X, dY);  // g.dX and one member per parameter
+  /// layer.out_proj -= lr * g.out_proj;
+  /// \endcode
+  /// \param X N x d input rows.
+  /// \param dY N x d gradient of the loss with respect to the output.
+  /// \return the layer's Gradients.
+  template <class DX, class DdY>
+  auto backward(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DdY>& dY) const {
+    static_assert(std::is_same_v<typename DX::Scalar, Scalar> &&
+                      std::is_same_v<typename DdY::Scalar, Scalar>,
+                  "linattn: the input's and dY's scalar type must be the layer's");
+    const Index offsets[2] = {0, X.rows()};
+    return self().backward_impl(Derived::kBackwardName, X, detail::OffsetsRef(offsets, 2), dY);
+  }
+
+  /// The gradients through forward(X, offsets, states) of B new packed sequences (rows
+  /// [offsets[b], offsets[b+1]) are sequence b, each from a zero state): a training batch,
+  /// the parameters' gradients summed over the sequences.
+  /// \throws std::invalid_argument as backward(X, dY), or on offsets that are not
+  /// non-decreasing from 0 to N.
+  /// \param X the packed N x d input rows.
+  /// \param offsets B + 1 offsets (std::vector or Eigen vector of any integer type).
+  /// \param dY N x d gradient of the loss with respect to the output.
+  /// \return the layer's Gradients.
+  template <class DX, class Off, class DdY>
+  auto backward(const Eigen::MatrixBase<DX>& X, const Off& offsets,
+                const Eigen::MatrixBase<DdY>& dY) const {
+    static_assert(std::is_same_v<typename DX::Scalar, Scalar> &&
+                      std::is_same_v<typename DdY::Scalar, Scalar>,
+                  "linattn: the input's and dY's scalar type must be the layer's");
+    const char* fn = Derived::kBackwardName;
+    const auto off = detail::offsets_of(fn, "offsets", offsets);
+    detail::check_offsets(fn, "offsets", off, X.rows());
+    return self().backward_impl(fn, X, off, dY);
   }
 
  protected:

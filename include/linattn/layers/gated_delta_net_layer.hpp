@@ -27,6 +27,7 @@
 #include "batched_layer.hpp"
 #include "delta_layer_state.hpp"
 #include "detail/delta_layer.hpp"
+#include "detail/delta_layer_backward.hpp"
 #include "detail/gated_delta_net.hpp"
 #include "gated_rms_norm.hpp"
 #include "short_convolution.hpp"
@@ -58,6 +59,20 @@ using GatedDeltaNetState = DeltaLayerState<Scalar>;
 /// spelled `GatedDeltaNetLayer<Scalar>::BatchedState`, from make_batched_state()).
 template <class Scalar>
 using GatedDeltaNetBatchedState = DeltaLayerBatchedState<Scalar, detail::GdnBuffers<Scalar>>;
+
+/// \brief The gradients of a loss through GatedDeltaNetLayer::forward() (from backward()): one
+/// member per parameter, named and shaped as the layer's, and the input's.
+template <class Scalar>
+struct GatedDeltaNetGradients {
+  Matrix<Scalar> dX;             ///< N x d, with respect to the input rows
+  Matrix<Scalar> in_proj_qkvz;   ///< (2·Hk·Dk + 2·Hv·Dv) x d, in the parameter's row order
+  Matrix<Scalar> in_proj_ba;     ///< 2·Hv x d
+  Matrix<Scalar> conv1d_weight;  ///< (2·Hk·Dk + Hv·Dv) x W
+  Vector<Scalar> dt_bias;        ///< Hv
+  Vector<Scalar> A_log;          ///< Hv
+  Vector<Scalar> norm_weight;    ///< Dv
+  Matrix<Scalar> out_proj;       ///< d x Hv·Dv
+};
 
 /// \brief The Gated DeltaNet layer of Qwen3-Next (transformers' `Qwen3NextGatedDeltaNet`): for
 /// input rows X (N x d),
@@ -99,6 +114,8 @@ class GatedDeltaNetLayer : public DeltaLayerForward<GatedDeltaNetLayer<Scalar>, 
   using State = GatedDeltaNetState<Scalar>;
   /// B sequences decoded together (GatedDeltaNetBatchedState).
   using BatchedState = GatedDeltaNetBatchedState<Scalar>;
+  /// The parameters' and the input's gradients (GatedDeltaNetGradients).
+  using Gradients = GatedDeltaNetGradients<Scalar>;
 
   /// A layer of the given shape with torch's initial parameters (reset_parameters(seed)).
   /// \throws std::invalid_argument on a size <= 0, value heads not a multiple of key heads, or
@@ -264,6 +281,7 @@ class GatedDeltaNetLayer : public DeltaLayerForward<GatedDeltaNetLayer<Scalar>, 
  private:
   friend class DeltaLayerForward<GatedDeltaNetLayer<Scalar>, Scalar>;
   static constexpr const char* kForwardName = "GatedDeltaNetLayer::forward";
+  static constexpr const char* kBackwardName = "GatedDeltaNetLayer::backward";
   static constexpr double kL2Epsilon = 1e-6;  // transformers' and FLA's l2norm
 
   static detail::GdnSizes checked_sizes(const GatedDeltaNetConfig& c) {
@@ -330,11 +348,15 @@ class GatedDeltaNetLayer : public DeltaLayerForward<GatedDeltaNetLayer<Scalar>, 
     gate_activation(a, A_log, dt_bias, a);
   }
 
-  void norm(detail::GdnBuffers<Scalar>& buf, Index n) const {
+  GatedRMSNormOptions norm_options() const {
     GatedRMSNormOptions o;
     o.eps = config_.rms_norm_eps;
+    return o;
+  }
+
+  void norm(detail::GdnBuffers<Scalar>& buf, Index n) const {
     auto out = buf.o.topRows(n);
-    gated_rms_norm(out, buf.z.topRows(n), norm_weight, out, o);
+    gated_rms_norm(out, buf.z.topRows(n), norm_weight, out, norm_options());
   }
 
   template <class DX>
@@ -369,6 +391,59 @@ class GatedDeltaNetLayer : public DeltaLayerForward<GatedDeltaNetLayer<Scalar>, 
     Matrix<Scalar> Y = buf.o * out_proj.transpose();
     detail::pack_layer_states(off, s_.hv, conv, heads, states);
     return Y;
+  }
+
+  // The forward pass from zero states again, keeping what the gradients need, then each
+  // piece's backward in reverse order.
+  template <class DX, class DdY>
+  Gradients backward_impl(const char* fn, const Eigen::MatrixBase<DX>& X, detail::OffsetsRef off,
+                          const Eigen::MatrixBase<DdY>& dY) const {
+    using Rows = detail::RowMatrix<Scalar>;
+    check_parameters(fn);
+    detail::check_backward_inputs(fn, X, dY, s_.d);
+    const Index N = X.rows(), B = static_cast<Index>(off.size()) - 1;
+    const Matrix<Scalar> x = X;
+    detail::GdnBuffers<Scalar> buf;
+    buf.reserve(s_, N);
+    buf.p.noalias() = x * in_proj_qkvz.transpose();
+    buf.r.noalias() = x * in_proj_ba.transpose();
+    buf.gather(s_, N);
+    const Rows b_pre = buf.b, a_pre = buf.a;
+    gates(buf, N);
+    std::vector<ShortConvState<Scalar>> conv(static_cast<std::size_t>(B));
+    Workspace<Scalar> ws;
+    batched_short_convolution(buf.mixed, conv1d_weight, Vector<Scalar>(), off, conv, buf.c, ws);
+    const L2Normalize<> phi(kL2Epsilon);
+    MultiHeadWorkspace<Scalar> mws;
+    batched_delta_rule_attention(buf.c.leftCols(s_.key_dim),
+                                 buf.c.middleCols(s_.key_dim, s_.key_dim),
+                                 buf.c.rightCols(s_.value_dim), buf.b, buf.a, off, s_.hv, phi,
+                                 buf.o, mws, delta_options());
+    const Rows o = buf.o;
+    norm(buf, N);
+
+    Gradients g;
+    Matrix<Scalar> dn;
+    detail::projection_backward(dY, buf.o, out_proj, g.out_proj, dn, true);
+    auto core = detail::delta_core_backward<Scalar>(
+        off, s_.hv, s_.key_dim, s_.value_dim, phi, delta_options(),
+        {buf.mixed, conv1d_weight, buf.c, buf.b, buf.a, o, buf.z}, norm_weight, norm_options(),
+        dn);
+    g.conv1d_weight = std::move(core.dconv_weight);
+    g.norm_weight = std::move(core.dnorm_weight);
+    Rows db(N, s_.hv), da(N, s_.hv);
+    g.A_log.resize(s_.hv);
+    g.dt_bias.resize(s_.hv);
+    beta_activation_backward(b_pre, core.dbeta, db);
+    gate_activation_backward(a_pre, A_log, dt_bias, core.dlog_a, da, g.A_log, g.dt_bias);
+    Rows dp(N, s_.qkvz_dim()), dr(N, 2 * s_.hv);
+    for (Index t = 0; t < N; ++t)
+      detail::gdn_scatter_row<Scalar>(s_, core.dmixed.row(t).data(), core.dz.row(t).data(),
+                                      db.row(t).data(), da.row(t).data(), dp.row(t).data(),
+                                      dr.row(t).data());
+    detail::projection_backward(dp, x, in_proj_qkvz, g.in_proj_qkvz, g.dX, true);
+    detail::projection_backward(dr, x, in_proj_ba, g.in_proj_ba, g.dX, false);
+    return g;
   }
 
   GatedDeltaNetConfig config_;

@@ -27,6 +27,7 @@
 #include "batched_layer.hpp"
 #include "delta_layer_state.hpp"
 #include "detail/delta_layer.hpp"
+#include "detail/delta_layer_backward.hpp"
 #include "detail/kimi_delta_attention.hpp"
 #include "gated_rms_norm.hpp"
 #include "short_convolution.hpp"
@@ -63,6 +64,28 @@ using KimiDeltaAttentionState = DeltaLayerState<Scalar>;
 /// spelled `KimiDeltaAttentionLayer<Scalar>::BatchedState`, from make_batched_state()).
 template <class Scalar>
 using KimiDeltaAttentionBatchedState = DeltaLayerBatchedState<Scalar, detail::KdaBuffers<Scalar>>;
+
+/// \brief The gradients of a loss through KimiDeltaAttentionLayer::forward() (from backward()):
+/// one member per parameter, named and shaped as the layer's, and the input's.
+template <class Scalar>
+struct KimiDeltaAttentionGradients {
+  Matrix<Scalar> dX;               ///< N x d, with respect to the input rows
+  Matrix<Scalar> q_proj;           ///< H·K x d
+  Matrix<Scalar> k_proj;           ///< H·K x d
+  Matrix<Scalar> v_proj;           ///< H·V x d
+  Matrix<Scalar> q_conv1d_weight;  ///< H·K x W
+  Matrix<Scalar> k_conv1d_weight;  ///< H·K x W
+  Matrix<Scalar> v_conv1d_weight;  ///< H·V x W
+  Matrix<Scalar> f_a_proj;         ///< K x d
+  Matrix<Scalar> f_b_proj;         ///< H·K x K
+  Matrix<Scalar> b_proj;           ///< H x d
+  Matrix<Scalar> g_a_proj;         ///< K x d
+  Matrix<Scalar> g_b_proj;         ///< H·V x K
+  Vector<Scalar> A_log;            ///< H
+  Vector<Scalar> dt_bias;          ///< H·K
+  Vector<Scalar> o_norm_weight;    ///< V
+  Matrix<Scalar> o_proj;           ///< d x H·V
+};
 
 /// \brief The KDA layer of Kimi Linear (`KimiDeltaAttention`): for input rows X (N x d),
 ///
@@ -105,6 +128,8 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
   using State = KimiDeltaAttentionState<Scalar>;
   /// B sequences decoded together (KimiDeltaAttentionBatchedState).
   using BatchedState = KimiDeltaAttentionBatchedState<Scalar>;
+  /// The parameters' and the input's gradients (KimiDeltaAttentionGradients).
+  using Gradients = KimiDeltaAttentionGradients<Scalar>;
 
   /// A layer of the given shape with torch's initial parameters (reset_parameters(seed)).
   /// \throws std::invalid_argument on a size <= 0 (head_v_dim < 0), a negative or non-finite
@@ -313,6 +338,7 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
  private:
   friend class DeltaLayerForward<KimiDeltaAttentionLayer<Scalar>, Scalar>;
   static constexpr const char* kForwardName = "KimiDeltaAttentionLayer::forward";
+  static constexpr const char* kBackwardName = "KimiDeltaAttentionLayer::backward";
   static constexpr double kL2Epsilon = 1e-6;  // FLA's l2norm in the KDA kernels
 
   static detail::KdaSizes checked_sizes(const KimiDeltaAttentionConfig& c) {
@@ -400,12 +426,16 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
     gate_activation(a, A_log, dt_bias, a, gate_options());
   }
 
-  void norm(detail::KdaBuffers<Scalar>& buf, Index n) const {
+  GatedRMSNormOptions norm_options() const {
     GatedRMSNormOptions o;
     o.eps = config_.rms_norm_eps;
     o.gate = NormGate::Sigmoid;
+    return o;
+  }
+
+  void norm(detail::KdaBuffers<Scalar>& buf, Index n) const {
     auto out = buf.o.topRows(n);
-    gated_rms_norm(out, buf.z.topRows(n), o_norm_weight, out, o);
+    gated_rms_norm(out, buf.z.topRows(n), o_norm_weight, out, norm_options());
   }
 
   template <class DX>
@@ -446,6 +476,71 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
     Matrix<Scalar> Y = buf.o * o_proj.transpose();
     detail::pack_layer_states(off, s_.h, conv, heads, states);
     return Y;
+  }
+
+  // The forward pass from zero states again, keeping what the gradients need, then each
+  // piece's backward in reverse order.
+  template <class DX, class DdY>
+  Gradients backward_impl(const char* fn, const Eigen::MatrixBase<DX>& X, detail::OffsetsRef off,
+                          const Eigen::MatrixBase<DdY>& dY) const {
+    using Rows = detail::RowMatrix<Scalar>;
+    check_parameters(fn);
+    detail::check_backward_inputs(fn, X, dY, s_.d);
+    const Index N = X.rows(), B = static_cast<Index>(off.size()) - 1;
+    const Index HK = s_.key_dim, HV = s_.value_dim;
+    const Matrix<Scalar> x = X;
+    detail::KdaBuffers<Scalar> buf;
+    buf.reserve(s_, N, false);
+    buf.mixed.leftCols(HK).noalias() = x * q_proj.transpose();
+    buf.mixed.middleCols(HK, HK).noalias() = x * k_proj.transpose();
+    buf.mixed.rightCols(HV).noalias() = x * v_proj.transpose();
+    buf.fa.noalias() = x * f_a_proj.transpose();
+    buf.a.noalias() = buf.fa * f_b_proj.transpose();
+    buf.b.noalias() = x * b_proj.transpose();
+    buf.ga.noalias() = x * g_a_proj.transpose();
+    buf.z.noalias() = buf.ga * g_b_proj.transpose();
+    const Rows a_pre = buf.a, b_pre = buf.b;
+    gates(buf, N);
+    stack_conv_weights(buf.conv_weight);
+    std::vector<ShortConvState<Scalar>> conv(static_cast<std::size_t>(B));
+    Workspace<Scalar> ws;
+    batched_short_convolution(buf.mixed, buf.conv_weight, Vector<Scalar>(), off, conv, buf.c, ws);
+    const L2Normalize<> phi(kL2Epsilon);
+    MultiHeadWorkspace<Scalar> mws;
+    batched_delta_rule_attention(buf.c.leftCols(HK), buf.c.middleCols(HK, HK), buf.c.rightCols(HV),
+                                 buf.b, buf.a, off, s_.h, phi, buf.o, mws, delta_options());
+    const Rows o = buf.o;
+    norm(buf, N);
+
+    Gradients g;
+    Matrix<Scalar> dn;
+    detail::projection_backward(dY, buf.o, o_proj, g.o_proj, dn, true);
+    auto core = detail::delta_core_backward<Scalar>(
+        off, s_.h, HK, HV, phi, delta_options(),
+        {buf.mixed, buf.conv_weight, buf.c, buf.b, buf.a, o, buf.z}, o_norm_weight,
+        norm_options(), dn);
+    g.o_norm_weight = std::move(core.dnorm_weight);
+    g.q_conv1d_weight = core.dconv_weight.topRows(HK);
+    g.k_conv1d_weight = core.dconv_weight.middleRows(HK, HK);
+    g.v_conv1d_weight = core.dconv_weight.bottomRows(HV);
+    Rows db(N, s_.h), da(N, HK);
+    g.A_log.resize(s_.h);
+    g.dt_bias.resize(HK);
+    beta_activation_backward(b_pre, core.dbeta, db);
+    gate_activation_backward(a_pre, A_log, dt_bias, core.dlog_a, da, g.A_log, g.dt_bias,
+                             gate_options());
+    // The low-rank gates: z = (X W_ga^T) W_gb^T, a = (X W_fa^T) W_fb^T.
+    Matrix<Scalar> dga, dfa;
+    detail::projection_backward(core.dz, buf.ga, g_b_proj, g.g_b_proj, dga, true);
+    detail::projection_backward(da, buf.fa, f_b_proj, g.f_b_proj, dfa, true);
+    const auto dm = [&core](Index c0, Index n) { return core.dmixed.middleCols(c0, n); };
+    detail::projection_backward(dm(0, HK), x, q_proj, g.q_proj, g.dX, true);
+    detail::projection_backward(dm(HK, HK), x, k_proj, g.k_proj, g.dX, false);
+    detail::projection_backward(dm(2 * HK, HV), x, v_proj, g.v_proj, g.dX, false);
+    detail::projection_backward(db, x, b_proj, g.b_proj, g.dX, false);
+    detail::projection_backward(dga, x, g_a_proj, g.g_a_proj, g.dX, false);
+    detail::projection_backward(dfa, x, f_a_proj, g.f_a_proj, g.dX, false);
+    return g;
   }
 
   KimiDeltaAttentionConfig config_;
