@@ -4,8 +4,13 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "../../core/common.hpp"
+#include "../../core/detail/checks.hpp"
+#include "../../core/gates.hpp"
 #include "../../delta/delta_rule_backward.hpp"
 #include "../../delta/options.hpp"
 #include "../../linear/heads.hpp"
