@@ -353,4 +353,112 @@ TYPED_TEST(DeltaLayerServing, RollbackErrors) {
   throws_naming([&] { batch.rollback(0, 1); }, {fn, "no snapshot kept"}, "after a step");
 }
 
+TYPED_TEST(DeltaLayerServing, SavedAndLoadedBitForBit) {
+  using S = typename TestFixture::S;
+  for (const Index W : {1, 4}) {
+    const TypeParam layer = Served<TypeParam>::make(W);
+    auto batch = TestFixture::primed(layer, 3, true);  // sequence 2 new: an empty conv state
+    batch.keep_snapshots(2);
+    std::stringstream file;
+    linattn::save_state(file, batch);
+    const std::string bytes = file.str();
+    const Index L = W - 1, C = batch.conv_channels(), H = batch.decoder().heads();
+    const Index FM = batch.decoder().feature_dim() * batch.decoder().value_dim();
+    EXPECT_EQ(Index(bytes.size()), 96 + 3 * (8 + Index(sizeof(S)) * (L * C + H * FM)));
+    auto loaded = layer.make_batched_state(1);  // B comes from the file
+    loaded.keep_snapshots(2);
+    linattn::load_state(file, loaded);
+    ASSERT_EQ(loaded.sequences(), 3);
+    const std::string what = "W = " + std::to_string(W);
+    for (Index b = 0; b < 3; ++b) {
+      expect_same_state(loaded, b, batch, b, what + ", sequence " + std::to_string(b));
+      EXPECT_EQ(loaded.snapshots(b), 0);
+    }
+    // Both go on alike, by steps and by an extend (whose rollback points the load kept on).
+    const Mat<S> x = inputs<S>(3, 28, 60), X = inputs<S>(5, 28, 61);
+    Mat<S> y1(3, 28), y2(3, 28), Y1(5, 28), Y2(5, 28);
+    const Eigen::VectorXi slots = (Eigen::VectorXi(2) << 2, 0).finished();
+    const std::vector<int> cu = {0, 3, 5};
+    for (auto* b : {&batch, &loaded}) {
+      layer.step(x, *b, b == &batch ? y1 : y2);
+      layer.extend(X, slots, cu, *b, b == &batch ? Y1 : Y2);
+      b->rollback(2, 2);
+    }
+    EXPECT_TRUE(same_bits(y1, y2)) << what;
+    EXPECT_TRUE(same_bits(Y1, Y2)) << what;
+    for (Index b = 0; b < 3; ++b) expect_same_state(loaded, b, batch, b, what + ", after");
+    // Into a larger state: B shrinks to the file's.
+    std::stringstream again(bytes);
+    auto larger = layer.make_batched_state(5);
+    linattn::load_state(again, larger);
+    EXPECT_EQ(larger.sequences(), 3);
+  }
+}
+
+TYPED_TEST(DeltaLayerServing, LoadErrorsChangeNothing) {
+  using S = typename TestFixture::S;
+  const TypeParam layer = Served<TypeParam>::make(3);
+  const auto batch = TestFixture::primed(layer, 2);
+  std::stringstream file;
+  linattn::save_state(file, batch);
+  const std::string bytes = file.str();
+  auto target = TestFixture::primed(Served<TypeParam>::make(3), 1);
+  const auto before = target;
+  const auto load = [&](const std::string& data) {
+    return [&target, data] {
+      std::stringstream in(data);
+      linattn::load_state(in, target);
+    };
+  };
+  const auto crc_fixed = [](std::string data) {  // a valid trailing CRC for edited bytes
+    const std::uint32_t crc = linattn::checksum(data.data(), data.size() - 4);
+    for (int i = 0; i < 4; ++i) data[data.size() - 4 + i] = char((crc >> (8 * i)) & 0xFF);
+    return data;
+  };
+  const auto header_fixed = [](std::string data) {  // a valid header CRC for edited bytes
+    const std::uint32_t crc = linattn::checksum(data.data(), 64);
+    for (int i = 0; i < 4; ++i) data[64 + i] = char((crc >> (8 * i)) & 0xFF);
+    return data;
+  };
+  const std::string fn = "linattn::load_state";
+  const Index C = batch.conv_channels(), s = Index(sizeof(S));
+  throws_naming(load(bytes.substr(0, 5)), {fn, "truncated", "magic"}, "cut in the magic");
+  throws_naming(load(bytes.substr(0, 70)), {fn, "truncated", "sequence count B"}, "cut in B");
+  throws_naming(load(bytes.substr(0, 92 + 8 + 3)),
+                {fn, "truncated", "convolution state (sequence 0)"}, "cut in a conv state");
+  throws_naming(load(bytes.substr(0, 92 + 8 + 2 * C * s + 1)),
+                {fn, "truncated", "S (sequence 0, head 0)"}, "cut in a head");
+  throws_naming(load(bytes.substr(0, bytes.size() - 2)), {fn, "truncated", "checksum"},
+                "cut in the CRC");
+  std::string bad = bytes;
+  bad[200] = char(bad[200] ^ 0x10);
+  throws_naming(load(bad), {fn, "corrupted data", "checksum mismatch"}, "a flipped bit");
+  bad = bytes;
+  bad[30] = char(bad[30] ^ 0x01);
+  throws_naming(load(bad), {fn, "corrupted header"}, "a flipped header bit");
+  bad = bytes;
+  bad[12] = char(std::is_same_v<S, float> ? 2 : 1);
+  throws_naming(load(header_fixed(bad)),
+                {fn, "wrong scalar type", std::is_same_v<S, float> ? "double" : "float"},
+                "another scalar type");
+  bad = bytes;
+  bad[92] = char(0xFF);  // sequence 0's position: −1 in two's complement
+  for (int i = 93; i < 100; ++i) bad[std::size_t(i)] = char(0xFF);
+  throws_naming(load(crc_fixed(bad)), {fn, "invalid record", "sequence 0", "position -1"},
+                "a negative position");
+  std::stringstream other;
+  linattn::save_state(other, Served<TypeParam>::make(4).make_batched_state(1));
+  throws_naming(load(other.str()), {fn, "shape mismatch", "W = 4", "W = 3"},
+                "another convolution width");
+  std::stringstream wider;
+  linattn::save_state(wider, Served<TypeParam>::make(3, 28).make_batched_state(1).decoder());
+  throws_naming(load(wider.str()), {fn, "wrong kind", "RecurrentDeltaRule"}, "a decoder file");
+  bad = bytes;
+  bad[24] = char(bad[24] + 1);  // H + 1 heads
+  throws_naming(load(header_fixed(bad)), {fn, "shape mismatch", "3 head(s)", "2 head(s)"},
+                "another head count");
+  ASSERT_EQ(target.sequences(), 1);
+  expect_same_state(target, 0, before, 0, "after the failed loads");
+}
+
 }  // namespace

@@ -93,6 +93,7 @@
 #include "../linear/recurrent_linear_attention.hpp"
 #include "../core/state.hpp"
 #include "state_io_decoders.hpp"
+#include "state_io_layers.hpp"
 #include "../maps/map_state.hpp"
 
 namespace linattn {
