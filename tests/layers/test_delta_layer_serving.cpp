@@ -157,7 +157,7 @@ class DeltaLayerServing : public ::testing::Test {
   }
 };
 
-TYPED_TEST_SUITE(DeltaLayerServing, ServedLayers);
+TYPED_TEST_SUITE(DeltaLayerServing, ServedLayers, );
 
 TYPED_TEST(DeltaLayerServing, ExtendEqualsAsManySteps) {
   using S = typename TestFixture::S;

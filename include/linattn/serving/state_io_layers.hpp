@@ -15,7 +15,7 @@
 /// |------:|-------|
 /// | 8     | B, the sequences, u64 |
 /// | 8     | W, the short convolution's width, u64 (>= 1) |
-/// | 8     | C, its channels (q \| k \| v), u64 |
+/// | 8     | C, its channels (those of q, k and v), u64 |
 /// | then for each sequence b = 0 … B − 1: | |
 /// | 8     | position, i64 (never negative) |
 /// | (W − 1)·C·s | the convolution state, row-major, oldest input first (zeros for a new sequence) |
