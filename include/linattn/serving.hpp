@@ -9,3 +9,4 @@
 #include "serving/state_algebra.hpp"
 #include "serving/state_io.hpp"
 #include "serving/state_io_decoders.hpp"
+#include "serving/state_io_layers.hpp"

@@ -852,7 +852,7 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
   for (const std::uint32_t v : {1u, 2u}) {  // the same checks in both versions
     SCOPED_TRACE("version " + std::to_string(v));
     EXPECT_EQ(load(header(v, 3, 1, 0, 1, 0, 2, 2)), p + "unknown scalar type code 3");
-    EXPECT_EQ(load(header(v, 1, 9, 0, 1, 0, 2, 2)), p + "unknown kind code 9");
+    EXPECT_EQ(load(header(v, 1, 10, 0, 1, 0, 2, 2)), p + "unknown kind code 10");
     EXPECT_EQ(load(header(v, 1, 1, 6, 1, 0, 2, 2)), p + "unknown flags 6");
     EXPECT_EQ(load(header(v, 1, 1, 0, 2, 0, 2, 2)), p + "invalid head count 2");
     EXPECT_EQ(load(header(v, 1, 1, 0, 1, 5, 2, 2)), p + "invalid key dimension 5");

@@ -34,14 +34,16 @@ namespace detail {
 // column-major) inᵀ, for row-major `in` and `out`: no allocation, no packing. The m rows of W
 // are split over `threads` threads in whole micro-tiles, so that every entry takes the same path
 // (hence the same bits) for any thread count. Fewer than kMicroCols rows take one matrix-vector
-// product each, on the calling thread.
+// product each, on the calling thread. `path_rows` (default n) is the row count that picks
+// between the two: a multi-token call passes its batch's B, so that its rows get the bits the
+// batch's step() gives them (the two paths round differently once k exceeds one depth block).
 template <class Scalar, class RowMat>
 void layer_rows_times_transpose(const Matrix<Scalar>& W, const RowMat& in, Index n, RowMat& out,
-                                int threads, const Executor* executor) {
+                                int threads, const Executor* executor, Index path_rows = -1) {
   constexpr Index kTile = Index(kMicroRowPackets) * Index(Eigen::internal::packet_traits<Scalar>::size);
   const Index m = W.rows(), k = W.cols();
   if (m == 0 || n == 0) return;
-  if (n < kMicroCols) {
+  if ((path_rows < 0 ? n : path_rows) < kMicroCols) {
     // Fewer rows than the micro-tile's columns: it would compute kMicroCols columns for each,
     // so one matrix-vector product per row (Eigen's, as the single-sequence step; no allocation).
     for (Index r = 0; r < n; ++r) out.row(r).transpose().noalias() = W * in.row(r).transpose();

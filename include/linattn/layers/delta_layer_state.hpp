@@ -18,6 +18,7 @@
 #include "../delta/batched_recurrent_delta_rule.hpp"
 #include "../linear/heads.hpp"
 #include "../maps/l2_normalize.hpp"
+#include "detail/delta_layer_serving.hpp"
 #include "short_convolution.hpp"
 
 namespace linattn {
@@ -155,7 +156,14 @@ class KimiDeltaAttentionLayer;
 /// from the layer's make_batched_state()): their convolution states, their H·B delta-rule heads
 /// in a BatchedRecurrentDeltaRule (decoder()), and the buffers of a step, reused: once they hold
 /// B rows, the layer's step() allocates nothing. Sequence b owns row b of every step's input
-/// and output.
+/// and output; the layer's extend() feeds several tokens of some of the sequences.
+///
+/// A server verifying draft tokens calls keep_snapshots(K) once, then after each extend()
+/// rollback(b, accepted) for every sequence: its whole layer state (convolution, heads,
+/// position) becomes the one after its first `accepted` tokens of that call. Change the
+/// sequences through the layer and this object, not through decoder(), whose own rollback
+/// points this object mirrors. save_state() / load_state() (serving/state_io_layers.hpp) park
+/// and resume every sequence bit for bit.
 /// \tparam Scalar float or double
 /// \tparam Buffers the layer's per-step intermediate rows (internal)
 template <class Scalar, class Buffers>
@@ -174,8 +182,13 @@ class DeltaLayerBatchedState {
   /// A new sequence at the end (zero state), numbered sequences() − 1.
   /// \return its number.
   Index add_sequence() {
+    const Index b = dec_.add_sequence();
     conv_.emplace_back();
-    return dec_.add_sequence();
+    if (keep_ > 0) {
+      windows_.emplace_back(window_rows(), conv_dim_);
+      calls_.emplace_back();
+    }
+    return b;
   }
 
   /// Removes sequence b; the last sequence takes its number (as the decoder's).
@@ -183,8 +196,15 @@ class DeltaLayerBatchedState {
   /// \param b the sequence to remove.
   void remove_sequence(Index b) {
     dec_.remove_sequence(b);  // checks b first
-    conv_[static_cast<std::size_t>(b)] = std::move(conv_.back());
+    const auto i = static_cast<std::size_t>(b);
+    conv_[i] = std::move(conv_.back());
     conv_.pop_back();
+    if (keep_ > 0) {
+      windows_[i].swap(windows_.back());
+      calls_[i] = calls_.back();
+      windows_.pop_back();
+      calls_.pop_back();
+    }
   }
 
   /// Sequence b's state (a copy), as the layer's forward() carries it.
@@ -226,7 +246,86 @@ class DeltaLayerBatchedState {
       for (Index h = 0; h < dec_.heads(); ++h)
         dec_.set_state(b, h, state.heads[static_cast<std::size_t>(h)], state.position);
     conv_[static_cast<std::size_t>(b)] = state.conv;
+    forget_call(b);
   }
+
+  /// Keeps, from now on, the rollback points of every sequence in each of the layer's extend()
+  /// calls: the layer state after each of its last `count` tokens (the heads' through the
+  /// decoder's keep_snapshots(); the convolution's as the last count + W − 2 convolution
+  /// inputs, from which its W − 1 rows after any of those tokens are read). O(count·(H·F·M +
+  /// C)) per sequence, allocated here and when sequences are added; 0 keeps none. A step()
+  /// keeps none: one token has nothing to undo.
+  /// \throws std::invalid_argument if count < 0.
+  /// \code
+  /// auto batch = layer.make_batched_state(8);
+  /// batch.keep_snapshots(5);  // verify 1 + 4 draft tokens a sequence
+  /// \endcode
+  /// \param count K, the rollback points kept per sequence and call.
+  void keep_snapshots(Index count) {
+    if (count < 0)
+      detail::throw_invalid(name("keep_snapshots").c_str(),
+                            "count must be >= 0, got " + std::to_string(count));
+    dec_.keep_snapshots(count);
+    keep_ = count;
+    windows_.assign(count > 0 ? conv_.size() : 0, ShortConvState<Scalar>(window_rows(), conv_dim_));
+    calls_.assign(count > 0 ? conv_.size() : 0, Call{});
+  }
+
+  /// The rollback points the last extend() of sequence b kept (0 after a step(), set_state(),
+  /// a load, or a rollback to the end of the call).
+  /// \throws std::invalid_argument if b is out of range.
+  /// \param b the sequence.
+  /// \return min(K, the call's tokens for b), less what a rollback() dropped.
+  Index snapshots(Index b) const {
+    check_sequence("snapshots", b);
+    return keep_ > 0 ? calls_[static_cast<std::size_t>(b)].kept : 0;
+  }
+
+  /// Sets sequence b back to its layer state after the first `accepted` tokens of its last
+  /// extend() call (the accepted prefix of a verified draft): the convolution state, every
+  /// head and position(), exactly (bit for bit) as if only those tokens had been fed. In O(H +
+  /// W·C), allocation-free. `accepted` must be one the call kept: from T − snapshots(b) + 1 to
+  /// T, T the call's tokens for b (T: nothing to undo); 0 is never one (as in the decoder: the
+  /// first token of a verification is the target model's own).
+  /// \throws std::invalid_argument naming b, the range and `accepted` for a sequence out of
+  /// range or another `accepted` (no snapshots kept, a step() since, out of range); nothing
+  /// changes then.
+  /// \code
+  /// batch.keep_snapshots(5);
+  /// layer.extend(X, slots, cu_seqlens, batch, Y);  // 1 + 4 draft tokens a sequence
+  /// batch.rollback(slots(0), accepted + 1);          // keep the accepted drafts and the first
+  /// \endcode
+  /// \param b the sequence.
+  /// \param accepted the tokens of its last call to keep.
+  void rollback(Index b, Index accepted) {
+    check_sequence("rollback", b);
+    const Call c = keep_ > 0 ? calls_[static_cast<std::size_t>(b)] : Call{};
+    const Index first = c.tokens - c.kept + 1;
+    if (c.kept == 0 || accepted < first || accepted > c.tokens)
+      detail::throw_invalid(name("rollback").c_str(),
+                            "sequence " + std::to_string(b) + " can be set back to " +
+                                (c.kept == 0 ? std::string("no token (no snapshot kept)")
+                                             : std::to_string(first) + " ... " +
+                                                   std::to_string(c.tokens) +
+                                                   " tokens of its last extend()") +
+                                ", got accepted = " + std::to_string(accepted));
+    if (accepted == c.tokens) return;
+    dec_.rollback(b, accepted);  // the same range: it moves the heads or throws, first
+    const auto i = static_cast<std::size_t>(b);
+    if (w_ > 1) conv_[i] = windows_[i].middleRows(accepted - first, w_ - 1);
+    calls_[i].kept = accepted - first + 1;  // the snapshots past the new end are gone
+    calls_[i].tokens = accepted;
+  }
+
+  /// d, the width of the layer's input and output rows.
+  /// \return d.
+  Index hidden_size() const noexcept { return d_; }
+  /// W, the short convolution's width (a convolution state holds W − 1 rows).
+  /// \return W.
+  Index conv_kernel_size() const noexcept { return w_; }
+  /// C, the convolved channels (q | k | v) of a convolution state.
+  /// \return C.
+  Index conv_channels() const noexcept { return conv_dim_; }
 
   /// The delta-rule heads of every sequence.
   /// \return the decoder.
@@ -241,6 +340,7 @@ class DeltaLayerBatchedState {
  private:
   friend class GatedDeltaNetLayer<Scalar>;
   friend class KimiDeltaAttentionLayer<Scalar>;
+  friend struct detail::RecurrentStateAccess;  // serving/state_io_layers.hpp: load_state()
 
   template <class Sizes>
   DeltaLayerBatchedState(const char* layer, const Sizes& s, Index sequences, Decoder dec)
@@ -278,6 +378,88 @@ class DeltaLayerBatchedState {
   template <class DY>
   void end_step(const Eigen::MatrixBase<DY>& Yb) {
     detail::writable(Yb) = y_.topRows(sequences());
+    for (auto& c : calls_) c = Call{};  // the decoder's step() forgets its rollback points too
+  }
+
+  // The checks of an extend() before anything moves (X's and Y's shapes, X's entries, the
+  // slots, the offsets, a state of this layer's shape), then X into x_: Y may be X's memory.
+  template <class Sizes, class DX, class DSlots, class DY>
+  void begin_extend(const char* fn, const Sizes& s, const Eigen::MatrixBase<DX>& X,
+                    const Eigen::DenseBase<DSlots>& slots, detail::OffsetsRef off,
+                    const Eigen::MatrixBase<DY>& Y) {
+    const Index N = X.rows(), B = sequences();
+    if (X.cols() != s.d)
+      detail::throw_invalid(fn, "X is " + detail::shape_of(X) + " but must have hidden_size = " +
+                                    std::to_string(s.d) + " columns (one row per token)");
+    detail::check_output(fn, Y, N, s.d);
+    if (d_ != s.d || w_ != s.w || conv_dim_ != s.conv_dim() || dec_.heads() != s.heads() ||
+        dec_.key_dim() != s.dk || dec_.value_dim() != s.dv)
+      detail::throw_invalid(fn, "the batched state was made by a layer of another shape");
+    if (marks_.size() < static_cast<std::size_t>(B)) marks_.resize(static_cast<std::size_t>(B), 0);
+    detail::check_layer_slots(fn, slots, B, marks_);
+    if (static_cast<Index>(off.size()) != slots.size() + 1)
+      detail::throw_invalid(fn, "offsets has " + std::to_string(off.size()) +
+                                    " entries but slots has " + std::to_string(slots.size()) +
+                                    ": one more offset than slots is needed");
+    detail::check_offsets(fn, "offsets", off, N);
+    detail::check_finite_entries(fn, "X", X);
+    buf_.reserve(s, N);
+    if (x_.rows() < N) x_.resize(N, s.d), y_.resize(N, s.d);
+    x_.topRows(N) = X;
+  }
+
+  // The convolution of an extend() (its inputs in buf_.mixed, its outputs to buf_.c): sequence
+  // slots(i) over rows [off[i], off[i+1]), first keeping what its rollback points need.
+  template <class DW, class DSlots>
+  void extend_conv(const Eigen::MatrixBase<DW>& weight, const Eigen::DenseBase<DSlots>& slots,
+                   detail::OffsetsRef off) {
+    const Index L = w_ - 1;
+    Scalar* row = ws_.vector(0, conv_dim_).data();
+    for (Index i = 0; i < slots.size(); ++i) {
+      const auto b = static_cast<std::size_t>(detail::layer_slot(slots, i));
+      const Index r0 = off[std::size_t(i)], n = off[std::size_t(i) + 1] - r0;
+      auto& st = conv_[b];
+      if (st.size() == 0 && L > 0) st.setZero(L, conv_dim_);
+      if (keep_ > 0) {
+        Call& c = calls_[b];
+        c.tokens = n;
+        c.kept = std::min(keep_, n);
+        detail::keep_conv_window(st, L, buf_.mixed, r0, n, c.kept > 0 ? c.kept + L - 1 : 0,
+                                 windows_[b]);
+      }
+      detail::conv_extend_rows(buf_.mixed, r0, n, weight.derived(), st, buf_.c, row);
+    }
+  }
+
+  template <class DY>
+  void end_extend(const Eigen::MatrixBase<DY>& Y) {
+    detail::writable(Y) = y_.topRows(Y.rows());
+  }
+
+  // A call's record for rollback(): its tokens and the rollback points kept.
+  struct Call {
+    Index tokens = 0, kept = 0;
+  };
+
+  std::string name(const char* member) const {
+    return std::string(layer_) + "::BatchedState::" + member;
+  }
+  void check_sequence(const char* member, Index b) const {
+    if (b < 0 || b >= sequences())
+      detail::throw_invalid(name(member).c_str(), "sequence " + std::to_string(b) +
+                                                      " is out of range [0, " +
+                                                      std::to_string(sequences()) + ")");
+  }
+  // The convolution inputs a sequence keeps: the state after the first of K kept tokens reads
+  // W − 2 inputs before it.
+  Index window_rows() const noexcept { return keep_ > 0 ? keep_ + w_ - 2 : 0; }
+  void forget_call(Index b) {
+    if (keep_ > 0) calls_[static_cast<std::size_t>(b)] = Call{};
+  }
+  // After a load: no sequence has a rollback point (the decoder's are dropped as well).
+  void forget_calls() {
+    dec_.keep_snapshots(keep_);
+    for (auto& c : calls_) c = Call{};
   }
 
   using Rows = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -289,6 +471,10 @@ class DeltaLayerBatchedState {
   Buffers buf_;
   Rows x_, y_;
   Workspace<Scalar> ws_;
+  Index keep_ = 0;
+  std::vector<ShortConvState<Scalar>> windows_;  // per sequence when keep_ > 0
+  std::vector<Call> calls_;                      // per sequence when keep_ > 0
+  std::vector<unsigned char> marks_;             // the slot checks' (zeros between calls)
 };
 
 }  // namespace linattn

@@ -278,6 +278,64 @@ class GatedDeltaNetLayer : public DeltaLayerForward<GatedDeltaNetLayer<Scalar>, 
     state.end_step(Yb);
   }
 
+  /// Several tokens of several of `state`'s sequences in one call (a chunked prefill's next
+  /// piece, or the 1 + T draft tokens of a speculative verification): sequence slots(i)
+  /// consumes rows [offsets[i], offsets[i+1]) of X (N x d) in order, their outputs going to the
+  /// same rows of Y (which may be X); the other sequences do not move. Bit for bit what that
+  /// many step() calls of `state` give those sequences (outputs, convolution and head states),
+  /// with the fixed cost of one (its projections use the kernel step() uses for B sequences).
+  /// When keep_snapshots(K) was called the layer states after each sequence's last K tokens
+  /// are kept, for BatchedState::rollback(). Allocates nothing once `state` has held N rows and
+  /// each sequence of the call has been stepped or extended before.
+  /// \throws std::invalid_argument naming the function, the shapes and the offending value on a
+  /// wrong shape, a non-finite entry of X, a slot out of range or repeated, or offsets that do
+  /// not go from 0 to N in slots.size() + 1 non-decreasing entries; nothing moves then.
+  /// \code
+  /// auto batch = layer.make_batched_state(4);
+  /// batch.keep_snapshots(5);
+  /// const Eigen::VectorXi slots = (Eigen::VectorXi(2) << 3, 0).finished();
+  /// const std::vector<int> cu = {0, 5, 9};  // 5 tokens of sequence 3, then 4 of sequence 0
+  /// layer.extend(X, slots, cu, batch, Y);   // X, Y: 9 x d
+  /// batch.rollback(3, 2);                   // sequence 3 keeps 2 of its 5
+  /// \endcode
+  /// \param X N x d input rows, the tokens of sequence slots(i) at rows [offsets[i],
+  ///     offsets[i+1]).
+  /// \param slots the sequences, distinct, any integer vector.
+  /// \param offsets slots.size() + 1 row offsets from 0 to N (std::vector or Eigen vector of
+  ///     any integer type, cu_seqlens).
+  /// \param state the B sequences; those of `slots` move on by their tokens.
+  /// \param Y receives the N x d outputs.
+  /// \param par the threads of the projections and the heads.
+  template <class DX, class DSlots, class Off, class DY>
+  void extend(const Eigen::MatrixBase<DX>& X, const Eigen::DenseBase<DSlots>& slots,
+              const Off& offsets, BatchedState& state, const Eigen::MatrixBase<DY>& Y,
+              const ParallelOptions& par = {}) const {
+    const char* fn = "GatedDeltaNetLayer::extend";
+    static_assert(std::is_same_v<typename DX::Scalar, Scalar>,
+                  "linattn: the tokens' scalar type must be the layer's");
+    check_parameters(fn);
+    const detail::OffsetsRef off = detail::offsets_of(fn, "offsets", offsets);
+    state.begin_extend(fn, s_, X, slots, off, Y);
+    const Index N = X.rows(), B = state.sequences();
+    auto& buf = state.buf_;
+    const double work = 2.0 * double(N) * double(s_.d) * double(s_.qkvz_dim() + s_.value_dim);
+    const int threads = detail::projection_threads(work, par);
+    const auto* exec = detail::executor_of(par);
+    // B picks the projections' kernel: the rows get the bits the batch's step() gives them.
+    detail::layer_rows_times_transpose(in_proj_qkvz, state.x_, N, buf.p, threads, exec, B);
+    detail::layer_rows_times_transpose(in_proj_ba, state.x_, N, buf.r, threads, exec, B);
+    buf.gather(s_, N);
+    gates(buf, N);  // checks every gate input before any state moves
+    state.extend_conv(conv1d_weight, slots, off);
+    const auto c = buf.c.topRows(N);
+    state.dec_.extend(slots, off, c.leftCols(s_.key_dim), c.middleCols(s_.key_dim, s_.key_dim),
+                      c.rightCols(s_.value_dim), buf.b.topRows(N), buf.a.topRows(N),
+                      buf.o.topRows(N), par);
+    norm(buf, N);
+    detail::layer_rows_times_transpose(out_proj, buf.o, N, state.y_, threads, exec, B);
+    state.end_extend(Y);
+  }
+
  private:
   friend class DeltaLayerForward<GatedDeltaNetLayer<Scalar>, Scalar>;
   static constexpr const char* kForwardName = "GatedDeltaNetLayer::forward";

@@ -18,7 +18,7 @@
 /// | 0  | 8 | magic number `89 4C 41 53 0D 0A 1A 0A` (`\x89LAS\r\n\x1a\n`) |
 /// | 8  | 4 | format version, u32 = 2 |
 /// | 12 | 4 | scalar type, u32: 1 = float (binary32), 2 = double (binary64) |
-/// | 16 | 4 | kind, u32: 1 = LinearAttentionState, 2 = RecurrentLinearAttention, 3 = MultiHeadRecurrentLinearAttention or LinearAttentionLayer::State, 4 = RecurrentGatedAttention (read, no longer written), 5 = BatchedRecurrentLinearAttention, 6 = SoftmaxAttentionLayer::State (KV cache), 7 = RecurrentDeltaRule, 8 = RecurrentGatedAttention (4 to 8: version 2 only; 7 and 8 have compact records, state_io_decoders.hpp) |
+/// | 16 | 4 | kind, u32: 1 = LinearAttentionState, 2 = RecurrentLinearAttention, 3 = MultiHeadRecurrentLinearAttention or LinearAttentionLayer::State, 4 = RecurrentGatedAttention (read, no longer written), 5 = BatchedRecurrentLinearAttention, 6 = SoftmaxAttentionLayer::State (KV cache), 7 = RecurrentDeltaRule, 8 = RecurrentGatedAttention, 9 = a delta-rule layer's BatchedState (4 to 9: version 2 only; 7 and 8 have compact records, state_io_decoders.hpp; 9: state_io_layers.hpp) |
 /// | 20 | 4 | flags, u32: bit 0 = running maxima `m` present (SoftmaxSplit); other bits 0 |
 /// | 24 | 8 | heads H, u64 (1 for kinds 1, 2 and 4; for kind 5 the heads per sequence) |
 /// | 32 | 8 | key dimension D, u64 (0 for kind 1: a state does not know it) |
@@ -93,6 +93,7 @@
 #include "../linear/recurrent_linear_attention.hpp"
 #include "../core/state.hpp"
 #include "state_io_decoders.hpp"
+#include "state_io_layers.hpp"
 #include "../maps/map_state.hpp"
 
 namespace linattn {

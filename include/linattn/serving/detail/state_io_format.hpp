@@ -46,6 +46,9 @@ class SoftmaxAttentionLayerState;
 // batched_layer.hpp: the B sequences a LinearAttentionLayer serves (kind 5 files).
 template <class Phi, class Scalar>
 class LinearAttentionLayerBatchedState;
+// layers/delta_layer_state.hpp: the B sequences a delta-rule layer serves (kind 9 files).
+template <class Scalar, class Buffers>
+class DeltaLayerBatchedState;
 
 namespace detail {
 
@@ -122,6 +125,16 @@ struct RecurrentStateAccess {
     r.marks_ = std::move(marks);
     r.sequences_ = sequences;
   }
+  // A delta-rule layer's batched state (state_io_layers.hpp): its convolution states, and the
+  // rollback points a load drops (they belong to the calls before it).
+  template <class Scalar, class Buffers>
+  static auto& conv_states(DeltaLayerBatchedState<Scalar, Buffers>& s) noexcept {
+    return s.conv_;
+  }
+  template <class Scalar, class Buffers>
+  static void forget_rollback(DeltaLayerBatchedState<Scalar, Buffers>& s) {
+    s.forget_calls();
+  }
   // The KV cache of a SoftmaxAttentionLayer::State: its head count (the cache's columns are
   // H·D and H·M), and the install of T cached tokens (keys T x H·D, values T x H·M). Strong
   // guarantee: the rows go into the cache's own memory when it has room (no allocation, and
@@ -163,7 +176,10 @@ constexpr std::uint32_t kKindKVCache = 6;  // version 2 only; T, then the cached
 // Compact records (version 2 only): the position, then only the arrays the decoder uses.
 constexpr std::uint32_t kKindDelta = 7;         // RecurrentDeltaRule: S
 constexpr std::uint32_t kKindGatedCompact = 8;  // RecurrentGatedAttention: S, z, log_decay (L = F)
-constexpr std::uint32_t kKindLast = kKindGatedCompact;
+// A delta-rule layer's BatchedState (version 2 only, state_io_layers.hpp): B, W and C, then per
+// sequence its position, its convolution state and its H heads' S.
+constexpr std::uint32_t kKindDeltaLayer = 9;
+constexpr std::uint32_t kKindLast = kKindDeltaLayer;
 constexpr std::uint32_t kFlagMaxima = 1;
 constexpr std::size_t kHeaderBytes = 68;    // with its CRC (version 2)
 constexpr std::size_t kHeaderBytesV1 = 60;  // version 1: no log-decay field
@@ -220,6 +236,7 @@ inline const char* kind_name(std::uint32_t kind) {
     case kKindDelta: return "the state of a RecurrentDeltaRule";
     case kKindBatched: return "the states of a BatchedRecurrentLinearAttention";
     case kKindKVCache: return "the KV cache of a SoftmaxAttentionLayer::State";
+    case kKindDeltaLayer: return "the states of a delta-rule layer's BatchedState";
     default: return "the states of a MultiHeadRecurrentLinearAttention";
   }
 }
@@ -253,6 +270,7 @@ inline bool compact_kind(std::uint32_t kind) noexcept {
 
 // Bytes of one head record for scalars of s bytes (the bounds keep this from overflowing).
 inline std::uint64_t head_bytes(const Header& h, std::uint64_t s) {
+  if (h.kind == kKindDeltaLayer) return s * h.F * h.M;  // a sequence's S of one head
   if (h.kind == kKindDelta) return kPositionBytes + s * h.F * h.M;
   if (h.kind == kKindGatedCompact) return kPositionBytes + s * (h.F * h.M + h.F + h.decay);
   return kHeadPrefixBytes + s * (2 * h.F * h.M + (h.maxima() ? 3 : 2) * h.F + h.decay);
@@ -481,7 +499,8 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
   kind = hd.kind;
   if ((hd.flags & ~kFlagMaxima) != 0) fail(fn, "unknown flags " + std::to_string(hd.flags));
   if (hd.heads == 0 || hd.heads > kMaxHeads ||
-      (kind != kKindMultiHead && kind != kKindBatched && kind != kKindKVCache && hd.heads != 1))
+      (kind != kKindMultiHead && kind != kKindBatched && kind != kKindKVCache &&
+       kind != kKindDeltaLayer && hd.heads != 1))
     fail(fn, "invalid head count " + std::to_string(hd.heads));
   if ((kind == kKindState) != (hd.key_dim == 0) || hd.key_dim > kMaxDim)
     fail(fn, "invalid key dimension " + std::to_string(hd.key_dim));
@@ -495,7 +514,7 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
   if (hd.maxima() && hd.F == 0)
     fail(fn, "invalid flags " + std::to_string(hd.flags) + ": running maxima with F = 0");
   // Compact records have no field for maxima (the gated and delta-rule maps have none).
-  if (compact_kind(kind) && hd.maxima())
+  if ((compact_kind(kind) || kind == kKindDeltaLayer) && hd.maxima())
     fail(fn, "invalid flags " + std::to_string(hd.flags) + ": " + kind_name(kind) +
                  " has no running maxima");
   if (kind == kKindKVCache && hd.decay != 0)
@@ -510,7 +529,7 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
   if ((kind == kKindGated || kind == kKindGatedCompact) && hd.decay != hd.F)
     fail(fn, "invalid log-decay size " + std::to_string(hd.decay) +
                  ": a RecurrentGatedAttention keeps F = " + std::to_string(hd.F) + " entries");
-  if (kind == kKindDelta && hd.decay != 0)
+  if ((kind == kKindDelta || kind == kKindDeltaLayer) && hd.decay != 0)
     fail(fn, "invalid log-decay size " + std::to_string(hd.decay) +
                  ": a RecurrentDeltaRule keeps no log-decay (L must be 0)");
   if (hd.F > kMaxDim || hd.M > kMaxDim ||
