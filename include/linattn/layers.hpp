@@ -8,6 +8,7 @@
 
 #include "layers/attention_layer.hpp"
 #include "layers/batched_layer.hpp"
+#include "layers/delta_layer_gradients.hpp"
 #include "layers/delta_layer_state.hpp"
 #include "layers/gated_delta_net_layer.hpp"
 #include "layers/gated_rms_norm.hpp"

@@ -26,6 +26,7 @@
 #include "../serving/safetensors.hpp"
 #include "batched_layer.hpp"
 #include "delta_layer_state.hpp"
+#include "delta_layer_gradients.hpp"
 #include "detail/delta_layer.hpp"
 #include "detail/delta_layer_backward.hpp"
 #include "detail/gated_delta_net.hpp"
@@ -59,20 +60,6 @@ using GatedDeltaNetState = DeltaLayerState<Scalar>;
 /// spelled `GatedDeltaNetLayer<Scalar>::BatchedState`, from make_batched_state()).
 template <class Scalar>
 using GatedDeltaNetBatchedState = DeltaLayerBatchedState<Scalar, detail::GdnBuffers<Scalar>>;
-
-/// \brief The gradients of a loss through GatedDeltaNetLayer::forward() (from backward()): one
-/// member per parameter, named and shaped as the layer's, and the input's.
-template <class Scalar>
-struct GatedDeltaNetGradients {
-  Matrix<Scalar> dX;             ///< N x d, with respect to the input rows
-  Matrix<Scalar> in_proj_qkvz;   ///< (2·Hk·Dk + 2·Hv·Dv) x d, in the parameter's row order
-  Matrix<Scalar> in_proj_ba;     ///< 2·Hv x d
-  Matrix<Scalar> conv1d_weight;  ///< (2·Hk·Dk + Hv·Dv) x W
-  Vector<Scalar> dt_bias;        ///< Hv
-  Vector<Scalar> A_log;          ///< Hv
-  Vector<Scalar> norm_weight;    ///< Dv
-  Matrix<Scalar> out_proj;       ///< d x Hv·Dv
-};
 
 /// \brief The Gated DeltaNet layer of Qwen3-Next (transformers' `Qwen3NextGatedDeltaNet`): for
 /// input rows X (N x d),

@@ -26,6 +26,7 @@
 #include "../serving/safetensors.hpp"
 #include "batched_layer.hpp"
 #include "delta_layer_state.hpp"
+#include "delta_layer_gradients.hpp"
 #include "detail/delta_layer.hpp"
 #include "detail/delta_layer_backward.hpp"
 #include "detail/kimi_delta_attention.hpp"
@@ -64,28 +65,6 @@ using KimiDeltaAttentionState = DeltaLayerState<Scalar>;
 /// spelled `KimiDeltaAttentionLayer<Scalar>::BatchedState`, from make_batched_state()).
 template <class Scalar>
 using KimiDeltaAttentionBatchedState = DeltaLayerBatchedState<Scalar, detail::KdaBuffers<Scalar>>;
-
-/// \brief The gradients of a loss through KimiDeltaAttentionLayer::forward() (from backward()):
-/// one member per parameter, named and shaped as the layer's, and the input's.
-template <class Scalar>
-struct KimiDeltaAttentionGradients {
-  Matrix<Scalar> dX;               ///< N x d, with respect to the input rows
-  Matrix<Scalar> q_proj;           ///< H·K x d
-  Matrix<Scalar> k_proj;           ///< H·K x d
-  Matrix<Scalar> v_proj;           ///< H·V x d
-  Matrix<Scalar> q_conv1d_weight;  ///< H·K x W
-  Matrix<Scalar> k_conv1d_weight;  ///< H·K x W
-  Matrix<Scalar> v_conv1d_weight;  ///< H·V x W
-  Matrix<Scalar> f_a_proj;         ///< K x d
-  Matrix<Scalar> f_b_proj;         ///< H·K x K
-  Matrix<Scalar> b_proj;           ///< H x d
-  Matrix<Scalar> g_a_proj;         ///< K x d
-  Matrix<Scalar> g_b_proj;         ///< H·V x K
-  Vector<Scalar> A_log;            ///< H
-  Vector<Scalar> dt_bias;          ///< H·K
-  Vector<Scalar> o_norm_weight;    ///< V
-  Matrix<Scalar> o_proj;           ///< d x H·V
-};
 
 /// \brief The KDA layer of Kimi Linear (`KimiDeltaAttention`): for input rows X (N x d),
 ///
