@@ -270,7 +270,7 @@ TEST(AttentionLayer, LinearStateIsSetThroughItsHeads) {
     EXPECT_EQ(test::max_abs_diff(ya, yb), 0.0) << "row " << i;
   }
   EXPECT_EQ(b.position(), 30);
-  // Issue 29: the heads saved as a multi-head file and loaded into another State's heads.
+  // The heads saved as a multi-head file and loaded into another State's heads.
   std::stringstream file(std::ios::in | std::ios::out | std::ios::binary);
   linattn::save_state(file, a.heads());
   auto c = layer.make_state();

@@ -1,6 +1,6 @@
 // Conformance of feature maps to the FeatureMap concept (feature_map.hpp) and to spec §2: a
 // typed suite that every map (the built-in ones, L2Normalize over two inner maps, and two
-// user-defined ones) must pass, in float and double, plus exact per-map checks. Issue 26: Relu,
+// user-defined ones) must pass, in float and double, plus exact per-map checks. Relu,
 // Dpfp (ν = 1 and 3) and Taylor2 in the suite, against naive references of their formulas, and
 // (in the double translation unit) through every kernel against the O(N²) references.
 #include <linattn/linattn.hpp>
@@ -139,7 +139,7 @@ static_assert(!linattn::detail::declares_elementwise<linattn::L2Normalize<linatt
 static_assert(linattn::detail::may_cancel_v<linattn::Silu>);
 static_assert(linattn::detail::may_cancel_v<linattn::L2Normalize<linattn::Silu>>);
 static_assert(!linattn::detail::may_cancel_v<linattn::L2Normalize<linattn::EluPlusOne>>);
-// Issue 26: Relu is elementwise with non-negative features, Dpfp has non-negative features
+// Relu is elementwise with non-negative features, Dpfp has non-negative features
 // (products of ReLUs) but pairs entries, Taylor2 has features of both signs (its similarity
 // 1 + s + s²/2 is positive, but the flag promises every feature). All three have a backward.
 static_assert(linattn::is_feature_map_v<linattn::Relu, float>);
@@ -155,7 +155,7 @@ static_assert(!linattn::detail::may_cancel_v<linattn::Relu>);
 static_assert(!linattn::detail::may_cancel_v<linattn::Dpfp>);
 static_assert(linattn::detail::may_cancel_v<linattn::Taylor2>);
 static_assert(!std::is_convertible_v<int, linattn::Dpfp>);  // explicit Dpfp(int nu)
-// Issue 26, FAVOR+: strictly positive features (exp), not elementwise, a backward, and the
+// FAVOR+: strictly positive features (exp), not elementwise, a backward, and the
 // side-aware overloads of the concept's extension (which no other built-in map has).
 static_assert(linattn::is_feature_map_v<linattn::Favor<float>, float>);
 static_assert(linattn::is_feature_map_v<linattn::Favor<double>, double>);
@@ -277,7 +277,7 @@ struct MapInfo<linattn::L2Normalize<linattn::Silu>> {
   static constexpr Similarity similarity = Similarity::UnitRows;
 };
 
-// Issue 26. Relu and Dpfp can have all-zero features (a query with no positive entry; for Dpfp
+// Relu and Dpfp can have all-zero features (a query with no positive entry; for Dpfp
 // also D = 1 with ν = 1, whose every feature is r_0·r_1 = 0), hence zero rows: not strictly
 // positive. Taylor2's features have both signs, but its similarity 1 + s + s²/2 is >= 1/2: it
 // is in the NonNegative class (every denominator >= L/2).
@@ -353,7 +353,7 @@ using MapCases = ::testing::Types<MapCase<linattn::EluPlusOne, CaseScalar>,
                                   MapCase<linattn::Silu, CaseScalar>,
                                   MapCase<linattn::L2Normalize<linattn::Identity>, CaseScalar>,
                                   MapCase<linattn::L2Normalize<linattn::Silu>, CaseScalar>,
-                                  // Issue 26 (Dpfp with ν = 1 and ν = 3: one type, two cases).
+                                  // (Dpfp with ν = 1 and ν = 3: one type, two cases).
                                   MapCase<linattn::Relu, CaseScalar>,
                                   MapCase<linattn::Dpfp, CaseScalar>,
                                   MapCase<linattn::Dpfp, CaseScalar, DpfpNu3Info>,
@@ -844,7 +844,7 @@ TEST(FeatureMapsInDouble, GenericReferenceAgreesWithTheSpecReference) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Issue 26: Relu, Dpfp and Taylor2 against naive references written straight from their
+// Relu, Dpfp and Taylor2 against naive references written straight from their
 // formulas (docs/SPEC.md §7), loop by loop in double, every index 0-based.
 // ---------------------------------------------------------------------------------------------
 
@@ -906,7 +906,7 @@ double map_vs_naive(const Map& phi, const Naive& naive) {
   return worst;
 }
 
-TEST(Issue26Maps, MatchNaiveReferencesOfTheirFormulas) {
+TEST(ReluDpfpTaylor2, MatchNaiveReferencesOfTheirFormulas) {
   // Relu is exact; a Dpfp feature is one rounded product (≤ ε/2 relative: measured 5.4e-8 in
   // float, 0 in double, where the products of the float inputs are exact), a Taylor2 feature
   // x'_a/√2 · x'_b three roundings plus those of the constants and of the naive formula's
@@ -936,7 +936,7 @@ TEST(Issue26Maps, MatchNaiveReferencesOfTheirFormulas) {
   }
 }
 
-TEST(Issue26Maps, DpfpParameterAndFeatureDim) {
+TEST(ReluDpfpTaylor2, DpfpParameterAndFeatureDim) {
   EXPECT_EQ(linattn::Dpfp{}.nu(), 1);
   EXPECT_EQ(linattn::Dpfp(3).nu(), 3);
   EXPECT_EQ(linattn::Dpfp{}.feature_dim(64), 128);
@@ -953,7 +953,7 @@ TEST(Issue26Maps, DpfpParameterAndFeatureDim) {
   }
 }
 
-TEST(Issue26Maps, ReluExactValuesAndSubgradient) {
+TEST(ReluDpfpTaylor2, ReluExactValuesAndSubgradient) {
   const float inf = std::numeric_limits<float>::infinity(),
               nan = std::numeric_limits<float>::quiet_NaN();
   Mat<float> x(1, 7), phi(1, 7), g = Mat<float>::Constant(1, 7, 2.5f), grad(1, 7);
@@ -983,7 +983,7 @@ TEST(Issue26Maps, ReluExactValuesAndSubgradient) {
   EXPECT_EQ(gz(1, 2), 0.0);
 }
 
-TEST(Issue26Maps, ZeroDenominatorsGiveZeroRows) {
+TEST(ReluDpfpTaylor2, ZeroDenominatorsGiveZeroRows) {
   // Spec §2, Denominators: a row whose denominator is below the smallest normal number is 0.
   // Relu: the query's positive entries meet no key's (features orthogonal), or the query has
   // none. Dpfp with D = 1, ν = 1: every feature is max(x, 0)·max(−x, 0) = 0.
@@ -1001,7 +1001,7 @@ TEST(Issue26Maps, ZeroDenominatorsGiveZeroRows) {
   EXPECT_EQ(test::max_abs(linattn::linear_attention(q1, k1, V.topRows(9), linattn::Dpfp(1))), 0.0);
 }
 
-TEST(Issue26Maps, Taylor2SimilarityIsTheSecondOrderTaylorPolynomial) {
+TEST(ReluDpfpTaylor2, Taylor2SimilarityIsTheSecondOrderTaylorPolynomial) {
   // φ(q)·φ(k) = 1 + s + s²/2, s = q·k/√D, to rounding relative to the magnitude of its terms
   // 1 + s' + s'²/2 (s' = Σ|q_a k_a|/√D), for D up to 64 (F = 4161): measured 5.8e-7 (float)
   // and 1.2e-15 (double).
@@ -1039,7 +1039,7 @@ TEST(Issue26Maps, Taylor2SimilarityIsTheSecondOrderTaylorPolynomial) {
   EXPECT_LE(worst_d, 5e-15);
 }
 
-TEST(Issue26Maps, Taylor2DenominatorNeverCancelsToZero) {
+TEST(ReluDpfpTaylor2, Taylor2DenominatorNeverCancelsToZero) {
   // Every key at s = q·k/√D = −1, the minimum of 1 + s + s²/2 = 1/2: the weights are all equal
   // and the output is the mean of the value rows, not a guarded zero row.
   const Index D = 8, L = 30;
@@ -1055,7 +1055,7 @@ TEST(Issue26Maps, Taylor2DenominatorNeverCancelsToZero) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Issue 26: FAVOR+ (linattn::Favor) against naive references of its formulas (docs/SPEC.md §7),
+// FAVOR+ (linattn::Favor) against naive references of its formulas (docs/SPEC.md §7),
 // its orthogonal draw, the unbiasedness of its estimate, and its stabilised sides.
 // ---------------------------------------------------------------------------------------------
 
@@ -1362,7 +1362,7 @@ TEST(Favor, InputsOfMagnitude100StayFiniteThroughTheCausalKernel) {
 
 #if defined(LINATTN_TEST_DOUBLE_CASES) && defined(LINATTN_TEST_DOUBLE)
 // ---------------------------------------------------------------------------------------------
-// Issue 26: Relu, Dpfp (ν = 1, 3) and Taylor2 through every kernel family, in double only (one
+// Relu, Dpfp (ν = 1, 3) and Taylor2 through every kernel family, in double only (one
 // instantiation per map and kernel), against the naive O(N²) references: causal chunked (chunk
 // sizes 16 and the default) and recurrent, the decode step, masks, multi-head, the gradients
 // and the gated kernel (normalised and not). N = 37, 130 and 300 are multiples of no block
@@ -1400,7 +1400,7 @@ linattn::CausalOptions causal_options(linattn::CausalAlgorithm a, Index chunk) {
   return o;
 }
 
-TEST(Issue26Kernels, CausalChunkedRecurrentAndDecodeMatchTheReference) {
+TEST(ReluDpfpTaylor2Kernels, CausalChunkedRecurrentAndDecodeMatchTheReference) {
   double worst = 0;
   Index zero_rows = 0;
   for_new_maps([&](const auto& phi, const char* name) {
@@ -1432,7 +1432,7 @@ TEST(Issue26Kernels, CausalChunkedRecurrentAndDecodeMatchTheReference) {
   EXPECT_LE(worst, 8e-15);
 }
 
-TEST(Issue26Kernels, MaskedKernelsMatchTheReference) {
+TEST(ReluDpfpTaylor2Kernels, MaskedKernelsMatchTheReference) {
   // Keys 0 … 5 masked: the first queries see no key (zero rows) in the causal form.
   double worst = 0;
   for_new_maps([&](const auto& phi, const char* name) {
@@ -1461,7 +1461,7 @@ TEST(Issue26Kernels, MaskedKernelsMatchTheReference) {
   EXPECT_LE(worst, 7e-15);  // measured 4.4e-16 (Dpfp1), 1.8e-15 (Taylor2)
 }
 
-TEST(Issue26Kernels, MultiHeadCausalMatchesTheReferencePerHead) {
+TEST(ReluDpfpTaylor2Kernels, MultiHeadCausalMatchesTheReferencePerHead) {
   // H = 3 heads packed side by side (the batched machinery; the non-causal multi-head form
   // runs the same per-head kernel as linear_attention, left out to keep compile time down).
   const Index H = 3;
@@ -1489,7 +1489,7 @@ TEST(Issue26Kernels, MultiHeadCausalMatchesTheReferencePerHead) {
   EXPECT_LE(worst, 5e-15);  // measured 1.3e-15 (Taylor2), 4.4e-16 (Dpfp3)
 }
 
-TEST(Issue26Kernels, GradientsMatchFiniteDifferencesOfTheReference) {
+TEST(ReluDpfpTaylor2Kernels, GradientsMatchFiniteDifferencesOfTheReference) {
   // dQ, dK, dV of L = Σ out ∘ W from the backward kernels (chained through the maps' backward),
   // against central differences of the naive reference (not of the kernels). N = 37 (three
   // chunks of 16), L = 29 non-causal, D = 5, M = 3. No input lies within a step of a ReLU kink.
@@ -1532,7 +1532,7 @@ TEST(Issue26Kernels, GradientsMatchFiniteDifferencesOfTheReference) {
 // The gated kernel (spec §9) from a zero state against gref::quadratic (long double, O(N²)):
 // scalar log-decays (N x 1) and per-feature gates (N x F), unnormalised (scale 0.7) and
 // normalised, chunked (chunk 16) and recurrent.
-TEST(Issue26Kernels, GatedKernelMatchesTheQuadraticReference) {
+TEST(ReluDpfpTaylor2Kernels, GatedKernelMatchesTheQuadraticReference) {
   double worst = 0;
   for_new_maps([&](const auto& phi, const char* name) {
     double w = 0;
@@ -1572,7 +1572,7 @@ TEST(Issue26Kernels, GatedKernelMatchesTheQuadraticReference) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Issue 26, FAVOR+ through every kernel family in double, against the naive references, which
+// FAVOR+ through every kernel family in double, against the naive references, which
 // use the plain features φ(x) = exp(W x' − |x'|²/2)/√m: the kernels use the stabilised sides
 // (the normalised ones) or the plain features (the unnormalised ones), so agreement also shows
 // that the shifts cancel. m = 2D + 3 features (F ≠ D, F ≠ M), one Favor per D and seed; the

@@ -2,9 +2,9 @@
 // feature_dim rule of maps with per-feature key normalisation, the supported scalar types,
 // EluPlusOne's scalar and packet paths agreeing bit for bit, and every map giving the same
 // features whatever the layout of its input (row-major, column-major, Maps with an outer
-// stride, blocks). Issue 23: Silu at extreme and non-finite inputs, L2Normalize on zero, tiny,
+// stride, blocks). Silu at extreme and non-finite inputs, L2Normalize on zero, tiny,
 // huge and non-finite rows, both backwards against finite differences, and the new maps
-// through the kernels. Issue 26: Relu, Dpfp and Taylor2 on every layout. Built portable and
+// through the kernels. Relu, Dpfp and Taylor2 on every layout. Built portable and
 // with -march=native in CI: nothing here may depend on which one.
 #include <linattn/linattn.hpp>
 
@@ -410,7 +410,7 @@ TEST(FeatureMapLayouts, IdentityAndSiluAreBitwiseIdentical) {
   IF_DOUBLE(check_layouts<double>(linattn::Silu{}, true));
 }
 TEST(FeatureMapLayouts, ReluDpfpAndTaylor2AreBitwiseIdentical) {
-  // Issue 26: each feature is one exact or correctly rounded operation on its inputs (Relu a
+  // Each feature is one exact or correctly rounded operation on its inputs (Relu a
   // select, Dpfp one product, Taylor2 (x'_a/√2)·x'_b), the same whatever the input's layout.
   IF_FLOAT(check_layouts<float>(linattn::Relu{}, true));
   IF_DOUBLE(check_layouts<double>(linattn::Relu{}, true));
@@ -420,7 +420,7 @@ TEST(FeatureMapLayouts, ReluDpfpAndTaylor2AreBitwiseIdentical) {
   IF_DOUBLE(check_layouts<double>(linattn::Taylor2{}, true));
 }
 TEST(FeatureMapLayouts, FavorIsBitwiseIdentical) {
-  // Issue 26: each row is copied into a contiguous buffer and mapped with the same operations,
+  // Each row is copied into a contiguous buffer and mapped with the same operations,
   // whatever the input's layout (m = 2D + 3 features).
   IF_FLOAT(check_layouts_made<float>([](Index D) { return linattn::Favor<float>(D, 2 * D + 3, 7); }, true));
   IF_DOUBLE(check_layouts_made<double>([](Index D) { return linattn::Favor<double>(D, 2 * D + 3, 7); },
