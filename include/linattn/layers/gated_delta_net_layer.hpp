@@ -438,6 +438,17 @@ class GatedDeltaNetLayer : public DeltaLayerForward<GatedDeltaNetLayer<Scalar>, 
     return Y;
   }
 
+  // Gradients of no rows: zeros of the parameters' shapes, dX 0 x d.
+  Gradients zero_gradients() const {
+    Gradients g;
+    g.dX.resize(0, s_.d);
+    const auto zero = [](auto& d, const auto& p) { d.setZero(p.rows(), p.cols()); };
+    zero(g.in_proj_qkvz, in_proj_qkvz), zero(g.in_proj_ba, in_proj_ba);
+    zero(g.conv1d_weight, conv1d_weight), zero(g.dt_bias, dt_bias), zero(g.A_log, A_log);
+    zero(g.norm_weight, norm_weight), zero(g.out_proj, out_proj);
+    return g;
+  }
+
   // The forward pass from zero states again, keeping what the gradients need, then each
   // piece's backward in reverse order.
   template <class DX, class DdY>
@@ -447,6 +458,7 @@ class GatedDeltaNetLayer : public DeltaLayerForward<GatedDeltaNetLayer<Scalar>, 
     check_parameters(fn);
     detail::check_backward_inputs(fn, X, dY, s_.d);
     const Index N = X.rows(), B = static_cast<Index>(off.size()) - 1;
+    if (N == 0) return zero_gradients();  // no rows: the blocks below would offset no data
     const Matrix<Scalar> x = X;
     detail::GdnBuffers<Scalar> buf;
     buf.reserve(s_, N);

@@ -117,7 +117,7 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
   /// \param seed the seed of the initial parameters.
   explicit KimiDeltaAttentionLayer(const KimiDeltaAttentionConfig& config = {},
                                    std::uint32_t seed = 0)
-      : config_(config), s_(checked_sizes(config)) {
+      : config_(config), s_(detail::kda_sizes(config)) {
     reset_parameters(seed);
   }
 
@@ -390,36 +390,6 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
   static constexpr const char* kBackwardName = "KimiDeltaAttentionLayer::backward";
   static constexpr double kL2Epsilon = 1e-6;  // FLA's l2norm in the KDA kernels
 
-  static detail::KdaSizes checked_sizes(const KimiDeltaAttentionConfig& c) {
-    const char* fn = "KimiDeltaAttentionLayer";
-    const auto positive = [fn](const char* name, Index v) {
-      if (v <= 0)
-        detail::throw_invalid(fn, std::string(name) + " = " + std::to_string(v) + " must be > 0");
-    };
-    positive("hidden_size", c.hidden_size);
-    positive("num_heads", c.num_heads);
-    positive("head_dim", c.head_dim);
-    positive("short_conv_kernel_size", c.short_conv_kernel_size);
-    if (c.head_v_dim < 0)
-      detail::throw_invalid(
-          fn, "head_v_dim = " + std::to_string(c.head_v_dim) + " must be > 0 (or 0: head_dim)");
-    if (!(c.rms_norm_eps >= 0) || !std::isfinite(c.rms_norm_eps))
-      detail::throw_invalid(fn, "rms_norm_eps = " + detail::value_string(c.rms_norm_eps) +
-                                    " must be finite and >= 0");
-    if (c.use_lower_bound && !(c.lower_bound < 0 && std::isfinite(c.lower_bound)))
-      detail::throw_invalid(
-          fn, "lower_bound = " + detail::value_string(c.lower_bound) + " must be finite and < 0");
-    detail::KdaSizes s;
-    s.d = c.hidden_size;
-    s.h = c.num_heads;
-    s.dk = c.head_dim;
-    s.dv = c.head_v_dim == 0 ? c.head_dim : c.head_v_dim;
-    s.w = c.short_conv_kernel_size;
-    s.key_dim = s.h * s.dk;
-    s.value_dim = s.h * s.dv;
-    return s;
-  }
-
   DeltaOptions delta_options() const {
     DeltaOptions o;
     o.scale = 1.0 / std::sqrt(double(s_.dk));
@@ -527,6 +497,20 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
     return Y;
   }
 
+  // Gradients of no rows: zeros of the parameters' shapes, dX 0 x d.
+  Gradients zero_gradients() const {
+    Gradients g;
+    g.dX.resize(0, s_.d);
+    const auto zero = [](auto& d, const auto& p) { d.setZero(p.rows(), p.cols()); };
+    zero(g.q_proj, q_proj), zero(g.k_proj, k_proj), zero(g.v_proj, v_proj);
+    zero(g.q_conv1d_weight, q_conv1d_weight), zero(g.k_conv1d_weight, k_conv1d_weight);
+    zero(g.v_conv1d_weight, v_conv1d_weight), zero(g.f_a_proj, f_a_proj);
+    zero(g.f_b_proj, f_b_proj), zero(g.b_proj, b_proj), zero(g.g_a_proj, g_a_proj);
+    zero(g.g_b_proj, g_b_proj), zero(g.A_log, A_log), zero(g.dt_bias, dt_bias);
+    zero(g.o_norm_weight, o_norm_weight), zero(g.o_proj, o_proj);
+    return g;
+  }
+
   // The forward pass from zero states again, keeping what the gradients need, then each
   // piece's backward in reverse order.
   template <class DX, class DdY>
@@ -536,6 +520,7 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
     check_parameters(fn);
     detail::check_backward_inputs(fn, X, dY, s_.d);
     const Index N = X.rows(), B = static_cast<Index>(off.size()) - 1;
+    if (N == 0) return zero_gradients();  // no rows: the blocks below would offset no data
     const Index HK = s_.key_dim, HV = s_.value_dim;
     const Matrix<Scalar> x = X;
     detail::KdaBuffers<Scalar> buf;

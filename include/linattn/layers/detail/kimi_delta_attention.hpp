@@ -4,8 +4,11 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <cmath>
+#include <string>
 
 #include "../../core/common.hpp"
+#include "../../core/detail/checks.hpp"
 #include "delta_layer.hpp"
 
 namespace linattn {
@@ -23,6 +26,39 @@ struct KdaSizes {
   Index heads() const { return h; }
   Index conv_dim() const { return 2 * key_dim + value_dim; }
 };
+
+// The sizes of a KimiDeltaAttentionConfig (a template: the configuration is defined with the
+// layer), each checked, naming the first that is wrong.
+template <class Config>
+KdaSizes kda_sizes(const Config& c) {
+  const char* fn = "KimiDeltaAttentionLayer";
+  const auto positive = [fn](const char* name, Index v) {
+    if (v <= 0)
+      throw_invalid(fn, std::string(name) + " = " + std::to_string(v) + " must be > 0");
+  };
+  positive("hidden_size", c.hidden_size);
+  positive("num_heads", c.num_heads);
+  positive("head_dim", c.head_dim);
+  positive("short_conv_kernel_size", c.short_conv_kernel_size);
+  if (c.head_v_dim < 0)
+    throw_invalid(
+        fn, "head_v_dim = " + std::to_string(c.head_v_dim) + " must be > 0 (or 0: head_dim)");
+  if (!(c.rms_norm_eps >= 0) || !std::isfinite(c.rms_norm_eps))
+    throw_invalid(fn, "rms_norm_eps = " + value_string(c.rms_norm_eps) +
+                                  " must be finite and >= 0");
+  if (c.use_lower_bound && !(c.lower_bound < 0 && std::isfinite(c.lower_bound)))
+    throw_invalid(
+        fn, "lower_bound = " + value_string(c.lower_bound) + " must be finite and < 0");
+  KdaSizes s;
+  s.d = c.hidden_size;
+  s.h = c.num_heads;
+  s.dk = c.head_dim;
+  s.dv = c.head_v_dim == 0 ? c.head_dim : c.head_v_dim;
+  s.w = c.short_conv_kernel_size;
+  s.key_dim = s.h * s.dk;
+  s.value_dim = s.h * s.dv;
+  return s;
+}
 
 // The intermediate rows of one call, row-major, reused while their capacity holds the rows.
 template <class S>
