@@ -186,5 +186,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string sds_before = saved(sds);
   check(bytes, [&](std::istream& is) { linattn::load_state(is, sds); }, [&] { return saved(sds); },
         [&] { return saved(sds) == sds_before && sds.position() == 0 && sds.capacity() == 8; });
+  // Kind 9: a delta-rule layer's BatchedState in float (B from the file; H = 1 of D = F = 2,
+  // M = 2; W = 3, C = 6).
+  linattn::GatedDeltaNetConfig gc;
+  gc.hidden_size = 4;
+  gc.linear_num_key_heads = gc.linear_num_value_heads = 1;
+  gc.linear_key_head_dim = gc.linear_value_head_dim = 2;
+  gc.linear_conv_kernel_dim = 3;
+  const linattn::GatedDeltaNetLayer<float> gdn(gc);
+  auto gbs = gdn.make_batched_state(1);
+  const std::string gbs_before = saved(gbs);
+  check(bytes, [&](std::istream& is) { linattn::load_state(is, gbs); }, [&] { return saved(gbs); },
+        [&] { return saved(gbs) == gbs_before && gbs.sequences() == 1; });
   return 0;
 }
