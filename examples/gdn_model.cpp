@@ -157,7 +157,7 @@ struct Sizes {
   Index mlp;  // f
 };
 
-Model make_model(const Task& task, const Sizes& sz, std::uint32_t seed) {
+Model make_model(const Task& task, const Sizes& sz, std::uint32_t seed, double a_start = 0.05) {
   std::mt19937 gen(seed);
   const Index d = sz.gdn.hidden_size, f = sz.mlp;
   const auto randn = [&gen](Index r, Index c, double sd) {
@@ -173,6 +173,10 @@ Model make_model(const Task& task, const Sizes& sz, std::uint32_t seed) {
     m.blocks.push_back({Vec::Ones(d), Gdn(sz.gdn, seed * 10 + l), Vec::Ones(d),
                         randn(d, f, 1.0 / std::sqrt(double(d))),
                         randn(f, d, 1.0 / std::sqrt(double(f))), Vec::Zero(f), Vec::Zero(d)});
+    // A slow decay to start with (torch's A_log = log U(0, 16) makes most heads forget within a
+    // few tokens), so that a write reaches its queries before the gates have learnt anything.
+    auto& A_log = m.blocks.back().gdn.A_log;
+    A_log.setConstant(std::log(a_start));
   }
   m.norm_f = Vec::Ones(d);
   m.Wo = randn(d, task.values, 1.0 / std::sqrt(double(d)));
@@ -464,11 +468,12 @@ Index argmax(const Eigen::RowVectorXd& row) {
 int main(int argc, char** argv) {
   bool smoke = false;
   int steps_arg = 0;
-  double lr_arg = 0;
+  double lr_arg = 0, a_arg = 0;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--smoke") == 0) smoke = true;
     if (std::strcmp(argv[i], "--steps") == 0 && i + 1 < argc) steps_arg = std::atoi(argv[++i]);
     if (std::strcmp(argv[i], "--lr") == 0 && i + 1 < argc) lr_arg = std::atof(argv[++i]);
+    if (std::strcmp(argv[i], "--a") == 0 && i + 1 < argc) a_arg = std::atof(argv[++i]);
   }
   bool ok = true;
 
@@ -509,7 +514,7 @@ int main(int argc, char** argv) {
               task.keys, task.values, task.distinct, task.writes, task.queries,
               long(sz.gdn.hidden_size), long(sz.gdn.linear_key_head_dim), long(sz.mlp), steps,
               batch_size);
-  Model model = make_model(task, sz, 1);
+  Model model = make_model(task, sz, 1, a_arg > 0 ? a_arg : 0.05);
   Grads grads = zero_grads(model);
   const double lr = lr_arg > 0 ? lr_arg : 1e-2;
   Adam adam{lr};
