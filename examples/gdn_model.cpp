@@ -31,8 +31,10 @@
 //      batched states with load_state(), and the continuation checked bit for bit against the
 //      batch that was not parked.
 //
-//   gdn_model           the full run (about half a minute at -O2)
-//   gdn_model --smoke   small sizes and few steps (ctest)
+//   gdn_model              the full run: 800 steps of 16 sequences (the loss plateaus near
+//                          chance for a few hundred steps, then falls to near 0)
+//   gdn_model --smoke      small sizes, 200 steps (ctest)
+//   gdn_model --steps N    N training steps; --lr R the peak learning rate (1e-2)
 #include <linattn/layers/gated_delta_net_layer.hpp>
 #include <linattn/serving/state_io.hpp>
 
@@ -157,7 +159,7 @@ struct Sizes {
   Index mlp;  // f
 };
 
-Model make_model(const Task& task, const Sizes& sz, std::uint32_t seed, double a_start = 0.05) {
+Model make_model(const Task& task, const Sizes& sz, std::uint32_t seed) {
   std::mt19937 gen(seed);
   const Index d = sz.gdn.hidden_size, f = sz.mlp;
   const auto randn = [&gen](Index r, Index c, double sd) {
@@ -175,8 +177,7 @@ Model make_model(const Task& task, const Sizes& sz, std::uint32_t seed, double a
                         randn(f, d, 1.0 / std::sqrt(double(f))), Vec::Zero(f), Vec::Zero(d)});
     // A slow decay to start with (torch's A_log = log U(0, 16) makes most heads forget within a
     // few tokens), so that a write reaches its queries before the gates have learnt anything.
-    auto& A_log = m.blocks.back().gdn.A_log;
-    A_log.setConstant(std::log(a_start));
+    m.blocks.back().gdn.A_log.setConstant(std::log(0.05));
   }
   m.norm_f = Vec::Ones(d);
   m.Wo = randn(d, task.values, 1.0 / std::sqrt(double(d)));
@@ -392,6 +393,7 @@ struct Adam {
   double lr, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   std::vector<double> m, v;
   int t = 0;
+  explicit Adam(double rate) : lr(rate) {}
   void step(Model& model, Grads& grads) {
     std::vector<std::pair<double*, Index>> p;
     std::vector<const double*> g;
@@ -468,12 +470,11 @@ Index argmax(const Eigen::RowVectorXd& row) {
 int main(int argc, char** argv) {
   bool smoke = false;
   int steps_arg = 0;
-  double lr_arg = 0, a_arg = 0;
+  double lr_arg = 0;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--smoke") == 0) smoke = true;
     if (std::strcmp(argv[i], "--steps") == 0 && i + 1 < argc) steps_arg = std::atoi(argv[++i]);
     if (std::strcmp(argv[i], "--lr") == 0 && i + 1 < argc) lr_arg = std::atof(argv[++i]);
-    if (std::strcmp(argv[i], "--a") == 0 && i + 1 < argc) a_arg = std::atof(argv[++i]);
   }
   bool ok = true;
 
@@ -506,7 +507,7 @@ int main(int argc, char** argv) {
   sz.gdn.linear_key_head_dim = smoke ? 8 : 16;
   sz.gdn.linear_value_head_dim = smoke ? 8 : 16;
   sz.gdn.linear_conv_kernel_dim = 4;
-  const int steps = steps_arg > 0 ? steps_arg : smoke ? 200 : 1500, batch_size = 16,
+  const int steps = steps_arg > 0 ? steps_arg : smoke ? 200 : 800, batch_size = 16,
             report_every = smoke ? 40 : 100;
   std::printf("associative recall: %d keys, %d values, %d used per sequence, %d writes, %d "
               "queries; d = %ld, 1 key head and 2 value heads of %ld, MLP %ld; %d steps of %d "
@@ -514,10 +515,10 @@ int main(int argc, char** argv) {
               task.keys, task.values, task.distinct, task.writes, task.queries,
               long(sz.gdn.hidden_size), long(sz.gdn.linear_key_head_dim), long(sz.mlp), steps,
               batch_size);
-  Model model = make_model(task, sz, 1, a_arg > 0 ? a_arg : 0.05);
+  Model model = make_model(task, sz, 1);
   Grads grads = zero_grads(model);
   const double lr = lr_arg > 0 ? lr_arg : 1e-2;
-  Adam adam{lr};
+  Adam adam(lr);
   std::mt19937 train_gen(2);
   std::vector<double> losses;
   double window = 0;
@@ -564,7 +565,8 @@ int main(int argc, char** argv) {
     std::printf("loss %.4f -> %.4f: %s\n", first, last, fell ? "falls" : "DOES NOT FALL");
     ok &= fell;
   } else {
-    // Far above chance: a model that answered only the keys written once would not get there.
+    // Far above chance, with room for another compiler's rounding to change the run: a model
+    // that recalled only the keys written once would stay below it.
     const bool beats = accuracy >= 0.5;
     std::printf("accuracy >= 50%%: %s\n", beats ? "yes" : "NO  <-- FAILED");
     ok &= beats;
