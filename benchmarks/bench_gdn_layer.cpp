@@ -190,8 +190,8 @@ void BM_decode(benchmark::State& st, int threads) {
 // The parts in the order of their names' indices (Stages::run).
 enum class Part { Proj, Gather, Conv, Gates, Rec, Norm };
 const std::vector<lb::PartInfo> kParts = {
-    {"proj", lb::PartRole::Base},  {"gather", lb::PartRole::Other}, {"conv", lb::PartRole::Aux},
-    {"gates", lb::PartRole::Aux},  {"rec", lb::PartRole::Base},     {"norm", lb::PartRole::Aux}};
+    {"proj", lb::PartRole::Base}, {"gather", lb::PartRole::Other}, {"conv", lb::PartRole::Aux},
+    {"gates", lb::PartRole::Aux}, {"rec", lb::PartRole::Base},     {"norm", lb::PartRole::Aux}};
 
 // The operands of every part at N tokens, from one untimed pass of the layer's steps over X.
 // The activations write to outputs of their own (the layer works in place), so that every call

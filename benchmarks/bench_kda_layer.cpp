@@ -175,8 +175,7 @@ void shape_counters(benchmark::State& st, int threads) {
 }
 
 void BM_prefill(benchmark::State& st, int threads) {
-  lb::layer_prefill(st, layer(), sizes().hidden, layer_flops(st.range(0)), threads,
-                    shape_counters);
+  lb::layer_prefill(st, layer(), sizes().hidden, layer_flops(st.range(0)), threads, shape_counters);
 }
 
 void BM_decode(benchmark::State& st, int threads) {
@@ -266,8 +265,8 @@ struct Stages {
         return;
       case Part::Conv:
         conv.clear();  // a new sequence, as forward(X)
-        linattn::batched_short_convolution(buf.mixed, buf.conv_weight, Eigen::VectorXf(), off,
-                                           conv, buf.c, ws);
+        linattn::batched_short_convolution(buf.mixed, buf.conv_weight, Eigen::VectorXf(), off, conv,
+                                           buf.c, ws);
         return;
       case Part::Gates:
         linattn::beta_activation(buf.b, beta);
@@ -275,10 +274,9 @@ struct Stages {
         return;
       case Part::Rec:
         heads.assign(std::size_t(s.h), linattn::LinearAttentionState<float>());  // zero states
-        linattn::batched_delta_rule_attention(buf.c.leftCols(HK), buf.c.middleCols(HK, HK),
-                                              buf.c.rightCols(HV), beta, g, off, s.h,
-                                              linattn::L2Normalize<>(1e-6), heads, buf.o, mws,
-                                              dopt);
+        linattn::batched_delta_rule_attention(
+            buf.c.leftCols(HK), buf.c.middleCols(HK, HK), buf.c.rightCols(HV), beta, g, off, s.h,
+            linattn::L2Normalize<>(1e-6), heads, buf.o, mws, dopt);
         return;
       case Part::Norm:
         linattn::gated_rms_norm(buf.o, buf.z, L.o_norm_weight, normed, nopt);

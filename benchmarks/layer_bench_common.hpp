@@ -18,10 +18,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <linattn/core/parallel.hpp>
 #include <string>
 #include <vector>
-
-#include <linattn/core/parallel.hpp>
 
 #include "bench_common.hpp"
 
@@ -165,8 +164,8 @@ void layer_part(benchmark::State& st, Stages& sg, int k, int threads, Shape&& sh
 // and the medians of the per-iteration ratios cgn_vs_proj_rec = Aux ÷ Base, rest_vs_proj_rec =
 // (layer − Base) ÷ Base and parts_vs_layer = (every part) ÷ layer.
 template <class Stages, class Shape>
-void layer_split(benchmark::State& st, Stages& sg, const std::vector<PartInfo>& parts,
-                 int threads, Shape&& shape_counters) {
+void layer_split(benchmark::State& st, Stages& sg, const std::vector<PartInfo>& parts, int threads,
+                 Shape&& shape_counters) {
   use_layer_threads(threads);
   const int np = int(parts.size()), calls = np + 1;  // the parts, then the whole layer
   const auto call = [&](int k) {
@@ -206,8 +205,7 @@ void layer_split(benchmark::State& st, Stages& sg, const std::vector<PartInfo>& 
   }
   if (!sg.finite()) st.SkipWithError("non-finite output");
   for (int k = 0; k < np; ++k)
-    st.counters[std::string(parts[std::size_t(k)].name) + "_ms"] =
-        1e3 * median(tk[std::size_t(k)]);
+    st.counters[std::string(parts[std::size_t(k)].name) + "_ms"] = 1e3 * median(tk[std::size_t(k)]);
   st.counters["layer_ms"] = 1e3 * median(tk[std::size_t(np)]);
   st.counters["cgn_vs_proj_rec"] = median(cgn);
   st.counters["rest_vs_proj_rec"] = median(rest);
@@ -221,8 +219,8 @@ void layer_split(benchmark::State& st, Stages& sg, const std::vector<PartInfo>& 
 // thread count (the parts of one N first, as they share its stages).
 template <class Bind>
 void add_layer_parts(const std::string& kind, const std::vector<PartInfo>& parts, Index n,
-                     const std::vector<int>& thrs, int split_iterations,
-                     std::string (*tail)(int), Bind&& bind) {
+                     const std::vector<int>& thrs, int split_iterations, std::string (*tail)(int),
+                     Bind&& bind) {
   for (int thr : thrs)
     for (int k = 0; k < int(parts.size()); ++k)
       add(kind + "_part" + key("part", parts[std::size_t(k)].name) + tail(thr), {n}, "N",
