@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "layer_bench_common.hpp"
 
 namespace lb = linattn_bench;
 using lb::Index;
@@ -153,12 +154,6 @@ double rec_flops(Index N) {
   return double(s.hv) * 4.0 * double(N) * double(s.dk) * double(s.dv);
 }
 
-// OpenMP's threads (the recurrence's heads) and Eigen's (forward()'s products), together.
-void use_threads(int threads) {
-  lb::set_threads(threads);
-  Eigen::setNbThreads(threads);
-}
-
 std::string tail(int threads) {
   const GdnBenchSizes& s = sizes();
   return lb::key("dtype", "f32") + lb::key("hidden", s.hidden) + lb::key("Hk", s.hk) +
@@ -174,112 +169,29 @@ void shape_counters(benchmark::State& st, int threads) {
   st.counters["threads"] = threads;
 }
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 void BM_prefill(benchmark::State& st, int threads) {
-  const Index N = st.range(0);
-  const Layer& L = layer();
-  use_threads(threads);
-  const Mat X = lb::random_matrix<float>(N, sizes().hidden, 900);
-  const double flops = proj_flops(N) + rec_flops(N);
-  Mat Y;
-  if (lb::worth_warming_up(flops)) Y = L.forward(X);  // starts the OpenMP team
-  const auto t0 = std::chrono::steady_clock::now();
-  for (auto _ : st) {
-    Y = L.forward(X);
-    benchmark::DoNotOptimize(Y.data());
-    benchmark::ClobberMemory();
-  }
-  const double s =
-      seconds_since(t0) / double(std::max<benchmark::IterationCount>(st.iterations(), 1));
-  if (!lb::all_finite(Y)) st.SkipWithError("non-finite output");
-  st.SetItemsProcessed(int64_t(st.iterations()) * int64_t(N));
-  st.SetComplexityN(N);
-  st.counters["tokens_per_s"] =
-      benchmark::Counter(double(N), benchmark::Counter::kIsIterationInvariantRate);
-  st.counters["GFLOPs"] =
-      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  st.counters["flops"] = flops;
-  st.counters["N"] = double(N);
-  shape_counters(st, threads);
-  lb::set_peak_counters(st, flops, s, threads);
-  use_threads(1);
+  lb::layer_prefill(st, layer(), sizes().hidden, proj_flops(st.range(0)) + rec_flops(st.range(0)),
+                    threads, shape_counters);
 }
 
 void BM_decode(benchmark::State& st, int threads) {
   const Index B = st.range(0);
   const Layer& L = layer();
   const auto sh = gdn_shape();
-  use_threads(threads);
-  linattn::ParallelOptions par;
-  par.num_threads = threads;
-  auto batch = L.make_batched_state(B);
-  std::vector<RowMat> xs;
-  for (Index r = 0; r < kRing; ++r)
-    xs.push_back(lb::random_matrix<float>(B, sh.d, 950 + std::uint64_t(r)));
-  RowMat Y(B, sh.d);
-  Index t = 0;
-  const auto one = [&] {
-    L.step(xs[std::size_t(t)], batch, Y, par);
-    t = (t + 1) % kRing;
-  };
-  for (int w = 0; w < 4; ++w) one();  // sizes the step's buffers, faults the states in
-  const auto t0 = std::chrono::steady_clock::now();
-  for (auto _ : st) {
-    one();
-    benchmark::DoNotOptimize(Y.data());
-    benchmark::ClobberMemory();
-  }
-  const double s =
-      seconds_since(t0) / double(std::max<benchmark::IterationCount>(st.iterations(), 1));
-  if (!lb::all_finite(Y)) st.SkipWithError("non-finite output");
-  const double weights = double(L.in_proj_qkvz.size() + L.in_proj_ba.size() + L.out_proj.size() +
-                                L.conv1d_weight.size()) *
-                         sizeof(float);
-  const double states =
+  lb::DecodeBytes bytes;
+  bytes.weights = double(L.in_proj_qkvz.size() + L.in_proj_ba.size() + L.out_proj.size() +
+                         L.conv1d_weight.size()) *
+                  sizeof(float);
+  bytes.states =
       double(B) * double(sh.hv * sh.dk * sh.dv + (sh.w - 1) * sh.conv_dim()) * sizeof(float);
-  const double flops = proj_flops(B) + rec_flops(B);
-  st.SetItemsProcessed(int64_t(st.iterations()) * int64_t(B));
-  st.SetComplexityN(B);
-  st.counters["tokens_per_s"] =
-      benchmark::Counter(double(B), benchmark::Counter::kIsIterationInvariantRate);
-  st.counters["GFLOPs"] =
-      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  st.counters["flops"] = flops;
-  st.counters["B"] = double(B);
-  st.counters["ns_per_token"] = 1e9 * s / double(B);
-  st.counters["weight_bytes"] = weights;
-  st.counters["state_bytes"] = states;
-  st.counters["GBs"] = s > 0 ? (weights + 2.0 * states) / s * 1e-9 : 0.0;
-  shape_counters(st, threads);
-  lb::set_peak_counters(st, flops, s, threads);
-  use_threads(1);
+  lb::layer_decode(st, L, sh.d, proj_flops(B) + rec_flops(B), bytes, threads, shape_counters);
 }
 
+// The parts in the order of their names' indices (Stages::run).
 enum class Part { Proj, Gather, Conv, Gates, Rec, Norm };
-constexpr Part kParts[] = {Part::Proj,  Part::Gather, Part::Conv,
-                           Part::Gates, Part::Rec,    Part::Norm};
-constexpr int kNumParts = 6;
-
-const char* part_name(Part p) {
-  switch (p) {
-    case Part::Proj:
-      return "proj";
-    case Part::Gather:
-      return "gather";
-    case Part::Conv:
-      return "conv";
-    case Part::Gates:
-      return "gates";
-    case Part::Rec:
-      return "rec";
-    case Part::Norm:
-      return "norm";
-  }
-  return "?";
-}
+const std::vector<lb::PartInfo> kParts = {
+    {"proj", lb::PartRole::Base}, {"gather", lb::PartRole::Other}, {"conv", lb::PartRole::Aux},
+    {"gates", lb::PartRole::Aux}, {"rec", lb::PartRole::Base},     {"norm", lb::PartRole::Aux}};
 
 // The operands of every part at N tokens, from one untimed pass of the layer's steps over X.
 // The activations write to outputs of their own (the layer works in place), so that every call
@@ -288,7 +200,7 @@ struct Stages {
   const Layer& L;
   linattn::detail::GdnSizes s;
   Index N;
-  Mat X, Y;
+  Mat X, Y, Ylayer;
   linattn::detail::GdnBuffers<float> buf;
   RowMat beta, g, normed;
   linattn::Workspace<float> ws;
@@ -316,12 +228,12 @@ struct Stages {
     dopt.value_dim = s.dv;
     nopt.eps = L.config().rms_norm_eps;
     normed.setZero();  // the output product reads it before the norm first writes it
-    for (Part p : kParts) run(p);
-    run(Part::Proj);  // the output rows of the normed rows
+    for (int k = 0; k < int(kParts.size()); ++k) run(k);
+    run(int(Part::Proj));  // the output rows of the normed rows
   }
 
-  void run(Part p) {
-    switch (p) {
+  void run(int k) {
+    switch (Part(k)) {
       case Part::Proj:
         buf.p.noalias() = X * L.in_proj_qkvz.transpose();
         buf.r.noalias() = X * L.in_proj_ba.transpose();
@@ -352,8 +264,15 @@ struct Stages {
     }
   }
 
-  double flops(Part p) const {
-    return p == Part::Proj ? proj_flops(N) : p == Part::Rec ? rec_flops(N) : 0.0;
+  double flops(int k) const {
+    return Part(k) == Part::Proj ? proj_flops(N) : Part(k) == Part::Rec ? rec_flops(N) : 0.0;
+  }
+
+  void forward() { Ylayer = L.forward(X); }
+
+  bool finite() const {
+    return lb::all_finite(Y) && lb::all_finite(normed) &&
+           (Ylayer.size() == 0 || lb::all_finite(Ylayer));
   }
 };
 
@@ -368,77 +287,13 @@ Stages& stages(Index N) {
   return *st;
 }
 
-void BM_part(benchmark::State& st, Part part, int threads) {
-  const Index N = st.range(0);
-  Stages& sg = stages(N);
-  use_threads(threads);
-  const double flops = sg.flops(part);
-  if (lb::worth_warming_up(flops)) sg.run(part);  // on this thread count
-  const auto t0 = std::chrono::steady_clock::now();
-  for (auto _ : st) {
-    sg.run(part);
-    benchmark::ClobberMemory();
-  }
-  const double s =
-      seconds_since(t0) / double(std::max<benchmark::IterationCount>(st.iterations(), 1));
-  if (!lb::all_finite(sg.Y) || !lb::all_finite(sg.normed)) st.SkipWithError("non-finite output");
-  st.counters["N"] = double(N);
-  st.counters["ms_per_call"] = 1e3 * s;
-  shape_counters(st, threads);
-  if (flops > 0) {
-    st.counters["GFLOPs"] =
-        benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-    st.counters["flops"] = flops;
-    lb::set_peak_counters(st, flops, s, threads);
-  }
-  use_threads(1);
-}
-
-// forward(X) and the six parts back to back in every iteration, rotating the order.
-void BM_split(benchmark::State& st, int threads) {
-  const Index N = st.range(0);
-  Stages& sg = stages(N);
-  use_threads(threads);
-  constexpr int kCalls = kNumParts + 1;  // the parts, then the whole layer
-  Mat Y;
-  const auto call = [&](int k) {
-    if (k == kNumParts)
-      Y = sg.L.forward(sg.X);
-    else
-      sg.run(kParts[k]);
-  };
-  std::vector<double> tk[kCalls], cgn, rest, parts;
-  int first = 0;
-  for (auto _ : st) {
-    double t[kCalls] = {};
-    for (int j = 0; j < kCalls; ++j) {
-      const int k = (first + j) % kCalls;
-      const auto t0 = std::chrono::steady_clock::now();
-      call(k);
-      benchmark::ClobberMemory();
-      t[k] = seconds_since(t0);
-    }
-    double total = 0, sum = 0;
-    for (int k = 0; k < kCalls; ++k) total += t[k], tk[k].push_back(t[k]);
-    for (int k = 0; k < kNumParts; ++k) sum += t[k];
-    st.SetIterationTime(total);
-    const auto at = [&](Part p) { return t[int(p)]; };
-    const double base = at(Part::Proj) + at(Part::Rec);
-    cgn.push_back((at(Part::Conv) + at(Part::Gates) + at(Part::Norm)) / base);
-    rest.push_back((t[kNumParts] - base) / base);
-    parts.push_back(sum / t[kNumParts]);
-    first = (first + 1) % kCalls;
-  }
-  if (!lb::all_finite(Y) || !lb::all_finite(sg.Y)) st.SkipWithError("non-finite output");
-  for (int k = 0; k < kNumParts; ++k)
-    st.counters[std::string(part_name(kParts[k])) + "_ms"] = 1e3 * lb::median(tk[k]);
-  st.counters["layer_ms"] = 1e3 * lb::median(tk[kNumParts]);
-  st.counters["cgn_vs_proj_rec"] = lb::median(cgn);
-  st.counters["rest_vs_proj_rec"] = lb::median(rest);
-  st.counters["parts_vs_layer"] = lb::median(parts);
-  st.counters["N"] = double(N);
-  shape_counters(st, threads);
-  use_threads(1);
+// Part k alone, or (k < 0) the split of the prefill at N.
+void BM_part(benchmark::State& st, int k, int threads) {
+  Stages& sg = stages(st.range(0));
+  if (k < 0)
+    lb::layer_split(st, sg, kParts, threads, shape_counters);
+  else
+    lb::layer_part(st, sg, k, threads, shape_counters);
 }
 
 #endif  // LINATTN_BENCH_GDN
@@ -458,21 +313,8 @@ void register_all(const lb::Profile& p) {
       BM_decode(st, thr);
     })->Unit(benchmark::kMicrosecond);
   // By size first: the parts of one N share its stages (stages()).
-  for (Index n : s.split_ns) {
-    for (int thr : thrs)
-      for (Part part : kParts)
-        lb::add(std::string("gdn_part") + lb::key("part", part_name(part)) + tail(thr), {n}, "N",
-                benchmark::oN, [part, thr](benchmark::State& st) { BM_part(st, part, thr); });
-    for (int thr : thrs)
-      benchmark::RegisterBenchmark(("gdn_split" + tail(thr)).c_str(),
-                                   [thr](benchmark::State& st) { BM_split(st, thr); })
-          ->ArgName("N")
-          ->Arg(int64_t(n))
-          ->UseManualTime()
-          ->Unit(benchmark::kMillisecond)
-          ->Iterations(s.split_iterations)
-          ->Repetitions(1);  // the iterations' medians already stand for the run
-  }
+  for (Index n : s.split_ns)
+    lb::add_layer_parts("gdn", kParts, n, thrs, s.split_iterations, tail, BM_part);
 #else
   (void)p;
 #endif

@@ -24,6 +24,7 @@ from .generation import generation
 from .headline import headline
 from .gdn_layer import gdn_layer_section
 from .kda import batched_decode_section, kda_section
+from .kda_layer import kda_layer_section
 from .plots import gen_plot, roofline_plot, svg_plot
 from .results import Results, contention
 from .splice import update_readme
@@ -64,7 +65,7 @@ def main(argv: list[str]) -> int:
                                      "markers of this "
                                      "README.md")
     ap.add_argument("--only", help="comma-separated blocks to fill (e.g. kda,batched_decode or "
-                                   "gdn_layer: "
+                                   "gdn_layer, kda_layer: "
                                    "the results of those programs alone); the template's other "
                                    "blocks are left as they are")
     args = ap.parse_args(argv)
@@ -97,6 +98,9 @@ def main(argv: list[str]) -> int:
     print()
     print("== Gated DeltaNet layer (Qwen3-Next shape)")
     print("\n".join(gdn_layer_section(res, own, args.command)))
+    print()
+    print("== KDA layer (Kimi Linear shape)")
+    print("\n".join(kda_layer_section(res, own, args.command)))
     print()
     for w in warnings + own:
         print("warning:", w)

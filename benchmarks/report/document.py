@@ -15,6 +15,7 @@ from .generation import generation
 from .gdn_layer import gdn_layer_section
 from .headline import headline
 from .kda import batched_decode_section, kda_section
+from .kda_layer import kda_layer_section
 from .machine import machine_info
 from .splice import splice
 from .tables import fit_table, full_tables, memory_table
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 
 # The blocks of the template, in its order.
-BLOCKS = ("run", "machine", "caps", "headline", "kda", "batched_decode", "gdn_layer", "results")
+BLOCKS = ("run", "machine", "caps", "headline", "kda", "batched_decode", "gdn_layer", "kda_layer",
+          "results")
 
 
 def blocks(res: Results, svg_name: str | None, command: str, load_before: str,
@@ -45,6 +47,7 @@ def blocks(res: Results, svg_name: str | None, command: str, load_before: str,
         "kda": kda_section(res, [], command),
         "batched_decode": batched_decode_section(res, [], command),
         "gdn_layer": gdn_layer_section(res, [], command),
+        "kda_layer": kda_layer_section(res, [], command),
     }
     L = ["## Summary of the performance targets", ""]
     L += summary_lines

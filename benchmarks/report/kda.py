@@ -78,7 +78,9 @@ def _ratio(a: Run | None, b: Run | None) -> str:
 
 
 def kda_section(res: Results, warn: list[str], command: str = "bench_kda --quick") -> list[str]:
-    if not any(r.kind.startswith("kda_") for r in res.runs):
+    # (bench_kda_layer's kinds, kda_layer_*, have a section of their own: kda_layer.py.)
+    if not any(r.kind.startswith("kda_") and not r.kind.startswith("kda_layer_")
+               for r in res.runs):
         return ["(no bench_kda runs in these results)"]
     L = run_line(res, "bench_kda", command) + [""]
 

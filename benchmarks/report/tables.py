@@ -57,8 +57,8 @@ KIND_TITLES = {
     "fm_causal": "Every feature map, causal (feature_map_quality; errors in docs/feature_maps.md)",
 }
 KIND_ORDER = list(KIND_TITLES)
-# Kinds whose every figure is in a section of their own (kda.py, gdn_layer.py), not repeated in
-# the full tables.
+# Kinds whose every figure is in a section of their own (kda.py, gdn_layer.py, kda_layer.py), not
+# repeated in the full tables.
 OWN_SECTION = ("kda_", "bdec_", "gdn_")
 
 # Columns of a table; every other param makes a table.
