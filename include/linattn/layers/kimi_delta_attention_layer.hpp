@@ -457,6 +457,21 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
     gated_rms_norm(out, buf.z.topRows(n), o_norm_weight, out, norm_options());
   }
 
+  // A forward's projections of the rows X into buf (reserved for them): q | k | v into mixed,
+  // the gates' low-rank rows and pre-activations, β's pre-activations.
+  template <class DX>
+  void project(const Eigen::MatrixBase<DX>& X, detail::KdaBuffers<Scalar>& buf) const {
+    const Index HK = s_.key_dim, HV = s_.value_dim;
+    buf.mixed.leftCols(HK).noalias() = X * q_proj.transpose();
+    buf.mixed.middleCols(HK, HK).noalias() = X * k_proj.transpose();
+    buf.mixed.rightCols(HV).noalias() = X * v_proj.transpose();
+    buf.fa.noalias() = X * f_a_proj.transpose();
+    buf.a.noalias() = buf.fa * f_b_proj.transpose();
+    buf.b.noalias() = X * b_proj.transpose();
+    buf.ga.noalias() = X * g_a_proj.transpose();
+    buf.z.noalias() = buf.ga * g_b_proj.transpose();
+  }
+
   template <class DX>
   Matrix<Scalar> forward_impl(const char* fn, const Eigen::MatrixBase<DX>& X,
                               detail::OffsetsRef off, std::vector<State>& states) const {
@@ -475,14 +490,7 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
     detail::unpack_layer_states(fn, states, B, s_.h, conv, heads);
     detail::KdaBuffers<Scalar> buf;
     buf.reserve(s_, N, false);
-    buf.mixed.leftCols(HK).noalias() = X * q_proj.transpose();
-    buf.mixed.middleCols(HK, HK).noalias() = X * k_proj.transpose();
-    buf.mixed.rightCols(HV).noalias() = X * v_proj.transpose();
-    buf.fa.noalias() = X * f_a_proj.transpose();
-    buf.a.noalias() = buf.fa * f_b_proj.transpose();
-    buf.b.noalias() = X * b_proj.transpose();
-    buf.ga.noalias() = X * g_a_proj.transpose();
-    buf.z.noalias() = buf.ga * g_b_proj.transpose();
+    project(X, buf);
     gates(buf, N);
     stack_conv_weights(buf.conv_weight);
     Workspace<Scalar> ws;
@@ -525,14 +533,7 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
     const Matrix<Scalar> x = X;
     detail::KdaBuffers<Scalar> buf;
     buf.reserve(s_, N, false);
-    buf.mixed.leftCols(HK).noalias() = x * q_proj.transpose();
-    buf.mixed.middleCols(HK, HK).noalias() = x * k_proj.transpose();
-    buf.mixed.rightCols(HV).noalias() = x * v_proj.transpose();
-    buf.fa.noalias() = x * f_a_proj.transpose();
-    buf.a.noalias() = buf.fa * f_b_proj.transpose();
-    buf.b.noalias() = x * b_proj.transpose();
-    buf.ga.noalias() = x * g_a_proj.transpose();
-    buf.z.noalias() = buf.ga * g_b_proj.transpose();
+    project(x, buf);
     const Rows a_pre = buf.a, b_pre = buf.b;
     gates(buf, N);
     stack_conv_weights(buf.conv_weight);
