@@ -76,6 +76,16 @@ class BatchedHeads {
     forget_call(last);
     grid_.remove_sequence(b);
   }
+  /// Checks the sequences of a call's rows before anything moves: slots must be a vector of
+  /// distinct sequences in [0, sequences()), of any integer type. No allocation.
+  /// \throws std::invalid_argument naming `fn`, the first bad slot and why.
+  /// \param fn the calling function's name, for the message.
+  /// \param slots the sequences of the rows.
+  template <class DSlots>
+  void check_slots(const char* fn, const Eigen::DenseBase<DSlots>& slots) {
+    grid_.check_slots(fn, slots);
+  }
+
   /// B sequences: those below min(B, sequences()) kept as they are, the others empty.
   /// \param B the number of sequences, >= 0.
   void resize(Index B) {

@@ -387,7 +387,7 @@ class DeltaLayerBatchedState {
   void begin_extend(const char* fn, const Sizes& s, const Eigen::MatrixBase<DX>& X,
                     const Eigen::DenseBase<DSlots>& slots, detail::OffsetsRef off,
                     const Eigen::MatrixBase<DY>& Y) {
-    const Index N = X.rows(), B = sequences();
+    const Index N = X.rows();
     if (X.cols() != s.d)
       detail::throw_invalid(fn, "X is " + detail::shape_of(X) + " but must have hidden_size = " +
                                     std::to_string(s.d) + " columns (one row per token)");
@@ -395,8 +395,7 @@ class DeltaLayerBatchedState {
     if (d_ != s.d || w_ != s.w || conv_dim_ != s.conv_dim() || dec_.heads() != s.heads() ||
         dec_.key_dim() != s.dk || dec_.value_dim() != s.dv)
       detail::throw_invalid(fn, "the batched state was made by a layer of another shape");
-    if (marks_.size() < static_cast<std::size_t>(B)) marks_.resize(static_cast<std::size_t>(B), 0);
-    detail::check_layer_slots(fn, slots, B, marks_);
+    dec_.check_slots(fn, slots);
     if (static_cast<Index>(off.size()) != slots.size() + 1)
       detail::throw_invalid(fn, "offsets has " + std::to_string(off.size()) +
                                     " entries but slots has " + std::to_string(slots.size()) +
@@ -474,7 +473,6 @@ class DeltaLayerBatchedState {
   Index keep_ = 0;
   std::vector<ShortConvState<Scalar>> windows_;  // per sequence when keep_ > 0
   std::vector<Call> calls_;                      // per sequence when keep_ > 0
-  std::vector<unsigned char> marks_;             // the slot checks' (zeros between calls)
 };
 
 }  // namespace linattn

@@ -26,41 +26,6 @@ Index layer_slot(const Eigen::DenseBase<DSlots>& slots, Index i) {
                                               : slots.derived().coeff(i, 0));
 }
 
-// The slots of a call: a vector of distinct sequences in [0, B). `marks` holds at least B zeros
-// and is left so (it makes the repeat check linear without allocating).
-template <class DSlots>
-void check_layer_slots(const char* fn, const Eigen::DenseBase<DSlots>& slots, Index B,
-                       std::vector<unsigned char>& marks) {
-  static_assert(std::is_integral_v<typename DSlots::Scalar> &&
-                    !std::is_same_v<typename DSlots::Scalar, bool>,
-                "linattn: slots must be integers");
-  if (slots.rows() != 1 && slots.cols() != 1 && slots.size() != 0)
-    throw_invalid(fn, "slots is " + shape_of(slots) + " but must be a vector");
-  const Index n = slots.size();
-  Index bad = -1;
-  const char* why = "";
-  for (Index i = 0; i < n && bad < 0; ++i) {
-    const Index s = layer_slot(slots, i);
-    if (s < 0 || s >= B) {
-      bad = i;
-      why = "is outside [0, B)";
-    } else if (marks[static_cast<std::size_t>(s)]) {
-      bad = i;
-      why = "repeats an earlier slot";
-    } else {
-      marks[static_cast<std::size_t>(s)] = 1;
-    }
-  }
-  for (Index i = 0; i < n; ++i) {
-    const Index s = layer_slot(slots, i);
-    if (s >= 0 && s < B) marks[static_cast<std::size_t>(s)] = 0;
-  }
-  if (bad >= 0)
-    throw_invalid(fn, "slots(" + std::to_string(bad) + ") = " +
-                          std::to_string(layer_slot(slots, bad)) + " " + why +
-                          " (B = " + std::to_string(B) + ")");
-}
-
 // Rows [r0, r0 + n) of `in` (one sequence's convolution inputs, L = W − 1 carried rows in
 // `state`, sized) through the convolution and SiLU into the same rows of `out`, the state moved
 // past them: conv_row's sums, so bit for bit the decode step's. `row` holds C scalars.
