@@ -48,7 +48,10 @@ Decoding: ``linear_attention(..., causal=True, output_final_state=True)`` return
 ``RecurrentState`` holding every sequence's state (the prefill of a server);
 ``RecurrentState.step`` then consumes one token of each of its B sequences, and
 ``RecurrentState.save`` / ``load`` move the exact decoding position through bytes (the C++
-library's state file).
+library's state file). ``GatedDecoder`` and ``DeltaRuleDecoder`` are the same for the gated
+kernels and the delta rule (Gated DeltaNet, KDA) in FLA's per-token layout, continuing the
+``final_state`` of the FLA names below, with several tokens per call (``extend``) and rollback
+snapshots for speculative decoding.
 
 The names of flash-linear-attention's kernels (``chunk_gla``, ``chunk_simple_gla``,
 ``chunk_delta_rule``, ``chunk_gated_delta_rule``, ``chunk_kda`` and their ``fused_recurrent_*``
@@ -76,6 +79,8 @@ __all__ = [
     "delta_rule_attention",
     "delta_rule_attention_backward",
     "RecurrentState",
+    "GatedDecoder",
+    "DeltaRuleDecoder",
     "chunk_gla",
     "fused_recurrent_gla",
     "chunk_simple_gla",
@@ -463,6 +468,8 @@ def delta_rule_attention_backward(q, k, v, beta, g, dout, feature_map: str = "l2
 
 # The decoder lives in _decode.py (imported here, after the helpers it uses).
 from ._decode import RecurrentState, _restore  # noqa: E402,F401
+# The gated and delta-rule decoders (FLA's per-token layout and states) live in _decoders.py.
+from ._decoders import DeltaRuleDecoder, GatedDecoder  # noqa: E402
 
 # flash-linear-attention's names (docs/python.md); the library picks the chunked or the
 # recurrent form itself, so a chunk_ name and its fused_recurrent_ twin run the same kernels.

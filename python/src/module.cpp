@@ -16,6 +16,8 @@ namespace linattn_python {
 void register_fla_f32(py::module_& m);
 void register_fla_f64(py::module_& m);
 void register_layers(py::module_& m);
+void register_kernel_decoders_f32(py::module_& m);
+void register_kernel_decoders_f64(py::module_& m);
 
 namespace {
 
@@ -63,6 +65,8 @@ PYBIND11_MODULE(_linattn, m) {
   lp::register_fla_f64(m);
   lp::register_recurrent_f32(m);
   lp::register_recurrent_f64(m);
+  lp::register_kernel_decoders_f32(m);
+  lp::register_kernel_decoders_f64(m);
   lp::register_layers(m);
   lp::thread_count().store(lp::default_thread_count(), std::memory_order_relaxed);
   m.def("set_num_threads", &lp::set_num_threads, pybind11::arg("n"));
