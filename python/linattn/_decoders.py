@@ -133,7 +133,11 @@ class _KernelDecoder:
             raise ValueError(f"{fn}: the decoder has H = {H} value heads over H_k = {Hk} key heads of K = {K}, "
                              f"V = {V}: q and k must be {lead + (Hk, K)} and v {lead + (H, V)}, got {shapes}")
         rows = int(np.prod(lead, dtype=np.int64))
-        packed = [np.ascontiguousarray(a).reshape(rows, -1) for a in (q, k, v)]
+
+        def flat(a):  # rows x the rest, also for no rows (reshape(0, -1) is ambiguous)
+            return np.ascontiguousarray(a).reshape(rows, int(np.prod(a.shape[lead_ndim:], dtype=np.int64)))
+
+        packed = [flat(a) for a in (q, k, v)]
         G = None
         if g is not None:
             ga = np.asarray(g)
@@ -144,7 +148,7 @@ class _KernelDecoder:
                                  f"(per key channel), got {shapes}")
             ga = ga.astype(self.dtype, copy=False)
             _check_log_gates(fn, ga, shapes)
-            G = np.ascontiguousarray(ga).reshape(rows, -1)
+            G = flat(ga)
         Bt = None
         if beta is not None:
             ba = np.asarray(beta)
@@ -154,7 +158,7 @@ class _KernelDecoder:
                 raise ValueError(f"{fn}: beta must be {lead + (H,)} (one per token and value head), got {shapes}")
             ba = ba.astype(self.dtype, copy=False)
             _check_beta(fn, ba, shapes)
-            Bt = np.ascontiguousarray(ba).reshape(rows, H)
+            Bt = flat(ba)
         return packed, G, Bt, shapes, v.shape
 
     @staticmethod
@@ -320,7 +324,7 @@ class GatedDecoder(_KernelDecoder):
         """batch_size sequences of num_heads value heads over num_key_heads query/key heads
         (None: as many) of key_dim K, values of value_dim V (None: K). scale: None is FLA's
         1/sqrt(K). feature_map: identity (FLA's) or elu, applied to q and k."""
-        self._scale = 1.0 / np.sqrt(key_dim) if scale is None else float(scale)
+        self._scale = float(1.0 / np.sqrt(key_dim)) if scale is None else float(scale)
         self._normalize = bool(normalize)
         self._build((_ext.new_gated_decoder_f32, _ext.new_gated_decoder_f64), batch_size, num_heads, key_dim,
                     value_dim, num_key_heads, dtype, str(feature_map), self._scale, self._normalize)
@@ -373,7 +377,7 @@ class GatedDecoder(_KernelDecoder):
     def _options(self) -> dict:
         return dict(num_heads=self.num_heads, key_dim=self.key_dim, value_dim=self.value_dim,
                     num_key_heads=self.num_key_heads, scale=self._scale, normalize=self._normalize,
-                    feature_map=self.feature_map, dtype=self.dtype.str)
+                    feature_map=self.feature_map, dtype=self.dtype.name)
 
 
 class DeltaRuleDecoder(_KernelDecoder):
@@ -414,7 +418,7 @@ class DeltaRuleDecoder(_KernelDecoder):
         elif use_qk_l2norm_in_kernel and feature_map == "identity":
             raise ValueError(f"{fn}: use_qk_l2norm_in_kernel=True contradicts feature_map='identity'")
         eps = 0.0 if feature_map == "identity" else float(l2norm_eps)
-        self._scale = 1.0 / np.sqrt(key_dim) if scale is None else float(scale)
+        self._scale = float(1.0 / np.sqrt(key_dim)) if scale is None else float(scale)
         self._eps = eps
         self._build((_ext.new_delta_decoder_f32, _ext.new_delta_decoder_f64), batch_size, num_heads, key_dim,
                     value_dim, num_key_heads, dtype, str(feature_map), self._scale, eps)
@@ -469,7 +473,7 @@ class DeltaRuleDecoder(_KernelDecoder):
         fmap = self.feature_map
         return dict(num_heads=self.num_heads, key_dim=self.key_dim, value_dim=self.value_dim,
                     num_key_heads=self.num_key_heads, scale=self._scale, feature_map=fmap,
-                    l2norm_eps=self._eps if fmap != "identity" else FLA_L2NORM_EPS, dtype=self.dtype.str)
+                    l2norm_eps=self._eps if fmap != "identity" else FLA_L2NORM_EPS, dtype=self.dtype.name)
 
 
 def _from_final_state(cls, final_state, num_key_heads, positions, options):

@@ -174,6 +174,25 @@ def test_extend_is_steps_bit_for_bit(kernel):
     assert np.array_equal(out, steps) and dec.save() == ref.save()
 
 
+def test_the_same_bits_for_any_thread_count():
+    # Large enough for the decoder to split the (sequence, head) pairs over 2 threads.
+    rng = np.random.default_rng(15)
+    B, T, H, K, V = 4, 8, 4, 48, 48
+    q, k, v, g, beta = tokens(rng, "kda", B, T, H, H, K, V, np.float32)
+    before = linattn.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            linattn.set_num_threads(n)
+            dec = decoder("kda", B, H, H, K, V, np.float32)
+            results.append((extend(dec, q, k, v, g, beta), step(dec, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]),
+                            dec.save()))
+    finally:
+        linattn.set_num_threads(before)
+    assert all(np.array_equal(a, b) for a, b in zip(results[0][:2], results[1][:2]))
+    assert results[0][2] == results[1][2]
+
+
 @pytest.mark.parametrize("kernel", ["kda", "gla"])
 def test_rollback_restores_the_snapshot_exactly(kernel):
     rng = np.random.default_rng(12)
@@ -252,6 +271,10 @@ def test_sequences_added_removed_and_states_set():
     assert np.array_equal(dec.states, S[:2]) and list(dec.positions) == [0, 0]
     dec.reset(1)
     assert not dec.states[1].any() and np.array_equal(dec.states[0], S[0])
+    empty = linattn.GatedDecoder(0, H, K, V)  # no sequences: steps of no rows
+    z = lambda *shape: np.zeros(shape, np.float32)
+    assert empty.step(z(0, H, K), z(0, H, K), z(0, H, V), z(0, H)).shape == (0, H, V)
+    assert empty.states.shape == (0, H, K, V) and empty.save() == b""
 
 
 def test_errors_name_the_function_and_shapes():
