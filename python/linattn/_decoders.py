@@ -5,6 +5,8 @@ decoded one token at a time, in flash-linear-attention's per-token layout and st
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from . import _linattn as _ext
@@ -20,6 +22,16 @@ class _Named:
 
     def __str__(self) -> str:
         return ", ".join(f"{n}={v!r}" for n, v in self.named.items())
+
+
+def _call(fn: str, f, *args):
+    """f(*args) (a member of the C++ decoder that takes no tokens), its ValueError raised again
+    under the Python method's name."""
+    try:
+        return f(*args)
+    except ValueError as e:
+        m = re.match(r"(linattn::)?[\w:.]+: ", str(e))
+        raise ValueError(f"{fn}: {str(e)[m.end():] if m else e}") from None
 
 
 class _KernelDecoder:
@@ -115,8 +127,7 @@ class _KernelDecoder:
         p = np.broadcast_to(np.asarray(0 if positions is None else positions), (B,))
         if not np.issubdtype(p.dtype, np.integer) or (p < 0).any():
             raise ValueError(f"{fn}: positions must be integers >= 0 (one, or one per sequence), got {positions!r}")
-        _kernel(fn, _Shapes(["S"], [a]), self._d.set_states, np.ascontiguousarray(a, dtype=self.dtype), zs,
-                [int(x) for x in p])
+        _call(fn, self._d.set_states, np.ascontiguousarray(a, dtype=self.dtype), zs, [int(x) for x in p])
 
     # --- tokens -------------------------------------------------------------------------------
 
@@ -218,7 +229,7 @@ class _KernelDecoder:
         """From now on, keep the states after each sequence's last ``count`` tokens of every
         ``extend`` (the rollback points of speculative decoding); 0 keeps none."""
         fn = f"{self._name}.keep_snapshots"
-        _kernel(fn, _Named(count=count), self._d.keep_snapshots, int(count))
+        _call(fn, self._d.keep_snapshots, int(count))
 
     @property
     def kept_snapshots(self) -> int:
@@ -229,7 +240,7 @@ class _KernelDecoder:
         """The rollback points sequence b's last ``extend`` kept: its last tokens' states,
         min(K, its tokens), 0 after a ``step``, ``reset`` or state change."""
         fn = f"{self._name}.snapshots"
-        return _kernel(fn, _Named(b=b), self._d.snapshots, int(b))
+        return _call(fn, self._d.snapshots, int(b))
 
     def rollback(self, b: int, tokens: int) -> None:
         """Sets sequence b back to its state after the first ``tokens`` tokens of its last
@@ -237,14 +248,14 @@ class _KernelDecoder:
         ``positions[b]``. ``tokens`` runs from T − snapshots(b) + 1 to T (T: that call's tokens;
         T undoes nothing); another raises ValueError and changes nothing."""
         fn = f"{self._name}.rollback"
-        _kernel(fn, _Named(b=b, tokens=tokens), self._d.rollback, int(b), int(tokens))
+        _call(fn, self._d.rollback, int(b), int(tokens))
 
     # --- sequences ----------------------------------------------------------------------------
 
     def reset(self, b: int | None = None) -> None:
         """Every sequence (or sequence b) back to no tokens."""
         fn = f"{self._name}.reset"
-        _kernel(fn, _Named(b=b), self._d.reset, None if b is None else int(b))
+        _call(fn, self._d.reset, None if b is None else int(b))
 
     def add_sequence(self) -> int:
         """Appends an empty sequence; returns its number."""
@@ -253,12 +264,12 @@ class _KernelDecoder:
     def remove_sequence(self, b: int) -> None:
         """Removes sequence b; the last sequence takes its number."""
         fn = f"{self._name}.remove_sequence"
-        _kernel(fn, _Named(b=b), self._d.remove_sequence, int(b))
+        _call(fn, self._d.remove_sequence, int(b))
 
     def resize(self, batch_size: int) -> None:
         """batch_size sequences: the first keep their states, new ones are empty."""
         fn = f"{self._name}.resize"
-        _kernel(fn, _Named(batch_size=batch_size), self._d.resize, int(batch_size))
+        _call(fn, self._d.resize, int(batch_size))
 
     # --- save, load, copy ---------------------------------------------------------------------
 
