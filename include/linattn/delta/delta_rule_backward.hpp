@@ -4,28 +4,26 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <string>
 #include <type_traits>
 #include <utility>
 
-#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
-#include "../maps/erased_map.hpp"
-#include "options.hpp"
-#include "delta_rule.hpp"
-#include "detail/delta_backward.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/detail/views.hpp"
-#include "../maps/feature_map.hpp"
 #include "../core/gradients.hpp"
-#include "../maps/identity.hpp"
-#include "../core/gradients.hpp"
-#include "../maps/map_backward.hpp"
-#include "../linear/heads.hpp"
-#include "../linear/multihead_workspace.hpp"
 #include "../core/parallel.hpp"
 #include "../core/state.hpp"
 #include "../core/workspace.hpp"
+#include "../linear/heads.hpp"
+#include "../linear/multihead_workspace.hpp"
+#include "../maps/erased_map.hpp"
+#include "../maps/feature_map.hpp"
+#include "../maps/identity.hpp"
+#include "../maps/map_backward.hpp"
+#include "delta_rule.hpp"
+#include "detail/delta_backward.hpp"
+#include "options.hpp"
 
 namespace linattn {
 namespace detail {
@@ -74,13 +72,13 @@ void check_delta_backward(const char* fn, const Eigen::MatrixBase<DQ>& Q,
   check_no_overlap(fn, dK, "beta", beta, "log_a", log_a);
   check_no_overlap(fn, dV, "beta", beta, "log_a", log_a);
   check_no_overlap(fn, dbeta, "Q", Q, "K", K, "V", V, "dOut", dOut, "beta", beta, "log_a", log_a);
-  check_no_overlap(fn, dlog_a, "Q", Q, "K", K, "V", V, "dOut", dOut, "beta", beta, "log_a",
-                   log_a);
+  check_no_overlap(fn, dlog_a, "Q", Q, "K", K, "V", V, "dOut", dOut, "beta", beta, "log_a", log_a);
   if (memory_overlaps(dbeta, dQ) || memory_overlaps(dbeta, dK) || memory_overlaps(dbeta, dV) ||
       memory_overlaps(dlog_a, dQ) || memory_overlaps(dlog_a, dK) || memory_overlaps(dlog_a, dV) ||
       memory_overlaps(dbeta, dlog_a))
-    throw_invalid(fn, "dbeta and dlog_a must not share memory with each other or with dQ, dK "
-                      "or dV");
+    throw_invalid(fn,
+                  "dbeta and dlog_a must not share memory with each other or with dQ, dK "
+                  "or dV");
   check_delta_chunk_size(fn, opts);
 }
 
@@ -95,31 +93,30 @@ void check_delta_states(const char* fn, const LinearAttentionState<Scalar>& init
                           ", M = " + std::to_string(M));
   if (d_final.dS.size() != 0 && !(d_final.dS.rows() == F && d_final.dS.cols() == M))
     throw_invalid(fn, "the final state's gradient (dS is " + shape_of(d_final.dS) +
-                          ") does not fit F = " + std::to_string(F) + ", M = " +
-                          std::to_string(M));
+                          ") does not fit F = " + std::to_string(F) + ", M = " + std::to_string(M));
 }
 
 // Head h (of `heads`) of rows [0, N): its parameters to the thread's workspace, the kernel,
 // ∂L/∂β and ∂L/∂log a back into the caller's matrices.
-template <class Phi, class DQ, class DK, class DV, class DO, class DB, class DA, class OQ,
-          class OK, class OV, class OB, class OA, class Scalar>
+template <class Phi, class DQ, class DK, class DV, class DO, class DB, class DA, class OQ, class OK,
+          class OV, class OB, class OA, class Scalar>
 void delta_backward_head(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DO& dOut,
                          const DB& beta, const DA& log_a, Index h, Index heads,
                          const LinearAttentionState<Scalar>* initial,
-                         const StateGradient<Scalar>* d_final, OQ& dQ, OK& dK, OV& dV,
-                         OB& dbeta, OA& dlog_a, StateGradient<Scalar>* d_initial,
-                         Workspace<Scalar>& ws, const DeltaOptions& opts) {
+                         const StateGradient<Scalar>* d_final, OQ& dQ, OK& dK, OV& dV, OB& dbeta,
+                         OA& dlog_a, StateGradient<Scalar>* d_initial, Workspace<Scalar>& ws,
+                         const DeltaOptions& opts) {
   const Index N = Q.rows(), M = V.cols(), F = phi.feature_dim(Q.cols());
   const auto params = delta_head_params(beta, log_a, 0, N, h, heads, F, ws);
   Workspace<Scalar>& xs = ws.template extension<DeltaScratch<Scalar>>().more;
   Scalar* db = xs.vector(kDeltaDBeta, N).data();
   Scalar* dg = params.g ? xs.vector(kDeltaDG, N * params.gw).data() : nullptr;
   if (params.gw > 1)
-    delta_backward_channels(phi, Q, K, V, dOut, params.beta, params.g, initial, d_final, dQ, dK,
-                            dV, db, dg, d_initial, ws, opts, F, M);
+    delta_backward_channels(phi, Q, K, V, dOut, params.beta, params.g, initial, d_final, dQ, dK, dV,
+                            db, dg, d_initial, ws, opts, F, M);
   else
-    delta_backward_run(phi, Q, K, V, dOut, params.beta, params.g, initial, d_final, dQ, dK, dV,
-                       db, dg, d_initial, ws, opts, F, M);
+    delta_backward_run(phi, Q, K, V, dOut, params.beta, params.g, initial, d_final, dQ, dK, dV, db,
+                       dg, d_initial, ws, opts, F, M);
   using GB = typename std::decay_t<OB>::Scalar;
   using GA = typename std::decay_t<OA>::Scalar;
   for (Index i = 0; i < N; ++i) token_param_ref(dbeta, i, h, heads) = static_cast<GB>(db[i]);
@@ -198,23 +195,23 @@ void delta_rule_attention_backward(
     StateGradient<compute_scalar_t<typename DQ::Scalar>>& d_initial,
     Workspace<compute_scalar_t<typename DQ::Scalar>>& ws, const DeltaOptions& options = {}) {
   const char* fn = "delta_rule_attention_backward";
-  detail::check_delta_backward(fn, Q, K, V, beta, log_a, dOut, phi, dQ, dK, dV, dbeta, dlog_a,
-                               1, options);
+  detail::check_delta_backward(fn, Q, K, V, beta, log_a, dOut, phi, dQ, dK, dV, dbeta, dlog_a, 1,
+                               options);
   detail::check_delta_states(fn, initial, d_final, phi.feature_dim(Q.cols()), V.cols());
   detail::StateApart("dQ", dQ, "dK", dK, "dV", dV, "dbeta", dbeta, "dlog_a", dlog_a)
       .check(fn, initial, "initial");
   auto& gb = detail::writable(dbeta);
   auto& ga = detail::writable(dlog_a);
   const auto map = detail::erase_map_with_backward<compute_scalar_t<typename DQ::Scalar>>(phi);
-  detail::with_backward_views(
-      Q.derived(), K.derived(), V.derived(), dOut.derived(), detail::writable(dQ),
-      detail::writable(dK), detail::writable(dV),
-      [&](const auto& q, const auto& k, const auto& v, const auto& go, auto& dq, auto& dk,
-          auto& dv) {
-        detail::delta_backward_head(map, q, k, v, go, beta.derived(), log_a.derived(), 0, 1,
-                                    &initial, &d_final, dq, dk, dv, gb, ga, &d_initial, ws,
-                                    options);
-      });
+  detail::with_backward_views(Q.derived(), K.derived(), V.derived(), dOut.derived(),
+                              detail::writable(dQ), detail::writable(dK), detail::writable(dV),
+                              [&](const auto& q, const auto& k, const auto& v, const auto& go,
+                                  auto& dq, auto& dk, auto& dv) {
+                                detail::delta_backward_head(map, q, k, v, go, beta.derived(),
+                                                            log_a.derived(), 0, 1, &initial,
+                                                            &d_final, dq, dk, dv, gb, ga,
+                                                            &d_initial, ws, options);
+                              });
 }
 
 /// \brief Gradients of delta_rule_attention() continuing from `initial`, returned (see the
@@ -268,13 +265,88 @@ DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
 /// \return the gradients with respect to Q, K, V, beta and log_a.
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi = Identity>
 DeltaGradients<typename DQ::Scalar> delta_rule_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
-    const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut,
-    const Phi& phi = Phi{}, const DeltaOptions& options = {}) {
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a,
+    const Eigen::MatrixBase<DO>& dOut, const Phi& phi = Phi{}, const DeltaOptions& options = {}) {
   const LinearAttentionState<compute_scalar_t<typename DQ::Scalar>> zero;
   return delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, phi, zero, options);
 }
+
+namespace detail {
+
+// multihead_delta_rule_attention_backward() with carried states: head h continues initial[h]
+// and receives d_final[h] (each array H long, or nullptr: zeros), d_initial[h] its initial
+// state's gradient (nullptr: not wanted). The layers' backward from carried states calls it
+// per sequence; with null pointers it is the public form.
+template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi, class DdQ,
+          class DdK, class DdV, class DdB, class DdA,
+          class Scalar = compute_scalar_t<typename DQ::Scalar>>
+void multihead_delta_backward(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+                              const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut,
+                              Index heads, const Phi& phi,
+                              const LinearAttentionState<Scalar>* initial,
+                              const StateGradient<Scalar>* d_final,
+                              const Eigen::MatrixBase<DdQ>& dQ, const Eigen::MatrixBase<DdK>& dK,
+                              const Eigen::MatrixBase<DdV>& dV, const Eigen::MatrixBase<DdB>& dbeta,
+                              const Eigen::MatrixBase<DdA>& dlog_a,
+                              StateGradient<Scalar>* d_initial, MultiHeadWorkspace<Scalar>& ws,
+                              const DeltaOptions& options, const ParallelOptions& par) {
+  static_assert(std::is_same_v<Scalar, compute_scalar_t<typename DQ::Scalar>>,
+                "linattn: the states' scalar type must be the compute scalar of Q");
+  const LinearAttentionState<Scalar> zero;
+  const StateGradient<Scalar> none;
+  const char* fn = "multihead_delta_rule_attention_backward";
+  const HeadLayout hl = check_grouped_heads(fn, Q, K, V, heads, options.key_heads, true);
+  const Index D = hl.D, M = hl.M, G = hl.group();
+  check_delta_backward(fn, Q, K, V, beta, log_a, dOut, phi, dQ, dK, dV, dbeta, dlog_a, heads,
+                       options);
+  const Index N = Q.rows();
+  if (initial || d_final)
+    for (Index h = 0; h < heads; ++h)
+      check_delta_states(fn, initial ? initial[h] : zero, d_final ? d_final[h] : none,
+                         phi.feature_dim(D), M);
+  auto& gb = writable(dbeta);
+  auto& ga = writable(dlog_a);
+  const auto map = erase_map_with_backward<compute_scalar_t<typename DQ::Scalar>>(phi);
+  const auto run = [&](const auto& q, const auto& k, const auto& v, const auto& go, auto& dq,
+                       auto& dk, auto& dv) {
+    const double work = 4.0 * double(heads) * causal_head_work(N, phi.feature_dim(D), M);
+    using GQ = std::decay_t<decltype(dq)>;
+    using GK = std::decay_t<decltype(dk)>;
+    // One task per query/key head, its G value heads in turn: the first writes the shared
+    // head's dQ and dK, the others add theirs (no two threads write one block).
+    parallel_tasks<Scalar>(hl.key_heads, work, par, ws, [&](Index kh, int thread) {
+      Workspace<Scalar>& tws = ws.for_thread(thread);
+      auto dqs = sub_view(dq, 0, kh * D, N, D);
+      auto dks = sub_view(dk, 0, kh * D, N, D);
+      for (Index j = 0; j < G; ++j) {
+        const Index h = kh * G + j;
+        auto dvs = sub_view(dv, 0, h * M, N, M);
+        const auto head = [&](GQ& oq, GK& ok) {
+          delta_backward_head(map, sub_view(q, 0, kh * D, N, D), sub_view(k, 0, kh * D, N, D),
+                              sub_view(v, 0, h * M, N, M), sub_view(go, 0, h * M, N, M),
+                              beta.derived(), log_a.derived(), h, heads,
+                              initial ? initial + h : nullptr, d_final ? d_final + h : nullptr, oq,
+                              ok, dvs, gb, ga, d_initial ? d_initial + h : nullptr, tws, options);
+        };
+        if (j == 0) {
+          head(dqs, dks);
+          continue;
+        }
+        GQ tq = scratch_view<GQ>(tws, kSlotSharedQ, N, D);
+        GK tk = scratch_view<GK>(tws, kSlotSharedK, N, D);
+        head(tq, tk);
+        dqs += tq;
+        dks += tk;
+      }
+    });
+  };
+  with_backward_views(Q.derived(), K.derived(), V.derived(), dOut.derived(), writable(dQ),
+                      writable(dK), writable(dV), run);
+}
+
+}  // namespace detail
 
 /// \brief Gradients of multihead_delta_rule_attention() (each head from a zero state), written
 /// into caller buffers; heads in parallel, each as delta_rule_attention_backward() on its
@@ -309,57 +381,12 @@ void multihead_delta_rule_attention_backward(
     const Eigen::MatrixBase<DdA>& dlog_a,
     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const DeltaOptions& options = {},
     const ParallelOptions& par = {}) {
-  using Storage = typename DQ::Scalar;
-  using Scalar = compute_scalar_t<Storage>;
-  const char* fn = "multihead_delta_rule_attention_backward";
-  const detail::HeadLayout hl =
-      detail::check_grouped_heads(fn, Q, K, V, heads, options.key_heads, true);
-  const Index D = hl.D, M = hl.M, G = hl.group();
-  detail::check_delta_backward(fn, Q, K, V, beta, log_a, dOut, phi, dQ, dK, dV, dbeta, dlog_a,
-                               heads, options);
-  const Index N = Q.rows();
-  auto& gb = detail::writable(dbeta);
-  auto& ga = detail::writable(dlog_a);
-  const auto map = detail::erase_map_with_backward<compute_scalar_t<typename DQ::Scalar>>(phi);
-  const auto run = [&](const auto& q, const auto& k, const auto& v, const auto& go, auto& dq,
-                       auto& dk, auto& dv) {
-    const double work =
-        4.0 * double(heads) * detail::causal_head_work(N, phi.feature_dim(D), M);
-    using GQ = std::decay_t<decltype(dq)>;
-    using GK = std::decay_t<decltype(dk)>;
-    // One task per query/key head, its G value heads in turn: the first writes the shared
-    // head's dQ and dK, the others add theirs (no two threads write one block).
-    detail::parallel_tasks<Scalar>(hl.key_heads, work, par, ws, [&](Index kh, int thread) {
-      Workspace<Scalar>& tws = ws.for_thread(thread);
-      auto dqs = detail::sub_view(dq, 0, kh * D, N, D);
-      auto dks = detail::sub_view(dk, 0, kh * D, N, D);
-      for (Index j = 0; j < G; ++j) {
-        const Index h = kh * G + j;
-        auto dvs = detail::sub_view(dv, 0, h * M, N, M);
-        const auto head = [&](GQ& oq, GK& ok) {
-          detail::delta_backward_head(
-              map, detail::sub_view(q, 0, kh * D, N, D), detail::sub_view(k, 0, kh * D, N, D),
-              detail::sub_view(v, 0, h * M, N, M), detail::sub_view(go, 0, h * M, N, M),
-              beta.derived(), log_a.derived(), h, heads,
-              static_cast<const LinearAttentionState<Scalar>*>(nullptr),
-              static_cast<const StateGradient<Scalar>*>(nullptr), oq, ok, dvs, gb, ga,
-              static_cast<StateGradient<Scalar>*>(nullptr), tws, options);
-        };
-        if (j == 0) {
-          head(dqs, dks);
-          continue;
-        }
-        GQ tq = detail::scratch_view<GQ>(tws, detail::kSlotSharedQ, N, D);
-        GK tk = detail::scratch_view<GK>(tws, detail::kSlotSharedK, N, D);
-        head(tq, tk);
-        dqs += tq;
-        dks += tk;
-      }
-    });
-  };
-  detail::with_backward_views(Q.derived(), K.derived(), V.derived(), dOut.derived(),
-                              detail::writable(dQ), detail::writable(dK), detail::writable(dV),
-                              run);
+  using Scalar = compute_scalar_t<typename DQ::Scalar>;
+  detail::multihead_delta_backward(Q, K, V, beta, log_a, dOut, heads, phi,
+                                   static_cast<const LinearAttentionState<Scalar>*>(nullptr),
+                                   static_cast<const StateGradient<Scalar>*>(nullptr), dQ, dK, dV,
+                                   dbeta, dlog_a, static_cast<StateGradient<Scalar>*>(nullptr), ws,
+                                   options, par);
 }
 
 /// \brief Gradients of multihead_delta_rule_attention(), returned.
@@ -381,16 +408,16 @@ void multihead_delta_rule_attention_backward(
 /// \return the gradients with respect to Q, K, V, beta and log_a.
 template <class DQ, class DK, class DV, class DB, class DA, class DO, class Phi = Identity>
 DeltaGradients<typename DQ::Scalar> multihead_delta_rule_attention_backward(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
-    const Eigen::MatrixBase<DA>& log_a, const Eigen::MatrixBase<DO>& dOut, Index heads,
-    const Phi& phi = Phi{}, const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a,
+    const Eigen::MatrixBase<DO>& dOut, Index heads, const Phi& phi = Phi{},
+    const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
   using Storage = typename DQ::Scalar;
   using Scalar = compute_scalar_t<Storage>;
   auto g = detail::delta_gradients_like<Storage>(Q, K, V, beta, log_a);
   MultiHeadWorkspace<compute_scalar_t<Scalar>> ws;
-  multihead_delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, heads, phi, g.dQ, g.dK,
-                                          g.dV, g.dbeta, g.dlog_a, ws, options, par);
+  multihead_delta_rule_attention_backward(Q, K, V, beta, log_a, dOut, heads, phi, g.dQ, g.dK, g.dV,
+                                          g.dbeta, g.dlog_a, ws, options, par);
   return g;
 }
 

@@ -1,11 +1,28 @@
 /// \file layers/delta_layer_gradients.hpp
 /// \brief The gradients the delta-rule layers' backward() returns (GatedDeltaNetLayer,
-/// KimiDeltaAttentionLayer): one member per parameter, named and shaped as the parameter.
+/// KimiDeltaAttentionLayer): one member per parameter, named and shaped as the parameter, and
+/// those of the states a call continued (DeltaLayerStateGradient).
 #pragma once
 
+#include <vector>
+
 #include "../core/common.hpp"
+#include "../core/gradients.hpp"
+#include "short_convolution.hpp"
 
 namespace linattn {
+
+/// \brief The gradient of a loss with respect to one sequence's DeltaLayerState: `conv` of the
+/// convolution state's shape ((W − 1) x C), `heads` one StateGradient per head (dS K x V; dz
+/// unused: the delta rule has no normaliser). An empty part is zero. backward() from a state
+/// returns the initial state's, and takes the final state's (from the backward of the call that
+/// continued it), so that a document trained in segments, last segment first, gets the
+/// gradients of one call over all of it.
+template <class Scalar>
+struct DeltaLayerStateGradient {
+  ShortConvState<Scalar> conv;               ///< (W − 1) x C, or empty
+  std::vector<StateGradient<Scalar>> heads;  ///< one per (value) head, or empty
+};
 
 /// \brief The gradients of a loss through GatedDeltaNetLayer::forward() (from backward()): one
 /// member per parameter, named and shaped as the layer's, and the input's.
@@ -19,6 +36,9 @@ struct GatedDeltaNetGradients {
   Vector<Scalar> A_log;          ///< Hv
   Vector<Scalar> norm_weight;    ///< Dv
   Matrix<Scalar> out_proj;       ///< d x Hv·Dv
+  /// One per sequence, of the states the call continued (backward() from states); empty from
+  /// backward() of new sequences.
+  std::vector<DeltaLayerStateGradient<Scalar>> dstates;
 };
 
 /// \brief The gradients of a loss through KimiDeltaAttentionLayer::forward() (from backward()):
@@ -41,6 +61,9 @@ struct KimiDeltaAttentionGradients {
   Vector<Scalar> dt_bias;          ///< H·K
   Vector<Scalar> o_norm_weight;    ///< V
   Matrix<Scalar> o_proj;           ///< d x H·V
+  /// One per sequence, of the states the call continued (backward() from states); empty from
+  /// backward() of new sequences.
+  std::vector<DeltaLayerStateGradient<Scalar>> dstates;
 };
 
 }  // namespace linattn

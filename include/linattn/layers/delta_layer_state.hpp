@@ -18,6 +18,7 @@
 #include "../delta/batched_recurrent_delta_rule.hpp"
 #include "../linear/heads.hpp"
 #include "../maps/l2_normalize.hpp"
+#include "delta_layer_gradients.hpp"
 #include "detail/delta_layer_serving.hpp"
 #include "short_convolution.hpp"
 
@@ -112,11 +113,12 @@ class DeltaLayerForward {
   /// \return the layer's Gradients.
   template <class DX, class DdY>
   auto backward(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DdY>& dY) const {
-    static_assert(std::is_same_v<typename DX::Scalar, Scalar> &&
-                      std::is_same_v<typename DdY::Scalar, Scalar>,
-                  "linattn: the input's and dY's scalar type must be the layer's");
+    static_assert(
+        std::is_same_v<typename DX::Scalar, Scalar> && std::is_same_v<typename DdY::Scalar, Scalar>,
+        "linattn: the input's and dY's scalar type must be the layer's");
     const Index offsets[2] = {0, X.rows()};
-    return self().backward_impl(Derived::kBackwardName, X, detail::OffsetsRef(offsets, 2), dY);
+    return self().backward_impl(Derived::kBackwardName, X, detail::OffsetsRef(offsets, 2), dY,
+                                nullptr, nullptr);
   }
 
   /// The gradients through forward(X, offsets, states) of B new packed sequences (rows
@@ -131,13 +133,78 @@ class DeltaLayerForward {
   template <class DX, class Off, class DdY>
   auto backward(const Eigen::MatrixBase<DX>& X, const Off& offsets,
                 const Eigen::MatrixBase<DdY>& dY) const {
-    static_assert(std::is_same_v<typename DX::Scalar, Scalar> &&
-                      std::is_same_v<typename DdY::Scalar, Scalar>,
-                  "linattn: the input's and dY's scalar type must be the layer's");
+    static_assert(
+        std::is_same_v<typename DX::Scalar, Scalar> && std::is_same_v<typename DdY::Scalar, Scalar>,
+        "linattn: the input's and dY's scalar type must be the layer's");
     const char* fn = Derived::kBackwardName;
     const auto off = detail::offsets_of(fn, "offsets", offsets);
     detail::check_offsets(fn, "offsets", off, X.rows());
-    return self().backward_impl(fn, X, off, dY);
+    return self().backward_impl(fn, X, off, dY, nullptr, nullptr);
+  }
+
+  /// The gradients through forward(X, state) of one sequence continuing `state` (a segment of
+  /// a long document in truncated backpropagation through time, or a continued prefix): those
+  /// of backward(X, dY), and in `dstates[0]` the gradient with respect to `state` (its
+  /// convolution state's and every head's). `dfinal` is the gradient with respect to the state
+  /// the forward left, from the backward of the segment that continued it (empty parts, or
+  /// none: zeros, the last segment), so that segments run last to first chain into the
+  /// gradients of one call over all of them. The forward pass is computed again inside from
+  /// `state`, which is not changed.
+  /// \throws std::invalid_argument as forward(X, state) and backward(X, dY), naming the
+  /// function and both shapes on a state or dfinal part of another shape.
+  /// \code
+  /// auto s1 = layer.make_state();                   // truncated BPTT over X = [X1; X2]
+  /// const auto s0 = s1;
+  /// layer.forward(X1, s1);                          // s1: the state after segment 1
+  /// auto g2 = layer.backward(X2, s1, dY2);          // segment 2 from s1
+  /// auto g1 = layer.backward(X1, s0, dY1, g2.dstates[0]);  // its gradient flows into 1
+  /// layer.out_proj -= lr * (g1.out_proj + g2.out_proj);
+  /// \endcode
+  /// \param X N x d input rows.
+  /// \param state the state the forward started from.
+  /// \param dY N x d gradient of the loss with respect to the output.
+  /// \param dfinal the gradient of the loss with respect to the state the forward left.
+  /// \return the layer's Gradients, dstates holding one DeltaLayerStateGradient.
+  template <class DX, class DdY>
+  auto backward(const Eigen::MatrixBase<DX>& X, const DeltaLayerState<Scalar>& state,
+                const Eigen::MatrixBase<DdY>& dY,
+                const DeltaLayerStateGradient<Scalar>& dfinal = {}) const {
+    static_assert(
+        std::is_same_v<typename DX::Scalar, Scalar> && std::is_same_v<typename DdY::Scalar, Scalar>,
+        "linattn: the input's and dY's scalar type must be the layer's");
+    const Index offsets[2] = {0, X.rows()};
+    const std::vector<DeltaLayerState<Scalar>> states(1, state);
+    const std::vector<DeltaLayerStateGradient<Scalar>> dfinals(1, dfinal);
+    return self().backward_impl(Derived::kBackwardName, X, detail::OffsetsRef(offsets, 2), dY,
+                                &states, &dfinals);
+  }
+
+  /// The gradients through forward(X, offsets, states) of B packed sequences, each continuing
+  /// states[b] (an empty vector: B new sequences): those of backward(X, offsets, dY), and in
+  /// `dstates[b]` the gradient with respect to states[b]. dfinal holds the gradients with
+  /// respect to the states the forward left (an empty vector, or empty parts: zeros).
+  /// \throws std::invalid_argument as backward(X, state, dY), or on offsets that are not
+  /// non-decreasing from 0 to N, or states or dfinal not holding B entries.
+  /// \param X the packed N x d input rows.
+  /// \param offsets B + 1 offsets (std::vector or Eigen vector of any integer type).
+  /// \param states the B states the forward started from, or an empty vector.
+  /// \param dY N x d gradient of the loss with respect to the output.
+  /// \param dfinal B gradients with respect to the states the forward left, or an empty vector.
+  /// \return the layer's Gradients, dstates holding B DeltaLayerStateGradients.
+  template <class DX, class Off, class DdY>
+  auto backward(const Eigen::MatrixBase<DX>& X, const Off& offsets,
+                const std::vector<DeltaLayerState<Scalar>>& states,
+                const Eigen::MatrixBase<DdY>& dY,
+                const std::vector<DeltaLayerStateGradient<Scalar>>& dfinal = {}) const {
+    static_assert(
+        std::is_same_v<typename DX::Scalar, Scalar> && std::is_same_v<typename DdY::Scalar, Scalar>,
+        "linattn: the input's and dY's scalar type must be the layer's");
+    const char* fn = Derived::kBackwardName;
+    const auto off = detail::offsets_of(fn, "offsets", offsets);
+    detail::check_offsets(fn, "offsets", off, X.rows());
+    if (!states.empty()) return self().backward_impl(fn, X, off, dY, &states, &dfinal);
+    const std::vector<DeltaLayerState<Scalar>> zeros(off.size() - 1);
+    return self().backward_impl(fn, X, off, dY, &zeros, &dfinal);
   }
 
  protected:
@@ -302,13 +369,13 @@ class DeltaLayerBatchedState {
     const Call c = keep_ > 0 ? calls_[static_cast<std::size_t>(b)] : Call{};
     const Index first = c.tokens - c.kept + 1;
     if (c.kept == 0 || accepted < first || accepted > c.tokens)
-      detail::throw_invalid(name("rollback").c_str(),
-                            "sequence " + std::to_string(b) + " can be set back to " +
-                                (c.kept == 0 ? std::string("no token (no snapshot kept)")
-                                             : std::to_string(first) + " ... " +
-                                                   std::to_string(c.tokens) +
-                                                   " tokens of its last extend()") +
-                                ", got accepted = " + std::to_string(accepted));
+      detail::throw_invalid(
+          name("rollback").c_str(),
+          "sequence " + std::to_string(b) + " can be set back to " +
+              (c.kept == 0 ? std::string("no token (no snapshot kept)")
+                           : std::to_string(first) + " ... " + std::to_string(c.tokens) +
+                                 " tokens of its last extend()") +
+              ", got accepted = " + std::to_string(accepted));
     if (accepted == c.tokens) return;
     dec_.rollback(b, accepted);  // the same range: it moves the heads or throws, first
     const auto i = static_cast<std::size_t>(b);

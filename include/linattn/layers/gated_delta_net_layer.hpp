@@ -25,8 +25,8 @@
 #include "../maps/l2_normalize.hpp"
 #include "../serving/safetensors.hpp"
 #include "batched_layer.hpp"
-#include "delta_layer_state.hpp"
 #include "delta_layer_gradients.hpp"
+#include "delta_layer_state.hpp"
 #include "detail/delta_layer.hpp"
 #include "detail/delta_layer_backward.hpp"
 #include "detail/gated_delta_net.hpp"
@@ -449,16 +449,24 @@ class GatedDeltaNetLayer : public DeltaLayerForward<GatedDeltaNetLayer<Scalar>, 
     return g;
   }
 
-  // The forward pass from zero states again, keeping what the gradients need, then each
-  // piece's backward in reverse order.
+  // The forward pass again from the states (nullptr: zeros), keeping what the gradients need,
+  // then each piece's backward in reverse order.
   template <class DX, class DdY>
   Gradients backward_impl(const char* fn, const Eigen::MatrixBase<DX>& X, detail::OffsetsRef off,
-                          const Eigen::MatrixBase<DdY>& dY) const {
+                          const Eigen::MatrixBase<DdY>& dY, const std::vector<State>* states,
+                          const std::vector<DeltaLayerStateGradient<Scalar>>* dfinal) const {
     using Rows = detail::RowMatrix<Scalar>;
     check_parameters(fn);
     detail::check_backward_inputs(fn, X, dY, s_.d);
-    const Index N = X.rows(), B = static_cast<Index>(off.size()) - 1;
-    if (N == 0) return zero_gradients();  // no rows: the blocks below would offset no data
+    const Index N = X.rows(), B = static_cast<Index>(off.size()) - 1, H = s_.hv;
+    const auto st =
+        detail::core_states(fn, states, dfinal, B, H, s_.w, s_.conv_dim(), s_.dk, s_.dv);
+    if (N == 0) {  // no rows: the blocks below would offset no data
+      Gradients g = zero_gradients();
+      if (states)
+        g.dstates = detail::passed_state_gradients(st, B, H, s_.w, s_.conv_dim(), s_.dk, s_.dv);
+      return g;
+    }
     const Matrix<Scalar> x = X;
     detail::GdnBuffers<Scalar> buf;
     buf.reserve(s_, N);
@@ -467,14 +475,15 @@ class GatedDeltaNetLayer : public DeltaLayerForward<GatedDeltaNetLayer<Scalar>, 
     buf.gather(s_, N);
     const Rows b_pre = buf.b, a_pre = buf.a;
     gates(buf, N);
-    std::vector<ShortConvState<Scalar>> conv(static_cast<std::size_t>(B));
+    auto conv = st.conv;
     Workspace<Scalar> ws;
     batched_short_convolution(buf.mixed, conv1d_weight, Vector<Scalar>(), off, conv, buf.c, ws);
     const L2Normalize<> phi(kL2Epsilon);
     MultiHeadWorkspace<Scalar> mws;
+    auto heads = st.heads;
     batched_delta_rule_attention(buf.c.leftCols(s_.key_dim),
                                  buf.c.middleCols(s_.key_dim, s_.key_dim),
-                                 buf.c.rightCols(s_.value_dim), buf.b, buf.a, off, s_.hv, phi,
+                                 buf.c.rightCols(s_.value_dim), buf.b, buf.a, off, H, phi, heads,
                                  buf.o, mws, delta_options());
     const Rows o = buf.o;
     norm(buf, N);
@@ -484,8 +493,9 @@ class GatedDeltaNetLayer : public DeltaLayerForward<GatedDeltaNetLayer<Scalar>, 
     detail::projection_backward(dY, buf.o, out_proj, g.out_proj, dn, true);
     auto core = detail::delta_core_backward<Scalar>(
         off, s_.hv, s_.key_dim, s_.value_dim, phi, delta_options(),
-        {buf.mixed, conv1d_weight, buf.c, buf.b, buf.a, o, buf.z}, norm_weight, norm_options(),
-        dn);
+        {buf.mixed, conv1d_weight, buf.c, buf.b, buf.a, o, buf.z}, norm_weight, norm_options(), dn,
+        states ? &st : nullptr);
+    if (states) g.dstates = detail::layer_state_gradients(core, B, H);
     g.conv1d_weight = std::move(core.dconv_weight);
     g.norm_weight = std::move(core.dnorm_weight);
     Rows db(N, s_.hv), da(N, s_.hv);

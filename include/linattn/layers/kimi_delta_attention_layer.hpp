@@ -25,8 +25,8 @@
 #include "../maps/l2_normalize.hpp"
 #include "../serving/safetensors.hpp"
 #include "batched_layer.hpp"
-#include "delta_layer_state.hpp"
 #include "delta_layer_gradients.hpp"
+#include "delta_layer_state.hpp"
 #include "detail/delta_layer.hpp"
 #include "detail/delta_layer_backward.hpp"
 #include "detail/kimi_delta_attention.hpp"
@@ -519,17 +519,23 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
     return g;
   }
 
-  // The forward pass from zero states again, keeping what the gradients need, then each
-  // piece's backward in reverse order.
+  // The forward pass again from the states (nullptr: zeros), keeping what the gradients need,
+  // then each piece's backward in reverse order.
   template <class DX, class DdY>
   Gradients backward_impl(const char* fn, const Eigen::MatrixBase<DX>& X, detail::OffsetsRef off,
-                          const Eigen::MatrixBase<DdY>& dY) const {
+                          const Eigen::MatrixBase<DdY>& dY, const std::vector<State>* states,
+                          const std::vector<DeltaLayerStateGradient<Scalar>>* dfinal) const {
     using Rows = detail::RowMatrix<Scalar>;
     check_parameters(fn);
     detail::check_backward_inputs(fn, X, dY, s_.d);
-    const Index N = X.rows(), B = static_cast<Index>(off.size()) - 1;
-    if (N == 0) return zero_gradients();  // no rows: the blocks below would offset no data
-    const Index HK = s_.key_dim, HV = s_.value_dim;
+    const Index N = X.rows(), B = static_cast<Index>(off.size()) - 1, H = s_.h;
+    const Index HK = s_.key_dim, HV = s_.value_dim, C = 2 * HK + HV;
+    const auto st = detail::core_states(fn, states, dfinal, B, H, s_.w, C, s_.dk, s_.dv);
+    if (N == 0) {  // no rows: the blocks below would offset no data
+      Gradients g = zero_gradients();
+      if (states) g.dstates = detail::passed_state_gradients(st, B, H, s_.w, C, s_.dk, s_.dv);
+      return g;
+    }
     const Matrix<Scalar> x = X;
     detail::KdaBuffers<Scalar> buf;
     buf.reserve(s_, N, false);
@@ -537,13 +543,14 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
     const Rows a_pre = buf.a, b_pre = buf.b;
     gates(buf, N);
     stack_conv_weights(buf.conv_weight);
-    std::vector<ShortConvState<Scalar>> conv(static_cast<std::size_t>(B));
+    auto conv = st.conv;
     Workspace<Scalar> ws;
     batched_short_convolution(buf.mixed, buf.conv_weight, Vector<Scalar>(), off, conv, buf.c, ws);
     const L2Normalize<> phi(kL2Epsilon);
     MultiHeadWorkspace<Scalar> mws;
+    auto heads = st.heads;
     batched_delta_rule_attention(buf.c.leftCols(HK), buf.c.middleCols(HK, HK), buf.c.rightCols(HV),
-                                 buf.b, buf.a, off, s_.h, phi, buf.o, mws, delta_options());
+                                 buf.b, buf.a, off, H, phi, heads, buf.o, mws, delta_options());
     const Rows o = buf.o;
     norm(buf, N);
 
@@ -552,8 +559,9 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
     detail::projection_backward(dY, buf.o, o_proj, g.o_proj, dn, true);
     auto core = detail::delta_core_backward<Scalar>(
         off, s_.h, HK, HV, phi, delta_options(),
-        {buf.mixed, buf.conv_weight, buf.c, buf.b, buf.a, o, buf.z}, o_norm_weight,
-        norm_options(), dn);
+        {buf.mixed, buf.conv_weight, buf.c, buf.b, buf.a, o, buf.z}, o_norm_weight, norm_options(),
+        dn, states ? &st : nullptr);
+    if (states) g.dstates = detail::layer_state_gradients(core, B, H);
     g.o_norm_weight = std::move(core.dnorm_weight);
     g.q_conv1d_weight = core.dconv_weight.topRows(HK);
     g.k_conv1d_weight = core.dconv_weight.middleRows(HK, HK);
