@@ -1,7 +1,8 @@
 /// \file delta/detail/delta_params.hpp
 /// \brief The per-token parameters of the delta-rule kernels (internal): beta and log_a checked
 /// (shapes and values, before any work) and gathered per head into contiguous arrays, the
-/// per-channel decays (KDA) as their factors e^{g} (docs/SPEC.md §9.3).
+/// per-channel decays (KDA) as their factors e^{g} or, for the chunked form, as log-decays
+/// (docs/SPEC.md §9.3, §10.1).
 #pragma once
 
 #include <Eigen/Core>
@@ -96,53 +97,63 @@ void check_delta_params(const char* fn, const Eigen::MatrixBase<DB>& beta,
 
 // One head's per-token parameters as contiguous arrays in the thread's workspace: beta's n
 // entries, and the decays: g, n log-decays (gw = 1), or for per-channel decays (gw = F, KDA)
-// the n x F factors e^{g} themselves, token-major (the kernels use no log-decay of a channel
-// but through its exponential); null without decay.
+// n x F entries token-major: the log-decays (logs: the chunked form sums them along its
+// stretches) or their factors e^{g} (the recurrent form and the gradients use no log-decay of
+// a channel but through its exponential); null without decay.
 template <class Scalar>
 struct DeltaHeadParams {
   const Scalar* beta;
   const Scalar* g;
   Index gw;
+  bool logs;
 };
 
-// Head h (of `heads`)'s rows [r0, r0 + n) of beta and log_a (F: the head's key channels).
+// Head h (of `heads`)'s rows [r0, r0 + n) of beta and log_a (F: the head's key channels; logs:
+// keep per-channel log-decays as they are, else take their factors).
 template <class DB, class DA, class Scalar>
 DeltaHeadParams<Scalar> delta_head_params(const DB& beta, const DA& log_a, Index r0, Index n,
-                                          Index h, Index heads, Index F, Workspace<Scalar>& ws) {
+                                          Index h, Index heads, Index F, Workspace<Scalar>& ws,
+                                          bool logs = false) {
   auto b = ws.vector(kSlotBackwardA, n);
   for (Index i = 0; i < n; ++i) b(i) = token_param(beta, r0 + i, h, heads);
-  if (log_a.size() == 0) return {b.data(), nullptr, 1};
+  if (log_a.size() == 0) return {b.data(), nullptr, 1, false};
   if (per_channel_decays(log_a, log_a.rows(), heads, F)) {
     auto g = ws.vector(kSlotBackwardB, n * F);
     Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> a(g.data(),
                                                                                          n, F);
     const auto src = log_a.block(r0, h * F, n, F);
-    const exp_nonpositive_op<Scalar> decay;
-    if constexpr ((int(DA::Flags) & Eigen::RowMajorBit) != 0) {
-      a = src.template cast<Scalar>().unaryExpr(decay);
-    } else {
-      // Column-major: a token's F entries lie a column apart (often a multiple of 4 KiB, which
-      // maps them all to one cache set). Blocks of 16 tokens read each column's 16 entries
-      // contiguously, take their exponentials in one packet and store them token-major.
-      constexpr Index kBlock = 16;
-      Eigen::Array<Scalar, kBlock, 1> e;
-      for (Index i0 = 0; i0 < n; i0 += kBlock) {
-        const Index m = std::min(kBlock, n - i0);
-        for (Index c = 0; c < F; ++c) {
-          if (m == kBlock)
-            e = src.col(c).template segment<kBlock>(i0).template cast<Scalar>().array().unaryExpr(
-                decay);
-          else
-            e.head(m) = src.col(c).segment(i0, m).template cast<Scalar>().array().unaryExpr(decay);
-          for (Index i = 0; i < m; ++i) a(i0 + i, c) = e[i];
+    const auto fill = [&](const auto& op) {
+      if constexpr ((int(DA::Flags) & Eigen::RowMajorBit) != 0) {
+        a = src.template cast<Scalar>().unaryExpr(op);
+      } else {
+        // Column-major: a token's F entries lie a column apart (often a multiple of 4 KiB,
+        // which maps them all to one cache set). Blocks of 16 tokens read each column's 16
+        // entries contiguously, take their exponentials in one packet and store them
+        // token-major.
+        constexpr Index kBlock = 16;
+        Eigen::Array<Scalar, kBlock, 1> e;
+        for (Index i0 = 0; i0 < n; i0 += kBlock) {
+          const Index m = std::min(kBlock, n - i0);
+          for (Index c = 0; c < F; ++c) {
+            if (m == kBlock)
+              e = src.col(c).template segment<kBlock>(i0).template cast<Scalar>().array().unaryExpr(
+                  op);
+            else
+              e.head(m) = src.col(c).segment(i0, m).template cast<Scalar>().array().unaryExpr(op);
+            for (Index i = 0; i < m; ++i) a(i0 + i, c) = e[i];
+          }
         }
       }
-    }
-    return {b.data(), g.data(), F};
+    };
+    if (logs)
+      fill([](Scalar x) { return x; });
+    else
+      fill(exp_nonpositive_op<Scalar>());
+    return {b.data(), g.data(), F, logs};
   }
   auto g = ws.vector(kSlotBackwardB, n);
   for (Index i = 0; i < n; ++i) g(i) = token_param(log_a, r0 + i, h, heads);
-  return {b.data(), g.data(), 1};
+  return {b.data(), g.data(), 1, false};
 }
 
 }  // namespace linattn::detail
