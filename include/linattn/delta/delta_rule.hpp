@@ -200,9 +200,13 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// time, each token one pass over the state (the decode step's kernel). Auto runs Recurrent
 /// for states up to 512 x 512 (measured faster on a CPU at every size up to that: the chunked
 /// form does more flops per token at a similar rate), Chunked beyond. Both agree to rounding.
-/// Per-channel log-decays (KDA) run the recurrent form whatever the algorithm: it reads
-/// \f$S_{t-1}^\top (a_t \circ w)\f$ and \f$S_{t-1}^\top (a_t \circ \hat k_t)\f$ in its one
-/// pass and applies \f$\mathrm{diag}(a_t)\f$ with the token's update.
+/// Per-channel log-decays (KDA): Recurrent and Auto read
+/// \f$S_{t-1}^\top (a_t \circ w)\f$ and \f$S_{t-1}^\top (a_t \circ \hat k_t)\f$ in the one
+/// pass and apply \f$\mathrm{diag}(a_t)\f$ with the token's update; Chunked folds the
+/// per-channel decays into both intra-chunk matrices (docs/SPEC.md §10.1: factored about the
+/// chunk's start for mild decays, sub-chunks for strong ones, every exponent a sum of log-decays
+/// <= 0 along its own stretch). Auto keeps the recurrent form at every size (measured faster on a
+/// CPU: docs/benchmarks.md, KDA).
 ///
 /// Unnormalised keys: with \f$\beta_t \|\hat k_t\|^2 \le 2\f$ (unit keys, β <= 2) every
 /// factor has norm <= 1. Beyond, the state grows by up to \f$|1 - \beta_t \|\hat k_t\|^2|\f$ a
@@ -223,6 +227,11 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// Eigen::MatrixXf out(N, M);
 /// linattn::delta_rule_attention(Q, K, V, beta, log_a, linattn::L2Normalize<linattn::Silu>{},
 ///                               state, out, ws, opts);
+/// // KDA's chunked form: log-decays g of N x F (one per key channel), chunks of 64 rows.
+/// opts.algorithm = linattn::CausalAlgorithm::Chunked;
+/// opts.chunk_size = 64;
+/// linattn::delta_rule_attention(Q, K, V, beta, g, linattn::L2Normalize<>(1e-6), state, out, ws,
+///                               opts);
 /// \endcode
 /// \param Q N x D queries, any Eigen expression (a block or a Map too).
 /// \param K L x D keys.

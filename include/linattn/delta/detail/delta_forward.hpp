@@ -392,9 +392,9 @@ inline bool kda_runs_chunked(const DeltaOptions& opts) {
 
 // One head's rows, its state prepared (and folded: the delta rule keeps no low part; the decay
 // and the overwrite bound the state's memory). beta holds N entries, g (nullptr: no decay)
-// one log-decay per token (gw = 1) or, per key channel (gw = F, KDA), N x F entries token-major:
-// the log-decays themselves when kda_runs_chunked (logs), else their factors e^{g} (the
-// recurrent form uses no log-decay of a channel but through its exponential).
+// one log-decay per token (gw = 1) or, per key channel (gw = F, KDA), N x F entries: the
+// log-decays themselves, column-major, when kda_runs_chunked (logs), else their factors e^{g},
+// token-major (the recurrent form uses no log-decay of a channel but through its exponential).
 template <class Phi, class DQ, class DK, class DV, class Scalar, class Out>
 void delta_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scalar* beta,
                const Scalar* g, Index gw, bool logs, LinearAttentionState<Scalar>& st, Out& dst,

@@ -97,9 +97,9 @@ void check_delta_params(const char* fn, const Eigen::MatrixBase<DB>& beta,
 
 // One head's per-token parameters as contiguous arrays in the thread's workspace: beta's n
 // entries, and the decays: g, n log-decays (gw = 1), or for per-channel decays (gw = F, KDA)
-// n x F entries token-major: the log-decays (logs: the chunked form sums them along its
-// stretches) or their factors e^{g} (the recurrent form and the gradients use no log-decay of
-// a channel but through its exponential); null without decay.
+// n x F entries: the log-decays, column-major (logs: the chunked form sums them along its
+// stretches), or their factors e^{g}, token-major (the recurrent form and the gradients use no
+// log-decay of a channel but through its exponential); null without decay.
 template <class Scalar>
 struct DeltaHeadParams {
   const Scalar* beta;
@@ -119,37 +119,37 @@ DeltaHeadParams<Scalar> delta_head_params(const DB& beta, const DA& log_a, Index
   if (log_a.size() == 0) return {b.data(), nullptr, 1, false};
   if (per_channel_decays(log_a, log_a.rows(), heads, F)) {
     auto g = ws.vector(kSlotBackwardB, n * F);
+    const auto src = log_a.block(r0, h * F, n, F);
+    if (logs) {
+      // Column-major n x F, as the chunked form reads them (a chunk's rows of each channel are
+      // contiguous): a plain copy column by column.
+      Eigen::Map<Matrix<Scalar>>(g.data(), n, F) = src.template cast<Scalar>();
+      return {b.data(), g.data(), F, true};
+    }
     Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> a(g.data(),
                                                                                          n, F);
-    const auto src = log_a.block(r0, h * F, n, F);
-    const auto fill = [&](const auto& op) {
-      if constexpr ((int(DA::Flags) & Eigen::RowMajorBit) != 0) {
-        a = src.template cast<Scalar>().unaryExpr(op);
-      } else {
-        // Column-major: a token's F entries lie a column apart (often a multiple of 4 KiB,
-        // which maps them all to one cache set). Blocks of 16 tokens read each column's 16
-        // entries contiguously, take their exponentials in one packet and store them
-        // token-major.
-        constexpr Index kBlock = 16;
-        Eigen::Array<Scalar, kBlock, 1> e;
-        for (Index i0 = 0; i0 < n; i0 += kBlock) {
-          const Index m = std::min(kBlock, n - i0);
-          for (Index c = 0; c < F; ++c) {
-            if (m == kBlock)
-              e = src.col(c).template segment<kBlock>(i0).template cast<Scalar>().array().unaryExpr(
-                  op);
-            else
-              e.head(m) = src.col(c).segment(i0, m).template cast<Scalar>().array().unaryExpr(op);
-            for (Index i = 0; i < m; ++i) a(i0 + i, c) = e[i];
-          }
+    const exp_nonpositive_op<Scalar> decay;
+    if constexpr ((int(DA::Flags) & Eigen::RowMajorBit) != 0) {
+      a = src.template cast<Scalar>().unaryExpr(decay);
+    } else {
+      // Column-major: a token's F entries lie a column apart (often a multiple of 4 KiB, which
+      // maps them all to one cache set). Blocks of 16 tokens read each column's 16 entries
+      // contiguously, take their exponentials in one packet and store them token-major.
+      constexpr Index kBlock = 16;
+      Eigen::Array<Scalar, kBlock, 1> e;
+      for (Index i0 = 0; i0 < n; i0 += kBlock) {
+        const Index m = std::min(kBlock, n - i0);
+        for (Index c = 0; c < F; ++c) {
+          if (m == kBlock)
+            e = src.col(c).template segment<kBlock>(i0).template cast<Scalar>().array().unaryExpr(
+                decay);
+          else
+            e.head(m) = src.col(c).segment(i0, m).template cast<Scalar>().array().unaryExpr(decay);
+          for (Index i = 0; i < m; ++i) a(i0 + i, c) = e[i];
         }
       }
-    };
-    if (logs)
-      fill([](Scalar x) { return x; });
-    else
-      fill(exp_nonpositive_op<Scalar>());
-    return {b.data(), g.data(), F, logs};
+    }
+    return {b.data(), g.data(), F, false};
   }
   auto g = ws.vector(kSlotBackwardB, n);
   for (Index i = 0; i < n; ++i) g(i) = token_param(log_a, r0 + i, h, heads);

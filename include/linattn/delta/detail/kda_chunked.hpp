@@ -48,7 +48,39 @@ enum KdaSlot : int {
   kKdaRowK = 8,    // sub-chunks: key-side factors of the later rows (b x F)
   kKdaRun = 9,     // direct pairs: the running sum and its exp (2F)
   kKdaDecay = 10,  // exp(c_last), the state's decay over the chunk (F)
+  kKdaV = 11,      // the chunk's values, row-major (b x M)
+  kKdaG = 12,      // the chunk's log-decays, token-major (b x F)
 };
+
+// The running sums of the token-major log-decays gb (as forward_sums and backward_sums, each
+// channel added along its own stretch in the same order), a row of F channels at a time: the
+// channels are independent, so no addition waits on the one before it in its channel's chain.
+//   kda_forward_sums:  out(i − first, :) = Σ_{first<=l<=i} g(l, :),  i in [first, first + n);
+//   kda_backward_sums: out(j − first, :) = Σ_{j<l<=last} g(l, :),    j in [first, last].
+template <class GB, class Out>
+void kda_forward_sums(const GB& g, Index first, Index n, Out&& out) {
+  if (n <= 0) return;
+  out.row(0) = g.row(first);
+  for (Index i = 1; i < n; ++i) out.row(i) = out.row(i - 1) + g.row(first + i);
+}
+template <class GB, class Out>
+void kda_backward_sums(const GB& g, Index first, Index last, Out&& out) {
+  out.row(last - first).setZero();
+  for (Index j = last - 1; j >= first; --j)
+    out.row(j - first) = out.row(j + 1 - first) + g.row(j + 1);
+}
+
+// Solves L X = R in place for the unit lower-triangular L (column-major b x b; its diagonal
+// and upper triangle are not read) and R row-major b x M: row i ← row i − Σ_{k<i} L(i, k) row k,
+// each a packet loop along the M columns. Row i reads rows k <= i only.
+template <class Scalar>
+void kda_unit_lower_solve(const Scalar* L, Index b, Scalar* R, Index M) {
+  using Row = Eigen::Matrix<Scalar, 1, Eigen::Dynamic>;
+  for (Index i = 1; i < b; ++i) {
+    Eigen::Map<Row> ri(R + i * M, M);
+    for (Index k = 0; k < i; ++k) ri -= L[k * b + i] * Eigen::Map<const Row>(R + k * M, M);
+  }
+}
 
 // The intra-chunk matrices when the chunk's decays are too strong to factor over it (the
 // gated kernels' secondary chunking, spec §9.2): for every sub-chunk J = [j0, r], key j's
@@ -67,12 +99,12 @@ void kda_strong_scores(const PQ& pq, const PK& pk, const GB& gb, AM& A, BM& B, I
   for (Index j0 = 0; j0 < b; j0 += s) {
     const Index sj = std::min(s, b - j0), r = j0 + sj - 1, n = b - 1 - r;
     auto ktj = kt.topRows(sj);
-    backward_sums(gb, j0, r, ktj);
+    kda_backward_sums(gb, j0, r, ktj);
     exp_nonpositive_inplace(ktj.array());
     ktj.array() *= pk.middleRows(j0, sj).array();
     if (n > 0) {
       auto e = qt.topRows(n);
-      forward_sums(gb, r + 1, n, e);
+      kda_forward_sums(gb, r + 1, n, e);
       exp_nonpositive_inplace(e.array());
       auto kn = ktn.topRows(n);
       kn = e.cwiseProduct(pk.bottomRows(n));
@@ -83,7 +115,7 @@ void kda_strong_scores(const PQ& pq, const PK& pk, const GB& gb, AM& A, BM& B, I
     // The diagonal block. lp_i = Σ_{j0<l<=i} g_l; its range is −lp_r (the sums only fall).
     auto lp = qt.topRows(sj);
     lp.row(0).setZero();
-    forward_sums(gb, j0 + 1, sj - 1, lp.bottomRows(sj - 1));
+    kda_forward_sums(gb, j0 + 1, sj - 1, lp.bottomRows(sj - 1));
     const Scalar range = sj > 1 ? -lp.row(sj - 1).minCoeff() : Scalar(0);
     if (range <= kda_factor_span<Scalar>()) {
       auto kd = kt.topRows(sj);
@@ -116,8 +148,8 @@ void kda_strong_scores(const PQ& pq, const PK& pk, const GB& gb, AM& A, BM& B, I
 }
 
 // One KDA chunk [r0, r0 + b) entering with the row-major state S (F x M), g the head's
-// log-decays (N x F, token-major). With eq_i = exp(c_i) per channel, ek_j = exp(Σ_{j<l<r+b} g_l)
-// and A, B as kda_strong_scores defines them:
+// log-decays (N x F, column-major, N = Q.rows()). With eq_i = exp(c_i) per channel, ek_j =
+// exp(Σ_{j<l<r+b} g_l) and A, B as kda_strong_scores defines them:
 //   L   = I + strict_tril(diag(β) B),   U = L⁻¹ diag(β) (V − (K̂ ∘ eq) S),
 //   out = s [(Q̂ ∘ eq) S + tril(A) U],   S ← diag(exp(c_last)) S + (K̂ ∘ ek)ᵀ U.
 // Row i of every product and of the solve reads rows j <= i only: a non-finite row reaches no
@@ -131,13 +163,17 @@ void kda_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scal
   auto pk = ws.matrix(kSlotPhiK, b, F);
   map_queries(phi, Q.middleRows(r0, b), pq, false);
   map_keys(phi, K.middleRows(r0, b), pk, false);
-  const Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> gb(
-      g + r0 * F, b, F);
+  using RowMajor = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  // Token-major for the running sums, which add a row of F channels at a time.
+  Eigen::Map<RowMajor> gb(xs.matrix(kKdaG, b, F).data(), b, F);
+  copy_to_row_major(Eigen::Map<const Matrix<Scalar>, 0, Eigen::OuterStride<>>(
+                        g + r0, b, F, Eigen::OuterStride<>(Q.rows())),
+                    gb.data());
   auto c = xs.matrix(kKdaC, b, F);
   auto ek = xs.matrix(kKdaEk, b, F);
   auto decay = xs.vector(kKdaDecay, F);
-  forward_sums(gb, 0, b, c);
-  backward_sums(gb, 0, b - 1, ek);
+  kda_forward_sums(gb, 0, b, c);
+  kda_backward_sums(gb, 0, b - 1, ek);
   decay = c.row(b - 1).transpose();
   const Scalar range = -decay.minCoeff();
   exp_nonpositive_inplace(decay.array());
@@ -166,20 +202,23 @@ void kda_chunk(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scal
   auto L = ws.matrix(kSlotExtra, b, b);
   for (Index j = 0; j + 1 < b; ++j)
     L.col(j).tail(b - 1 - j) = B.col(j).tail(b - 1 - j).cwiseProduct(bc.tail(b - 1 - j));
-  auto U = ws.matrix(kSlotPrefix, b, M);
+  // U row-major: the solve's row operations run along contiguous rows of M values.
+  Eigen::Map<RowMajor> U(ws.matrix(kSlotPrefix, b, M).data(), b, M);
+  Eigen::Map<RowMajor> Vr(xs.matrix(kKdaV, b, M).data(), b, M);
   const Strided<Scalar> s0 = strided_of(S);
-  product<Scalar>(b, M, F, {ke.data(), 1, b}, s0, U.data(), 1, b, false, ws, kSlotProductA);
-  U = V.middleRows(r0, b) - U;
+  product<Scalar>(b, M, F, {ke.data(), 1, b}, s0, U.data(), M, 1, false, ws, kSlotProductA);
+  copy_to_row_major(V.middleRows(r0, b), Vr.data());
+  U = Vr - U;
   U.array().colwise() *= bc.array();
-  L.template triangularView<Eigen::UnitLower>().solveInPlace(U);
+  kda_unit_lower_solve(L.data(), b, U.data(), M);
   auto O = xs.matrix(kKdaO, b, M);
   product<Scalar>(b, M, F, {qe.data(), 1, b}, s0, O.data(), 1, b, false, ws, kSlotProductA);
-  lower_product<Scalar>(b, M, A.data(), b, {U.data(), 1, b}, O.data(), 1, b, true, ws,
+  lower_product<Scalar>(b, M, A.data(), b, {U.data(), M, 1}, O.data(), 1, b, true, ws,
                         kSlotProductA);
   dst.middleRows(r0, b) = scale * O;
   S.array().colwise() *= decay.array();
   pk.array() *= ek.array();
-  product<Scalar>(F, M, b, {pk.data(), b, 1}, {U.data(), 1, b}, S.data(), s0.rs, s0.cs, true, ws,
+  product<Scalar>(F, M, b, {pk.data(), b, 1}, {U.data(), M, 1}, S.data(), s0.rs, s0.cs, true, ws,
                   kSlotProductA);
 }
 
