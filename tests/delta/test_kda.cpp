@@ -2,8 +2,9 @@
 // N x H·F, against a long-double per-token recurrence written here from the spec
 // (S' = diag(e^{g_t}) S_{t-1}, S_t = S' + β_t k̂_t (v_t − S'ᵀ k̂_t)ᵀ, out_t = s S_tᵀ q̂_t): one
 // head and several, shared key heads, packed batches with carried states, both storage orders,
-// strong decays and resets; equal channels against the scalar-decay kernel; the shape and value
-// errors; the gradients against central differences.
+// strong decays, resets and g = 0, the recurrent and the chunked forms (chunk sizes that do and
+// do not divide N); equal channels against the scalar-decay kernel; the chunked form's
+// causality; the shape and value errors; the gradients against central differences.
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>
@@ -308,7 +309,8 @@ TEST(kda, MultiHeadSharedKeyGradients) {
 
 // The chunked form's causality: a NaN or ±inf in a query, key or value at row r leaves every
 // row before it bit for bit as on clean inputs (first, last and an inner row of a chunk, both
-// kinds of intra-chunk products). Raw keys (β‖k̂‖² = 100) overflow at the recurrence's own row.
+// kinds of intra-chunk products; log-decays in either storage order). Raw keys (β‖k̂‖² = 100)
+// overflow at the recurrence's own row.
 TEST(kda, ChunkedCausality) {
   using S = float;
   const Index N = 3 * 16 + 5, D = 8, M = 6, C = 16;
@@ -322,6 +324,10 @@ TEST(kda, ChunkedCausality) {
     const Mat<S> g = channel_decays(N, D, 75, decays, true).cast<S>();
     const Mat<S> clean = linattn::delta_rule_attention(Q, K, V, beta, g, L2{}, o);
     ASSERT_TRUE(test::all_finite(clean));
+    // Row-major log-decays: the same bits.
+    const RowMat<S> g_rows = g;
+    EXPECT_TRUE(test::same_bits(
+        clean, Mat<S>(linattn::delta_rule_attention(Q, K, V, beta, g_rows, L2{}, o))));
     for (const Index r : {C, C + C / 2 + 1, 2 * C - 1, Index(40)})
       for (const S bad : {nan, inf, -inf})
         for (const char which : {'q', 'k', 'v'}) {
