@@ -328,6 +328,12 @@ TEST(kda, ChunkedCausality) {
     const RowMat<S> g_rows = g;
     EXPECT_TRUE(test::same_bits(
         clean, Mat<S>(linattn::delta_rule_attention(Q, K, V, beta, g_rows, L2{}, o))));
+    // chunk_size is honoured: chunks of 7 rows round differently from chunks of 16.
+    DeltaOptions o7 = o;
+    o7.chunk_size = 7;
+    const Mat<S> by7 = linattn::delta_rule_attention(Q, K, V, beta, g, L2{}, o7);
+    EXPECT_FALSE(test::same_bits(clean, by7));
+    EXPECT_LE(test::max_abs_diff(clean, by7), 1e-5);
     for (const Index r : {C, C + C / 2 + 1, 2 * C - 1, Index(40)})
       for (const S bad : {nan, inf, -inf})
         for (const char which : {'q', 'k', 'v'}) {
