@@ -2,8 +2,9 @@
 /// \brief The delta rule: DeltaNet and Gated DeltaNet (Qwen3-Next, Kimi Linear's base), chunked
 /// at GEMM speed, recurrent, multi-head and batched.
 ///
-/// The state does not only accumulate, it overwrites: per token t, with \f$\hat k_t = \varphi(k_t)\f$,
-/// \f[ S_t = a_t (I - \beta_t \hat k_t \hat k_t^\top) S_{t-1} + \beta_t \hat k_t v_t^\top,
+/// The state does not only accumulate, it overwrites: per token t, with \f$\hat k_t =
+/// \varphi(k_t)\f$, \f[ S_t = a_t (I - \beta_t \hat k_t \hat k_t^\top) S_{t-1} + \beta_t \hat k_t
+/// v_t^\top,
 ///     \qquad \mathrm{out}_t = s\,\varphi(q_t)^\top S_t, \f]
 /// with \f$\beta_t \in [0, 2]\f$ and \f$a_t = e^{g_t}\f$, \f$g_t \le 0\f$ (Gated DeltaNet), or
 /// \f$a_t = 1\f$ (DeltaNet, no decay). With \f$\beta_t = 1\f$ and a unit key the value stored
@@ -19,36 +20,35 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <string>
 #include <vector>
 
-#include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
-#include "../maps/erased_map.hpp"
-#include "options.hpp"
-#include "detail/delta_forward.hpp"
-#include "detail/delta_params.hpp"
+#include "../core/detail/checks.hpp"
 #include "../core/detail/decay.hpp"
 #include "../core/detail/result.hpp"
 #include "../core/detail/views.hpp"
-#include "../maps/feature_map.hpp"
-#include "../maps/identity.hpp"
-#include "../linear/heads.hpp"
-#include "../linear/multihead_workspace.hpp"
 #include "../core/parallel.hpp"
-#include "recurrent_delta_rule.hpp"
 #include "../core/state.hpp"
 #include "../core/workspace.hpp"
+#include "../linear/heads.hpp"
+#include "../linear/multihead_workspace.hpp"
+#include "../maps/erased_map.hpp"
+#include "../maps/feature_map.hpp"
+#include "../maps/identity.hpp"
 #include "../maps/map_state.hpp"
+#include "detail/delta_forward.hpp"
+#include "detail/delta_params.hpp"
+#include "options.hpp"
+#include "recurrent_delta_rule.hpp"
 
 namespace linattn {
 namespace detail {
 
 inline void check_delta_chunk_size(const char* function, const DeltaOptions& opts) {
   if (opts.chunk_size < 0)
-    throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
-                                std::to_string(opts.chunk_size));
+    throw_invalid(function,
+                  "chunk_size must be >= 0 (0 = default), got " + std::to_string(opts.chunk_size));
 }
 
 // A carried state for the delta rule: sized or checked, its low parts added into S (the delta
@@ -101,13 +101,13 @@ void delta_single(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::M
   check_delta_chunk_size(fn, opts);
   prepare_state(fn, st, phi, D, M);
   delta_absorb_low(st);
-  const auto params =
-      delta_head_params(beta.derived(), log_a.derived(), 0, N, 0, 1, phi.feature_dim(D), ws);
+  const auto params = delta_head_params(beta.derived(), log_a.derived(), 0, N, 0, 1,
+                                        phi.feature_dim(D), ws, kda_runs_chunked(opts));
   const auto map = erase_map<compute_scalar_t<Scalar>>(phi);
   with_views(
       Q.derived(), K.derived(), V.derived(), writable(out),
       [&](const auto& q, const auto& k, const auto& v, auto& o) {
-        delta_run(map, q, k, v, params.beta, params.g, params.gw, st, o, ws, opts);
+        delta_run(map, q, k, v, params.beta, params.g, params.gw, params.logs, st, o, ws, opts);
       },
       &ws.storage_copies());
 }
@@ -157,13 +157,13 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
       const Index n = offsets[static_cast<std::size_t>(b) + 1] - r0;
       LinearAttentionState<Scalar>* st = &task_state(states, t, ws, thread, F, M, 0);
       Workspace<Scalar>& tws = ws.for_thread(thread);
-      const auto params =
-          delta_head_params(beta.derived(), log_a.derived(), r0, n, h, heads, F, tws);
+      const auto params = delta_head_params(beta.derived(), log_a.derived(), r0, n, h, heads, F,
+                                            tws, kda_runs_chunked(opts));
       auto os = sub_view(o, r0, h * M, n, M);
       const Index c = hl.key_head(h) * D;
       delta_run(map, sub_view(q, r0, c, n, D), sub_view(k, r0, c, n, D),
-                sub_view(v, r0, h * M, n, M), params.beta, params.g, params.gw, *st, os, tws,
-                opts);
+                sub_view(v, r0, h * M, n, M), params.beta, params.g, params.gw, params.logs, *st,
+                os, tws, opts);
     });
   };
   with_views(Q.derived(), K.derived(), V.derived(), writable(out), run, &ws.storage_copies());
@@ -200,9 +200,13 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// time, each token one pass over the state (the decode step's kernel). Auto runs Recurrent
 /// for states up to 512 x 512 (measured faster on a CPU at every size up to that: the chunked
 /// form does more flops per token at a similar rate), Chunked beyond. Both agree to rounding.
-/// Per-channel log-decays (KDA) run the recurrent form whatever the algorithm: it reads
-/// \f$S_{t-1}^\top (a_t \circ w)\f$ and \f$S_{t-1}^\top (a_t \circ \hat k_t)\f$ in its one
-/// pass and applies \f$\mathrm{diag}(a_t)\f$ with the token's update.
+/// Per-channel log-decays (KDA): Recurrent and Auto read
+/// \f$S_{t-1}^\top (a_t \circ w)\f$ and \f$S_{t-1}^\top (a_t \circ \hat k_t)\f$ in the one
+/// pass and apply \f$\mathrm{diag}(a_t)\f$ with the token's update; Chunked folds the
+/// per-channel decays into both intra-chunk matrices (docs/SPEC.md §10.1: factored about the
+/// chunk's start for mild decays, sub-chunks for strong ones, every exponent a sum of log-decays
+/// <= 0 along its own stretch). Auto keeps the recurrent form at every size (measured faster on a
+/// CPU: docs/benchmarks.md, KDA).
 ///
 /// Unnormalised keys: with \f$\beta_t \|\hat k_t\|^2 \le 2\f$ (unit keys, β <= 2) every
 /// factor has norm <= 1. Beyond, the state grows by up to \f$|1 - \beta_t \|\hat k_t\|^2|\f$ a
@@ -223,6 +227,11 @@ void batched_delta(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen::
 /// Eigen::MatrixXf out(N, M);
 /// linattn::delta_rule_attention(Q, K, V, beta, log_a, linattn::L2Normalize<linattn::Silu>{},
 ///                               state, out, ws, opts);
+/// // KDA's chunked form: log-decays g of N x F (one per key channel), chunks of 64 rows.
+/// opts.algorithm = linattn::CausalAlgorithm::Chunked;
+/// opts.chunk_size = 64;
+/// linattn::delta_rule_attention(Q, K, V, beta, g, linattn::L2Normalize<>(1e-6), state, out, ws,
+///                               opts);
 /// \endcode
 /// \param Q N x D queries, any Eigen expression (a block or a Map too).
 /// \param K L x D keys.
@@ -238,8 +247,7 @@ void delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBas
                           const Eigen::MatrixBase<DOut>& out,
                           Workspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                           const DeltaOptions& options = {}) {
-  detail::delta_single("delta_rule_attention", Q, K, V, beta, log_a, phi, state, out, ws,
-                       options);
+  detail::delta_single("delta_rule_attention", Q, K, V, beta, log_a, phi, state, out, ws, options);
 }
 
 /// \brief The delta rule continuing from `state` (updated in place), returning the N x M
@@ -291,13 +299,10 @@ Matrix<typename DQ::Scalar> delta_rule_attention(
 /// \param options the query scale, algorithm and chunk size (the defaults suit most shapes).
 /// \return the N x M output, in the operands' scalar type.
 template <class DQ, class DK, class DV, class DB, class DA, class Phi = Identity>
-Matrix<typename DQ::Scalar> delta_rule_attention(const Eigen::MatrixBase<DQ>& Q,
-                                                 const Eigen::MatrixBase<DK>& K,
-                                                 const Eigen::MatrixBase<DV>& V,
-                                                 const Eigen::MatrixBase<DB>& beta,
-                                                 const Eigen::MatrixBase<DA>& log_a,
-                                                 const Phi& phi = Phi{},
-                                                 const DeltaOptions& options = {}) {
+Matrix<typename DQ::Scalar> delta_rule_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a, const Phi& phi = Phi{},
+    const DeltaOptions& options = {}) {
   LinearAttentionState<compute_scalar_t<typename DQ::Scalar>> state;
   return delta_rule_attention(Q, K, V, beta, log_a, phi, state, options);
 }
@@ -348,8 +353,7 @@ void multihead_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen:
                                     const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
   detail::batched_delta("multihead_delta_rule_attention", Q, K, V, beta, log_a,
-                        detail::OffsetsRef(offsets, 2), heads, phi, nullptr, out, ws, options,
-                        par);
+                        detail::OffsetsRef(offsets, 2), heads, phi, nullptr, out, ws, options, par);
 }
 
 /// \brief The multi-head delta rule carrying the H heads' states in and out (an empty vector
@@ -380,8 +384,7 @@ void multihead_delta_rule_attention(
     const ParallelOptions& par = {}) {
   const Index offsets[2] = {0, Q.rows()};
   detail::batched_delta("multihead_delta_rule_attention", Q, K, V, beta, log_a,
-                        detail::OffsetsRef(offsets, 2), heads, phi, &states, out, ws, options,
-                        par);
+                        detail::OffsetsRef(offsets, 2), heads, phi, &states, out, ws, options, par);
 }
 
 /// \brief The multi-head delta rule, returning N x (H·M).
@@ -402,10 +405,9 @@ void multihead_delta_rule_attention(
 /// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV, class DB, class DA, class Phi = Identity>
 Matrix<typename DQ::Scalar> multihead_delta_rule_attention(
-    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
-    const Eigen::MatrixBase<DA>& log_a, Index heads, const Phi& phi = Phi{},
-    const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::MatrixBase<DB>& beta, const Eigen::MatrixBase<DA>& log_a, Index heads,
+    const Phi& phi = Phi{}, const DeltaOptions& options = {}, const ParallelOptions& par = {}) {
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   multihead_delta_rule_attention(Q, K, V, beta, log_a, heads, phi, out, ws, options, par);
@@ -445,8 +447,8 @@ void batched_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::M
                                   const DeltaOptions& options = {},
                                   const ParallelOptions& par = {}) {
   const char* fn = "batched_delta_rule_attention";
-  detail::batched_delta(fn, Q, K, V, beta, log_a, detail::offsets_of(fn, "offsets", offsets),
-                        heads, phi, nullptr, out, ws, options, par);
+  detail::batched_delta(fn, Q, K, V, beta, log_a, detail::offsets_of(fn, "offsets", offsets), heads,
+                        phi, nullptr, out, ws, options, par);
 }
 
 /// \brief batched_delta_rule_attention() carrying the B·H states in and out (sequence-major,
@@ -479,8 +481,8 @@ void batched_delta_rule_attention(
     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const DeltaOptions& options = {},
     const ParallelOptions& par = {}) {
   const char* fn = "batched_delta_rule_attention";
-  detail::batched_delta(fn, Q, K, V, beta, log_a, detail::offsets_of(fn, "offsets", offsets),
-                        heads, phi, &states, out, ws, options, par);
+  detail::batched_delta(fn, Q, K, V, beta, log_a, detail::offsets_of(fn, "offsets", offsets), heads,
+                        phi, &states, out, ws, options, par);
 }
 
 }  // namespace linattn

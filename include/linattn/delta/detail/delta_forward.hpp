@@ -1,6 +1,7 @@
 /// \file delta/detail/delta_forward.hpp
 /// \brief The kernels of the delta rule (internal): the fused recurrent step and the chunked
-/// form (WY / UT transform), with or without a scalar decay per token (docs/SPEC.md §9.3).
+/// form (WY / UT transform), with or without a scalar decay per token (docs/SPEC.md §9.3); the
+/// chunked form with per-channel decays (KDA) is kda_chunked.hpp.
 ///
 /// Per token, with k̂ = φ(k), a = exp(g) (1 without decay) and β in [0, 2]:
 ///   S_t = a S_{t-1} + k̂ δᵀ,   δ = β (v − a S_{t-1}ᵀ k̂),   out_t = s φ(q)ᵀ S_t,
@@ -12,20 +13,20 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <algorithm>
 #include <cstddef>
 
 #include "../../core/common.hpp"
-#include "../options.hpp"
-#include "../../maps/feature_map.hpp"
-#include "../../core/state.hpp"
-#include "../../core/workspace.hpp"
 #include "../../core/detail/blocking.hpp"
-#include "../../core/detail/fast_exp.hpp"
 #include "../../core/detail/decay.hpp"
+#include "../../core/detail/fast_exp.hpp"
 #include "../../core/detail/products.hpp"
+#include "../../core/state.hpp"
 #include "../../core/tuning.hpp"
+#include "../../core/workspace.hpp"
+#include "../../maps/feature_map.hpp"
+#include "../options.hpp"
+#include "kda_chunked.hpp"
 
 namespace linattn::detail {
 
@@ -220,8 +221,8 @@ Scalar delta_decay(const Scalar* g, Index t) {
 // N entries (g: N log-decays, or for gw = F the N x F per-channel decay factors e^{g},
 // token-major); the last token's update is left pending in `pend`.
 template <class Phi, class DQ, class DK, class DV, class Scalar, class Out>
-void delta_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
-                          const Scalar* beta, const Scalar* g, Index gw, Index r0, Index b,
+void delta_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scalar* beta,
+                          const Scalar* g, Index gw, Index r0, Index b,
                           LinearAttentionState<Scalar>& st, Out& dst, Workspace<Scalar>& ws,
                           Scalar scale, DeltaPending<Scalar>& pend) {
   const Index F = st.S.rows(), M = st.S.cols();
@@ -245,9 +246,8 @@ void delta_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
     }
   } else {
     for (Index i = 0; i < b; ++i)
-      delta_token(st.S.data(), st.S.outerStride(), F, M, pend, delta_decay(g, r0 + i),
-                  beta[r0 + i], pqt.data() + i * F, pkt.data() + i * F, vb + i * M, ob + i * M,
-                  yq, yk);
+      delta_token(st.S.data(), st.S.outerStride(), F, M, pend, delta_decay(g, r0 + i), beta[r0 + i],
+                  pqt.data() + i * F, pkt.data() + i * F, vb + i * M, ob + i * M, yq, yk);
   }
   copy_from_row_major(ob, b, M, dst.middleRows(r0, b));
 }
@@ -261,19 +261,19 @@ struct DeltaScratch final : WorkspaceExtension<Scalar> {
 };
 
 enum DeltaSlot : int {
-  kDeltaME = 0,      // strict_tril(K̂K̂ᵀ ∘ E): L before the rows are scaled by β
-  kDeltaE = 1,       // E_ij = exp(Σ_{j<l<=i} g_l), i >= j
-  kDeltaDU = 2,      // ∂L/∂U, then ∂L/∂R after the transposed solve; the forward's output rows
-  kDeltaDA = 3,      // ∂L/∂A (lower), then ∘ E
-  kDeltaDL = 4,      // ∂L/∂L (strictly lower)
-  kDeltaDPQ = 5,     // ∂L/∂φ(Q) of the chunk
-  kDeltaDPK = 6,     // ∂L/∂φ(K) of the chunk
-  kDeltaT = 7,       // b x F products with a state
-  kDeltaDBeta = 8,   // ∂L/∂β of the head (N)
-  kDeltaDG = 9,      // ∂L/∂g of the head (N)
-  kDeltaDGam = 10,   // ∂L/∂γ_i, γ_i = Σ_{l<=i} g_l within the chunk
-  kDeltaDEq = 11,    // ∂L/∂eq_i
-  kDeltaKdS = 12,    // K̂ ∂L/∂S_out (b x M)
+  kDeltaME = 0,   // strict_tril(K̂K̂ᵀ ∘ E): L before the rows are scaled by β
+  kDeltaE = 1,    // E_ij = exp(Σ_{j<l<=i} g_l), i >= j
+  kDeltaDU = 2,   // ∂L/∂U, then ∂L/∂R after the transposed solve; the forward's output rows
+  kDeltaDA = 3,   // ∂L/∂A (lower), then ∘ E
+  kDeltaDL = 4,   // ∂L/∂L (strictly lower)
+  kDeltaDPQ = 5,  // ∂L/∂φ(Q) of the chunk
+  kDeltaDPK = 6,  // ∂L/∂φ(K) of the chunk
+  kDeltaT = 7,    // b x F products with a state
+  kDeltaDBeta = 8,    // ∂L/∂β of the head (N)
+  kDeltaDG = 9,       // ∂L/∂g of the head (N)
+  kDeltaDGam = 10,    // ∂L/∂γ_i, γ_i = Σ_{l<=i} g_l within the chunk
+  kDeltaDEq = 11,     // ∂L/∂eq_i
+  kDeltaKdS = 12,     // K̂ ∂L/∂S_out (b x M)
   kDeltaStates = 13,  // per-channel decays: the b + 1 states of a chunk, row-major
   kDeltaX = 14,       // per-channel decays: v_t − S'_tᵀ k̂_t of the chunk's tokens (b x M)
 };
@@ -286,9 +286,9 @@ using RowMap = Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, 
 //   X = V − diag(eq) K̂ S0, U = L⁻¹ diag(β) X; with queries also pq = φ(Q) and
 //   A = tril(Q̂K̂ᵀ ∘ E). Returns exp(Σ g), the state's decay over the chunk.
 template <class Phi, class DQ, class DK, class DV, class Scalar, class S0T>
-Scalar delta_recompute(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
-                       const Scalar* beta, const Scalar* g, Index r0, Index b, const S0T& S0,
-                       bool queries, Workspace<Scalar>& ws, Workspace<Scalar>& xs) {
+Scalar delta_recompute(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scalar* beta,
+                       const Scalar* g, Index r0, Index b, const S0T& S0, bool queries,
+                       Workspace<Scalar>& ws, Workspace<Scalar>& xs) {
   const Index F = S0.rows(), M = S0.cols();
   auto pk = ws.matrix(kSlotPhiK, b, F);
   map_keys(phi, K.middleRows(r0, b), pk, false);
@@ -384,21 +384,28 @@ inline bool delta_runs_recurrent(const DeltaOptions& opts, Index state_size) {
          (opts.algorithm == CausalAlgorithm::Auto && state_size <= kDeltaAutoRecurrentMaxState);
 }
 
+// Whether per-channel decays (KDA) run the chunked form: Chunked only. Auto keeps the recurrent
+// form at every state size, measured faster on a CPU (docs/benchmarks.md, KDA).
+inline bool kda_runs_chunked(const DeltaOptions& opts) {
+  return opts.algorithm == CausalAlgorithm::Chunked;
+}
+
 // One head's rows, its state prepared (and folded: the delta rule keeps no low part; the decay
 // and the overwrite bound the state's memory). beta holds N entries, g (nullptr: no decay)
-// one log-decay per token (gw = 1) or N x F decay factors e^{g} per key channel, token-major
-// (gw = F, KDA, which runs the recurrent form whatever the algorithm: the chunked form takes
-// scalar decays).
+// one log-decay per token (gw = 1) or, per key channel (gw = F, KDA), N x F entries: the
+// log-decays themselves, column-major, when kda_runs_chunked (logs), else their factors e^{g},
+// token-major (the recurrent form uses no log-decay of a channel but through its exponential).
 template <class Phi, class DQ, class DK, class DV, class Scalar, class Out>
 void delta_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scalar* beta,
-               const Scalar* g, Index gw, LinearAttentionState<Scalar>& st, Out& dst,
+               const Scalar* g, Index gw, bool logs, LinearAttentionState<Scalar>& st, Out& dst,
                Workspace<Scalar>& ws, const DeltaOptions& opts) {
   const Index N = Q.rows();
   const Scalar scale = static_cast<Scalar>(opts.scale);
   if (!g) gw = 1;
-  const bool recurrent = gw > 1 || delta_runs_recurrent(opts, st.S.size());
-  const Index C = recurrent ? kLinearRowBlock
-                            : (opts.chunk_size > 0 ? opts.chunk_size : kDeltaDefaultChunk);
+  const bool channels = gw > 1;
+  const bool recurrent = channels ? !logs : delta_runs_recurrent(opts, st.S.size());
+  const Index C =
+      recurrent ? kLinearRowBlock : (opts.chunk_size > 0 ? opts.chunk_size : kDeltaDefaultChunk);
   const Index F = st.S.rows(), M = st.S.cols();
   // No value columns: no output and a state of no columns, nothing to compute (and Eigen's
   // triangular solve would bind a reference to an empty buffer's null data).
@@ -407,7 +414,7 @@ void delta_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scal
   if (recurrent) {
     pend.k = ws.vector(kSlotRowA, F).data();
     pend.d = ws.vector(kSlotRowB, M).data();
-    if (gw > 1) {
+    if (channels) {
       pend.ar = ws.vector(kSlotNormalizerLow, 2 * F).data();
       pend.ar_next = pend.ar + F;
     }
@@ -416,6 +423,9 @@ void delta_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const Scal
     const Index b = std::min(C, N - r0);
     if (recurrent)
       delta_rows_recurrent(phi, Q, K, V, beta, g, gw, r0, b, st, dst, ws, scale, pend);
+    else if (channels)
+      kda_chunk(phi, Q, K, V, beta, g, r0, b, st.S, dst, ws,
+                ws.template extension<DeltaScratch<Scalar>>().more, scale);
     else
       delta_chunk(phi, Q, K, V, beta, g, r0, b, st, dst, ws, scale);
   }

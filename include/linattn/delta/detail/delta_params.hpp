@@ -1,7 +1,8 @@
 /// \file delta/detail/delta_params.hpp
 /// \brief The per-token parameters of the delta-rule kernels (internal): beta and log_a checked
 /// (shapes and values, before any work) and gathered per head into contiguous arrays, the
-/// per-channel decays (KDA) as their factors e^{g} (docs/SPEC.md §9.3).
+/// per-channel decays (KDA) as their factors e^{g} or, for the chunked form, as log-decays
+/// (docs/SPEC.md §9.3, §10.1).
 #pragma once
 
 #include <Eigen/Core>
@@ -96,27 +97,37 @@ void check_delta_params(const char* fn, const Eigen::MatrixBase<DB>& beta,
 
 // One head's per-token parameters as contiguous arrays in the thread's workspace: beta's n
 // entries, and the decays: g, n log-decays (gw = 1), or for per-channel decays (gw = F, KDA)
-// the n x F factors e^{g} themselves, token-major (the kernels use no log-decay of a channel
-// but through its exponential); null without decay.
+// n x F entries: the log-decays, column-major (logs: the chunked form sums them along its
+// stretches), or their factors e^{g}, token-major (the recurrent form and the gradients use no
+// log-decay of a channel but through its exponential); null without decay.
 template <class Scalar>
 struct DeltaHeadParams {
   const Scalar* beta;
   const Scalar* g;
   Index gw;
+  bool logs;
 };
 
-// Head h (of `heads`)'s rows [r0, r0 + n) of beta and log_a (F: the head's key channels).
+// Head h (of `heads`)'s rows [r0, r0 + n) of beta and log_a (F: the head's key channels; logs:
+// keep per-channel log-decays as they are, else take their factors).
 template <class DB, class DA, class Scalar>
 DeltaHeadParams<Scalar> delta_head_params(const DB& beta, const DA& log_a, Index r0, Index n,
-                                          Index h, Index heads, Index F, Workspace<Scalar>& ws) {
+                                          Index h, Index heads, Index F, Workspace<Scalar>& ws,
+                                          bool logs = false) {
   auto b = ws.vector(kSlotBackwardA, n);
   for (Index i = 0; i < n; ++i) b(i) = token_param(beta, r0 + i, h, heads);
-  if (log_a.size() == 0) return {b.data(), nullptr, 1};
+  if (log_a.size() == 0) return {b.data(), nullptr, 1, false};
   if (per_channel_decays(log_a, log_a.rows(), heads, F)) {
     auto g = ws.vector(kSlotBackwardB, n * F);
+    const auto src = log_a.block(r0, h * F, n, F);
+    if (logs) {
+      // Column-major n x F, as the chunked form reads them (a chunk's rows of each channel are
+      // contiguous): a plain copy column by column.
+      Eigen::Map<Matrix<Scalar>>(g.data(), n, F) = src.template cast<Scalar>();
+      return {b.data(), g.data(), F, true};
+    }
     Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> a(g.data(),
                                                                                          n, F);
-    const auto src = log_a.block(r0, h * F, n, F);
     const exp_nonpositive_op<Scalar> decay;
     if constexpr ((int(DA::Flags) & Eigen::RowMajorBit) != 0) {
       a = src.template cast<Scalar>().unaryExpr(decay);
@@ -138,11 +149,11 @@ DeltaHeadParams<Scalar> delta_head_params(const DB& beta, const DA& log_a, Index
         }
       }
     }
-    return {b.data(), g.data(), F};
+    return {b.data(), g.data(), F, false};
   }
   auto g = ws.vector(kSlotBackwardB, n);
   for (Index i = 0; i < n; ++i) g(i) = token_param(log_a, r0 + i, h, heads);
-  return {b.data(), g.data(), 1};
+  return {b.data(), g.data(), 1, false};
 }
 
 }  // namespace linattn::detail
