@@ -25,6 +25,12 @@
 
 namespace linattn::detail {
 
+#if defined(__F16C__)
+inline constexpr bool kHasF16C = true;
+#else
+inline constexpr bool kHasF16C = false;
+#endif
+
 // Packets of 16 (AVX-512) or 8 (AVX2) values: load widened, store narrowed, with the rounding of
 // the loops below (which use them). The fused decode step of low_precision_state.hpp uses them
 // too.
@@ -206,4 +212,65 @@ void assign_narrowed(Y&& y, const Vector<Scalar>& src) {
   }
   y = src.reshaped(y.rows(), y.cols()).template cast<T>();
 }
+// One packet (Eigen's float packet, P lanes) of a state kept in bf16 / half: loaded widened, and
+// stored rounded, returning the stored value widened (what the next token reads). The batched
+// gated and delta-rule decoders' state sweeps use them; the rounding is narrow()'s, Eigen's
+// scalar conversion, so that a sweep equals a float sweep followed by narrow() of its state.
+template <class Packet, class Storage>
+Packet load_low_packet(const Storage* p) {
+  constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
+#if defined(__AVX512F__)
+  if constexpr (P == 16) {
+    return load_widened16(p);
+  } else
+#elif defined(__AVX2__)
+  if constexpr (P == 8 && (std::is_same_v<Storage, Eigen::bfloat16> || kHasF16C)) {
+    return load_widened8(p);
+  } else
+#endif
+  {
+    alignas(64) float buf[P];
+    widen(p, buf, P);
+    return Eigen::internal::pload<Packet>(buf);
+  }
+}
+template <class Packet, class Storage>
+Packet store_low_packet(Storage* p, const Packet& x) {
+  constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
+#if defined(__AVX512F__)
+  if constexpr (P == 16) {
+    store_narrowed16(p, x);
+    return load_widened16(p);
+  } else
+#elif defined(__AVX2__)
+  if constexpr (P == 8 && (std::is_same_v<Storage, Eigen::bfloat16> || kHasF16C)) {
+    store_narrowed8(p, x);
+    return load_widened8(p);
+  } else
+#endif
+  {
+    alignas(64) float buf[P];
+    Eigen::internal::pstore(buf, x);
+    narrow(buf, p, P);
+    widen(p, buf, P);
+    return Eigen::internal::pload<Packet>(buf);
+  }
+}
+// A decode state kept in bf16 / half (the gated and delta-rule decoders' StateScalar): S,
+// rounded once after every token; the gated decoder's z and log-decay totals stay in float (F
+// entries each; empty for the delta rule), as the float state's.
+template <class Storage>
+struct LowDecodeState {
+  using StateMatrix = Eigen::Matrix<Storage, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  StateMatrix S;
+  Vector<float> z, log_decay;
+
+  LowDecodeState() = default;
+  LowDecodeState(Index F, Index M) : S(StateMatrix::Zero(F, M)), z(Vector<float>::Zero(F)) {}
+  void reset() {
+    S.setZero();
+    z.setZero();
+    log_decay.setZero();
+  }
+};
 }  // namespace linattn::detail
