@@ -19,6 +19,9 @@
 #include "../linear/recurrent_linear_attention.hpp"
 #include "../core/state.hpp"
 #include "../maps/map_state.hpp"
+#include "detail/delta_forward.hpp"
+#include "detail/delta_low_state.hpp"
+#include "options.hpp"
 
 namespace linattn {
 
@@ -29,12 +32,12 @@ namespace linattn {
 ///
 /// Each step() is one pass over the F x M state and performs no allocation: it reads
 /// \f$S_{t-1}^\top \varphi(q_t)\f$ and \f$S_{t-1}^\top \hat k_t\f$, from which the output follows
-/// (\f$\mathrm{out}_t = s(a_t S_{t-1}^\top \varphi(q_t) + (\varphi(q_t)\cdot\hat k_t)\,\delta_t)\f$,
-/// \f$\delta_t = \beta_t(v_t - a_t S_{t-1}^\top \hat k_t)\f$), and applies the previous token's
-/// update in the same pass; the last token's update stays pending in the object until the next
-/// step. state() returns a copy with it applied and changes nothing: any number of threads may
-/// call it (and the other const members) on one object at once, and the copy is a snapshot,
-/// which later steps leave as it was. The state is a LinearAttentionState (S only),
+/// (\f$\mathrm{out}_t = s(a_t S_{t-1}^\top \varphi(q_t) + (\varphi(q_t)\cdot\hat
+/// k_t)\,\delta_t)\f$, \f$\delta_t = \beta_t(v_t - a_t S_{t-1}^\top \hat k_t)\f$), and applies the
+/// previous token's update in the same pass; the last token's update stays pending in the object
+/// until the next step. state() returns a copy with it applied and changes nothing: any number of
+/// threads may call it (and the other const members) on one object at once, and the copy is a
+/// snapshot, which later steps leave as it was. The state is a LinearAttentionState (S only),
 /// interchangeable with the parallel kernels': prefill with delta_rule_attention() and hand the
 /// state over with set_state(), or take state() and continue in parallel; set_state(state())
 /// continues bit for bit. step() checks the token's values as the parallel kernels do: β in
@@ -58,7 +61,8 @@ template <class Phi = Identity, class Scalar = float, class StateScalar = Scalar
 class RecurrentDeltaRule {
   static_assert((detail::static_check_recurrent<Phi, Scalar>(), true));
   static constexpr bool kLowState = !std::is_same_v<StateScalar, Scalar>;
-  static_assert(!kLowState || (std::is_same_v<Scalar, float> && detail::is_low_precision_v<StateScalar>),
+  static_assert(!kLowState ||
+                    (std::is_same_v<Scalar, float> && detail::is_low_precision_v<StateScalar>),
                 "linattn: RecurrentDeltaRule keeps its state in Scalar, or in Eigen::bfloat16 / "
                 "Eigen::half for a float decoder");
   static_assert(!normalizes_keys_per_feature_v<Phi>,
@@ -231,14 +235,15 @@ class RecurrentDeltaRule {
   State state() const {
     if constexpr (kLowState) {
       State copy(state_.S.rows(), state_.S.cols());
-      for (Index r = 0; r < copy.S.rows(); ++r) settled_row(r, copy.S.data() + r * copy.S.outerStride());
+      for (Index r = 0; r < copy.S.rows(); ++r)
+        settled_row(r, copy.S.data() + r * copy.S.outerStride());
       return copy;
     } else {
-    State copy = state_;
-    if (pending_.pending)
-      detail::delta_flush(copy.S.data(), copy.S.outerStride(), copy.S.rows(), copy.S.cols(),
-                          pending_.a, pending_decays(), kp_.data(), dp_.data());
-    return copy;
+      State copy = state_;
+      if (pending_.pending)
+        detail::delta_flush(copy.S.data(), copy.S.outerStride(), copy.S.rows(), copy.S.cols(),
+                            pending_.a, pending_decays(), kp_.data(), dp_.data());
+      return copy;
     }
   }
 
@@ -340,18 +345,17 @@ class RecurrentDeltaRule {
   void settled_row(Index r, Scalar* row) const {
     const Index M = state_.S.cols();
     if constexpr (kLowState) {
-      detail::delta_settled_low_row(state_.S.data() + r * state_.S.outerStride(), M,
-                                    pending_.pending, pending_.a,
-                                    pending_.per_row ? pending_decays() + r : nullptr,
-                                    kp_.data() + r, dp_.data(), row);
-      return;
+      detail::delta_settled_low_row(
+          state_.S.data() + r * state_.S.outerStride(), M, pending_.pending, pending_.a,
+          pending_.per_row ? pending_decays() + r : nullptr, kp_.data() + r, dp_.data(), row);
+    } else {
+      std::copy(state_.S.data() + r * state_.S.outerStride(),
+                state_.S.data() + r * state_.S.outerStride() + M, row);
+      if (pending_.pending)
+        detail::delta_flush(row, M, 1, M, pending_.a,
+                            pending_.per_row ? pending_decays() + r : nullptr, kp_.data() + r,
+                            dp_.data());
     }
-    std::copy(state_.S.data() + r * state_.S.outerStride(),
-              state_.S.data() + r * state_.S.outerStride() + M, row);
-    if (pending_.pending)
-      detail::delta_flush(row, M, 1, M, pending_.a,
-                          pending_.per_row ? pending_decays() + r : nullptr,
-                          kp_.data() + r, dp_.data());
   }
 
   Phi phi_;

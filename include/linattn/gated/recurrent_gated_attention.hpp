@@ -19,6 +19,9 @@
 #include "../linear/recurrent_linear_attention.hpp"
 #include "../core/state.hpp"
 #include "../maps/map_state.hpp"
+#include "detail/gated_forward.hpp"
+#include "detail/gated_low_state.hpp"
+#include "options.hpp"
 
 namespace linattn {
 
@@ -56,7 +59,8 @@ template <class Phi = Identity, class Scalar = float, class StateScalar = Scalar
 class RecurrentGatedAttention {
   static_assert((detail::static_check_recurrent<Phi, Scalar>(), true));
   static constexpr bool kLowState = !std::is_same_v<StateScalar, Scalar>;
-  static_assert(!kLowState || (std::is_same_v<Scalar, float> && detail::is_low_precision_v<StateScalar>),
+  static_assert(!kLowState ||
+                    (std::is_same_v<Scalar, float> && detail::is_low_precision_v<StateScalar>),
                 "linattn: RecurrentGatedAttention keeps its state in Scalar, or in "
                 "Eigen::bfloat16 / Eigen::half for a float decoder");
   static_assert(!normalizes_keys_per_feature_v<Phi>,

@@ -23,6 +23,12 @@
 /// count) still load; only kind 8 is written. A BatchedRecurrentGatedAttention or
 /// BatchedRecurrentDeltaRule is B·H such records, sequence-major (head h of sequence b is
 /// record b·H + h).
+///
+/// A decoder that keeps S in bf16 / half (`StateScalar`) writes the float record, S widened
+/// (exact), with flag bit 1 (bf16) or bit 2 (half) set; load_state() takes a record only into
+/// a decoder of the storage type its flags name, and otherwise throws std::runtime_error
+/// "storage type mismatch" naming both, so that a load neither rounds a float state silently
+/// nor presents a rounded one as float.
 #pragma once
 
 #include <Eigen/Core>
@@ -66,8 +72,8 @@ void save_state(std::ostream& os, const RecurrentGatedAttention<Phi, Scalar, Sta
   const Index F = rnn.feature_dim(), M = rnn.value_dim();
   const Index decay = detail::io::decay_entries("save_state", st);
   detail::io::Writer w(os, "save_state");
-  detail::io::write_header<Scalar>(w, detail::io::kKindGatedCompact, false, 1, rnn.key_dim(), F,
-                                   M, decay, detail::io::storage_flag<StateScalar>());
+  detail::io::write_header<Scalar>(w, detail::io::kKindGatedCompact, false, 1, rnn.key_dim(), F, M,
+                                   decay, detail::io::storage_flag<StateScalar>());
   detail::io::write_position(w, rnn.position());
   w.scalars(st.S.data(), F * M);
   w.scalars(st.z.data(), F);

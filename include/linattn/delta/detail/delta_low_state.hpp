@@ -12,7 +12,6 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <algorithm>
 #include <type_traits>
 
@@ -103,8 +102,8 @@ void delta_sweep_low(Storage* S, Index ld, Index F, Index M, bool pending, float
 // float tokens' own arithmetic (the same expressions, so that the outputs are theirs).
 template <class Storage, std::enable_if_t<is_low_precision_v<Storage>, int> = 0>
 void delta_token(Storage* S, Index ld, Index F, Index M, DeltaPending<float>& p, float a,
-                 float beta, const float* w, const float* k, const float* v, float* out,
-                 float* yq, float* yk) {
+                 float beta, const float* w, const float* k, const float* v, float* out, float* yq,
+                 float* yk) {
   delta_sweep_low(S, ld, F, M, p.pending, p.a, p.row_decays(), p.k, p.d, w, k, yq, yk);
   const float wk = delta_dot(w, k, F);
   for (Index c = 0; c < M; ++c) {

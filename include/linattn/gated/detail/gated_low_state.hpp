@@ -10,7 +10,6 @@
 #pragma once
 
 #include <Eigen/Core>
-
 #include <type_traits>
 
 #include "../../core/common.hpp"
