@@ -27,8 +27,9 @@
 //     (<..., float, Eigen::bfloat16>) on the same float tokens, the two steps timed back to back
 //     in alternating order within every iteration (so that a load on the machine hits both
 //     alike), on 1 and 2 threads; counters f32_us and bf16_us (medians), bf16_vs_f32 (median of
-//     the per-iteration ratios), f32_GBs and bf16_GBs (each head's state read and written once,
-//     4 and 2 bytes an entry, ÷ the median time).
+//     the per-iteration ratios), the same of the calling thread's CPU time (*_cpu_us,
+//     bf16_vs_f32_cpu), f32_GBs and bf16_GBs (each head's state read and written once, 4 and 2
+//     bytes an entry, ÷ the median time).
 //   - --drift (instead of the benchmarks): what bf16 / half states cost in accuracy
 //     (docs/SPEC.md §9.3): one sequence of one head, D = M = 128, q, k, v uniform in [−1, 1],
 //     β in [0, 1], log-decays in [−0.1, 0] (scalar; per channel for KDA; log gates for the gated
@@ -233,29 +234,42 @@ void BM_state_pair(benchmark::State& st, Index B, Index H, Index D, int threads)
              tok.beta.middleRows(t * B, B), tok.g.middleRows(t * B, B),
              tok.out.middleRows(t * B, B), par);
   };
+  // Wall time, and the calling thread's CPU time (the 1-thread figure a neighbour's
+  // timeslices do not inflate).
+  double cpu = 0;
   const auto timed = [&](auto& dec) {
+    const double c0 = lb::thread_cpu_seconds();
     const auto a = std::chrono::steady_clock::now();
     step(dec);
     benchmark::DoNotOptimize(tok.out.data());
     benchmark::ClobberMemory();
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+    const double w = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+    cpu = lb::thread_cpu_seconds() - c0;
+    return w;
   };
   for (int w = 0; w < 8; ++w) {  // faults the states in, clock
     step(full);
     step(low);
     t = (t + 1) % kRing;
   }
-  std::vector<double> tf, tl, ratio;
+  std::vector<double> tf, tl, ratio, cf, cl, cratio;
   bool low_first = false;
   for (auto _ : st) {
-    double f, l;
+    double f, l, fc, lc;
     if (low_first) {
       l = timed(low);
+      lc = cpu;
       f = timed(full);
+      fc = cpu;
     } else {
       f = timed(full);
+      fc = cpu;
       l = timed(low);
+      lc = cpu;
     }
+    cf.push_back(fc);
+    cl.push_back(lc);
+    cratio.push_back(fc > 0 ? lc / fc : 0.0);
     low_first = !low_first;
     t = (t + 1) % kRing;
     tf.push_back(f);
@@ -269,6 +283,9 @@ void BM_state_pair(benchmark::State& st, Index B, Index H, Index D, int threads)
   st.counters["f32_us"] = 1e6 * mf;
   st.counters["bf16_us"] = 1e6 * ml;
   st.counters["bf16_vs_f32"] = lb::median(ratio);
+  st.counters["f32_cpu_us"] = 1e6 * lb::median(cf);
+  st.counters["bf16_cpu_us"] = 1e6 * lb::median(cl);
+  st.counters["bf16_vs_f32_cpu"] = lb::median(cratio);
   st.counters["f32_GBs"] = mf > 0 ? 2.0 * 4.0 * entries / mf * 1e-9 : 0.0;
   st.counters["bf16_GBs"] = ml > 0 ? 2.0 * 2.0 * entries / ml * 1e-9 : 0.0;
   st.counters["B"] = double(B);

@@ -63,6 +63,21 @@ inline void store_narrowed16(Eigen::half* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+// store_narrowed16, returning the stored values widened without loading them back.
+inline __m512 store_narrowed_widened16(Eigen::bfloat16* p, __m512 x) {
+  const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
+  const __m512i nan =
+      _mm512_or_si512(_mm512_and_si512(hi, _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7fc0));
+  const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                            bf16_rounded_lanes(x), nan);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+}
+inline __m512 store_narrowed_widened16(Eigen::half* p, __m512 x) {
+  const __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  return _mm512_cvtph_ps(h);
+}
 #elif defined(__AVX2__)
 inline __m256 load_widened8(const Eigen::bfloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(
@@ -93,6 +108,13 @@ inline void store_narrowed8(Eigen::bfloat16* p, __m256 x) {
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
+// store_narrowed8, returning the stored values widened without loading them back.
+inline __m256 store_narrowed_widened8(Eigen::bfloat16* p, __m256 x) {
+  const __m256i r = rounded_bf16_lanes(x);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
+}
 #if defined(__F16C__)
 inline __m256 load_widened8(const Eigen::half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -100,6 +122,11 @@ inline __m256 load_widened8(const Eigen::half* p) {
 inline void store_narrowed8(Eigen::half* p, __m256 x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline __m256 store_narrowed_widened8(Eigen::half* p, __m256 x) {
+  const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  return _mm256_cvtph_ps(h);
 }
 #endif
 #endif
@@ -239,13 +266,11 @@ Packet store_low_packet(Storage* p, const Packet& x) {
   constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
 #if defined(__AVX512F__)
   if constexpr (P == 16) {
-    store_narrowed16(p, x);
-    return load_widened16(p);
+    return store_narrowed_widened16(p, x);
   } else
 #elif defined(__AVX2__)
   if constexpr (P == 8 && (std::is_same_v<Storage, Eigen::bfloat16> || kHasF16C)) {
-    store_narrowed8(p, x);
-    return load_widened8(p);
+    return store_narrowed_widened8(p, x);
   } else
 #endif
   {
