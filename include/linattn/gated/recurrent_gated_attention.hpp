@@ -195,7 +195,7 @@ class RecurrentGatedAttention {
   /// seen, a scalar decay counting for every feature).
   /// With bf16 / half states, a copy (widened, exact).
   /// \return the state after position() tokens, valid until the next step or reset.
-  std::conditional_t<kLowState, State, const State&> state() const {
+  std::conditional_t<kLowState, State, const State&> state() const noexcept(!kLowState) {
     if constexpr (kLowState) {
       State st(state_.S.rows(), state_.S.cols());
       detail::widen(state_.S.data(), st.S.data(), st.S.size());
