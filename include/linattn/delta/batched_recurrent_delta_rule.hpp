@@ -68,9 +68,9 @@ namespace linattn {
 /// \code
 /// linattn::BatchedRecurrentDeltaRule<linattn::L2Normalize<>, float, Eigen::bfloat16> low(
 ///     8, 32, 128, 128, linattn::L2Normalize<>(1e-6), opts);
-/// using RowsBf16 = Eigen::Matrix<Eigen::bfloat16, Eigen::Dynamic, Eigen::Dynamic,
-/// Eigen::RowMajor>; const RowsBf16 Qb = Q.cast<Eigen::bfloat16>(), Kb = K.cast<Eigen::bfloat16>(),
-///                Vb = V.cast<Eigen::bfloat16>();
+/// using Bf16 = Eigen::Matrix<Eigen::bfloat16, Eigen::Dynamic, Eigen::Dynamic>;
+/// const Bf16 Qb = Q.cast<Eigen::bfloat16>(), Kb = K.cast<Eigen::bfloat16>();
+/// const Bf16 Vb = V.cast<Eigen::bfloat16>();
 /// low.step(Qb, Kb, Vb, beta, log_a, out);  // out: float; each head's state rounded to bf16
 /// \endcode
 template <class Phi = Identity, class Scalar = float, class StateScalar = Scalar>

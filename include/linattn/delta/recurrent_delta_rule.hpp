@@ -19,9 +19,6 @@
 #include "../linear/recurrent_linear_attention.hpp"
 #include "../core/state.hpp"
 #include "../maps/map_state.hpp"
-#include "detail/delta_forward.hpp"
-#include "detail/delta_low_state.hpp"
-#include "options.hpp"
 
 namespace linattn {
 
@@ -32,12 +29,12 @@ namespace linattn {
 ///
 /// Each step() is one pass over the F x M state and performs no allocation: it reads
 /// \f$S_{t-1}^\top \varphi(q_t)\f$ and \f$S_{t-1}^\top \hat k_t\f$, from which the output follows
-/// (\f$\mathrm{out}_t = s(a_t S_{t-1}^\top \varphi(q_t) + (\varphi(q_t)\cdot\hat
-/// k_t)\,\delta_t)\f$, \f$\delta_t = \beta_t(v_t - a_t S_{t-1}^\top \hat k_t)\f$), and applies the
-/// previous token's update in the same pass; the last token's update stays pending in the object
-/// until the next step. state() returns a copy with it applied and changes nothing: any number of
-/// threads may call it (and the other const members) on one object at once, and the copy is a
-/// snapshot, which later steps leave as it was. The state is a LinearAttentionState (S only),
+/// (\f$\mathrm{out}_t = s(a_t S_{t-1}^\top \varphi(q_t) + (\varphi(q_t)\cdot\hat k_t)\,\delta_t)\f$,
+/// \f$\delta_t = \beta_t(v_t - a_t S_{t-1}^\top \hat k_t)\f$), and applies the previous token's
+/// update in the same pass; the last token's update stays pending in the object until the next
+/// step. state() returns a copy with it applied and changes nothing: any number of threads may
+/// call it (and the other const members) on one object at once, and the copy is a snapshot,
+/// which later steps leave as it was. The state is a LinearAttentionState (S only),
 /// interchangeable with the parallel kernels': prefill with delta_rule_attention() and hand the
 /// state over with set_state(), or take state() and continue in parallel; set_state(state())
 /// continues bit for bit. step() checks the token's values as the parallel kernels do: β in

@@ -19,9 +19,6 @@
 #include "../linear/recurrent_linear_attention.hpp"
 #include "../core/state.hpp"
 #include "../maps/map_state.hpp"
-#include "detail/gated_forward.hpp"
-#include "detail/gated_low_state.hpp"
-#include "options.hpp"
 
 namespace linattn {
 

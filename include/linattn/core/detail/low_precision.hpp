@@ -68,8 +68,8 @@ inline __m512 store_narrowed_widened16(Eigen::bfloat16* p, __m512 x) {
   const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
   const __m512i nan =
       _mm512_or_si512(_mm512_and_si512(hi, _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7fc0));
-  const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                                            bf16_rounded_lanes(x), nan);
+  const __m512i r =
+      _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), bf16_rounded_lanes(x), nan);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   return _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
 }

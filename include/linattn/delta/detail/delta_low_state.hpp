@@ -2,13 +2,13 @@
 /// \brief The delta rule's decode step on a state kept in bf16 or half (internal):
 /// RecurrentDeltaRule<Phi, float, Eigen::bfloat16> and the batched decoder built on it.
 ///
-/// Why: at B sequences x H heads a decode step reads and writes every F x M state once, and for
-/// many sequences that traffic, not the arithmetic, bounds the step; bf16 / half halve it. The
-/// rule (docs/SPEC.md §9.3): the state after a token is the float step's state from the kept
-/// one, rounded once (round to nearest even). The sweep widens each entry, applies the pending
-/// update of the previous token in float as delta_sweep does, rounds the result into the state
-/// and reads the rounded value for this token's products: the same bits as a float decoder whose
-/// state is rounded to the storage type after every token.
+/// Why: at B sequences x H heads a decode step reads and writes every F x M state once; bf16 /
+/// half halve those bytes and the memory the states take (docs/benchmarks.md measures what the
+/// conversions cost in return). The rule (docs/SPEC.md §9.3): the state after a token is the
+/// float step's state from the kept one, rounded once (round to nearest even). The sweep widens
+/// each entry, applies the pending update of the previous token in float as delta_sweep does,
+/// rounds the result into the state and reads the rounded value for this token's products: the
+/// same bits as a float decoder whose state is rounded to the storage type after every token.
 #pragma once
 
 #include <Eigen/Core>

@@ -2,8 +2,8 @@
 /// \brief The gated decode step on a state kept in bf16 or half (internal):
 /// RecurrentGatedAttention<Phi, float, Eigen::bfloat16> and the batched decoder built on it.
 ///
-/// Why: a batched decode step moves every F x M state once, and at many sequences that traffic
-/// bounds it; bf16 / half halve it. The rule (docs/SPEC.md §9): each entry is widened, decayed
+/// Why: a batched decode step moves every F x M state once; bf16 / half halve those bytes and
+/// the memory the states take. The rule (docs/SPEC.md §9): each entry is widened, decayed
 /// and updated in float as gated_update_read does, read into the output unrounded (the float
 /// step's output from the kept state), and stored rounded once: the same bits as a float decoder
 /// whose state is rounded to the storage type after every token. z stays in float.
