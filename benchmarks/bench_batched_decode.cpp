@@ -22,6 +22,19 @@
 //     back to back in rotating order; counters steps_us, extend_us, snap_us per call, the medians
 //     of the per-iteration ratios extend_vs_steps (target ≤ 1.2) and snap_vs_extend, and the same
 //     of the thread's CPU times (*_cpu). Small calls are repeated `reps` times per measurement.
+//   - bdec_state_pair: the delta-rule step (scalar decay) at B = 8, 64 × H = 16, 32, D = M = 128
+//     with float states (BatchedRecurrentDeltaRule<L2Normalize<>, float>) and bf16 states
+//     (<..., float, Eigen::bfloat16>) on the same float tokens, the two steps timed back to back
+//     in alternating order within every iteration (so that a load on the machine hits both
+//     alike), on 1 and 2 threads; counters f32_us and bf16_us (medians), bf16_vs_f32 (median of
+//     the per-iteration ratios), the same of the calling thread's CPU time (*_cpu_us,
+//     bf16_vs_f32_cpu), f32_GBs and bf16_GBs (each head's state read and written once, 4 and 2
+//     bytes an entry, ÷ the median time).
+//   - --drift (instead of the benchmarks): what bf16 / half states cost in accuracy
+//     (docs/SPEC.md §9.3): one sequence of one head, D = M = 128, q, k, v uniform in [−1, 1],
+//     β in [0, 1], log-decays in [−0.1, 0] (scalar; per channel for KDA; log gates for the gated
+//     decoder, normalize = false); the relative error (2-norm) of the outputs of the last tenth
+//     of the tokens up to each length against the float-state decoder on the same tokens.
 //
 // Names follow bench_common.hpp:
 //   bdec_step/kind:delta/decay:channel/dtype:f32/H:32/D:128/thr:2/B:64
@@ -37,13 +50,15 @@
 #define LINATTN_BENCH_BDEC 0
 #endif
 
-#include "bench_common.hpp"
-
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "bench_common.hpp"
 
 namespace lb = linattn_bench;
 using lb::Index;
@@ -56,7 +71,7 @@ using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
 constexpr Index kRing = 4;  // distinct token sets cycled through by the timed steps
 
 struct DecodeSizes {
-  std::vector<Index> batches, heads, dims, seqs, tokens, extend_heads;
+  std::vector<Index> batches, heads, dims, seqs, tokens, extend_heads, state_batches;
   std::vector<int> threads;
   int pair_iterations = 0;
   Index pair_rows = 0;  // a measurement repeats the call until it covers this many head tokens
@@ -67,6 +82,7 @@ DecodeSizes decode_sizes(const lb::Profile& p) {
   s.threads = {1, 2};
   if (p.name == "smoke") {
     s.batches = {1, 2};
+    s.state_batches = {2};
     s.heads = {4};
     s.dims = {32};
     s.seqs = {1, 2};
@@ -76,6 +92,7 @@ DecodeSizes decode_sizes(const lb::Profile& p) {
     s.pair_rows = 8;
   } else {
     s.batches = {1, 8, 64};
+    s.state_batches = {8, 64};
     s.heads = {16, 32};
     s.dims = {128};
     s.seqs = {1, 8};
@@ -200,6 +217,83 @@ void BM_step(benchmark::State& st, Kind kind, Index H, Index D, int threads) {
   lb::set_threads(1);
 }
 
+// The delta-rule step with float and with bf16 states, alternately (see the file comment).
+void BM_state_pair(benchmark::State& st, Index B, Index H, Index D, int threads) {
+  using LowDec = linattn::BatchedRecurrentDeltaRule<linattn::L2Normalize<>, float, Eigen::bfloat16>;
+  lb::set_threads(threads);
+  linattn::ParallelOptions par;
+  par.num_threads = threads;
+  linattn::DeltaOptions o;
+  o.scale = 1.0 / std::sqrt(double(D));
+  DeltaDec full(B, H, D, D, linattn::L2Normalize<>(1e-6), o);
+  LowDec low(B, H, D, D, linattn::L2Normalize<>(1e-6), o);
+  Tokens tok(kRing * B, H, D, Kind::DeltaScalar, 700);
+  Index t = 0;
+  const auto step = [&](auto& dec) {
+    dec.step(tok.q.middleRows(t * B, B), tok.k.middleRows(t * B, B), tok.v.middleRows(t * B, B),
+             tok.beta.middleRows(t * B, B), tok.g.middleRows(t * B, B),
+             tok.out.middleRows(t * B, B), par);
+  };
+  // Wall time, and the calling thread's CPU time (the 1-thread figure a neighbour's
+  // timeslices do not inflate).
+  double cpu = 0;
+  const auto timed = [&](auto& dec) {
+    const double c0 = lb::thread_cpu_seconds();
+    const auto a = std::chrono::steady_clock::now();
+    step(dec);
+    benchmark::DoNotOptimize(tok.out.data());
+    benchmark::ClobberMemory();
+    const double w = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+    cpu = lb::thread_cpu_seconds() - c0;
+    return w;
+  };
+  for (int w = 0; w < 8; ++w) {  // faults the states in, clock
+    step(full);
+    step(low);
+    t = (t + 1) % kRing;
+  }
+  std::vector<double> tf, tl, ratio, cf, cl, cratio;
+  bool low_first = false;
+  for (auto _ : st) {
+    double f, l, fc, lc;
+    if (low_first) {
+      l = timed(low);
+      lc = cpu;
+      f = timed(full);
+      fc = cpu;
+    } else {
+      f = timed(full);
+      fc = cpu;
+      l = timed(low);
+      lc = cpu;
+    }
+    cf.push_back(fc);
+    cl.push_back(lc);
+    cratio.push_back(fc > 0 ? lc / fc : 0.0);
+    low_first = !low_first;
+    t = (t + 1) % kRing;
+    tf.push_back(f);
+    tl.push_back(l);
+    ratio.push_back(l / f);
+    st.SetIterationTime(f + l);
+  }
+  if (!lb::all_finite(tok.out)) st.SkipWithError("non-finite output");
+  const double entries = double(B * H) * double(D) * double(D);
+  const double mf = lb::median(tf), ml = lb::median(tl);
+  st.counters["f32_us"] = 1e6 * mf;
+  st.counters["bf16_us"] = 1e6 * ml;
+  st.counters["bf16_vs_f32"] = lb::median(ratio);
+  st.counters["f32_cpu_us"] = 1e6 * lb::median(cf);
+  st.counters["bf16_cpu_us"] = 1e6 * lb::median(cl);
+  st.counters["bf16_vs_f32_cpu"] = lb::median(cratio);
+  st.counters["f32_GBs"] = mf > 0 ? 2.0 * 4.0 * entries / mf * 1e-9 : 0.0;
+  st.counters["bf16_GBs"] = ml > 0 ? 2.0 * 2.0 * entries / ml * 1e-9 : 0.0;
+  st.counters["B"] = double(B);
+  st.counters["H"] = double(H);
+  st.counters["threads"] = threads;
+  lb::set_threads(1);
+}
+
 // T step() calls, one extend() and one extend() with keep_snapshots(8), of S sequences.
 void BM_extend_pair(benchmark::State& st, Kind kind, Index H, Index D, Index S, Index T, int threads,
                     Index pair_rows) {
@@ -297,6 +391,19 @@ void register_all(const lb::Profile& p) {
                   [k, H, D, thr](benchmark::State& st) { BM_step(st, k, H, D, thr); })
               ->Unit(benchmark::kMicrosecond);
         }
+  for (Index H : s.heads)
+    for (Index D : s.dims)
+      for (int thr : s.threads)
+        for (Index B : s.state_batches) {
+          const std::string name = std::string("bdec_state_pair") + lb::key("kind", "delta") +
+                                   lb::key("decay", "scalar") + lb::key("H", H) + lb::key("D", D) +
+                                   lb::key("thr", thr) + lb::key("B", B);
+          benchmark::RegisterBenchmark(
+              name.c_str(),
+              [B, H, D, thr](benchmark::State& st) { BM_state_pair(st, B, H, D, thr); })
+              ->UseManualTime()
+              ->Unit(benchmark::kMicrosecond);
+        }
   for (Kind k : kinds)
     for (Index H : s.extend_heads)
       for (Index D : s.dims)
@@ -326,18 +433,81 @@ std::string notes(const lb::Profile& p) {
 #if LINATTN_BENCH_BDEC
   return "Batched decoders (float, D = M = " + lb::join(s.dims) +
          ", BatchedRecurrentDeltaRule<L2Normalize<>> with a scalar or per-channel (KDA) decay, "
-         "BatchedRecurrentGatedAttention<Identity> with a scalar decay): one step of B = " + lb::join(s.batches) +
-         " sequences x H = " + lb::join(s.heads) + " heads on 1 and 2 threads; extend of T = " + lb::join(s.tokens) +
+         "BatchedRecurrentGatedAttention<Identity> with a scalar decay): one step of B = " +
+         lb::join(s.batches) + " sequences x H = " + lb::join(s.heads) +
+         " heads on 1 and 2 threads; extend of T = " + lb::join(s.tokens) +
          " tokens of S = " + lb::join(s.seqs) + " sequences (H = " + lb::join(s.extend_heads) +
          ") against T steps and with keep_snapshots(8), " + std::to_string(s.pair_iterations) +
          " iterations, each call repeated to cover " + std::to_string(s.pair_rows) +
-         " tokens; FMA peak and read+write bandwidth measured in the process.";
+         " tokens; the delta-rule step with float against bf16 states (B = " +
+         lb::join(s.state_batches) +
+         "), alternately; FMA peak and read+write bandwidth measured in the process.";
 #else
   (void)s;
   return "not measured: this build has no batched delta-rule / gated decoders.";
 #endif
 }
 
+#if LINATTN_BENCH_BDEC
+// --drift (see the file comment): kind 0 delta rule (scalar decay), 1 KDA, 2 gated.
+template <class StateT>
+double drift(int kind, Index tokens) {
+  constexpr Index D = 128;
+  const Kind k = kind == 0 ? Kind::DeltaScalar : kind == 1 ? Kind::DeltaChannel : Kind::GatedScalar;
+  linattn::DeltaOptions o;
+  o.scale = 1.0 / std::sqrt(double(D));
+  linattn::GatedOptions og;
+  og.scale = o.scale;
+  linattn::BatchedRecurrentDeltaRule<linattn::L2Normalize<>, float, StateT> low(
+      1, 1, D, D, linattn::L2Normalize<>(1e-6), o);
+  DeltaDec full(1, 1, D, D, linattn::L2Normalize<>(1e-6), o);
+  linattn::BatchedRecurrentGatedAttention<linattn::Identity, float, StateT> glow(
+      1, 1, D, D, linattn::Identity{}, og);
+  GatedDec gfull(1, 1, D, D, linattn::Identity{}, og);
+  double num = 0, den = 0;
+  constexpr Index kBlock = 256;  // tokens drawn at a time
+  for (Index t0 = 0; t0 < tokens; t0 += kBlock) {
+    const Index n = std::min(kBlock, tokens - t0);
+    Tokens tok(n, 1, D, k, 900 + std::uint64_t(t0));
+    Mat<float> a(1, D), b(1, D);
+    for (Index t = 0; t < n; ++t) {
+      if (kind == 2) {
+        glow.step(tok.q.row(t), tok.k.row(t), tok.v.row(t), tok.g.row(t), a);
+        gfull.step(tok.q.row(t), tok.k.row(t), tok.v.row(t), tok.g.row(t), b);
+      } else {
+        low.step(tok.q.row(t), tok.k.row(t), tok.v.row(t), tok.beta.row(t), tok.g.row(t), a);
+        full.step(tok.q.row(t), tok.k.row(t), tok.v.row(t), tok.beta.row(t), tok.g.row(t), b);
+      }
+      if (t0 + t >= tokens - tokens / 10) {
+        num += double((a - b).squaredNorm());
+        den += double(b.squaredNorm());
+      }
+    }
+  }
+  return std::sqrt(num / den);
+}
+
+void print_drift() {
+  std::printf(
+      "| tokens | delta bf16 | delta half | KDA bf16 | KDA half | gated bf16 | gated half |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (Index n : {Index(100), Index(1000), Index(10000)})
+    std::printf("| %lld | %.2g | %.2g | %.2g | %.2g | %.2g | %.2g |\n", static_cast<long long>(n),
+                drift<Eigen::bfloat16>(0, n), drift<Eigen::half>(0, n),
+                drift<Eigen::bfloat16>(1, n), drift<Eigen::half>(1, n),
+                drift<Eigen::bfloat16>(2, n), drift<Eigen::half>(2, n));
+}
+#endif
+
 }  // namespace
 
-int main(int argc, char** argv) { return lb::run_main(argc, argv, register_all, notes); }
+int main(int argc, char** argv) {
+#if LINATTN_BENCH_BDEC
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--drift") {
+      print_drift();
+      return 0;
+    }
+#endif
+  return lb::run_main(argc, argv, register_all, notes);
+}

@@ -655,6 +655,259 @@ TYPED_TEST(LowPrecision, MagnitudeHundredStaysFinite) {
                    "causal SoftmaxSplit at magnitude 100");
 }
 
+// ---------------------------------------------------------------------------------------------
+// The batched gated and delta-rule decoders with S kept in bf16 / half. The rule: each token is
+// the float step from the kept state, and the state after it is rounded once. The reference is
+// that, written plainly: a float decoder whose states are rounded to the storage type (through
+// state() and set_state()) after every token. Outputs and states agree bit for bit, with bf16 /
+// half tokens into the low-state decoder and the same values as float tokens into the
+// reference; M = 37 leaves a packet tail and a scalar tail.
+// ---------------------------------------------------------------------------------------------
+
+// Every head's state of `dec` rounded to S, kept in float: the reference's rule.
+template <class S, class Dec>
+void round_states(Dec& dec) {
+  for (Index b = 0; b < dec.sequences(); ++b)
+    for (Index h = 0; h < dec.heads(); ++h) {
+      auto st = dec.state(b, h);
+      st.S = st.S.template cast<S>().template cast<float>();
+      dec.set_state(b, h, st, dec.position(b));
+    }
+}
+
+template <class A, class B>
+void expect_same_states(const A& got, const B& want, const char* what) {
+  for (Index b = 0; b < want.sequences(); ++b)
+    for (Index h = 0; h < want.heads(); ++h) {
+      expect_same_bits(Mat<float>(got.state(b, h).S), Mat<float>(want.state(b, h).S), what);
+      expect_same_bits(got.state(b, h).z, want.state(b, h).z, what);
+    }
+}
+
+// The sequence b's token t is row t·B + b of the token matrices, or row t·B + (B − 1 − b) on
+// the tokens stepped through step(slots) with the slots listed backwards (t % 3 == 1).
+constexpr Index kLowB = 3, kLowT = 12;
+inline Index low_row(Index t, Index b) { return t * kLowB + (t % 3 == 1 ? kLowB - 1 - b : b); }
+inline bool low_slots(Index t) { return t % 3 == 1; }
+
+// A low-state decoder against the rounding reference over kLowT tokens (step, and step(slots)
+// on every third), then extend() of all the tokens of every sequence in one call against the
+// steps, and rollback() to the state after kLowT − 1 tokens. feed(dec, t, out, stored) steps
+// token t (bf16 / half tokens when `stored`, else the same values in float); gather(dec, out)
+// extends all of them with 3 snapshots kept.
+template <class S, class Low, class Ref, class Feed, class Gather>
+void check_low_state_decoder(Low low, Ref ref, Index width, const Feed& feed, const Gather& gather,
+                             const char* what) {
+  constexpr Index B = kLowB, T = kLowT;
+  Low by_extend = low, before_last = low;
+  Mat<float> out(B, width), out_ref(B, width);
+  std::vector<Mat<float>> outs;
+  for (Index t = 0; t < T; ++t) {
+    if (t == T - 1) before_last = low;
+    feed(low, t, out, true);
+    feed(ref, t, out_ref, false);
+    round_states<S>(ref);
+    expect_same_bits(out, out_ref, what);
+    expect_same_states(low, ref, what);
+    outs.push_back(out);
+  }
+  Mat<float> ext(B * T, width);
+  by_extend.keep_snapshots(3);
+  gather(by_extend, ext);
+  for (Index t = 0; t < T; ++t)
+    for (Index b = 0; b < B; ++b)
+      expect_same_bits(Mat<float>(ext.row(b * T + t)),
+                       Mat<float>(outs[std::size_t(t)].row(low_row(t, b) - t * B)), what);
+  expect_same_states(by_extend, low, what);
+  for (Index b = 0; b < B; ++b) by_extend.rollback(b, T - 1);
+  expect_same_states(by_extend, before_last, what);
+}
+
+// Rows of x for the tokens of every sequence in order (sequence-major), for extend().
+template <class S>
+Mat<S> low_gathered(const Mat<S>& x) {
+  Mat<S> g(kLowB * kLowT, x.cols());
+  for (Index b = 0; b < kLowB; ++b)
+    for (Index t = 0; t < kLowT; ++t) g.row(b * kLowT + t) = x.row(low_row(t, b));
+  return g;
+}
+
+// Token t's rows of x: as stored, or widened.
+template <class S>
+Mat<S> low_rows(const Mat<S>& x, Index t) {
+  return x.middleRows(t * kLowB, kLowB);
+}
+
+TYPED_TEST(LowPrecision, BatchedDeltaRuleLowPrecisionStates) {
+  using S = TypeParam;
+  using L2 = linattn::L2Normalize<linattn::Identity>;
+  constexpr Index B = kLowB, T = kLowT, H = 4, Hk = 2, D = 16, M = 37;
+  linattn::DeltaOptions opts;
+  opts.key_heads = Hk;  // shared key heads (GVA): value head h reads key head h / 2
+  opts.scale = 0.25;
+  const Mat<S> Q = stored<S>(B * T, Hk * D, 61), K = stored<S>(B * T, Hk * D, 62),
+               V = stored<S>(B * T, H * M, 63), beta = stored<S>(B * T, H, 64, 0.1, 1.9),
+               g1 = stored<S>(B * T, H, 65, -0.4, -0.01),
+               gc = stored<S>(B * T, H * D, 66, -0.4, -0.01);
+  const Eigen::VectorXi back = (Eigen::VectorXi(3) << 2, 1, 0).finished();
+  for (const bool channels : {false, true}) {
+    const Mat<S>& G = channels ? gc : g1;
+    const auto feed = [&](auto& dec, Index t, Mat<float>& out, bool as_stored) {
+      const Mat<S> q = low_rows(Q, t), k = low_rows(K, t), v = low_rows(V, t),
+                   bt = low_rows(beta, t), g = low_rows(G, t);
+      if (as_stored && low_slots(t))
+        dec.step(back, q, k, v, bt, g, out);
+      else if (as_stored)
+        dec.step(q, k, v, bt, g, out);
+      else if (low_slots(t))
+        dec.step(back, wide(q), wide(k), wide(v), wide(bt), wide(g), out);
+      else
+        dec.step(wide(q), wide(k), wide(v), wide(bt), wide(g), out);
+    };
+    const auto gather = [&](auto& dec, Mat<float>& out) {
+      const std::vector<int> cu = {0, int(T), int(2 * T), int(3 * T)};
+      dec.extend(Eigen::VectorXi::LinSpaced(B, 0, B - 1), cu, low_gathered(Q), low_gathered(K),
+                 low_gathered(V), low_gathered(beta), low_gathered(G), out);
+    };
+    check_low_state_decoder<S>(
+        linattn::BatchedRecurrentDeltaRule<L2, float, S>(B, H, D, M, L2{}, opts),
+        linattn::BatchedRecurrentDeltaRule<L2, float>(B, H, D, M, L2{}, opts), H * M, feed, gather,
+        channels ? "delta rule, per-channel decays" : "delta rule, scalar decays");
+  }
+}
+
+TYPED_TEST(LowPrecision, BatchedGatedLowPrecisionStates) {
+  using S = TypeParam;
+  constexpr Index B = kLowB, T = kLowT, H = 2, D = 16, M = 37;
+  linattn::GatedOptions opts;
+  opts.scale = 0.25;
+  const Mat<S> Q = stored<S>(B * T, H * D, 71), K = stored<S>(B * T, H * D, 72),
+               V = stored<S>(B * T, H * M, 73),
+               // -0.4 ... -0.2: the e^g form; -0.05 ... -0.01: the expm1 form of mild gates
+      g1 = stored<S>(B * T, H, 74, -0.4, -0.2), gf = stored<S>(B * T, H * D, 75, -0.05, -0.01);
+  const Eigen::VectorXi back = (Eigen::VectorXi(3) << 2, 1, 0).finished();
+  for (const bool per_feature : {false, true}) {
+    const Mat<S>& G = per_feature ? gf : g1;
+    const auto feed = [&](auto& dec, Index t, Mat<float>& out, bool as_stored) {
+      const Mat<S> q = low_rows(Q, t), k = low_rows(K, t), v = low_rows(V, t), g = low_rows(G, t);
+      if (as_stored && low_slots(t))
+        dec.step(back, q, k, v, g, out);
+      else if (as_stored)
+        dec.step(q, k, v, g, out);
+      else if (low_slots(t))
+        dec.step(back, wide(q), wide(k), wide(v), wide(g), out);
+      else
+        dec.step(wide(q), wide(k), wide(v), wide(g), out);
+    };
+    const auto gather = [&](auto& dec, Mat<float>& out) {
+      const std::vector<int> cu = {0, int(T), int(2 * T), int(3 * T)};
+      dec.extend(Eigen::VectorXi::LinSpaced(B, 0, B - 1), cu, low_gathered(Q), low_gathered(K),
+                 low_gathered(V), low_gathered(G), out);
+    };
+    check_low_state_decoder<S>(linattn::BatchedRecurrentGatedAttention<linattn::Identity, float, S>(
+                                   B, H, D, M, linattn::Identity{}, opts),
+                               linattn::BatchedRecurrentGatedAttention<linattn::Identity, float>(
+                                   B, H, D, M, linattn::Identity{}, opts),
+                               H * M, feed, gather,
+                               per_feature ? "gated, per-feature gates" : "gated, scalar decays");
+  }
+}
+
+// The float-state decoders on bf16 tokens: the float tokens' outputs, rounded once when `out`
+// is bf16 too.
+TEST(LowPrecisionBf16, BatchedDecodersTakeStoredTokens) {
+  using L2 = linattn::L2Normalize<linattn::Identity>;
+  constexpr Index B = 3, H = 2, D = 16, M = 37;
+  const Mat<bf16> Q = stored<bf16>(B, H * D, 81), K = stored<bf16>(B, H * D, 82),
+                  V = stored<bf16>(B, H * M, 83), beta = stored<bf16>(B, H, 84, 0.1, 1.9),
+                  G = stored<bf16>(B, H, 85, -0.4, -0.01);
+  for (int pass = 0; pass < 2; ++pass) {
+    linattn::BatchedRecurrentDeltaRule<L2, float> delta(B, H, D, M), delta_f(B, H, D, M);
+    linattn::BatchedRecurrentGatedAttention<linattn::Identity, float> gated(B, H, D, M),
+        gated_f(B, H, D, M);
+    Mat<float> out(B, H * M), out_f(B, H * M);
+    Mat<bf16> out_b(B, H * M);
+    delta_f.step(wide(Q), wide(K), wide(V), wide(beta), wide(G), out_f);
+    if (pass == 0) {
+      delta.step(Q, K, V, beta, G, out);
+      expect_same_bits(out, out_f, "delta rule on bf16 tokens");
+    } else {
+      delta.step(Q, K, V, beta, G, out_b);
+      expect_same_bits(out_b, Mat<bf16>(out_f.cast<bf16>()), "delta rule, bf16 out");
+    }
+    gated_f.step(wide(Q), wide(K), wide(V), wide(G), out_f);
+    gated.step(Q, K, V, G, out);
+    expect_same_bits(out, out_f, "gated on bf16 tokens");
+  }
+}
+
+// save_state / load_state of bf16-state decoders: the file records the storage type and
+// resumes bit for bit; a decoder of another storage type refuses it, naming both.
+template <class Low, class Full, class Other, class Step>
+void check_low_state_file(Low dec, Full full, Other other, const Step& step) {
+  for (Index t = 0; t < 5; ++t) step(dec, t);
+  std::stringstream file;
+  linattn::save_state(file, dec);
+  const std::string bytes = file.str();
+  Low resumed = dec;
+  resumed.reset();
+  linattn::load_state(file, resumed);
+  for (Index b = 0; b < dec.sequences(); ++b) EXPECT_EQ(resumed.position(b), 5);
+  expect_same_states(resumed, dec, "loaded");
+  for (Index t = 5; t < 8; ++t) {
+    step(dec, t);
+    step(resumed, t);
+  }
+  expect_same_states(resumed, dec, "resumed");
+  std::stringstream a, b;
+  linattn::save_state(a, dec);
+  linattn::save_state(b, resumed);
+  EXPECT_EQ(a.str(), b.str());
+  const auto refused = [&](auto& target, const std::string& file_bytes, const char* need) {
+    std::stringstream in(file_bytes);
+    try {
+      linattn::load_state(in, target);
+      ADD_FAILURE() << "loaded a file of another storage type";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("storage type mismatch"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(need), std::string::npos) << e.what();
+    }
+  };
+  refused(full, bytes, "keeps S in bf16, the");
+  refused(other, bytes, "keeps it in half");
+  std::stringstream full_file;
+  linattn::save_state(full_file, full);
+  const Low kept = dec;
+  refused(dec, full_file.str(), "keeps S in float");
+  expect_same_states(dec, kept, "after a refused load (strong guarantee)");
+}
+
+TEST(LowPrecisionBf16, BatchedDecoderFilesRecordTheStorage) {
+  using L2 = linattn::L2Normalize<linattn::Identity>;
+  constexpr Index B = 2, H = 2, D = 16, M = 37;
+  const Mat<float> Q = random_matrix<float>(8 * B, H * D, 91),
+                   K = random_matrix<float>(8 * B, H * D, 92),
+                   V = random_matrix<float>(8 * B, H * M, 93),
+                   G = random_matrix<float>(8 * B, H * D, 94, -0.3, -0.01);
+  const Mat<float> beta = Mat<float>::Constant(8 * B, H, 0.7f);
+  Mat<float> out(B, H * M);
+  check_low_state_file(
+      linattn::BatchedRecurrentDeltaRule<L2, float, bf16>(B, H, D, M),
+      linattn::BatchedRecurrentDeltaRule<L2, float>(B, H, D, M),
+      linattn::BatchedRecurrentDeltaRule<L2, float, half>(B, H, D, M), [&](auto& dec, Index t) {
+        dec.step(Q.middleRows(t * B, B), K.middleRows(t * B, B), V.middleRows(t * B, B),
+                 beta.middleRows(t * B, B), G.middleRows(t * B, B), out);
+      });
+  check_low_state_file(
+      linattn::BatchedRecurrentGatedAttention<linattn::Identity, float, bf16>(B, H, D, M),
+      linattn::BatchedRecurrentGatedAttention<linattn::Identity, float>(B, H, D, M),
+      linattn::BatchedRecurrentGatedAttention<linattn::Identity, float, half>(B, H, D, M),
+      [&](auto& dec, Index t) {
+        dec.step(Q.middleRows(t * B, B), K.middleRows(t * B, B), V.middleRows(t * B, B),
+                 G.middleRows(t * B, B), out);
+      });
+}
+
 #endif  // LINATTN_TEST_FLOAT
 
 }  // namespace

@@ -853,7 +853,7 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
     SCOPED_TRACE("version " + std::to_string(v));
     EXPECT_EQ(load(header(v, 3, 1, 0, 1, 0, 2, 2)), p + "unknown scalar type code 3");
     EXPECT_EQ(load(header(v, 1, 10, 0, 1, 0, 2, 2)), p + "unknown kind code 10");
-    EXPECT_EQ(load(header(v, 1, 1, 6, 1, 0, 2, 2)), p + "unknown flags 6");
+    EXPECT_EQ(load(header(v, 1, 1, 8, 1, 0, 2, 2)), p + "unknown flags 8");
     EXPECT_EQ(load(header(v, 1, 1, 0, 2, 0, 2, 2)), p + "invalid head count 2");
     EXPECT_EQ(load(header(v, 1, 1, 0, 1, 5, 2, 2)), p + "invalid key dimension 5");
     MultiHeadRecurrentLinearAttention<EluPlusOne, float> heads(2, 2, 2);
@@ -887,6 +887,19 @@ TEST(StateIoFailure, HeaderFieldsAreChecked) {
   std::istringstream gated_maxima(header(2, 1, 8, 1, 1, 2, 2, 2, 2), std::ios::binary);
   EXPECT_EQ(runtime_error_of([&] { linattn::load_state(gated_maxima, gated); }),
             p + "invalid flags 1: the state of a RecurrentGatedAttention has no running maxima");
+  // The storage flags (bits 1, 2: S kept in bf16 / half) belong to float compact records only,
+  // one at a time.
+  const std::string storage =
+      "a bf16 / half state is one storage type, of a float gated or delta-rule decoder's "
+      "compact record";
+  EXPECT_EQ(load(header(2, 1, 1, 2, 1, 0, 2, 2)), p + "invalid flags 2: " + storage);
+  std::istringstream both(header(2, 1, 7, 6, 1, 2, 2, 2), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(both, delta); }),
+            p + "invalid flags 6: " + storage);
+  linattn::RecurrentDeltaRule<Identity, double> delta_d(2, 2);
+  std::istringstream in_double(header(2, 2, 7, 2, 1, 2, 2, 2), std::ios::binary);
+  EXPECT_EQ(runtime_error_of([&] { linattn::load_state(in_double, delta_d); }),
+            p + "invalid flags 2: " + storage);
   // The gated decoder keeps F log-decay entries: L = 0 or 1 is no record of it.
   for (const std::uint32_t kind : {4u, 8u})
     for (const std::uint64_t L : {std::uint64_t(0), std::uint64_t(1)}) {

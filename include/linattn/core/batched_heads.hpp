@@ -41,6 +41,9 @@ class BatchedHeads {
  public:
   /// The state of one head, as set_state() takes and state() gives it.
   using State = typename Decoder::State;
+  /// A rollback point of one head: its state as the head keeps it (in bf16 / half for a
+  /// decoder with such states).
+  using Snapshot = typename Decoder::Snapshot;
 
   /// Every sequence back to the empty one.
   void reset() {
@@ -165,7 +168,7 @@ class BatchedHeads {
       detail::throw_invalid(name("keep_snapshots").c_str(),
                             "count must be >= 0, got " + std::to_string(count));
     keep_ = count;
-    snapshots_.assign(static_cast<std::size_t>(sequences() * heads() * keep_), State{});
+    snapshots_.assign(static_cast<std::size_t>(sequences() * heads() * keep_), Snapshot{});
     calls_.assign(static_cast<std::size_t>(sequences()), Call{});
   }
   /// The number of rollback points the last extend() of sequence b kept (0 after a step(),
@@ -237,7 +240,7 @@ class BatchedHeads {
   struct Call {
     Index start = 0, tokens = 0, kept = 0;
   };
-  State& snapshot(Index b, Index h, Index j) {
+  Snapshot& snapshot(Index b, Index h, Index j) {
     return snapshots_[static_cast<std::size_t>((b * heads() + h) * keep_ + j)];
   }
   // Before a call over sequence b's n tokens (single-threaded): where its snapshots go.
@@ -271,7 +274,7 @@ class BatchedHeads {
   const char* name_;
   detail::DecoderGrid<Decoder> grid_;
   Index keep_ = 0;
-  std::vector<State> snapshots_;  // K per (sequence, head), sequence-major
+  std::vector<Snapshot> snapshots_;  // K per (sequence, head), sequence-major
   std::vector<Call> calls_;       // per sequence
   Call none_;
   /// \endcond

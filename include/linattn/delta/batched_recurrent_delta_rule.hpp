@@ -44,7 +44,15 @@ namespace linattn {
 ///
 /// Thread safety: one step() (or any member that changes a sequence) at a time per object.
 /// \tparam Phi a product feature map (Identity by default; models use L2Normalize<>)
-/// \tparam Scalar float or double (tokens may be bf16 / half for float)
+/// \tparam Scalar float or double: the arithmetic; tokens (q, k, v, beta, log_a) may be bf16 /
+///         half matrices for float, widened as they are read, and `out` may be bf16 / half (each
+///         output rounded once).
+/// \tparam StateScalar what every head's S is kept in between tokens: Scalar (the default), or
+///         `Eigen::bfloat16` / `Eigen::half` for a float decoder: half the bytes a step moves,
+///         each token computed in float from the kept state and its new state rounded once
+///         (docs/SPEC.md §9.3; bf16 keeps 8 significant bits, half 11 and a range to 65504).
+///         Snapshots are kept so too; state() / set_state() widen and round; save_state()
+///         records the storage type, and load_state() refuses another one's file.
 /// \code
 /// // 8 conversations of Qwen3-Next's layer: 32 value heads over 16 key heads of 128.
 /// linattn::DeltaOptions opts;
@@ -55,13 +63,24 @@ namespace linattn {
 /// Eigen::MatrixXf out(8, 32 * 128);
 /// dec.step(Q, K, V, beta, log_a, out);  // Q, K: 8 x 16·128; V: 8 x 32·128; beta, log_a: 8 x 32
 /// \endcode
-template <class Phi = Identity, class Scalar = float>
-class BatchedRecurrentDeltaRule : public BatchedHeads<RecurrentDeltaRule<Phi, Scalar>> {
-  using Base = BatchedHeads<RecurrentDeltaRule<Phi, Scalar>>;
+/// The same decoder with its states in bf16 (32 KiB a head instead of 64), stepped on bf16
+/// tokens:
+/// \code
+/// linattn::BatchedRecurrentDeltaRule<linattn::L2Normalize<>, float, Eigen::bfloat16> low(
+///     8, 32, 128, 128, linattn::L2Normalize<>(1e-6), opts);
+/// using Bf16 = Eigen::Matrix<Eigen::bfloat16, Eigen::Dynamic, Eigen::Dynamic>;
+/// const Bf16 Qb = Q.cast<Eigen::bfloat16>(), Kb = K.cast<Eigen::bfloat16>();
+/// const Bf16 Vb = V.cast<Eigen::bfloat16>();
+/// low.step(Qb, Kb, Vb, beta, log_a, out);  // out: float; each head's state rounded to bf16
+/// \endcode
+template <class Phi = Identity, class Scalar = float, class StateScalar = Scalar>
+class BatchedRecurrentDeltaRule
+    : public BatchedHeads<RecurrentDeltaRule<Phi, Scalar, StateScalar>> {
+  using Base = BatchedHeads<RecurrentDeltaRule<Phi, Scalar, StateScalar>>;
 
  public:
   /// The decoder of one head of one sequence.
-  using Decoder = RecurrentDeltaRule<Phi, Scalar>;
+  using Decoder = RecurrentDeltaRule<Phi, Scalar, StateScalar>;
 
   /// `sequences` empty sequences of `heads` value heads (query/key heads: options.key_heads,
   /// or as many), keys of `key_dim` and values of `value_dim` entries.

@@ -13,6 +13,7 @@
 #include "../core/common.hpp"
 #include "options.hpp"
 #include "detail/delta_forward.hpp"
+#include "detail/delta_low_state.hpp"
 #include "../maps/feature_map.hpp"
 #include "../maps/identity.hpp"
 #include "../linear/recurrent_linear_attention.hpp"
@@ -42,16 +43,25 @@ namespace linattn {
 ///
 /// \tparam Phi a feature map without per-feature key softmax (Identity by default; models use
 ///         L2Normalize<> after their convolution and SiLU, or L2Normalize<Silu> before the SiLU)
-/// \tparam Scalar float or double
+/// \tparam Scalar float or double: the arithmetic (tokens may be bf16 / half for float)
+/// \tparam StateScalar what S is kept in between tokens: Scalar (the default), or
+///         `Eigen::bfloat16` / `Eigen::half` for a float decoder (half the bytes a step moves;
+///         the state after each token rounded once, docs/SPEC.md §9.3). state() and set_state()
+///         widen and round; save_state() records the storage type.
 /// \code
 /// linattn::RecurrentDeltaRule<linattn::L2Normalize<linattn::Silu>, float> rnn(128, 128);
 /// Eigen::VectorXf out(128);
 /// for (Eigen::Index t = 0; t < T; ++t)
 ///   rnn.step(Q.row(t), K.row(t), V.row(t), beta(t), log_a(t), out);  // log_a = 0: no decay
 /// \endcode
-template <class Phi = Identity, class Scalar = float>
+template <class Phi = Identity, class Scalar = float, class StateScalar = Scalar>
 class RecurrentDeltaRule {
   static_assert((detail::static_check_recurrent<Phi, Scalar>(), true));
+  static constexpr bool kLowState = !std::is_same_v<StateScalar, Scalar>;
+  static_assert(!kLowState ||
+                    (std::is_same_v<Scalar, float> && detail::is_low_precision_v<StateScalar>),
+                "linattn: RecurrentDeltaRule keeps its state in Scalar, or in Eigen::bfloat16 / "
+                "Eigen::half for a float decoder");
   static_assert(!normalizes_keys_per_feature_v<Phi>,
                 "linattn: the delta rule needs a product feature map (sim = φ(q)·φ(k)); a map "
                 "with a per-feature key softmax (SoftmaxSplit) has no delta-rule form");
@@ -59,6 +69,10 @@ class RecurrentDeltaRule {
  public:
   /// The state the step updates: S, the F x M key-value memory.
   using State = LinearAttentionState<Scalar>;
+  /// What S is kept in between tokens.
+  using StateStorage = StateScalar;
+  /// A rollback point of the batched decoders: the state as kept (S only).
+  using Snapshot = std::conditional_t<kLowState, detail::LowDecodeState<StateScalar>, State>;
 
   /// A zero state for keys and queries of dimension D and values of dimension M.
   /// \throws std::invalid_argument if D <= 0 or M < 0.
@@ -79,7 +93,7 @@ class RecurrentDeltaRule {
     detail::check_dims("RecurrentDeltaRule", key_dim, value_dim);
     detail::check_feature_map("RecurrentDeltaRule", phi_, key_dim);
     const Index F = phi_.feature_dim(key_dim);
-    state_ = State(F, value_dim);
+    state_ = Snapshot(F, value_dim);
     token_.resize(key_dim, F);
     pqv_.resize(F);
     pkv_.resize(F);
@@ -216,11 +230,18 @@ class RecurrentDeltaRule {
   /// \endcode
   /// \return the state after position() tokens.
   State state() const {
-    State copy = state_;
-    if (pending_.pending)
-      detail::delta_flush(copy.S.data(), copy.S.outerStride(), copy.S.rows(), copy.S.cols(),
-                          pending_.a, pending_decays(), kp_.data(), dp_.data());
-    return copy;
+    if constexpr (kLowState) {
+      State copy(state_.S.rows(), state_.S.cols());
+      for (Index r = 0; r < copy.S.rows(); ++r)
+        settled_row(r, copy.S.data() + r * copy.S.outerStride());
+      return copy;
+    } else {
+      State copy = state_;
+      if (pending_.pending)
+        detail::delta_flush(copy.S.data(), copy.S.outerStride(), copy.S.rows(), copy.S.cols(),
+                            pending_.a, pending_decays(), kp_.data(), dp_.data());
+      return copy;
+    }
   }
 
   /// Continues from `state` (for example the one a delta_rule_attention() prefill left): its
@@ -240,9 +261,7 @@ class RecurrentDeltaRule {
     copy.z.setZero();
     copy.z_lo.setZero();
     copy.log_decay.resize(0);
-    state_ = std::move(copy);
-    pending_.pending = false;
-    position_ = position;
+    adopt(std::move(copy), position);
   }
 
   /// Tokens consumed since construction, reset() or set_state().
@@ -272,12 +291,19 @@ class RecurrentDeltaRule {
   // snapshot swapped in.
   template <class>
   friend class BatchedHeads;
-  void snapshot_into(State& out) const {
+  void snapshot_into(Snapshot& out) {
     const Index F = state_.S.rows(), M = state_.S.cols();
-    if (out.S.rows() != F || out.S.cols() != M) out = State(F, M);
-    for (Index r = 0; r < F; ++r) settled_row(r, out.S.data() + r * out.S.outerStride());
+    if (out.S.rows() != F || out.S.cols() != M) out = Snapshot(F, M);
+    for (Index r = 0; r < F; ++r) {
+      if constexpr (kLowState) {  // rounded already: narrowing the widened row is exact
+        settled_row(r, yq_.data());
+        detail::narrow(yq_.data(), out.S.data() + r * out.S.outerStride(), M);
+      } else {
+        settled_row(r, out.S.data() + r * out.S.outerStride());
+      }
+    }
   }
-  void restore_from(State& snapshot, Index position) noexcept {
+  void restore_from(Snapshot& snapshot, Index position) noexcept {
     std::swap(state_.S, snapshot.S);
     pending_.pending = false;
     position_ = position;
@@ -297,16 +323,36 @@ class RecurrentDeltaRule {
     return pending_.per_row ? ar_.data() + ar_half_ * state_.S.rows() : nullptr;
   }
 
+  // A state of this object's shape (checked, low part folded) as the one to continue from, with
+  // no update pending; a low-precision state is rounded into the storage it has (no allocation
+  // when the shapes agree).
+  void adopt(State&& st, Index position) noexcept {
+    if constexpr (kLowState) {
+      state_.S.resize(st.S.rows(), st.S.cols());
+      detail::narrow(st.S.data(), state_.S.data(), st.S.size());
+    } else {
+      state_ = std::move(st);
+    }
+    pending_.pending = false;
+    position_ = position;
+  }
+
   // Row r of state() (M entries) into `row`, through the same delta_flush as state(): the
   // same bits, without a copy of the whole state.
   void settled_row(Index r, Scalar* row) const {
     const Index M = state_.S.cols();
-    std::copy(state_.S.data() + r * state_.S.outerStride(),
-              state_.S.data() + r * state_.S.outerStride() + M, row);
-    if (pending_.pending)
-      detail::delta_flush(row, M, 1, M, pending_.a,
-                          pending_.per_row ? pending_decays() + r : nullptr,
-                          kp_.data() + r, dp_.data());
+    if constexpr (kLowState) {
+      detail::delta_settled_low_row(
+          state_.S.data() + r * state_.S.outerStride(), M, pending_.pending, pending_.a,
+          pending_.per_row ? pending_decays() + r : nullptr, kp_.data() + r, dp_.data(), row);
+    } else {
+      std::copy(state_.S.data() + r * state_.S.outerStride(),
+                state_.S.data() + r * state_.S.outerStride() + M, row);
+      if (pending_.pending)
+        detail::delta_flush(row, M, 1, M, pending_.a,
+                            pending_.per_row ? pending_decays() + r : nullptr, kp_.data() + r,
+                            dp_.data());
+    }
   }
 
   Phi phi_;
@@ -314,7 +360,7 @@ class RecurrentDeltaRule {
   Index key_dim_ = 0, value_dim_ = 0;
   Index position_ = 0;
   // S_{t-1} while the last token's update is pending (pending_): state() applies it to a copy.
-  State state_;
+  Snapshot state_;
   detail::TokenFeatures<Scalar> token_;
   Vector<Scalar> pqv_, pkv_, v_, o_, yq_, yk_;
   Vector<Scalar> kp_, dp_;

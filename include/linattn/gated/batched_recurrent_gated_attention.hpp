@@ -41,20 +41,33 @@ namespace linattn {
 ///
 /// Thread safety: one step() (or any member that changes a sequence) at a time per object.
 /// \tparam Phi a product feature map (Identity by default)
-/// \tparam Scalar float or double (tokens may be bf16 / half for float)
+/// \tparam Scalar float or double: the arithmetic; tokens (q, k, v, log_gates) may be bf16 /
+///         half matrices for float, widened as they are read, and `out` may be bf16 / half (each
+///         output rounded once).
+/// \tparam StateScalar what every head's S is kept in between tokens: Scalar (the default), or
+///         `Eigen::bfloat16` / `Eigen::half` for a float decoder: half the bytes a step moves,
+///         each token computed in float from the kept state and S rounded once after it
+///         (docs/SPEC.md §9); z and the log-decay stay in float. Snapshots are kept so too;
+///         state() / set_state() widen and round; save_state() records the storage type, and
+///         load_state() refuses another one's file.
 /// \code
 /// // 16 conversations, 8 heads of D = M = 64 with per-head decays (Mamba-2 / simple GLA).
 /// linattn::BatchedRecurrentGatedAttention<linattn::Identity, float> dec(16, 8, 64, 64);
 /// Eigen::MatrixXf out(16, 8 * 64);
 /// dec.step(Q, K, V, log_a, out);  // Q, K, V: 16 x 512; log_a: 16 x 8
+/// // The same with bf16 states (8 KiB a head instead of 16):
+/// linattn::BatchedRecurrentGatedAttention<linattn::Identity, float, Eigen::bfloat16> low(
+///     16, 8, 64, 64);
+/// low.step(Q, K, V, log_a, out);
 /// \endcode
-template <class Phi = Identity, class Scalar = float>
-class BatchedRecurrentGatedAttention : public BatchedHeads<RecurrentGatedAttention<Phi, Scalar>> {
-  using Base = BatchedHeads<RecurrentGatedAttention<Phi, Scalar>>;
+template <class Phi = Identity, class Scalar = float, class StateScalar = Scalar>
+class BatchedRecurrentGatedAttention
+    : public BatchedHeads<RecurrentGatedAttention<Phi, Scalar, StateScalar>> {
+  using Base = BatchedHeads<RecurrentGatedAttention<Phi, Scalar, StateScalar>>;
 
  public:
   /// The decoder of one head of one sequence.
-  using Decoder = RecurrentGatedAttention<Phi, Scalar>;
+  using Decoder = RecurrentGatedAttention<Phi, Scalar, StateScalar>;
 
   /// `sequences` empty sequences of `heads` value heads (query/key heads: options.key_heads,
   /// or as many), keys of `key_dim` and values of `value_dim` entries.

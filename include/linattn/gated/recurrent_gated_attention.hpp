@@ -12,6 +12,7 @@
 #include "../core/detail/checks.hpp"
 #include "../core/common.hpp"
 #include "detail/gated_forward.hpp"
+#include "detail/gated_low_state.hpp"
 #include "../maps/feature_map.hpp"
 #include "options.hpp"
 #include "../maps/identity.hpp"
@@ -39,16 +40,26 @@ namespace linattn {
 /// the log-decay and the position).
 ///
 /// \tparam Phi a feature map without per-feature key softmax (Identity by default)
-/// \tparam Scalar float or double
+/// \tparam Scalar float or double: the arithmetic (tokens may be bf16 / half for float)
+/// \tparam StateScalar what S is kept in between tokens: Scalar (the default), or
+///         `Eigen::bfloat16` / `Eigen::half` for a float decoder (half the bytes a step moves;
+///         S rounded once after every token, z and the log-decay kept in float; docs/SPEC.md
+///         §9). state() is then a widened copy and set_state() rounds; save_state() records
+///         the storage type.
 /// \code
 /// linattn::RecurrentGatedAttention<linattn::Identity, float> rnn(64, 64);
 /// Eigen::VectorXf out(64);
 /// for (Eigen::Index t = 0; t < T; ++t)
 ///   rnn.step(Q.row(t), K.row(t), V.row(t), log_a.row(t), out);  // a 1- or F-entry log gate
 /// \endcode
-template <class Phi = Identity, class Scalar = float>
+template <class Phi = Identity, class Scalar = float, class StateScalar = Scalar>
 class RecurrentGatedAttention {
   static_assert((detail::static_check_recurrent<Phi, Scalar>(), true));
+  static constexpr bool kLowState = !std::is_same_v<StateScalar, Scalar>;
+  static_assert(!kLowState ||
+                    (std::is_same_v<Scalar, float> && detail::is_low_precision_v<StateScalar>),
+                "linattn: RecurrentGatedAttention keeps its state in Scalar, or in "
+                "Eigen::bfloat16 / Eigen::half for a float decoder");
   static_assert(!normalizes_keys_per_feature_v<Phi>,
                 "linattn: the gated kernels need a product feature map (sim = φ(q)·φ(k)); a map "
                 "with a per-feature key softmax (SoftmaxSplit) has no decayed form");
@@ -56,6 +67,10 @@ class RecurrentGatedAttention {
  public:
   /// The state the step decays and updates: S and z, and the total log-decay for combine().
   using State = LinearAttentionState<Scalar>;
+  /// What S is kept in between tokens.
+  using StateStorage = StateScalar;
+  /// A rollback point of the batched decoders: the state as kept (S, z, the log-decay).
+  using Snapshot = std::conditional_t<kLowState, detail::LowDecodeState<StateScalar>, State>;
 
   /// A zero state for keys and queries of dimension D and values of dimension M.
   /// \throws std::invalid_argument if D <= 0 or M < 0.
@@ -76,7 +91,7 @@ class RecurrentGatedAttention {
     detail::check_dims("RecurrentGatedAttention", key_dim, value_dim);
     detail::check_feature_map("RecurrentGatedAttention", phi_, key_dim);
     const Index F = phi_.feature_dim(key_dim);
-    state_ = State(F, value_dim);
+    state_ = Snapshot(F, value_dim);
     state_.log_decay.setZero(F);
     token_.resize(key_dim, F);
     pqv_.resize(F);
@@ -175,8 +190,19 @@ class RecurrentGatedAttention {
 
   /// The current state (S, z; low parts zero; log_decay the F per-feature sums of the log gates
   /// seen, a scalar decay counting for every feature).
+  /// With bf16 / half states, a copy (widened, exact).
   /// \return the state after position() tokens, valid until the next step or reset.
-  const State& state() const noexcept { return state_; }
+  std::conditional_t<kLowState, State, const State&> state() const noexcept(!kLowState) {
+    if constexpr (kLowState) {
+      State st(state_.S.rows(), state_.S.cols());
+      detail::widen(state_.S.data(), st.S.data(), st.S.size());
+      st.z = state_.z;
+      st.log_decay = state_.log_decay;
+      return st;
+    } else {
+      return state_;
+    }
+  }
 
   /// Continues from `state` (for example the one a gated_linear_attention() prefill left): its
   /// low parts are added into S and z. \throws std::invalid_argument if it does not fit,
@@ -203,8 +229,7 @@ class RecurrentGatedAttention {
     copy.z += copy.z_lo;
     copy.S_lo.setZero();
     copy.z_lo.setZero();
-    state_ = std::move(copy);
-    position_ = position;
+    adopt(std::move(copy), position);
   }
 
   /// Tokens consumed since construction, reset() or set_state().
@@ -234,7 +259,7 @@ class RecurrentGatedAttention {
   // sized), and a snapshot swapped in.
   template <class>
   friend class BatchedHeads;
-  void snapshot_into(State& out) const {
+  void snapshot_into(Snapshot& out) const {
     if (out.S.rows() != state_.S.rows() || out.S.cols() != state_.S.cols() ||
         out.log_decay.size() != state_.log_decay.size())
       out = state_;
@@ -244,10 +269,24 @@ class RecurrentGatedAttention {
       out.log_decay = state_.log_decay;
     }
   }
-  void restore_from(State& snapshot, Index position) noexcept {
+  void restore_from(Snapshot& snapshot, Index position) noexcept {
     std::swap(state_.S, snapshot.S);
     std::swap(state_.z, snapshot.z);
     std::swap(state_.log_decay, snapshot.log_decay);
+    position_ = position;
+  }
+
+  // A checked state of this object's shape (low parts folded, F log-decay entries) as the one
+  // to continue from; a low-precision S is rounded into the storage it has.
+  void adopt(State&& st, Index position) noexcept {
+    if constexpr (kLowState) {
+      state_.S.resize(st.S.rows(), st.S.cols());
+      detail::narrow(st.S.data(), state_.S.data(), st.S.size());
+      state_.z.swap(st.z);
+      state_.log_decay.swap(st.log_decay);
+    } else {
+      state_ = std::move(st);
+    }
     position_ = position;
   }
 
@@ -269,7 +308,7 @@ class RecurrentGatedAttention {
   GatedOptions options_;
   Index key_dim_, value_dim_;
   Index position_ = 0;
-  State state_;
+  Snapshot state_;
   detail::TokenFeatures<Scalar> token_;
   Vector<Scalar> pqv_, pkv_, w_, alpha_, v_, o_;
 };

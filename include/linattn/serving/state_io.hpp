@@ -19,7 +19,7 @@
 /// | 8  | 4 | format version, u32 = 2 |
 /// | 12 | 4 | scalar type, u32: 1 = float (binary32), 2 = double (binary64) |
 /// | 16 | 4 | kind, u32: 1 = LinearAttentionState, 2 = RecurrentLinearAttention, 3 = MultiHeadRecurrentLinearAttention or LinearAttentionLayer::State, 4 = RecurrentGatedAttention (read, no longer written), 5 = BatchedRecurrentLinearAttention, 6 = SoftmaxAttentionLayer::State (KV cache), 7 = RecurrentDeltaRule, 8 = RecurrentGatedAttention, 9 = a delta-rule layer's BatchedState (4 to 9: version 2 only; 7 and 8 have compact records, state_io_decoders.hpp; 9: state_io_layers.hpp) |
-/// | 20 | 4 | flags, u32: bit 0 = running maxima `m` present (SoftmaxSplit); other bits 0 |
+/// | 20 | 4 | flags, u32: bit 0 = running maxima `m` present (SoftmaxSplit); bit 1 / bit 2 = a kind-7 or kind-8 record of a decoder that keeps S in bf16 / half (state_io_decoders.hpp); other bits 0 |
 /// | 24 | 8 | heads H, u64 (1 for kinds 1, 2 and 4; for kind 5 the heads per sequence) |
 /// | 32 | 8 | key dimension D, u64 (0 for kind 1: a state does not know it) |
 /// | 40 | 8 | feature dimension F, u64 (0 for kind 6: no feature map) |

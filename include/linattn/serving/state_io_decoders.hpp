@@ -23,6 +23,12 @@
 /// count) still load; only kind 8 is written. A BatchedRecurrentGatedAttention or
 /// BatchedRecurrentDeltaRule is B·H such records, sequence-major (head h of sequence b is
 /// record b·H + h).
+///
+/// A decoder that keeps S in bf16 / half (`StateScalar`) writes the float record, S widened
+/// (exact), with flag bit 1 (bf16) or bit 2 (half) set; load_state() takes a record only into
+/// a decoder of the storage type its flags name, and otherwise throws std::runtime_error
+/// "storage type mismatch" naming both, so that a load neither rounds a float state silently
+/// nor presents a rounded one as float.
 #pragma once
 
 #include <Eigen/Core>
@@ -60,14 +66,14 @@ namespace linattn {
 /// \endcode
 /// \param os the binary stream the record is appended to.
 /// \param rnn the recurrent form whose state and position are written.
-template <class Phi, class Scalar>
-void save_state(std::ostream& os, const RecurrentGatedAttention<Phi, Scalar>& rnn) {
-  const auto& st = rnn.state();
+template <class Phi, class Scalar, class StateScalar>
+void save_state(std::ostream& os, const RecurrentGatedAttention<Phi, Scalar, StateScalar>& rnn) {
+  const auto& st = rnn.state();  // a decoder with bf16 / half states: a widened copy, exact
   const Index F = rnn.feature_dim(), M = rnn.value_dim();
   const Index decay = detail::io::decay_entries("save_state", st);
   detail::io::Writer w(os, "save_state");
-  detail::io::write_header<Scalar>(w, detail::io::kKindGatedCompact, false, 1, rnn.key_dim(), F,
-                                   M, decay);
+  detail::io::write_header<Scalar>(w, detail::io::kKindGatedCompact, false, 1, rnn.key_dim(), F, M,
+                                   decay, detail::io::storage_flag<StateScalar>());
   detail::io::write_position(w, rnn.position());
   w.scalars(st.S.data(), F * M);
   w.scalars(st.z.data(), F);
@@ -95,12 +101,13 @@ void save_state(std::ostream& os, const RecurrentGatedAttention<Phi, Scalar>& rn
 /// \endcode
 /// \param is the binary stream, positioned at the record.
 /// \param rnn continues from the loaded state and position.
-template <class Phi, class Scalar>
-void load_state(std::istream& is, RecurrentGatedAttention<Phi, Scalar>& rnn) {
+template <class Phi, class Scalar, class StateScalar>
+void load_state(std::istream& is, RecurrentGatedAttention<Phi, Scalar, StateScalar>& rnn) {
   constexpr const char* fn = "load_state";
   std::uint32_t crc = 0;
   const auto hd = detail::io::read_header<Scalar>(is, fn, detail::io::kKindGatedCompact, crc,
                                                   nullptr, detail::io::kKindGated);
+  detail::io::check_storage<Scalar, StateScalar>(fn, hd, "RecurrentGatedAttention");
   detail::io::check_object_shape(fn, hd, "RecurrentGatedAttention", 1,
                                  std::uint64_t(rnn.key_dim()), std::uint64_t(rnn.feature_dim()),
                                  std::uint64_t(rnn.value_dim()), false);
@@ -128,11 +135,12 @@ void load_state(std::istream& is, RecurrentGatedAttention<Phi, Scalar>& rnn) {
 /// \endcode
 /// \param os the binary stream the record is appended to.
 /// \param rnn the recurrent form whose state and position are written.
-template <class Phi, class Scalar>
-void save_state(std::ostream& os, const RecurrentDeltaRule<Phi, Scalar>& rnn) {
+template <class Phi, class Scalar, class StateScalar>
+void save_state(std::ostream& os, const RecurrentDeltaRule<Phi, Scalar, StateScalar>& rnn) {
   const Index F = rnn.feature_dim(), M = rnn.value_dim();
   detail::io::Writer w(os, "save_state");
-  detail::io::write_header<Scalar>(w, detail::io::kKindDelta, false, 1, rnn.key_dim(), F, M, 0);
+  detail::io::write_header<Scalar>(w, detail::io::kKindDelta, false, 1, rnn.key_dim(), F, M, 0,
+                                   detail::io::storage_flag<StateScalar>());
   detail::io::write_position(w, rnn.position());
   std::vector<Scalar> row(static_cast<std::size_t>(M));
   for (Index r = 0; r < F; ++r) {
@@ -160,11 +168,12 @@ void save_state(std::ostream& os, const RecurrentDeltaRule<Phi, Scalar>& rnn) {
 /// \endcode
 /// \param is the binary stream, positioned at the record.
 /// \param rnn continues from the loaded state and position.
-template <class Phi, class Scalar>
-void load_state(std::istream& is, RecurrentDeltaRule<Phi, Scalar>& rnn) {
+template <class Phi, class Scalar, class StateScalar>
+void load_state(std::istream& is, RecurrentDeltaRule<Phi, Scalar, StateScalar>& rnn) {
   constexpr const char* fn = "load_state";
   std::uint32_t crc = 0;
   const auto hd = detail::io::read_header<Scalar>(is, fn, detail::io::kKindDelta, crc);
+  detail::io::check_storage<Scalar, StateScalar>(fn, hd, "RecurrentDeltaRule");
   detail::io::check_object_shape(fn, hd, "RecurrentDeltaRule", 1, std::uint64_t(rnn.key_dim()),
                                  std::uint64_t(rnn.feature_dim()),
                                  std::uint64_t(rnn.value_dim()), false);

@@ -25,6 +25,12 @@
 
 namespace linattn::detail {
 
+#if defined(__F16C__)
+inline constexpr bool kHasF16C = true;
+#else
+inline constexpr bool kHasF16C = false;
+#endif
+
 // Packets of 16 (AVX-512) or 8 (AVX2) values: load widened, store narrowed, with the rounding of
 // the loops below (which use them). The fused decode step of low_precision_state.hpp uses them
 // too.
@@ -57,6 +63,21 @@ inline void store_narrowed16(Eigen::half* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+// store_narrowed16, returning the stored values widened without loading them back.
+inline __m512 store_narrowed_widened16(Eigen::bfloat16* p, __m512 x) {
+  const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
+  const __m512i nan =
+      _mm512_or_si512(_mm512_and_si512(hi, _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7fc0));
+  const __m512i r =
+      _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), bf16_rounded_lanes(x), nan);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+}
+inline __m512 store_narrowed_widened16(Eigen::half* p, __m512 x) {
+  const __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  return _mm512_cvtph_ps(h);
+}
 #elif defined(__AVX2__)
 inline __m256 load_widened8(const Eigen::bfloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(
@@ -87,6 +108,13 @@ inline void store_narrowed8(Eigen::bfloat16* p, __m256 x) {
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
+// store_narrowed8, returning the stored values widened without loading them back.
+inline __m256 store_narrowed_widened8(Eigen::bfloat16* p, __m256 x) {
+  const __m256i r = rounded_bf16_lanes(x);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
+}
 #if defined(__F16C__)
 inline __m256 load_widened8(const Eigen::half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -94,6 +122,11 @@ inline __m256 load_widened8(const Eigen::half* p) {
 inline void store_narrowed8(Eigen::half* p, __m256 x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline __m256 store_narrowed_widened8(Eigen::half* p, __m256 x) {
+  const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  return _mm256_cvtph_ps(h);
 }
 #endif
 #endif
@@ -206,4 +239,63 @@ void assign_narrowed(Y&& y, const Vector<Scalar>& src) {
   }
   y = src.reshaped(y.rows(), y.cols()).template cast<T>();
 }
+// One packet (Eigen's float packet, P lanes) of a state kept in bf16 / half: loaded widened, and
+// stored rounded, returning the stored value widened (what the next token reads). The batched
+// gated and delta-rule decoders' state sweeps use them; the rounding is narrow()'s, Eigen's
+// scalar conversion, so that a sweep equals a float sweep followed by narrow() of its state.
+template <class Packet, class Storage>
+Packet load_low_packet(const Storage* p) {
+  constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
+#if defined(__AVX512F__)
+  if constexpr (P == 16) {
+    return load_widened16(p);
+  } else
+#elif defined(__AVX2__)
+  if constexpr (P == 8 && (std::is_same_v<Storage, Eigen::bfloat16> || kHasF16C)) {
+    return load_widened8(p);
+  } else
+#endif
+  {
+    alignas(64) float buf[P];
+    widen(p, buf, P);
+    return Eigen::internal::pload<Packet>(buf);
+  }
+}
+template <class Packet, class Storage>
+Packet store_low_packet(Storage* p, const Packet& x) {
+  constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
+#if defined(__AVX512F__)
+  if constexpr (P == 16) {
+    return store_narrowed_widened16(p, x);
+  } else
+#elif defined(__AVX2__)
+  if constexpr (P == 8 && (std::is_same_v<Storage, Eigen::bfloat16> || kHasF16C)) {
+    return store_narrowed_widened8(p, x);
+  } else
+#endif
+  {
+    alignas(64) float buf[P];
+    Eigen::internal::pstore(buf, x);
+    narrow(buf, p, P);
+    widen(p, buf, P);
+    return Eigen::internal::pload<Packet>(buf);
+  }
+}
+// A decode state kept in bf16 / half (the gated and delta-rule decoders' StateScalar): S,
+// rounded once after every token; the gated decoder's z and log-decay totals stay in float (F
+// entries each; empty for the delta rule), as the float state's.
+template <class Storage>
+struct LowDecodeState {
+  using StateMatrix = Eigen::Matrix<Storage, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  StateMatrix S;
+  Vector<float> z, log_decay;
+
+  LowDecodeState() = default;
+  LowDecodeState(Index F, Index M) : S(StateMatrix::Zero(F, M)), z(Vector<float>::Zero(F)) {}
+  void reset() {
+    S.setZero();
+    z.setZero();
+    log_decay.setZero();
+  }
+};
 }  // namespace linattn::detail

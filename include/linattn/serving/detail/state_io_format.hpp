@@ -73,24 +73,22 @@ struct RecurrentStateAccess {
     r.unfolded_ = unfolded;
   }
   // The gated decoder keeps no low part: its state and position are all there is.
-  template <class Phi, class Scalar>
-  static void install(RecurrentGatedAttention<Phi, Scalar>& r, LinearAttentionState<Scalar>&& st,
-                      Index position) noexcept {
-    r.state_ = std::move(st);
-    r.position_ = position;
+  template <class Phi, class Scalar, class StateScalar>
+  static void install(RecurrentGatedAttention<Phi, Scalar, StateScalar>& r,
+                      LinearAttentionState<Scalar>&& st, Index position) noexcept {
+    r.adopt(std::move(st), position);
   }
   // The delta-rule decoder: row r of its state() (M entries into `row`), and the install of a
   // loaded state (S, with zero low part and z) with no update pending.
-  template <class Phi, class Scalar>
-  static void settled_row(const RecurrentDeltaRule<Phi, Scalar>& r, Index row, Scalar* out) {
+  template <class Phi, class Scalar, class StateScalar>
+  static void settled_row(const RecurrentDeltaRule<Phi, Scalar, StateScalar>& r, Index row,
+                          Scalar* out) {
     r.settled_row(row, out);
   }
-  template <class Phi, class Scalar>
-  static void install(RecurrentDeltaRule<Phi, Scalar>& r, LinearAttentionState<Scalar>&& st,
-                      Index position) noexcept {
-    r.state_ = std::move(st);
-    r.pending_.pending = false;
-    r.position_ = position;
+  template <class Phi, class Scalar, class StateScalar>
+  static void install(RecurrentDeltaRule<Phi, Scalar, StateScalar>& r,
+                      LinearAttentionState<Scalar>&& st, Index position) noexcept {
+    r.adopt(std::move(st), position);
   }
   // The batched gated and delta-rule decoders (BatchedHeads): their heads' decoders, which a
   // load replaces all at once.
@@ -181,6 +179,22 @@ constexpr std::uint32_t kKindGatedCompact = 8;  // RecurrentGatedAttention: S, z
 constexpr std::uint32_t kKindDeltaLayer = 9;
 constexpr std::uint32_t kKindLast = kKindDeltaLayer;
 constexpr std::uint32_t kFlagMaxima = 1;
+// Compact records (kinds 7 and 8) of a decoder that keeps S in bf16 / half: S is written
+// widened (exact), and only a decoder of the same storage loads it.
+constexpr std::uint32_t kFlagStateBf16 = 2, kFlagStateHalf = 4;
+constexpr std::uint32_t kFlagsStorage = kFlagStateBf16 | kFlagStateHalf;
+template <class StateScalar>
+constexpr std::uint32_t storage_flag() {
+  if constexpr (std::is_same_v<StateScalar, Eigen::bfloat16>)
+    return kFlagStateBf16;
+  else if constexpr (std::is_same_v<StateScalar, Eigen::half>)
+    return kFlagStateHalf;
+  else
+    return 0;
+}
+inline const char* storage_name(std::uint32_t flags, const char* scalar) {
+  return (flags & kFlagStateBf16) ? "bf16" : (flags & kFlagStateHalf) ? "half" : scalar;
+}
 constexpr std::size_t kHeaderBytes = 68;    // with its CRC (version 2)
 constexpr std::size_t kHeaderBytesV1 = 60;  // version 1: no log-decay field
 constexpr std::size_t kHeadPrefixBytes = 16;  // position, unfolded tokens
@@ -497,7 +511,13 @@ Header read_header(std::istream& is, const char* fn, std::uint32_t kind, std::ui
     fail(fn, std::string("wrong kind: the file holds ") + kind_name(hd.kind) + ", not " +
                  (wanted != nullptr ? wanted : kind_name(kind)));
   kind = hd.kind;
-  if ((hd.flags & ~kFlagMaxima) != 0) fail(fn, "unknown flags " + std::to_string(hd.flags));
+  if ((hd.flags & ~(kFlagMaxima | kFlagsStorage)) != 0)
+    fail(fn, "unknown flags " + std::to_string(hd.flags));
+  if ((hd.flags & kFlagsStorage) != 0 &&
+      (!compact_kind(kind) || hd.scalar != kFloat || (hd.flags & kFlagsStorage) == kFlagsStorage))
+    fail(fn, "invalid flags " + std::to_string(hd.flags) +
+                 ": a bf16 / half state is one storage type, of a float gated or delta-rule "
+                 "decoder's compact record");
   if (hd.heads == 0 || hd.heads > kMaxHeads ||
       (kind != kKindMultiHead && kind != kKindBatched && kind != kKindKVCache &&
        kind != kKindDeltaLayer && hd.heads != 1))
@@ -774,12 +794,12 @@ KVRecord<Scalar> read_kv_payload(std::istream& is, const char* fn, const Header&
 // Writes a header (with its CRC) for the given shapes and log-decay entries per head.
 template <class Scalar>
 void write_header(Writer& w, std::uint32_t kind, bool maxima, Index heads, Index key_dim, Index F,
-                  Index M, Index decay) {
+                  Index M, Index decay, std::uint32_t storage = 0) {
   w.bytes(kMagic.data(), kMagic.size());
   w.integer(kVersion);
   w.integer(scalar_code<Scalar>());
   w.integer(kind);
-  w.integer(std::uint32_t(maxima ? kFlagMaxima : 0));
+  w.integer(std::uint32_t((maxima ? kFlagMaxima : 0) | storage));
   w.integer(std::uint64_t(heads));
   w.integer(std::uint64_t(key_dim));
   w.integer(std::uint64_t(F));
@@ -821,6 +841,19 @@ Index decay_entries(const char* fn, const LinearAttentionState<Scalar>& st) {
   const std::string bad = impossible_log_decay(st.log_decay);
   if (!bad.empty()) throw_invalid(fn, "the state's " + bad);
   return L;
+}
+
+// A compact record's storage type (flags) against the decoder's: a bf16 / half state's file
+// loads only into a decoder of the same storage, so that a load neither rounds a float state
+// nor claims precision a rounded one never had.
+template <class Scalar, class StateScalar>
+void check_storage(const char* fn, const Header& hd, const char* object) {
+  const std::uint32_t want = storage_flag<StateScalar>(), got = hd.flags & kFlagsStorage;
+  if (got != want)
+    fail(fn, std::string("storage type mismatch: the file holds the state of a decoder that "
+                         "keeps S in ") +
+                 storage_name(got, scalar_name(hd.scalar)) + ", the " + object + " keeps it in " +
+                 storage_name(want, scalar_name(scalar_code<Scalar>())));
 }
 
 // A recurrent object's shapes against a header's, as runtime_error naming both.
