@@ -8,7 +8,7 @@
 /// as W taps of C contiguous entries (its columns in place when it is column-major, else a copy).
 /// The carried state holds the W − 1 inputs before the sequence, oldest first (row r is
 /// x_{r−(W−1)}). Every output sums bias + column 0's term + … + column W − 1's, in that order,
-/// each term one fused multiply-add, then SiLU (silu_op, whose scalar path is its packet path),
+/// each term one fused multiply-add (the sums vectorised), then SiLU by std::exp (conv_silu),
 /// in the prefill, the backward's recomputation and the decode step alike, channel by channel:
 /// a sequence run in pieces or token by token, or on any number of threads, gives the same bits
 /// as one call.
@@ -69,15 +69,30 @@ ConvTaps<S> conv_taps(const DW& w, const DB& bias, bool silu, Workspace<S>& ws, 
   return k;
 }
 
+constexpr Index kConvBlock = 512;  // channels whose sums stay in L1 over the W passes
+
+// y <- SiLU(y) = y·sigmoid(y) over n values, by the scalar sigmoid()'s formula and std::exp:
+// the layers' L2-normalised q and k amplify the rounding of their SiLU, and the packet exp (good
+// to about 1 ulp) is not accurate enough there in float. e^{-|y|} is the exp sigmoid() takes on
+// either side, so the bits are sigmoid()'s, without its branch.
+template <class S>
+void conv_silu(S* __restrict y, Index n) {
+  S e[kConvBlock];  // the exps first, alone: the arithmetic after them vectorises
+  for (Index c = 0; c < n; ++c) e[c] = std::exp(-std::abs(y[c]));
+  for (Index c = 0; c < n; ++c) {
+    const S v = y[c];
+    y[c] = v * ((v >= S(0) ? S(1) : e[c]) / (S(1) + e[c]));
+  }
+}
+
 // One output row over channels [c0, c1): y = act(bias + Σ_i w_i ∘ x(i)), x(i) the inputs at
 // window position i (i = W − 1: the current token), each term std::fma (one rounding, and no
 // compiler's choice to contract or not). In blocks of channels whose sums stay in L1 over the
 // W passes.
 template <class S, class Row>
 void conv_span(const ConvTaps<S>& k, const Row& x, Index c0, Index c1, S* y) {
-  constexpr Index kBlock = 512;
-  for (Index b0 = c0; b0 < c1; b0 += kBlock) {
-    const Index b1 = std::min(c1, b0 + kBlock);
+  for (Index b0 = c0; b0 < c1; b0 += kConvBlock) {
+    const Index b1 = std::min(c1, b0 + kConvBlock);
     S* __restrict acc = y;
     if (k.bias) {
       const S* __restrict bias = k.bias;
@@ -90,10 +105,7 @@ void conv_span(const ConvTaps<S>& k, const Row& x, Index c0, Index c1, S* y) {
       const S* __restrict wi = k.w + i * k.ldw;
       for (Index c = b0; c < b1; ++c) acc[c] = std::fma(xi[c], wi[c], acc[c]);
     }
-    if (k.silu) {
-      Eigen::Map<Eigen::Array<S, Eigen::Dynamic, 1>> v(y + b0, b1 - b0);
-      v = v.unaryExpr(silu_op<S>());
-    }
+    if (k.silu) conv_silu(y + b0, b1 - b0);
   }
 }
 
