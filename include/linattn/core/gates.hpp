@@ -128,7 +128,8 @@ template <class DA, class DL, class DB, class DG>
 void gate_activation(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DL>& A_log,
                      const Eigen::MatrixBase<DB>& dt_bias, const Eigen::MatrixBase<DG>& g,
                      const GateOptions& options = {}, const ParallelOptions& par = {}) {
-  using S = typename DG::Scalar;
+  using S = compute_scalar_t<typename DG::Scalar>;  // float for bf16 / half outputs
+  using T = typename DG::Scalar;
   const char* fn = "gate_activation";
   const Index C = detail::check_gate_parameters(fn, a, A_log, dt_bias, options);
   if (g.rows() != a.rows() || g.cols() != a.cols())
@@ -165,9 +166,9 @@ void gate_activation(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DL>
           const auto x = a.row(t).segment(j0, n).template cast<S>().array() + bias;
           auto dst = out.row(t).segment(j0, n);
           if (softplus)
-            dst = (rate * x.unaryExpr(detail::softplus_op<S>())).matrix();
+            dst = (rate * x.unaryExpr(detail::softplus_op<S>())).template cast<T>().matrix();
           else
-            dst = (lb * (rate * x).unaryExpr(detail::sigmoid_op<S>())).matrix();
+            dst = (lb * (rate * x).unaryExpr(detail::sigmoid_op<S>())).template cast<T>().matrix();
         }
       }
     } else {
@@ -176,9 +177,9 @@ void gate_activation(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DL>
         const auto x = a.col(j).segment(t0, t1 - t0).template cast<S>().array() + bias;
         auto dst = out.col(j).segment(t0, t1 - t0);
         if (softplus)
-          dst = (rate * x.unaryExpr(detail::softplus_op<S>())).matrix();
+          dst = (rate * x.unaryExpr(detail::softplus_op<S>())).template cast<T>().matrix();
         else
-          dst = (lb * (rate * x).unaryExpr(detail::sigmoid_op<S>())).matrix();
+          dst = (lb * (rate * x).unaryExpr(detail::sigmoid_op<S>())).template cast<T>().matrix();
       }
     }
   };
@@ -262,7 +263,7 @@ void gate_activation_backward(const Eigen::MatrixBase<DA>& a, const Eigen::Matri
 template <class DB, class DOut>
 void beta_activation(const Eigen::MatrixBase<DB>& b, const Eigen::MatrixBase<DOut>& beta,
                      bool times_two = false, const ParallelOptions& par = {}) {
-  using S = typename DOut::Scalar;
+  using S = compute_scalar_t<typename DOut::Scalar>;  // float for bf16 / half outputs
   const char* fn = "beta_activation";
   if (beta.rows() != b.rows() || beta.cols() != b.cols())
     detail::throw_invalid(fn, "beta is " + detail::shape_of(beta) + " but must be " +
@@ -274,6 +275,7 @@ void beta_activation(const Eigen::MatrixBase<DB>& b, const Eigen::MatrixBase<DOu
     out.middleRows(t0, t1 - t0) =
         (m *
          b.middleRows(t0, t1 - t0).template cast<S>().array().unaryExpr(detail::sigmoid_op<S>()))
+            .template cast<typename DOut::Scalar>()
             .matrix();
   });
 }
