@@ -161,16 +161,19 @@ GatedRMSNormGradients<compute_scalar_t<typename DO::Scalar>> gated_rms_norm_back
     detail::throw_invalid(fn, "dY is " + detail::shape_of(dY) + " but must be " +
                                   detail::shape_of(o) + " (o's shape)");
   GatedRMSNormGradients<S> g;
-  g.dO.resize(o.rows(), o.cols());
-  g.dZ.resize(o.rows(), o.cols());
   g.dweight.setZero(M);
   const auto w = weight.reshaped();
   const S eps = static_cast<S>(options.eps);
   const bool silu = options.gate == NormGate::Silu;
+  // Row by row into row-major buffers (the kernel walks each row's groups), then column-major.
+  using Rows = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Rows dO(o.rows(), o.cols()), dZ(o.rows(), o.cols());
   for (Index t = 0; t < o.rows(); ++t)
     for (Index c0 = 0; c0 < o.cols(); c0 += M)
       detail::gated_norm_group_backward<S>(o.derived(), z.derived(), w, dY.derived(), t, c0, M, eps,
-                                           silu, g.dO, g.dZ, g.dweight);
+                                           silu, dO, dZ, g.dweight);
+  g.dO = dO;
+  g.dZ = dZ;
   return g;
 }
 

@@ -20,17 +20,6 @@
 
 namespace linattn::detail {
 
-// The gate g = act(z) and its derivative (the backward's).
-template <class S>
-S norm_gate(S z, bool silu) {
-  return silu ? z * sigmoid(z) : sigmoid(z);
-}
-template <class S>
-S norm_gate_derivative(S z, bool silu) {
-  const S s = sigmoid(z);
-  return silu ? s * (S(1) + z * (S(1) - s)) : s * (S(1) - s);
-}
-
 // 1 / sqrt(mean(x²) + eps) of the M values x(0), …, x(M − 1).
 template <class S, class X>
 S norm_inverse_rms(const X& x, Index M, S eps) {
@@ -78,20 +67,22 @@ void gated_norm_rows(const DO& o, const DZ& z, const DW& w, Index t0, Index t1, 
 // The flops of `rows` rows of `cols` columns (the gate counted as about 20).
 inline double norm_work(Index rows, Index cols) { return double(rows) * double(cols) * 25.0; }
 
-template <class S, class DO, class DZ, class DW, class DdY>
+// The gradients of row t's group [c0, c0 + M) into dO, dZ (row-major, written along the row) and
+// dw (accumulated).
+template <class S, class DO, class DZ, class DW, class DdY, class G>
 void gated_norm_group_backward(const DO& o, const DZ& z, const DW& w, const DdY& dY, Index t,
-                               Index c0, Index M, S eps, bool silu, Matrix<S>& dO, Matrix<S>& dZ,
-                               Vector<S>& dw) {
+                               Index c0, Index M, S eps, bool silu, G& dO, G& dZ, Vector<S>& dw) {
   const S r =
       norm_inverse_rms<S>([&](Index c) { return static_cast<S>(o.coeff(t, c0 + c)); }, M, eps);
   S an = 0;  // Σ a ∘ n
   for (Index c = 0; c < M; ++c) {
     const S n = static_cast<S>(o.coeff(t, c0 + c)) * r, zc = static_cast<S>(z.coeff(t, c0 + c));
     const S dy = static_cast<S>(dY.coeff(t, c0 + c)), wc = static_cast<S>(w.coeff(c));
-    const S g = norm_gate(zc, silu), a = dy * g * wc;
+    const S s = sigmoid(zc);  // the gate act(z) and its derivative from one exp
+    const S g = silu ? zc * s : s, a = dy * g * wc;
     an += a * n;
     dw[c] += dy * n * g;
-    dZ(t, c0 + c) = dy * n * wc * norm_gate_derivative(zc, silu);
+    dZ(t, c0 + c) = dy * n * wc * (silu ? s * (S(1) + zc * (S(1) - s)) : s * (S(1) - s));
     dO(t, c0 + c) = a;
   }
   const S mean_an = an / S(M);
