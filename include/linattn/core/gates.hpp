@@ -5,19 +5,22 @@
 /// β ∈ (0, 2)), as flash-linear-attention and transformers compute them (docs/SPEC.md §10.2).
 ///
 /// The kernels take the log-decays g and β these produce (gated_linear_attention(),
-/// delta_rule_attention()); the activations are O(N·H·C) against the kernels' O(N·H·D·M), so a
-/// separate pass costs nothing measurable, and their backward turns the kernels' dg and dβ into
-/// the gradients of A_log, dt_bias, a and b.
+/// delta_rule_attention()); the activations are O(N·H·C) against the kernels' O(N·H·D·M), a
+/// separate pass vectorised (packet exp, log1p and division) and split over threads where that
+/// pays, and their backward turns the kernels' dg and dβ into the gradients of A_log, dt_bias, a
+/// and b.
 #pragma once
 
 #include <Eigen/Core>
-
+#include <algorithm>
 #include <cmath>
 #include <string>
 
 #include "common.hpp"
 #include "detail/checks.hpp"
+#include "detail/packet_activations.hpp"
 #include "detail/scalar_functions.hpp"
+#include "parallel.hpp"
 
 namespace linattn {
 
@@ -64,6 +67,10 @@ Index check_gate_parameters(const char* fn, const Eigen::MatrixBase<DA>& a,
 
 template <class DA>
 void check_finite_entries(const char* fn, const char* name, const Eigen::MatrixBase<DA>& x) {
+  // x − x is 0 where x is finite and NaN elsewhere; Eigen sums it in storage order, vectorised
+  // (allFinite() walks a row-major x column by column). The search below names the entry.
+  const auto v = x.derived().array();
+  if (static_cast<double>((v - v).sum()) == 0.0) return;
   for (Index c = 0; c < x.cols(); ++c)
     for (Index r = 0; r < x.rows(); ++r) {
       const double v = static_cast<double>(x.coeff(r, c));
@@ -76,6 +83,23 @@ void check_finite_entries(const char* fn, const char* name, const Eigen::MatrixB
 template <class D>
 typename D::Scalar vector_entry(const D& v, Index i) {
   return v.rows() == 1 ? v.coeff(0, i) : v.coeff(i, 0);
+}
+
+// rows(t0, t1) over [0, N) split into one range per thread that N rows of `row_work` flops each
+// pay for (threads_for()); serially inside a parallel region. Every entry is computed alone, so
+// the bits do not depend on the split.
+template <class Rows>
+void activation_rows(Index N, double row_work, const ParallelOptions& par, const Rows& rows) {
+  const int threads =
+      in_parallel_region()
+          ? 1
+          : static_cast<int>(std::min<Index>(threads_for(par, double(N) * row_work), N));
+  if (threads <= 1) {
+    rows(Index(0), N);
+    return;
+  }
+  run_team(threads, executor_of(par),
+           [&](int t, int nt) { rows(Index(t) * N / nt, Index(t + 1) * N / nt); });
 }
 
 }  // namespace detail
@@ -98,11 +122,14 @@ typename D::Scalar vector_entry(const D& v, Index i) {
 /// \param dt_bias H·C biases added to a, or an empty vector for none.
 /// \param g receives the N x H·C log-decays.
 /// \param options the form (and KDA's lower bound).
+/// \param par the threads (default: OpenMP's, where the call's work pays for them): the rows
+///     are split over them, with the same bits for any count.
 template <class DA, class DL, class DB, class DG>
 void gate_activation(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DL>& A_log,
                      const Eigen::MatrixBase<DB>& dt_bias, const Eigen::MatrixBase<DG>& g,
-                     const GateOptions& options = {}) {
-  using S = typename DG::Scalar;
+                     const GateOptions& options = {}, const ParallelOptions& par = {}) {
+  using S = compute_scalar_t<typename DG::Scalar>;  // float for bf16 / half outputs
+  using T = typename DG::Scalar;
   const char* fn = "gate_activation";
   const Index C = detail::check_gate_parameters(fn, a, A_log, dt_bias, options);
   if (g.rows() != a.rows() || g.cols() != a.cols())
@@ -113,17 +140,50 @@ void gate_activation(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DL>
   detail::check_finite_entries(fn, "dt_bias", dt_bias);
   auto& out = detail::writable(g);
   const S lb = static_cast<S>(options.lower_bound);
-  for (Index j = 0; j < a.cols(); ++j) {
-    const S rate = std::exp(static_cast<S>(detail::vector_entry(A_log.derived(), j / C)));
-    const S bias = dt_bias.size() ? static_cast<S>(detail::vector_entry(dt_bias.derived(), j)) : S(0);
-    for (Index t = 0; t < a.rows(); ++t) {
-      const S x = static_cast<S>(a.coeff(t, j)) + bias;
-      // -rate·softplus can overflow to -inf for huge rates: a reset, exp(-inf) = 0.
-      out(t, j) = options.activation == GateActivation::Softplus
-                      ? -rate * detail::softplus(x)
-                      : lb * detail::sigmoid(rate * x);
+  const bool softplus = options.activation == GateActivation::Softplus;
+  const Index J = a.cols();
+  // g(t, j) = (−rate_j)·softplus(x) or lb·sigmoid(rate_j·x), x = a(t, j) + bias_j, entry by
+  // entry (the functors' scalar paths are their packet paths): along rows or columns, as the
+  // output is laid out, with the same bits. -rate·softplus can overflow to -inf for huge rates:
+  // a reset, exp(-inf) = 0.
+  const auto rate_of = [&](Index j) {
+    const S r = std::exp(static_cast<S>(detail::vector_entry(A_log.derived(), j / C)));
+    return softplus ? -r : r;
+  };
+  const auto bias_of = [&](Index j) {
+    return dt_bias.size() ? static_cast<S>(detail::vector_entry(dt_bias.derived(), j)) : S(0);
+  };
+  const auto rows = [&](Index t0, Index t1) {
+    if constexpr (bool(DG::IsRowMajor)) {
+      constexpr Index kChunk = 256;  // columns whose rates and biases sit on the stack
+      Eigen::Array<S, 1, Eigen::Dynamic, Eigen::RowMajor, 1, kChunk> rate, bias;
+      for (Index j0 = 0; j0 < J; j0 += kChunk) {
+        const Index n = std::min(kChunk, J - j0);
+        rate.resize(n);
+        bias.resize(n);
+        for (Index j = 0; j < n; ++j) rate(j) = rate_of(j0 + j), bias(j) = bias_of(j0 + j);
+        for (Index t = t0; t < t1; ++t) {
+          const auto x = a.row(t).segment(j0, n).template cast<S>().array() + bias;
+          auto dst = out.row(t).segment(j0, n);
+          if (softplus)
+            dst = (rate * x.unaryExpr(detail::softplus_op<S>())).template cast<T>().matrix();
+          else
+            dst = (lb * (rate * x).unaryExpr(detail::sigmoid_op<S>())).template cast<T>().matrix();
+        }
+      }
+    } else {
+      for (Index j = 0; j < J; ++j) {
+        const S rate = rate_of(j), bias = bias_of(j);
+        const auto x = a.col(j).segment(t0, t1 - t0).template cast<S>().array() + bias;
+        auto dst = out.col(j).segment(t0, t1 - t0);
+        if (softplus)
+          dst = (rate * x.unaryExpr(detail::softplus_op<S>())).template cast<T>().matrix();
+        else
+          dst = (lb * (rate * x).unaryExpr(detail::sigmoid_op<S>())).template cast<T>().matrix();
+      }
     }
-  }
+  };
+  detail::activation_rows(a.rows(), 40.0 * double(J), par, rows);
 }
 
 /// \brief The gradients of gate_activation(): from dg = ∂L/∂g (the kernels' dlog_a or
@@ -199,10 +259,11 @@ void gate_activation_backward(const Eigen::MatrixBase<DA>& a, const Eigen::Matri
 /// \param b N x H pre-activations (finite).
 /// \param beta receives the N x H writing strengths.
 /// \param times_two whether β = 2·sigmoid(b).
+/// \param par the threads (default: OpenMP's, where the call's work pays for them).
 template <class DB, class DOut>
 void beta_activation(const Eigen::MatrixBase<DB>& b, const Eigen::MatrixBase<DOut>& beta,
-                     bool times_two = false) {
-  using S = typename DOut::Scalar;
+                     bool times_two = false, const ParallelOptions& par = {}) {
+  using S = compute_scalar_t<typename DOut::Scalar>;  // float for bf16 / half outputs
   const char* fn = "beta_activation";
   if (beta.rows() != b.rows() || beta.cols() != b.cols())
     detail::throw_invalid(fn, "beta is " + detail::shape_of(beta) + " but must be " +
@@ -210,9 +271,13 @@ void beta_activation(const Eigen::MatrixBase<DB>& b, const Eigen::MatrixBase<DOu
   detail::check_finite_entries(fn, "b", b);
   auto& out = detail::writable(beta);
   const S m = times_two ? S(2) : S(1);
-  for (Index j = 0; j < b.cols(); ++j)
-    for (Index t = 0; t < b.rows(); ++t)
-      out(t, j) = m * detail::sigmoid(static_cast<S>(b.coeff(t, j)));
+  detail::activation_rows(b.rows(), 20.0 * double(b.cols()), par, [&](Index t0, Index t1) {
+    out.middleRows(t0, t1 - t0) =
+        (m *
+         b.middleRows(t0, t1 - t0).template cast<S>().array().unaryExpr(detail::sigmoid_op<S>()))
+            .template cast<typename DOut::Scalar>()
+            .matrix();
+  });
 }
 
 /// \brief The gradient of beta_activation(): ∂L/∂b = ∂L/∂β · m·σ(b)(1 − σ(b)).

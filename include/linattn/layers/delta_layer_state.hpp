@@ -478,11 +478,13 @@ class DeltaLayerBatchedState {
   // slots(i) over rows [off[i], off[i+1]), first keeping what its rollback points need.
   template <class DW, class DSlots>
   void extend_conv(const Eigen::MatrixBase<DW>& weight, const Eigen::DenseBase<DSlots>& slots,
-                   detail::OffsetsRef off) {
+                   detail::OffsetsRef off, const ParallelOptions& par) {
     const Index L = w_ - 1;
-    Scalar* row = ws_.vector(0, conv_dim_).data();
+    const auto seq = [&](Index i) {
+      return static_cast<std::size_t>(detail::layer_slot(slots, i));
+    };
     for (Index i = 0; i < slots.size(); ++i) {
-      const auto b = static_cast<std::size_t>(detail::layer_slot(slots, i));
+      const std::size_t b = seq(i);
       const Index r0 = off[std::size_t(i)], n = off[std::size_t(i) + 1] - r0;
       auto& st = conv_[b];
       if (st.size() == 0 && L > 0) st.setZero(L, conv_dim_);
@@ -493,7 +495,20 @@ class DeltaLayerBatchedState {
         detail::keep_conv_window(st, L, buf_.mixed, r0, n, c.kept > 0 ? c.kept + L - 1 : 0,
                                  windows_[b]);
       }
-      detail::conv_extend_rows(buf_.mixed, r0, n, weight.derived(), st, buf_.c, row);
+    }
+    const detail::ConvTaps<Scalar> k =
+        detail::conv_taps<Scalar>(weight.derived(), Vector<Scalar>(), true, ws_, 0);
+    const Index N = off[std::size_t(slots.size())];
+    detail::conv_channel_split(
+        conv_dim_, detail::conv_work(N, conv_dim_, w_, true), par, [&](Index c0, Index c1) {
+          for (Index i = 0; i < slots.size(); ++i) {
+            const Index r0 = off[std::size_t(i)], n = off[std::size_t(i) + 1] - r0;
+            detail::conv_extend_rows(k, buf_.mixed, r0, n, conv_[seq(i)], buf_.c, c0, c1);
+          }
+        });
+    for (Index i = 0; i < slots.size(); ++i) {
+      const Index r0 = off[std::size_t(i)], n = off[std::size_t(i) + 1] - r0;
+      detail::conv_next_state(buf_.mixed.middleRows(r0, n), conv_[seq(i)], L);
     }
   }
 

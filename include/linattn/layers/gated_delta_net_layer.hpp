@@ -255,7 +255,7 @@ class GatedDeltaNetLayer : public DeltaLayerForward<GatedDeltaNetLayer<Scalar>, 
     buf.gather(s_, B);
     gates(buf, B);  // checks every gate input before any state moves
     short_convolution_step(buf.mixed.topRows(B), conv1d_weight, Vector<Scalar>(), state.conv_,
-                           buf.c.topRows(B), state.ws_);
+                           buf.c.topRows(B), state.ws_, ShortConvOptions(), par);
     const auto c = buf.c.topRows(B);
     state.dec_.step(c.leftCols(s_.key_dim), c.middleCols(s_.key_dim, s_.key_dim),
                     c.rightCols(s_.value_dim), buf.b.topRows(B), buf.a.topRows(B), buf.o.topRows(B),
@@ -313,7 +313,7 @@ class GatedDeltaNetLayer : public DeltaLayerForward<GatedDeltaNetLayer<Scalar>, 
     detail::layer_rows_times_transpose(in_proj_ba, state.x_, N, buf.r, threads, exec, B);
     buf.gather(s_, N);
     gates(buf, N);  // checks every gate input before any state moves
-    state.extend_conv(conv1d_weight, slots, off);
+    state.extend_conv(conv1d_weight, slots, off, par);
     const auto c = buf.c.topRows(N);
     state.dec_.extend(slots, off, c.leftCols(s_.key_dim), c.middleCols(s_.key_dim, s_.key_dim),
                       c.rightCols(s_.value_dim), buf.b.topRows(N), buf.a.topRows(N),

@@ -12,12 +12,14 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
 
 #include "../core/common.hpp"
 #include "../core/detail/checks.hpp"
+#include "../core/parallel.hpp"
 #include "detail/gated_rms_norm.hpp"
 
 namespace linattn {
@@ -75,28 +77,48 @@ Index check_gated_norm(const char* fn, const Eigen::MatrixBase<DO>& o,
 
 /// \brief y = (o / sqrt(mean(o²) + eps)) ∘ weight ∘ act(z) over each head's M columns of each
 /// row (M = weight.size(); head h in columns [h·M, (h+1)·M)), computed in float or double and
-/// rounded once to out's scalar. Allocation-free.
+/// rounded once to out's scalar. Allocation-free; vectorised when o, z and out are row-major.
 /// \param o N x H·M attention outputs (any Eigen expression; float, double, bf16, half).
 /// \param z N x H·M gate pre-activations.
 /// \param weight M entries, shared by the heads.
 /// \param out receives N x H·M; may be o or z itself (each row group is read before written).
 /// \param options eps and the gate.
+/// \param par the threads (default: OpenMP's, where the call's work pays for them): the rows
+///     are split over them, with the same bits for any count.
 /// \throws std::invalid_argument on shapes that do not fit or a negative or non-finite eps.
 template <class DO, class DZ, class DW, class DOut>
 void gated_rms_norm(const Eigen::MatrixBase<DO>& o, const Eigen::MatrixBase<DZ>& z,
                     const Eigen::MatrixBase<DW>& weight, const Eigen::MatrixBase<DOut>& out,
-                    const GatedRMSNormOptions& options = {}) {
+                    const GatedRMSNormOptions& options = {}, const ParallelOptions& par = {}) {
   using S = compute_scalar_t<typename DO::Scalar>;
   const char* fn = "gated_rms_norm";
   const Index M = detail::check_gated_norm(fn, o, z, weight, options);
   detail::check_output(fn, out, o.rows(), o.cols());
   auto& dst = detail::writable(out);
-  const auto w = weight.reshaped();
   const S eps = static_cast<S>(options.eps);
   const bool silu = options.gate == NormGate::Silu;
-  for (Index t = 0; t < o.rows(); ++t)
-    for (Index c0 = 0; c0 < o.cols(); c0 += M)
-      detail::gated_norm_group<S>(o.derived(), z.derived(), w, t, c0, M, eps, silu, dst);
+  const Index N = o.rows();
+  const auto run = [&](const auto& w) {
+    const int threads =
+        detail::in_parallel_region()
+            ? 1
+            : static_cast<int>(std::min<Index>(
+                  detail::threads_for(par, detail::norm_work(N, o.cols())), std::max<Index>(N, 1)));
+    const auto rows = [&](Index t0, Index t1) {
+      detail::gated_norm_rows<S>(o.derived(), z.derived(), w, t0, t1, M, eps, silu, dst);
+    };
+    if (threads <= 1) return rows(0, N);
+    detail::run_team(threads, detail::executor_of(par),
+                     [&](int t, int nt) { rows(t * N / nt, (t + 1) * N / nt); });
+  };
+  // The weight in place when it is a contiguous vector of the compute scalar (the kernel then
+  // runs on packets throughout), else read entry by entry: the same arithmetic either way.
+  Index rs = 0, cs = 0;
+  const S* wp = detail::strided_base<S>(weight.derived(), rs, cs);
+  if (wp && (weight.cols() == 1 ? rs : cs) == 1)
+    run(Eigen::Map<const Vector<S>>(wp, M));
+  else
+    run(weight.reshaped());
 }
 
 /// \brief gated_rms_norm() returning the N x H·M result in o's scalar type.
@@ -139,16 +161,19 @@ GatedRMSNormGradients<compute_scalar_t<typename DO::Scalar>> gated_rms_norm_back
     detail::throw_invalid(fn, "dY is " + detail::shape_of(dY) + " but must be " +
                                   detail::shape_of(o) + " (o's shape)");
   GatedRMSNormGradients<S> g;
-  g.dO.resize(o.rows(), o.cols());
-  g.dZ.resize(o.rows(), o.cols());
   g.dweight.setZero(M);
   const auto w = weight.reshaped();
   const S eps = static_cast<S>(options.eps);
   const bool silu = options.gate == NormGate::Silu;
+  // Row by row into row-major buffers (the kernel walks each row's groups), then column-major.
+  using Rows = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Rows dO(o.rows(), o.cols()), dZ(o.rows(), o.cols());
   for (Index t = 0; t < o.rows(); ++t)
     for (Index c0 = 0; c0 < o.cols(); c0 += M)
       detail::gated_norm_group_backward<S>(o.derived(), z.derived(), w, dY.derived(), t, c0, M, eps,
-                                           silu, g.dO, g.dZ, g.dweight);
+                                           silu, dO, dZ, g.dweight);
+  g.dO = dO;
+  g.dZ = dZ;
   return g;
 }
 

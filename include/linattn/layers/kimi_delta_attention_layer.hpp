@@ -305,7 +305,7 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
     gates(buf, B);  // checks every gate input before any state moves
     stack_conv_weights(buf.conv_weight);
     short_convolution_step(mixed, buf.conv_weight, Vector<Scalar>(), state.conv_, buf.c.topRows(B),
-                           state.ws_);
+                           state.ws_, ShortConvOptions(), par);
     const auto c = buf.c.topRows(B);
     state.dec_.step(c.leftCols(HK), c.middleCols(HK, HK), c.rightCols(HV), buf.b.topRows(B),
                     buf.a.topRows(B), buf.o.topRows(B), par);
@@ -375,7 +375,7 @@ class KimiDeltaAttentionLayer : public DeltaLayerForward<KimiDeltaAttentionLayer
     mixed.rightCols(HV) = buf.v.topRows(N);
     gates(buf, N);  // checks every gate input before any state moves
     stack_conv_weights(buf.conv_weight);
-    state.extend_conv(buf.conv_weight, slots, off);
+    state.extend_conv(buf.conv_weight, slots, off, par);
     const auto c = buf.c.topRows(N);
     state.dec_.extend(slots, off, c.leftCols(HK), c.middleCols(HK, HK), c.rightCols(HV),
                       buf.b.topRows(N), buf.a.topRows(N), buf.o.topRows(N), par);

@@ -20,6 +20,7 @@
 
 #include "../core/common.hpp"
 #include "../core/detail/checks.hpp"
+#include "../core/parallel.hpp"
 #include "../core/workspace.hpp"
 #include "../linear/heads.hpp"
 #include "detail/short_convolution.hpp"
@@ -94,24 +95,6 @@ void prepare_conv_state(const char* fn, const std::string& name, ShortConvState<
                           " inputs of C channels)");
 }
 
-// One sequence's rows: u into `rows` (a C-entry buffer per row), activated, written to out.
-template <class DX, class DW, class DB, class S, class DOut>
-void conv_forward_rows(const DX& X, const DW& w, const DB& bias, const ShortConvState<S>& state,
-                       bool silu, DOut& out, S* y) {
-  const Index N = X.rows(), C = X.cols(), L = w.cols() - 1;
-  for (Index t = 0; t < N; ++t) {
-    const auto window = [&](Index i, Index c) -> S {
-      const Index s = t - L + i;
-      return s >= 0 ? static_cast<S>(X.coeff(s, c)) : state(L + s, c);
-    };
-    conv_row<S>(w, bias, window, y);
-    if (silu)
-      for (Index c = 0; c < C; ++c) y[c] *= sigmoid(y[c]);
-    out.row(t) =
-        Eigen::Map<const Vector<S>>(y, C).transpose().template cast<typename DOut::Scalar>();
-  }
-}
-
 }  // namespace detail
 
 /// \brief The short convolution of one sequence continuing `state`: out_t = act(bias +
@@ -129,6 +112,8 @@ void conv_forward_rows(const DX& X, const DW& w, const DB& bias, const ShortConv
 /// \param out receives the N x C outputs; must not overlap X, weight, bias or the state.
 /// \param ws scratch reused across calls.
 /// \param options the activation (SiLU by default).
+/// \param par the threads (default: OpenMP's, where the call's work pays for them): the
+///     channels are split over them, with the same bits for any count.
 /// \throws std::invalid_argument on shapes that do not fit or overlapping memory.
 template <class DX, class DW, class DB, class DOut>
 void short_convolution(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DW>& weight,
@@ -136,17 +121,22 @@ void short_convolution(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<D
                        ShortConvState<compute_scalar_t<typename DX::Scalar>>& state,
                        const Eigen::MatrixBase<DOut>& out,
                        Workspace<compute_scalar_t<typename DX::Scalar>>& ws,
-                       const ShortConvOptions& options = {}) {
+                       const ShortConvOptions& options = {}, const ParallelOptions& par = {}) {
   using S = compute_scalar_t<typename DX::Scalar>;
   const char* fn = "short_convolution";
   const Index W = detail::check_conv(fn, X, weight, bias), C = X.cols();
   detail::check_output(fn, out, X.rows(), C);
   detail::check_no_overlap(fn, out, "X", X, "weight", weight, "bias", bias, "state", state);
   detail::prepare_conv_state<S>(fn, "state", state, W, C);
-  S* row = ws.vector(0, C).data();
+  const detail::ConvTaps<S> k = detail::conv_taps<S>(
+      weight.derived(), bias.derived(), options.activation == ConvActivation::Silu, ws, 0);
+  S* ring = ws.vector(2, W * C).data();
+  S* yrow = ws.vector(3, C).data();
   auto& dst = detail::writable(out);
-  detail::conv_forward_rows(X.derived(), weight.derived(), bias.derived(), state,
-                            options.activation == ConvActivation::Silu, dst, row);
+  detail::conv_channel_split(
+      C, detail::conv_work(X.rows(), C, W, k.silu), par, [&](Index c0, Index c1) {
+        detail::conv_sequence_span(k, X.derived(), state, dst, c0, c1, ring, yrow);
+      });
   detail::conv_next_state(X.derived(), state, W - 1);
 }
 
@@ -201,13 +191,15 @@ Matrix<typename DX::Scalar> short_convolution(const Eigen::MatrixBase<DX>& X,
 /// \param out receives the N x C outputs.
 /// \param ws scratch reused across calls.
 /// \param options the activation.
+/// \param par the threads (default: OpenMP's, where the call's work pays for them): the
+///     channels are split over them, with the same bits for any count.
 template <class DX, class DW, class DB, class Off, class DOut>
 void batched_short_convolution(
     const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DW>& weight,
     const Eigen::MatrixBase<DB>& bias, const Off& offsets,
     std::vector<ShortConvState<compute_scalar_t<typename DX::Scalar>>>& states,
     const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DX::Scalar>>& ws,
-    const ShortConvOptions& options = {}) {
+    const ShortConvOptions& options = {}, const ParallelOptions& par = {}) {
   using S = compute_scalar_t<typename DX::Scalar>;
   const char* fn = "batched_short_convolution";
   const Index W = detail::check_conv(fn, X, weight, bias), C = X.cols();
@@ -226,17 +218,30 @@ void batched_short_convolution(
     detail::prepare_conv_state<S>(fn, "states[" + std::to_string(b) + "]", st, W, C);
     detail::check_no_overlap(fn, out, ("states[" + std::to_string(b) + "]").c_str(), st);
   }
-  S* row = ws.vector(0, C).data();
+  const detail::ConvTaps<S> k = detail::conv_taps<S>(
+      weight.derived(), bias.derived(), options.activation == ConvActivation::Silu, ws, 0);
+  S* ring = ws.vector(2, W * C).data();
+  S* yrow = ws.vector(3, C).data();
   auto& dst = detail::writable(out);
-  const bool silu = options.activation == ConvActivation::Silu;
+  const auto rows = [&](Index b, Index& r0) {
+    r0 = off[static_cast<std::size_t>(b)];
+    return off[static_cast<std::size_t>(b + 1)] - r0;
+  };
+  // Every sequence on every thread, each thread over its channels.
+  detail::conv_channel_split(
+      C, detail::conv_work(X.rows(), C, W, k.silu), par, [&](Index c0, Index c1) {
+        for (Index b = 0; b < B; ++b) {
+          Index r0 = 0;
+          const Index n = rows(b, r0);
+          auto ys = dst.middleRows(r0, n);
+          detail::conv_sequence_span(k, X.middleRows(r0, n), states[static_cast<std::size_t>(b)],
+                                     ys, c0, c1, ring, yrow);
+        }
+      });
   for (Index b = 0; b < B; ++b) {
-    const Index r0 = off[static_cast<std::size_t>(b)];
-    const Index n = off[static_cast<std::size_t>(b + 1)] - r0;
-    auto& st = states[static_cast<std::size_t>(b)];
-    const auto xs = X.middleRows(r0, n);
-    auto ys = dst.middleRows(r0, n);
-    detail::conv_forward_rows(xs, weight.derived(), bias.derived(), st, silu, ys, row);
-    detail::conv_next_state(xs, st, W - 1);
+    Index r0 = 0;
+    const Index n = rows(b, r0);
+    detail::conv_next_state(X.middleRows(r0, n), states[static_cast<std::size_t>(b)], W - 1);
   }
 }
 
@@ -253,13 +258,14 @@ void batched_short_convolution(
 /// \param out receives the B x C outputs.
 /// \param ws scratch reused across calls.
 /// \param options the activation.
+/// \param par the threads (default: OpenMP's, where the call's work pays for them).
 template <class DX, class DW, class DB, class DOut>
 void short_convolution_step(
     const Eigen::MatrixBase<DX>& x, const Eigen::MatrixBase<DW>& weight,
     const Eigen::MatrixBase<DB>& bias,
     std::vector<ShortConvState<compute_scalar_t<typename DX::Scalar>>>& states,
     const Eigen::MatrixBase<DOut>& out, Workspace<compute_scalar_t<typename DX::Scalar>>& ws,
-    const ShortConvOptions& options = {}) {
+    const ShortConvOptions& options = {}, const ParallelOptions& par = {}) {
   using S = compute_scalar_t<typename DX::Scalar>;
   const char* fn = "short_convolution_step";
   const Index W = detail::check_conv(fn, x, weight, bias), C = x.cols(), B = x.rows();
@@ -271,22 +277,31 @@ void short_convolution_step(
   for (Index b = 0; b < B; ++b)
     detail::prepare_conv_state<S>(fn, "states[" + std::to_string(b) + "]",
                                   states[static_cast<std::size_t>(b)], W, C);
-  auto buf = ws.vector(0, 2 * C);
-  S* xin = buf.data();
-  S* y = buf.data() + C;
+  const detail::ConvTaps<S> k = detail::conv_taps<S>(
+      weight.derived(), bias.derived(), options.activation == ConvActivation::Silu, ws, 0);
+  S* xin = ws.vector(2, C).data();
+  S* yrow = ws.vector(3, C).data();
   auto& dst = detail::writable(out);
-  const bool silu = options.activation == ConvActivation::Silu;
-  for (Index b = 0; b < B; ++b) {
-    for (Index c = 0; c < C; ++c) xin[c] = static_cast<S>(x.coeff(b, c));
-    detail::conv_token(weight.derived(), bias.derived(), states[static_cast<std::size_t>(b)], xin,
-                       y, silu);
-    dst.row(b) =
-        Eigen::Map<const Vector<S>>(y, C).transpose().template cast<typename DOut::Scalar>();
-  }
+  Index xs = 0, ys = 0;
+  const S* xb = detail::row_base<S>(x.derived(), xs);
+  S* yb = detail::row_base<S>(dst, ys);
+  detail::conv_channel_split(C, detail::conv_work(B, C, W, k.silu), par, [&](Index c0, Index c1) {
+    for (Index b = 0; b < B; ++b) {
+      if (!xb)
+        for (Index c = c0; c < c1; ++c) xin[c] = static_cast<S>(x.coeff(b, c));
+      S* y = yb ? yb + b * ys : yrow;
+      detail::conv_token_span(k, states[static_cast<std::size_t>(b)], xb ? xb + b * xs : xin, y, c0,
+                              c1);
+      if (!yb)
+        for (Index c = c0; c < c1; ++c)
+          dst.coeffRef(b, c) = static_cast<typename DOut::Scalar>(y[c]);
+    }
+  });
 }
 
-/// \brief One decode token of one sequence (x: C entries, a row or a column). It allocates two
-/// C-entry buffers per call; the B-sequence overload with a workspace allocates nothing.
+/// \brief One decode token of one sequence (x: C entries, a row or a column), on the calling
+/// thread. It allocates its buffers per call; the B-sequence overload with a workspace allocates
+/// nothing.
 /// \param x the C inputs of the token.
 /// \param weight C x W.
 /// \param bias C entries, or empty.
@@ -310,8 +325,10 @@ void short_convolution_step(const Eigen::MatrixBase<DX>& x, const Eigen::MatrixB
   detail::check_no_overlap(fn, out, "x", x, "weight", weight, "bias", bias, "state", state);
   detail::prepare_conv_state<S>(fn, "state", state, W, C);
   Vector<S> xin = xr.transpose().template cast<S>(), y(C);
-  detail::conv_token(weight.derived(), bias.derived(), state, xin.data(), y.data(),
-                     options.activation == ConvActivation::Silu);
+  Workspace<S> ws;
+  const detail::ConvTaps<S> k = detail::conv_taps<S>(
+      weight.derived(), bias.derived(), options.activation == ConvActivation::Silu, ws, 0);
+  detail::conv_token_span(k, state, xin.data(), y.data(), Index(0), C);
   detail::writable(out).reshaped() = y.template cast<typename DOut::Scalar>();
 }
 

@@ -286,4 +286,31 @@ View sub_view(View v, Index r0, Index c0, Index rows, Index cols) {
               Eigen::OuterStride<>(ld));
 }
 
+// Where entry (r, c) of x lives when x is an array of S in memory: base + r·rs + c·cs (null when
+// it is an expression or of another scalar type, which the kernels convert first).
+template <class S, class D>
+auto strided_base(D& x, Index& rs, Index& cs) {
+  using P = std::conditional_t<std::is_const_v<D>, const S*, S*>;
+  using X = std::remove_const_t<D>;
+  if constexpr (std::is_same_v<typename X::Scalar, S> &&
+                bool(int(Eigen::internal::traits<X>::Flags) & Eigen::DirectAccessBit)) {
+    rs = X::IsRowMajor ? x.outerStride() : x.innerStride();
+    cs = X::IsRowMajor ? x.innerStride() : x.outerStride();
+    return static_cast<P>(x.data());
+  } else {
+    (void)x;
+    rs = cs = 0;
+    return static_cast<P>(nullptr);
+  }
+}
+
+// x's rows as contiguous arrays (row r at base + r·stride), or null.
+template <class S, class D>
+auto row_base(D& x, Index& stride) {
+  Index rs = 0, cs = 0;
+  auto* p = strided_base<S>(x, rs, cs);
+  stride = rs;
+  return p && (cs == 1 || x.cols() <= 1) ? p : decltype(p)(nullptr);
+}
+
 }  // namespace linattn::detail

@@ -27,16 +27,15 @@ Index layer_slot(const Eigen::DenseBase<DSlots>& slots, Index i) {
 }
 
 // Rows [r0, r0 + n) of `in` (one sequence's convolution inputs, L = W − 1 carried rows in
-// `state`, sized) through the convolution and SiLU into the same rows of `out`, the state moved
-// past them: conv_row's sums, so bit for bit the decode step's. `row` holds C scalars.
-template <class S, class DW>
-void conv_extend_rows(const LayerRows<S>& in, Index r0, Index n, const DW& w, ConvRows<S>& state,
-                      LayerRows<S>& out, S* row) {
-  const Vector<S> none;  // no bias: the delta-rule layers' convolutions have none
-  const auto xs = in.middleRows(r0, n);
+// `state`, sized) through the convolution taps k (SiLU, no bias) into the same rows of `out`,
+// over channels [c0, c1): conv_span's sums, so bit for bit the decode step's. The state moves
+// past them afterwards (conv_next_state), once every range of channels has read it.
+template <class S>
+void conv_extend_rows(const ConvTaps<S>& k, const LayerRows<S>& in, Index r0, Index n,
+                      const ConvRows<S>& state, LayerRows<S>& out, Index c0, Index c1) {
   auto ys = out.middleRows(r0, n);
-  conv_forward_rows(xs, w, none, state, true, ys, row);
-  conv_next_state(xs, state, w.cols() - 1);
+  conv_sequence_span(k, in.middleRows(r0, n), state, ys, c0, c1, static_cast<S*>(nullptr),
+                     static_cast<S*>(nullptr));
 }
 
 // The last `rows` rows of [state (L rows, empty: zeros); in rows [r0, r0 + n)] into the first
