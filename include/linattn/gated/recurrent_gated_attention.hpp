@@ -10,9 +10,9 @@
 #include <utility>
 
 #include "../core/detail/checks.hpp"
+#include "../core/detail/low_precision.hpp"
 #include "../core/common.hpp"
 #include "detail/gated_forward.hpp"
-#include "detail/gated_low_state.hpp"
 #include "../maps/feature_map.hpp"
 #include "options.hpp"
 #include "../maps/identity.hpp"

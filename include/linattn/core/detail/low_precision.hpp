@@ -239,13 +239,18 @@ void assign_narrowed(Y&& y, const Vector<Scalar>& src) {
   }
   y = src.reshaped(y.rows(), y.cols()).template cast<T>();
 }
-// One packet (Eigen's float packet, P lanes) of a state kept in bf16 / half: loaded widened, and
-// stored rounded, returning the stored value widened (what the next token reads). The batched
-// gated and delta-rule decoders' state sweeps use them; the rounding is narrow()'s, Eigen's
-// scalar conversion, so that a sweep equals a float sweep followed by narrow() of its state.
+// One packet (P lanes) of a decode state whose entries are Storage: the compute type itself
+// (plain loads and stores) or bf16 / half, loaded widened and stored rounded. The store returns
+// the stored value as the next token reads it (widened back). One kernel serves both kinds of
+// state, so a bf16 state sweep is a float sweep followed by narrow() of its state by
+// construction: the rounding is narrow()'s, Eigen's scalar conversion.
 template <class Packet, class Storage>
-Packet load_low_packet(const Storage* p) {
+Packet load_state_packet(const Storage* p) {
+  using Scalar = typename Eigen::internal::unpacket_traits<Packet>::type;
   constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
+  if constexpr (std::is_same_v<Storage, Scalar>) {
+    return Eigen::internal::ploadu<Packet>(p);
+  } else
 #if defined(__AVX512F__)
   if constexpr (P == 16) {
     return load_widened16(p);
@@ -262,8 +267,13 @@ Packet load_low_packet(const Storage* p) {
   }
 }
 template <class Packet, class Storage>
-Packet store_low_packet(Storage* p, const Packet& x) {
+Packet store_state_packet(Storage* p, const Packet& x) {
+  using Scalar = typename Eigen::internal::unpacket_traits<Packet>::type;
   constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
+  if constexpr (std::is_same_v<Storage, Scalar>) {
+    Eigen::internal::pstoreu(p, x);
+    return x;
+  } else
 #if defined(__AVX512F__)
   if constexpr (P == 16) {
     return store_narrowed_widened16(p, x);
@@ -279,6 +289,17 @@ Packet store_low_packet(Storage* p, const Packet& x) {
     narrow(buf, p, P);
     widen(p, buf, P);
     return Eigen::internal::pload<Packet>(buf);
+  }
+}
+// One entry of such a state: stores x (rounded for bf16 / half) and returns what was stored.
+template <class Storage, class Scalar>
+Scalar store_state_value(Storage& s, Scalar x) {
+  if constexpr (std::is_same_v<Storage, Scalar>) {
+    s = x;
+    return x;
+  } else {
+    s = Storage(x);
+    return static_cast<Scalar>(s);
   }
 }
 // A decode state kept in bf16 / half (the gated and delta-rule decoders' StateScalar): S,

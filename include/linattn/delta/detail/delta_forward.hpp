@@ -20,6 +20,7 @@
 #include "../../core/detail/blocking.hpp"
 #include "../../core/detail/decay.hpp"
 #include "../../core/detail/fast_exp.hpp"
+#include "../../core/detail/low_precision.hpp"
 #include "../../core/detail/products.hpp"
 #include "../../core/state.hpp"
 #include "../../core/tuning.hpp"
@@ -44,9 +45,11 @@ inline constexpr int kDeltaSweepPackets = 4;
 
 // One pass over the row-major F x M state (row stride ld): if `pending`, S ← a_p S + k_p d_pᵀ
 // first (entry by entry, as the pass reaches it; row r decayed by ar[r] instead of a_p when ar
-// holds per-channel decays, KDA); then y_q = Sᵀ w and y_k = Sᵀ k.
-template <int NB, class Scalar>
-void delta_sweep_block(Scalar* S, Index ld, Index F, Index c0, bool pending, Scalar ap,
+// holds per-channel decays, KDA); then y_q = Sᵀ w and y_k = Sᵀ k. The state's entries are
+// Storage: Scalar, or bf16 / half for a float decoder's low-precision state (each updated entry
+// rounded once, and the rounded value read: core/detail/low_precision.hpp).
+template <int NB, class Storage, class Scalar>
+void delta_sweep_block(Storage* S, Index ld, Index F, Index c0, bool pending, Scalar ap,
                        const Scalar* ar, const Scalar* kp, const Scalar* dp, const Scalar* w,
                        const Scalar* k, Scalar* yq, Scalar* yk) {
   using namespace Eigen::internal;
@@ -61,22 +64,22 @@ void delta_sweep_block(Scalar* S, Index ld, Index F, Index c0, bool pending, Sca
     const Packet pa1 = pset1<Packet>(ap);
     for (int j = 0; j < NB; ++j) d[j] = ploadu<Packet>(dp + c0 + j * P);
     for (Index r = 0; r < F; ++r) {
-      Scalar* row = S + r * ld + c0;
+      Storage* row = S + r * ld + c0;
       const Packet kpr = pset1<Packet>(kp[r]), wr = pset1<Packet>(w[r]), kr = pset1<Packet>(k[r]);
       const Packet pa = ar ? pset1<Packet>(ar[r]) : pa1;
       for (int j = 0; j < NB; ++j) {
-        const Packet x = pmadd(kpr, d[j], pmul(pa, ploadu<Packet>(row + j * P)));
-        pstoreu(row + j * P, x);
+        const Packet x = store_state_packet(
+            row + j * P, pmadd(kpr, d[j], pmul(pa, load_state_packet<Packet>(row + j * P))));
         aq[j] = pmadd(wr, x, aq[j]);
         ak[j] = pmadd(kr, x, ak[j]);
       }
     }
   } else {
     for (Index r = 0; r < F; ++r) {
-      const Scalar* row = S + r * ld + c0;
+      const Storage* row = S + r * ld + c0;
       const Packet wr = pset1<Packet>(w[r]), kr = pset1<Packet>(k[r]);
       for (int j = 0; j < NB; ++j) {
-        const Packet x = ploadu<Packet>(row + j * P);
+        const Packet x = load_state_packet<Packet>(row + j * P);
         aq[j] = pmadd(wr, x, aq[j]);
         ak[j] = pmadd(kr, x, ak[j]);
       }
@@ -88,8 +91,8 @@ void delta_sweep_block(Scalar* S, Index ld, Index F, Index c0, bool pending, Sca
   }
 }
 
-template <class Scalar>
-void delta_sweep(Scalar* S, Index ld, Index F, Index M, bool pending, Scalar ap, const Scalar* ar,
+template <class Storage, class Scalar>
+void delta_sweep(Storage* S, Index ld, Index F, Index M, bool pending, Scalar ap, const Scalar* ar,
                  const Scalar* kp, const Scalar* dp, const Scalar* w, const Scalar* k, Scalar* yq,
                  Scalar* yk) {
   constexpr Index P = Eigen::internal::packet_traits<Scalar>::size;
@@ -104,8 +107,9 @@ void delta_sweep(Scalar* S, Index ld, Index F, Index M, bool pending, Scalar ap,
   for (; c0 < M; ++c0) {
     Scalar aq = 0, ak = 0;
     for (Index r = 0; r < F; ++r) {
-      Scalar& x = S[r * ld + c0];
-      if (pending) x = kp[r] * dp[c0] + (ar ? ar[r] : ap) * x;
+      Storage& s = S[r * ld + c0];
+      Scalar x = static_cast<Scalar>(s);
+      if (pending) x = store_state_value(s, kp[r] * dp[c0] + (ar ? ar[r] : ap) * x);
       aq += w[r] * x;
       ak += k[r] * x;
     }
@@ -159,9 +163,9 @@ Scalar delta_dot(const Scalar* w, const Scalar* k, Index F) {
 
 // One token (token-major features: w = s q̂, k̂; v and out: M entries; yq, yk: M-entry scratch).
 // Reads for this token (applying the pending update on the way), makes this token's update the
-// pending one.
-template <class Scalar>
-void delta_token(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p, Scalar a,
+// pending one. S's entries: Storage (delta_sweep_block).
+template <class Storage, class Scalar>
+void delta_token(Storage* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p, Scalar a,
                  Scalar beta, const Scalar* w, const Scalar* k, const Scalar* v, Scalar* out,
                  Scalar* yq, Scalar* yk) {
   delta_sweep(S, ld, F, M, p.pending, p.a, p.row_decays(), p.k, p.d, w, k, yq, yk);
@@ -181,8 +185,8 @@ void delta_token(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p,
 // S_{t-1}ᵀ (a ∘ w) and S_{t-1}ᵀ (a ∘ k) in the one pass, δ = β (v − S'ᵀ k̂),
 // out = S'ᵀ w + (w·k̂) δ. The token's decays a (F entries) are in p.ar_next; they become the
 // pending update's. wa, ka: F-entry scratch.
-template <class Scalar>
-void delta_token_channels(Scalar* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p,
+template <class Storage, class Scalar>
+void delta_token_channels(Storage* S, Index ld, Index F, Index M, DeltaPending<Scalar>& p,
                           Scalar beta, const Scalar* w, const Scalar* k, const Scalar* v,
                           Scalar* out, Scalar* yq, Scalar* yk, Scalar* wa, Scalar* ka) {
   const Scalar* a = p.ar_next;

@@ -25,6 +25,7 @@
 #include "../../core/detail/blocking.hpp"
 #include "../../core/detail/decay.hpp"
 #include "../../core/detail/fast_exp.hpp"
+#include "../../core/detail/low_precision.hpp"
 #include "../../core/detail/products.hpp"
 #include "../../core/detail/recurrent_block.hpp"
 #include "../../maps/map_state.hpp"
@@ -284,9 +285,12 @@ bool token_factors_inplace(G&& g) {
 //    chain).
 // (A split e^g = h + l, h S selected per row, took a third operation an entry: a third more
 // time on a kernel bound by its arithmetic.) Four packets of columns at a time with the outputs
-// in registers; each entry of S is loaded and stored once.
-template <bool Expm1, class Scalar>
-void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* f, bool per_feature,
+// in registers; each entry of S is loaded and stored once. S's entries are Storage: Scalar, or
+// bf16 / half for a float decoder's low-precision state, each entry widened, updated in float,
+// read into the output unrounded (the float step's output) and stored rounded once
+// (core/detail/low_precision.hpp).
+template <bool Expm1, class Storage, class Scalar>
+void gated_update_read(Storage* S, Index ld, Index F, Index M, const Scalar* f, bool per_feature,
                        const Scalar* pk, const Scalar* w, const Scalar* v, Scalar* o) {
   using namespace Eigen::internal;
   using Packet = typename packet_traits<Scalar>::type;
@@ -305,17 +309,17 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* f, b
                    v2 = ploadu<Packet>(v + c0 + 2 * P), v3 = ploadu<Packet>(v + c0 + 3 * P);
       Packet o0 = pset1<Packet>(Scalar(0)), o1 = o0, o2 = o0, o3 = o0;
       for (Index d = 0; d < F; ++d) {
-        Scalar* row = S + d * ld + c0;
+        Storage* row = S + d * ld + c0;
         const Packet e = pset1<Packet>(f[d * as]), kd = pset1<Packet>(pk[d]),
                      wd = pset1<Packet>(w[d]);
-        const Packet x0 = entry(e, ploadu<Packet>(row), kd, v0);
-        const Packet x1 = entry(e, ploadu<Packet>(row + P), kd, v1);
-        const Packet x2 = entry(e, ploadu<Packet>(row + 2 * P), kd, v2);
-        const Packet x3 = entry(e, ploadu<Packet>(row + 3 * P), kd, v3);
-        pstoreu(row, x0);
-        pstoreu(row + P, x1);
-        pstoreu(row + 2 * P, x2);
-        pstoreu(row + 3 * P, x3);
+        const Packet x0 = entry(e, load_state_packet<Packet>(row), kd, v0);
+        const Packet x1 = entry(e, load_state_packet<Packet>(row + P), kd, v1);
+        const Packet x2 = entry(e, load_state_packet<Packet>(row + 2 * P), kd, v2);
+        const Packet x3 = entry(e, load_state_packet<Packet>(row + 3 * P), kd, v3);
+        store_state_packet(row, x0);
+        store_state_packet(row + P, x1);
+        store_state_packet(row + 2 * P, x2);
+        store_state_packet(row + 3 * P, x3);
         o0 = pmadd(wd, x0, o0);
         o1 = pmadd(wd, x1, o1);
         o2 = pmadd(wd, x2, o2);
@@ -330,10 +334,10 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* f, b
       const Packet v0 = ploadu<Packet>(v + c0);
       Packet o0 = pset1<Packet>(Scalar(0));
       for (Index d = 0; d < F; ++d) {
-        Scalar* row = S + d * ld + c0;
-        const Packet x0 =
-            entry(pset1<Packet>(f[d * as]), ploadu<Packet>(row), pset1<Packet>(pk[d]), v0);
-        pstoreu(row, x0);
+        Storage* row = S + d * ld + c0;
+        const Packet x0 = entry(pset1<Packet>(f[d * as]), load_state_packet<Packet>(row),
+                                pset1<Packet>(pk[d]), v0);
+        store_state_packet(row, x0);
         o0 = pmadd(pset1<Packet>(w[d]), x0, o0);
       }
       pstoreu(o + c0, o0);
@@ -342,13 +346,15 @@ void gated_update_read(Scalar* S, Index ld, Index F, Index M, const Scalar* f, b
   for (; c0 < M; ++c0) {
     Scalar acc = 0;
     for (Index d = 0; d < F; ++d) {
-      Scalar& x = S[d * ld + c0];
+      Storage& s = S[d * ld + c0];
+      Scalar x = static_cast<Scalar>(s);
       if constexpr (Expm1) {
         const Scalar decayed = f[d * as] * x + x;
         x = pk[d] * v[c0] + decayed;
       } else {
         x = f[d * as] * x + pk[d] * v[c0];
       }
+      store_state_value(s, x);
       acc += w[d] * x;
     }
     o[c0] = acc;
