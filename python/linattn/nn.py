@@ -3,8 +3,11 @@ flash-linear-attention's names, ``ShortConvolution`` and ``FusedRMSNormGated``, 
 with their checkpoints' parameter names, ``GatedDeltaNet`` (transformers'
 ``Qwen3NextGatedDeltaNet``) and ``KimiDeltaAttention`` (Kimi Linear's), so that
 ``load_state_dict`` takes those modules' state dicts as they are. CPU tensors of float32 or
-float64; every step differentiable (the convolution and the norm through the C++ backward, the
-delta rule through linattn.torch's FLA names).
+float64, or bfloat16 / float16 (``module.to(torch.bfloat16)``: the convolution, the norm, the
+gates and the delta rule computed in float32, as linattn.torch's FLA names do, each result
+returned in its input's dtype and each gradient in its parameter's; the linear projections are
+torch's in that dtype); every step differentiable (the convolution and the norm through the C++
+backward, the delta rule through linattn.torch's FLA names).
 
 The functions ``short_convolution`` and ``gated_rms_norm`` are the autograd functions the modules
 run (layers/short_convolution.hpp and layers/gated_rms_norm.hpp of the C++ library).
@@ -36,7 +39,8 @@ __all__ = [
     "LayerState",
 ]
 
-_DTYPES = (torch.float32, torch.float64)
+# bfloat16 / float16 are computed in float32 (the C++ kernels' float) and returned so.
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CONV_ACTIVATIONS = {None: False, "identity": False, "silu": True, "swish": True}
 _NORM_ACTIVATIONS = {"silu": True, "swish": True, "sigmoid": False}
 
@@ -47,7 +51,7 @@ def _check(fn: str, name: str, t, shapes: str):
     if t.device.type != "cpu":
         raise ValueError(f"{fn}: {name} is on device '{t.device}'; linattn runs on the CPU ({shapes})")
     if t.dtype not in _DTYPES:
-        raise TypeError(f"{fn}: {name} must be float32 or float64, got {t.dtype} ({shapes})")
+        raise TypeError(f"{fn}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype} ({shapes})")
 
 
 def _same_dtype(fn: str, shapes: str, **named):
@@ -61,12 +65,18 @@ def _shapes(**named) -> str:
     return ", ".join(f"{n} {tuple(t.shape)}" for n, t in named.items() if isinstance(t, torch.Tensor))
 
 
-def _np(t):
-    return None if t is None else t.detach().contiguous().numpy()
+def _compute(t):
+    """The dtype the kernels compute t's call in: float64 for float64, else float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _tensor(a):
-    return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+def _np(t, dtype):
+    return None if t is None else t.detach().to(dtype).contiguous().numpy()
+
+
+def _tensor(a, like):
+    """A kernel's result as a tensor of `like`'s dtype (None for None)."""
+    return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(like.dtype)
 
 
 class _ShortConv(torch.autograd.Function):
@@ -77,8 +87,9 @@ class _ShortConv(torch.autograd.Function):
         ctx.offsets, ctx.silu = offsets, silu
         ctx.absent = [t is None for t in (bias, h0)]
         ctx.save_for_backward(*(t for t in (x, weight, bias, h0) if t is not None))
-        y, _ = _ext.conv_forward(_np(x), _np(weight), _np(bias), offsets, _np(h0), silu)
-        return torch.from_numpy(y)
+        dt = _compute(x)
+        y, _ = _ext.conv_forward(_np(x, dt), _np(weight, dt), _np(bias, dt), offsets, _np(h0, dt), silu)
+        return _tensor(y, x)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -86,9 +97,10 @@ class _ShortConv(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         x, weight = next(saved), next(saved)
         bias, h0 = (None if absent else next(saved) for absent in ctx.absent)
-        dx, dw, db, dh0 = _ext.conv_backward(_np(x), _np(weight), _np(bias), ctx.offsets, _np(h0),
-                                             _np(dy), ctx.silu)
-        return _tensor(dx), _tensor(dw), _tensor(db), _tensor(dh0), None, None
+        dt = _compute(x)
+        dx, dw, db, dh0 = _ext.conv_backward(_np(x, dt), _np(weight, dt), _np(bias, dt), ctx.offsets, _np(h0, dt),
+                                             _np(dy, dt), ctx.silu)
+        return _tensor(dx, x), _tensor(dw, weight), _tensor(db, bias), _tensor(dh0, h0), None, None
 
 
 def short_convolution(x, weight, bias=None, activation: Optional[str] = "silu", initial_state=None,
@@ -148,14 +160,16 @@ class _GatedNorm(torch.autograd.Function):
     def forward(ctx, o, z, weight, eps, silu):
         ctx.eps, ctx.silu = eps, silu
         ctx.save_for_backward(o, z, weight)
-        return torch.from_numpy(_ext.norm_forward(_np(o), _np(z), _np(weight), eps, silu))
+        dt = _compute(o)
+        return _tensor(_ext.norm_forward(_np(o, dt), _np(z, dt), _np(weight, dt), eps, silu), o)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         o, z, weight = ctx.saved_tensors
-        do, dz, dw = _ext.norm_backward(_np(o), _np(z), _np(weight), _np(dy), ctx.eps, ctx.silu)
-        return _tensor(do), _tensor(dz), _tensor(dw), None, None
+        dt = _compute(o)
+        do, dz, dw = _ext.norm_backward(_np(o, dt), _np(z, dt), _np(weight, dt), _np(dy, dt), ctx.eps, ctx.silu)
+        return _tensor(do, o), _tensor(dz, z), _tensor(dw, weight), None, None
 
 
 def gated_rms_norm(o, z, weight, eps: float = 1e-6, activation: str = "silu"):
