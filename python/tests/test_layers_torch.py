@@ -2,7 +2,8 @@
 FusedRMSNormGated against their formulas in plain torch, GatedDeltaNet and KimiDeltaAttention
 against transformers' and Kimi Linear's forward written out in plain torch (float64) on the
 same state dict, prefills continued from their states, packed sequences, gradcheck of every
-parameter, bfloat16 / float16 modules against float32 ones, state dicts under the checkpoints'
+parameter, bfloat16 / float16 modules against float32 ones, single-token decoding (step) against
+forward, state dicts under the checkpoints'
 names, and the errors of bad inputs."""
 
 import os
@@ -427,6 +428,69 @@ def test_low_precision_layers_are_close_to_float32_and_train(make, dtype):
         assert p.grad is not None and p.grad.dtype == dtype, name
         err = (p.grad.double() - p32.grad.double()).norm() / p32.grad.double().norm()
         assert err <= 0.25, f"{name}: {err:.3f}"
+
+
+# ---------------------------------------------------------------- single-token decoding
+
+@pytest.mark.parametrize("make", [make_gdn, make_kda, lambda g: make_kda(g, lower_bound=-4.0)])
+def test_step_one_token_at_a_time_equals_forward(make):
+    # B sequences, T tokens each through step(): forward of the T tokens, to 1e-12 in float64;
+    # from no state and from a prefill's LayerState, whose layer_state() then is forward's.
+    g = torch.Generator().manual_seed(81)
+    m, _, cfg = make(g, d=8, W=3) if make in (make_gdn, make_kda) else make(g)
+    B, T, P = 3, 7, 4
+    x = rand(g, B, T, cfg[0])
+    y, final = m(x, output_final_state=True)
+    x.requires_grad_()  # step is inference: no gradient, under grad mode too
+    st = m.make_state(B)
+    assert isinstance(st, lt.LayerDecodeState) and st.batch_size == B
+    ys = [m.step(x[:, t], st) for t in range(T)]
+    assert ys[0].shape == (B, cfg[0]) and not ys[0].requires_grad
+    close(torch.stack(ys, 1), y)
+    got = st.layer_state()
+    for a, b in zip(*(s.conv_state if isinstance(s.conv_state, tuple) else (s.conv_state,) for s in (got, final))):
+        close(a, b)
+    close(got.recurrent_state, final.recurrent_state)
+    _, prefill = m(x[:, :P].detach(), output_final_state=True)
+    st = m.make_state(initial_state=prefill)
+    ys = [m.step(x[:, t:t + 1], st) for t in range(P, T)]  # [B, 1, d] tokens
+    assert ys[0].shape == (B, 1, cfg[0])
+    close(torch.cat(ys, 1), y[:, P:])
+    # Back into forward: the decoded state continues the sequence.
+    x2 = rand(g, B, 2, cfg[0])
+    close(m(x2, initial_state=st.layer_state()), m(torch.cat([x.detach(), x2], 1))[:, T:])
+
+
+def test_step_in_bfloat16_with_bfloat16_states():
+    g = torch.Generator().manual_seed(82)
+    m64, sd, cfg = make_gdn(g)
+    m = type(m64)(*cfg).to(torch.bfloat16)
+    m.load_state_dict({k: v.to(torch.bfloat16) for k, v in sd.items()})
+    x = rand(g, 2, 6, cfg[0]).to(torch.bfloat16)
+    y = m(x)
+    for state_dtype, tol in ((None, 10 * 2.0 ** -8), (torch.bfloat16, 20 * 2.0 ** -8)):
+        st = m.make_state(2, state_dtype=state_dtype)
+        assert st.decoder.state_dtype == ("float32" if state_dtype is None else "bfloat16")
+        ys = torch.stack([m.step(x[:, t], st) for t in range(6)], 1)
+        assert ys.dtype == torch.bfloat16 and st.conv_state.dtype == torch.bfloat16
+        close(ys.float(), y.float(), tol)
+
+
+def test_step_errors_name_the_method():
+    m = lt.KimiDeltaAttention(8, 2, 2, 2, 3)
+    st = m.make_state(2)
+    with pytest.raises(ValueError, match=r"KimiDeltaAttention.step: hidden_states must be \[B, hidden_size\].*B = 2.*"
+                                         r"got \(3, 8\)"):
+        m.step(torch.randn(3, 8), st)
+    with pytest.raises(TypeError, match="KimiDeltaAttention.step: state must be a LayerDecodeState"):
+        m.step(torch.randn(2, 8), None)
+    with pytest.raises(TypeError, match="KimiDeltaAttention.step: hidden_states is torch.float64"):
+        m.step(torch.randn(2, 8, dtype=D64), st)
+    with pytest.raises(ValueError, match="GatedDeltaNet.make_state: batch_size must be >= 0"):
+        lt.GatedDeltaNet(8, 1, 2, 2, 2, 3).make_state()
+    _, s = m(torch.randn(1, 2, 8), output_final_state=True)
+    with pytest.raises(ValueError, match="KimiDeltaAttention.make_state: batch_size = 2 but initial_state holds 1"):
+        m.make_state(2, initial_state=s)
 
 
 def test_state_dicts_have_the_checkpoint_names_and_load_strictly():
