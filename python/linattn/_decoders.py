@@ -24,6 +24,27 @@ class _Named:
         return ", ".join(f"{n}={v!r}" for n, v in self.named.items())
 
 
+# What a decoder may keep S in besides its token dtype: bf16 / half, for float32 tokens.
+_LOW_STATES = ("bfloat16", "float16")
+
+
+def _dtype_name(x) -> str:
+    """A dtype's name, 'bfloat16' for torch.bfloat16 (numpy has none) and np.float16 alike."""
+    if isinstance(x, str):
+        return x[len("torch."):] if x.startswith("torch.") else x
+    if type(x).__module__.startswith("torch"):
+        return str(x)[len("torch."):]
+    return np.dtype(x).name
+
+
+def _float_array(x) -> np.ndarray:
+    """x as a numpy array; a torch bfloat16 tensor (numpy has no bfloat16) widened to float32,
+    exactly."""
+    if type(x).__module__.startswith("torch") and str(getattr(x, "dtype", "")) == "torch.bfloat16":
+        return x.detach().cpu().float().numpy()
+    return np.asarray(x)
+
+
 def _call(fn: str, f, *args):
     """f(*args) (a member of the C++ decoder that takes no tokens), its ValueError raised again
     under the Python method's name."""
@@ -40,11 +61,15 @@ class _KernelDecoder:
 
     _name = ""
 
-    def _build(self, new, batch_size, num_heads, key_dim, value_dim, num_key_heads, dtype, *args):
+    def _build(self, new, batch_size, num_heads, key_dim, value_dim, num_key_heads, dtype, state_dtype, *args):
         fn = self._name
         dtype = np.dtype(dtype)
         if dtype not in _FLOATS:
             raise TypeError(f"{fn}: dtype must be float32 or float64, got {dtype}")
+        state = dtype.name if state_dtype is None else _dtype_name(state_dtype)
+        if state != dtype.name and (state not in _LOW_STATES or dtype != np.float32):
+            raise TypeError(f"{fn}: state_dtype must be the token dtype ({dtype.name}), or bfloat16 / float16 "
+                            f"with float32 tokens, got state_dtype={state} with dtype={dtype.name}")
         V = key_dim if value_dim is None else value_dim
         Hk = 0 if num_key_heads is None else int(num_key_heads)
         named = _Named(batch_size=batch_size, num_heads=num_heads, key_dim=key_dim, value_dim=V,
@@ -56,8 +81,18 @@ class _KernelDecoder:
             raise ValueError(f"{fn}: num_key_heads must divide num_heads (value head h reads key head "
                              f"h // (num_heads // num_key_heads)), got {named}")
         f = new[0] if dtype == np.float32 else new[1]
-        self._d = _kernel(fn, named, f, int(batch_size), int(num_heads), int(key_dim), int(V), Hk, *args)
+        low = (state,) if state in _LOW_STATES else ()
+        if low:
+            f = new[2]
+        self._d = _kernel(fn, named, f, int(batch_size), int(num_heads), int(key_dim), int(V), Hk, *args, *low)
         self.dtype = dtype
+
+    @property
+    def state_dtype(self) -> str:
+        """What S is kept in between tokens, by name: the token dtype's ('float32', 'float64'),
+        or 'bfloat16' / 'float16' (float32 tokens; each token computed in float32 from the kept
+        state, its new state rounded once, as the C++ decoder with that StateScalar)."""
+        return self._d.state_dtype
 
     # --- shapes -------------------------------------------------------------------------------
 
@@ -100,7 +135,9 @@ class _KernelDecoder:
     @property
     def states(self) -> np.ndarray:
         """The states S, ``[B, H, K, V]`` (FLA's layout: ``states[b, h]`` is head h's K x V
-        matrix, what ``output_final_state=True`` returns and ``initial_state`` takes), a copy.
+        matrix, what ``output_final_state=True`` returns and ``initial_state`` takes), a copy,
+        in the token dtype: a bfloat16 / float16 state widened to float32, exactly (numpy has no
+        bfloat16; ``torch.from_numpy(dec.states).to(torch.bfloat16)`` loses nothing).
         Assigning an array sets every sequence's state (``set_states``, positions 0)."""
         S, _ = self._d.states()
         return S
@@ -111,7 +148,7 @@ class _KernelDecoder:
 
     def _set_states(self, S, positions, z):
         fn = f"{self._name}.set_states"
-        a = np.asarray(S)
+        a = _float_array(S)
         if not np.issubdtype(a.dtype, np.floating):
             raise TypeError(f"{fn}: the states must be a float array, got {a.dtype}")
         B, H, K, V = self.batch_size, self.num_heads, self.key_dim, self.value_dim
@@ -120,7 +157,7 @@ class _KernelDecoder:
                              f"got {a.shape}")
         zs = None
         if z is not None:
-            zs = np.asarray(z)
+            zs = _float_array(z)
             if not np.issubdtype(zs.dtype, np.floating) or zs.shape != (B, H, K):
                 raise ValueError(f"{fn}: z must be a float array of shape {(B, H, K)}, got {zs.dtype} {zs.shape}")
             zs = np.ascontiguousarray(zs, dtype=self.dtype)
@@ -280,12 +317,19 @@ class _KernelDecoder:
         return self._d.save()
 
     def load(self, data: bytes) -> None:
-        """Restores what ``save()`` wrote, from a decoder of the same heads, K, V and dtype
-        (built with the same options: they are not in the file); the number of sequences
-        becomes the file's and stepping on gives the bits the saved decoder gives. Raises
-        RuntimeError naming the problem (truncated, corrupted, another shape) and leaves the
-        decoder unchanged then."""
-        self._d.load(bytes(data))
+        """Restores what ``save()`` wrote, from a decoder of the same heads, K, V, dtype and
+        state_dtype (built with the same options: they are not in the file; a bfloat16 / float16
+        state is recorded in float32 with its storage type, and only a decoder of that
+        state_dtype takes it); the number of sequences becomes the file's and stepping on gives
+        the bits the saved decoder gives. Raises RuntimeError naming the problem (truncated,
+        corrupted, another shape, "storage type mismatch") and leaves the decoder unchanged
+        then."""
+        try:
+            self._d.load(bytes(data))
+        except RuntimeError as e:
+            m = re.match(r"(linattn::)?[\w:.]+: ", str(e))
+            body = str(e)[m.end():] if m else str(e)
+            raise RuntimeError(f"{self._name}.load: {body} (state_dtype {self.state_dtype})") from None
 
     def copy(self):
         """An independent copy (states, positions, options and snapshots)."""
@@ -331,21 +375,25 @@ class GatedDecoder(_KernelDecoder):
 
     def __init__(self, batch_size: int, num_heads: int, key_dim: int, value_dim: int | None = None,
                  num_key_heads: int | None = None, scale: float | None = None, normalize: bool = False,
-                 feature_map: str = "identity", dtype=np.float32):
+                 feature_map: str = "identity", dtype=np.float32, state_dtype=None):
         """batch_size sequences of num_heads value heads over num_key_heads query/key heads
         (None: as many) of key_dim K, values of value_dim V (None: K). scale: None is FLA's
-        1/sqrt(K). feature_map: identity (FLA's) or elu, applied to q and k."""
+        1/sqrt(K). feature_map: identity (FLA's) or elu, applied to q and k. state_dtype: what
+        S is kept in between tokens (None: dtype; torch.bfloat16 / torch.float16, 'bfloat16' /
+        'float16' or np.float16 with float32 tokens: half the bytes, rounded once per token)."""
         self._scale = float(1.0 / np.sqrt(key_dim)) if scale is None else float(scale)
         self._normalize = bool(normalize)
-        self._build((_ext.new_gated_decoder_f32, _ext.new_gated_decoder_f64), batch_size, num_heads, key_dim,
-                    value_dim, num_key_heads, dtype, str(feature_map), self._scale, self._normalize)
+        self._build((_ext.new_gated_decoder_f32, _ext.new_gated_decoder_f64, _ext.new_gated_decoder_low), batch_size,
+                    num_heads, key_dim, value_dim, num_key_heads, dtype, state_dtype, str(feature_map), self._scale,
+                    self._normalize)
 
     @classmethod
     def from_final_state(cls, final_state, num_key_heads: int | None = None, positions=None, **options):
         """A decoder continuing a prefill's ``final_state`` ``[B, H, K, V]`` (of ``chunk_gla``,
         ``chunk_simple_gla`` and their ``fused_recurrent_`` forms), in its dtype (float32
-        unless float64); positions: the tokens each sequence consumed (one, or B). options:
-        those of the constructor (scale, normalize, feature_map)."""
+        unless float64; a bfloat16 / float16 state, a torch tensor or numpy float16, is kept so,
+        with float32 tokens); positions: the tokens each sequence consumed (one, or B). options:
+        those of the constructor (scale, normalize, feature_map, dtype, state_dtype)."""
         return _from_final_state(cls, final_state, num_key_heads, positions, options)
 
     @property
@@ -388,7 +436,7 @@ class GatedDecoder(_KernelDecoder):
     def _options(self) -> dict:
         return dict(num_heads=self.num_heads, key_dim=self.key_dim, value_dim=self.value_dim,
                     num_key_heads=self.num_key_heads, scale=self._scale, normalize=self._normalize,
-                    feature_map=self.feature_map, dtype=self.dtype.name)
+                    feature_map=self.feature_map, dtype=self.dtype.name, state_dtype=self.state_dtype)
 
 
 class DeltaRuleDecoder(_KernelDecoder):
@@ -417,12 +465,14 @@ class DeltaRuleDecoder(_KernelDecoder):
     def __init__(self, batch_size: int, num_heads: int, key_dim: int, value_dim: int | None = None,
                  num_key_heads: int | None = None, scale: float | None = None,
                  use_qk_l2norm_in_kernel: bool = False, feature_map: str | None = None,
-                 l2norm_eps: float = FLA_L2NORM_EPS, dtype=np.float32):
+                 l2norm_eps: float = FLA_L2NORM_EPS, dtype=np.float32, state_dtype=None):
         """batch_size sequences of num_heads value heads over num_key_heads query/key heads
         (None: as many) of key_dim K, values of value_dim V (None: K). scale: None is FLA's
         1/sqrt(K). use_qk_l2norm_in_kernel: q and k mapped by x / sqrt(|x|² + l2norm_eps), FLA's
         (feature_map 'l2norm'); feature_map: identity, l2norm or l2norm_silu (None: by
-        use_qk_l2norm_in_kernel)."""
+        use_qk_l2norm_in_kernel). state_dtype: what S is kept in between tokens (None: dtype;
+        torch.bfloat16 / torch.float16, 'bfloat16' / 'float16' or np.float16 with float32
+        tokens: half the bytes, rounded once per token)."""
         fn = self._name
         if feature_map is None:
             feature_map = "l2norm" if use_qk_l2norm_in_kernel else "identity"
@@ -431,16 +481,18 @@ class DeltaRuleDecoder(_KernelDecoder):
         eps = 0.0 if feature_map == "identity" else float(l2norm_eps)
         self._scale = float(1.0 / np.sqrt(key_dim)) if scale is None else float(scale)
         self._eps = eps
-        self._build((_ext.new_delta_decoder_f32, _ext.new_delta_decoder_f64), batch_size, num_heads, key_dim,
-                    value_dim, num_key_heads, dtype, str(feature_map), self._scale, eps)
+        self._build((_ext.new_delta_decoder_f32, _ext.new_delta_decoder_f64, _ext.new_delta_decoder_low), batch_size,
+                    num_heads, key_dim, value_dim, num_key_heads, dtype, state_dtype, str(feature_map), self._scale,
+                    eps)
 
     @classmethod
     def from_final_state(cls, final_state, num_key_heads: int | None = None, positions=None, **options):
         """A decoder continuing a prefill's ``final_state`` ``[B, H, K, V]`` (of
         ``chunk_gated_delta_rule``, ``chunk_kda``, ``chunk_delta_rule`` and their
-        ``fused_recurrent_`` forms), in its dtype (float32 unless float64); positions: the tokens
-        each sequence consumed (one, or B). options: those of the constructor (scale,
-        use_qk_l2norm_in_kernel, feature_map, l2norm_eps) — the prefill's."""
+        ``fused_recurrent_`` forms), in its dtype (float32 unless float64; a bfloat16 / float16
+        state, a torch tensor or numpy float16, is kept so, with float32 tokens); positions: the
+        tokens each sequence consumed (one, or B). options: those of the constructor (scale,
+        use_qk_l2norm_in_kernel, feature_map, l2norm_eps, dtype, state_dtype) — the prefill's."""
         return _from_final_state(cls, final_state, num_key_heads, positions, options)
 
     @property
@@ -484,16 +536,20 @@ class DeltaRuleDecoder(_KernelDecoder):
         fmap = self.feature_map
         return dict(num_heads=self.num_heads, key_dim=self.key_dim, value_dim=self.value_dim,
                     num_key_heads=self.num_key_heads, scale=self._scale, feature_map=fmap,
-                    l2norm_eps=self._eps if fmap != "identity" else FLA_L2NORM_EPS, dtype=self.dtype.name)
+                    l2norm_eps=self._eps if fmap != "identity" else FLA_L2NORM_EPS, dtype=self.dtype.name,
+                    state_dtype=self.state_dtype)
 
 
 def _from_final_state(cls, final_state, num_key_heads, positions, options):
     fn = f"{cls._name}.from_final_state"
-    s = np.asarray(final_state)
+    stored = _dtype_name(getattr(final_state, "dtype", np.float64))
+    s = _float_array(final_state)
     if s.ndim != 4 or not np.issubdtype(s.dtype, np.floating):
         raise ValueError(f"{fn}: final_state must be a float array [B, H, K, V] (FLA's layout), got "
                          f"{s.dtype} of shape {s.shape}")
     options.setdefault("dtype", s.dtype if s.dtype in _FLOATS else np.float32)
+    if stored in _LOW_STATES:
+        options.setdefault("state_dtype", stored)
     B, H, K, V = s.shape
     dec = cls(B, H, K, V, num_key_heads=num_key_heads, **options)
     dec.set_states(s, positions)

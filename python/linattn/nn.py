@@ -3,11 +3,18 @@ flash-linear-attention's names, ``ShortConvolution`` and ``FusedRMSNormGated``, 
 with their checkpoints' parameter names, ``GatedDeltaNet`` (transformers'
 ``Qwen3NextGatedDeltaNet``) and ``KimiDeltaAttention`` (Kimi Linear's), so that
 ``load_state_dict`` takes those modules' state dicts as they are. CPU tensors of float32 or
-float64; every step differentiable (the convolution and the norm through the C++ backward, the
-delta rule through linattn.torch's FLA names).
+float64, or bfloat16 / float16 (``module.to(torch.bfloat16)``: the convolution, the norm, the
+gates and the delta rule computed in float32, as linattn.torch's FLA names do, each result
+returned in its input's dtype and each gradient in its parameter's; the linear projections are
+torch's in that dtype); every step differentiable (the convolution and the norm through the C++
+backward, the delta rule through linattn.torch's FLA names).
 
 The functions ``short_convolution`` and ``gated_rms_norm`` are the autograd functions the modules
 run (layers/short_convolution.hpp and layers/gated_rms_norm.hpp of the C++ library).
+
+The layers also decode one token per sequence: ``make_state`` (a ``LayerDecodeState``: the
+convolution caches and a linattn.DeltaRuleDecoder of the heads) and ``step``, equal to forward
+over the whole sequences.
 
 Convolution states are FLA's and transformers' conv cache, ``[N, C, W]``: the last W inputs of
 each of the N sequences, oldest first (column 0 is never read: a continuation needs W − 1).
@@ -34,9 +41,11 @@ __all__ = [
     "GatedDeltaNet",
     "KimiDeltaAttention",
     "LayerState",
+    "LayerDecodeState",
 ]
 
-_DTYPES = (torch.float32, torch.float64)
+# bfloat16 / float16 are computed in float32 (the C++ kernels' float) and returned so.
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CONV_ACTIVATIONS = {None: False, "identity": False, "silu": True, "swish": True}
 _NORM_ACTIVATIONS = {"silu": True, "swish": True, "sigmoid": False}
 
@@ -47,7 +56,7 @@ def _check(fn: str, name: str, t, shapes: str):
     if t.device.type != "cpu":
         raise ValueError(f"{fn}: {name} is on device '{t.device}'; linattn runs on the CPU ({shapes})")
     if t.dtype not in _DTYPES:
-        raise TypeError(f"{fn}: {name} must be float32 or float64, got {t.dtype} ({shapes})")
+        raise TypeError(f"{fn}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype} ({shapes})")
 
 
 def _same_dtype(fn: str, shapes: str, **named):
@@ -61,12 +70,18 @@ def _shapes(**named) -> str:
     return ", ".join(f"{n} {tuple(t.shape)}" for n, t in named.items() if isinstance(t, torch.Tensor))
 
 
-def _np(t):
-    return None if t is None else t.detach().contiguous().numpy()
+def _compute(t):
+    """The dtype the kernels compute t's call in: float64 for float64, else float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _tensor(a):
-    return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+def _np(t, dtype):
+    return None if t is None else t.detach().to(dtype).contiguous().numpy()
+
+
+def _tensor(a, like):
+    """A kernel's result as a tensor of `like`'s dtype (None for None)."""
+    return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(like.dtype)
 
 
 class _ShortConv(torch.autograd.Function):
@@ -77,8 +92,9 @@ class _ShortConv(torch.autograd.Function):
         ctx.offsets, ctx.silu = offsets, silu
         ctx.absent = [t is None for t in (bias, h0)]
         ctx.save_for_backward(*(t for t in (x, weight, bias, h0) if t is not None))
-        y, _ = _ext.conv_forward(_np(x), _np(weight), _np(bias), offsets, _np(h0), silu)
-        return torch.from_numpy(y)
+        dt = _compute(x)
+        y, _ = _ext.conv_forward(_np(x, dt), _np(weight, dt), _np(bias, dt), offsets, _np(h0, dt), silu)
+        return _tensor(y, x)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -86,9 +102,10 @@ class _ShortConv(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         x, weight = next(saved), next(saved)
         bias, h0 = (None if absent else next(saved) for absent in ctx.absent)
-        dx, dw, db, dh0 = _ext.conv_backward(_np(x), _np(weight), _np(bias), ctx.offsets, _np(h0),
-                                             _np(dy), ctx.silu)
-        return _tensor(dx), _tensor(dw), _tensor(db), _tensor(dh0), None, None
+        dt = _compute(x)
+        dx, dw, db, dh0 = _ext.conv_backward(_np(x, dt), _np(weight, dt), _np(bias, dt), ctx.offsets, _np(h0, dt),
+                                             _np(dy, dt), ctx.silu)
+        return _tensor(dx, x), _tensor(dw, weight), _tensor(db, bias), _tensor(dh0, h0), None, None
 
 
 def short_convolution(x, weight, bias=None, activation: Optional[str] = "silu", initial_state=None,
@@ -148,14 +165,16 @@ class _GatedNorm(torch.autograd.Function):
     def forward(ctx, o, z, weight, eps, silu):
         ctx.eps, ctx.silu = eps, silu
         ctx.save_for_backward(o, z, weight)
-        return torch.from_numpy(_ext.norm_forward(_np(o), _np(z), _np(weight), eps, silu))
+        dt = _compute(o)
+        return _tensor(_ext.norm_forward(_np(o, dt), _np(z, dt), _np(weight, dt), eps, silu), o)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         o, z, weight = ctx.saved_tensors
-        do, dz, dw = _ext.norm_backward(_np(o), _np(z), _np(weight), _np(dy), ctx.eps, ctx.silu)
-        return _tensor(do), _tensor(dz), _tensor(dw), None, None
+        dt = _compute(o)
+        do, dz, dw = _ext.norm_backward(_np(o, dt), _np(z, dt), _np(weight, dt), _np(dy, dt), ctx.eps, ctx.silu)
+        return _tensor(do, o), _tensor(dz, z), _tensor(dw, weight), None, None
 
 
 def gated_rms_norm(o, z, weight, eps: float = 1e-6, activation: str = "silu"):
@@ -298,7 +317,92 @@ def _unpack_state(fn: str, state, x, cu_seqlens, convs, rec_shape):
     return conv, rec
 
 
-class GatedDeltaNet(nn.Module):
+class LayerDecodeState:
+    """B sequences of a delta-rule layer being decoded one token at a time (``make_state``,
+    ``step``; the C++ layers' BatchedState): ``conv_state`` the convolution caches [B, C, W] in
+    the parameters' dtype (KimiDeltaAttention: the tuple of q's, k's and v's), ``decoder`` the
+    heads' states in a linattn.DeltaRuleDecoder (float32, or float64 for float64 parameters;
+    its ``state_dtype`` may be bfloat16 / float16). ``step`` updates both in place."""
+
+    def __init__(self, conv_state, decoder):
+        self.conv_state, self.decoder = conv_state, decoder
+
+    @property
+    def batch_size(self) -> int:
+        return self.decoder.batch_size
+
+    def layer_state(self) -> LayerState:
+        """The state as ``forward(..., output_final_state=True)`` returns it (copies), to
+        continue with ``forward(..., initial_state=)``: recurrent_state [B, HV, K, V] in the
+        decoder's dtype (float32 for bf16 / half states, widened exactly)."""
+        conv = self.conv_state
+        conv = tuple(c.clone() for c in conv) if isinstance(conv, tuple) else conv.clone()
+        return LayerState(conv, torch.from_numpy(self.decoder.states))
+
+
+class _DeltaLayer(nn.Module):
+    """What GatedDeltaNet and KimiDeltaAttention share: decoding one token per sequence. A
+    subclass gives _heads() (Hk, Hv, Dk, Dv), _convs(), _tokens(), _gate() and _output()."""
+
+    def make_state(self, batch_size: Optional[int] = None, initial_state: Optional[LayerState] = None,
+                   state_dtype=None) -> LayerDecodeState:
+        """The decoding state of batch_size new sequences, or of those of initial_state (a
+        prefill's ``forward(..., output_final_state=True)`` LayerState: its B, caches and
+        recurrent states). state_dtype: what the heads' states are kept in (None: float32, or
+        float64 for float64 parameters; torch.bfloat16 / torch.float16: DeltaRuleDecoder's)."""
+        fn = f"linattn.torch.{type(self).__name__}.make_state"
+        Hk, Hv, Dk, Dv = self._heads()
+        convs = self._convs()
+        dtype = convs[0].weight.dtype
+        if initial_state is not None:
+            if not isinstance(initial_state, tuple) or len(initial_state) != 2 or \
+                    not isinstance(initial_state[1], torch.Tensor):
+                raise TypeError(f"{fn}: initial_state must be a LayerState (conv_state, recurrent_state), got "
+                                f"{type(initial_state).__name__}")
+            B = initial_state[1].shape[0]
+            if batch_size is not None and int(batch_size) != B:
+                raise ValueError(f"{fn}: batch_size = {batch_size} but initial_state holds {B} sequences")
+            probe = torch.empty(B, 1, self.hidden_size, dtype=dtype)
+            caches, rec = _unpack_state(fn, initial_state, probe, None, convs, (Hv, Dk, Dv))
+            caches = [c.detach().to(dtype).clone() for c in caches]
+        else:
+            if batch_size is None or int(batch_size) < 0:
+                raise ValueError(f"{fn}: batch_size must be >= 0 (or initial_state given), got {batch_size!r}")
+            B, rec = int(batch_size), None
+            caches = [torch.zeros(B, c.hidden_size, c.kernel_size, dtype=dtype) for c in convs]
+        compute = np.float64 if dtype == torch.float64 else np.float32
+        dec = _la.DeltaRuleDecoder(B, Hv, Dk, Dv, num_key_heads=Hk, use_qk_l2norm_in_kernel=True, dtype=compute,
+                                   state_dtype=state_dtype)
+        if rec is not None:
+            dec.set_states(rec.detach())
+        return LayerDecodeState(tuple(caches) if len(caches) > 1 else caches[0], dec)
+
+    @torch.no_grad()
+    def step(self, hidden_states, state: LayerDecodeState):
+        """One token of each of the state's B sequences: hidden_states [B, hidden_size] (or
+        [B, 1, hidden_size]) -> the output of that shape, state updated in place; what
+        ``forward`` over the whole sequences gives for these tokens (the delta rule by
+        DeltaRuleDecoder.step, one pass over each head's state). Inference: no gradient."""
+        fn = f"linattn.torch.{type(self).__name__}.step"
+        x = hidden_states
+        if not isinstance(state, LayerDecodeState):
+            raise TypeError(f"{fn}: state must be a LayerDecodeState (make_state()), got {type(state).__name__}")
+        B = state.batch_size
+        if not isinstance(x, torch.Tensor) or x.shape not in ((B, self.hidden_size), (B, 1, self.hidden_size)):
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{fn}: hidden_states must be [B, hidden_size] or [B, 1, hidden_size] with B = {B} "
+                             f"(the state's sequences), hidden_size = {self.hidden_size}, got {got}")
+        _layer_input(fn, x.view(B, 1, -1), self.hidden_size, self._convs()[0].weight.dtype)
+        q, k, v, a, b, z, conv = self._tokens(x.view(B, 1, -1), state.conv_state, True, None)
+        dt = _compute(q)
+        o = state.decoder.step(_np(q[:, 0], dt), _np(k[:, 0], dt), _np(v[:, 0], dt),
+                               _np(self._gate(fn, a)[:, 0], dt), _np(torch.sigmoid(b[:, 0].to(dt)), dt))
+        state.conv_state = conv
+        y = self._output(torch.from_numpy(o).to(x.dtype).unsqueeze(1), z)
+        return y.view(x.shape)
+
+
+class GatedDeltaNet(_DeltaLayer):
     """transformers' Qwen3NextGatedDeltaNet (Qwen3-Next's linear attention) with its parameter
     names and shapes: in_proj_qkvz.weight (rows interleaved per key head: q, k, then the values
     and gates of its value heads), in_proj_ba.weight (per key head its b's, then its a's),
@@ -351,30 +455,51 @@ class GatedDeltaNet(nn.Module):
         fn = "linattn.torch.GatedDeltaNet.forward"
         _layer_input(fn, hidden_states, self.hidden_size, self.out_proj.weight.dtype)
         (conv0,), rec0 = _unpack_state(fn, initial_state, hidden_states, cu_seqlens, [self.conv1d],
-                                       (self.num_v_heads, self.head_k_dim, self.head_v_dim))
-        B, T, _ = hidden_states.shape
-        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+                                       self._heads()[1:])
+        q, k, v, a, b, z, conv_state = self._tokens(hidden_states, conv0, output_final_state, cu_seqlens)
+        o, rec = lt.chunk_gated_delta_rule(q, k, v, g=self._gate(fn, a), beta=b, initial_state=rec0,
+                                           output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
+                                           use_beta_sigmoid_in_kernel=True, cu_seqlens=cu_seqlens)
+        y = self._output(o, z)
+        return (y, LayerState(conv_state, rec)) if output_final_state else y
+
+    def _heads(self):
+        return self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+
+    def _convs(self):
+        return [self.conv1d]
+
+    def _tokens(self, x, conv0, output_final_state, cu_seqlens):
+        """q, k [B, T, Hk, Dk], v [B, T, Hv, Dv] after the convolution, the gate's input a
+        [B, T, Hv, 1], beta's logits [B, T, Hv], the norm's gate z [B, T, Hv, Dv] and the
+        convolution's final cache (or None) of x [B, T, hidden_size]."""
+        B, T, _ = x.shape
+        Hk, Hv, Dk, Dv = self._heads()
         G = Hv // Hk
         # transformers' order: per key head q, k, its G values, its G gates; b's then a's.
-        qkvz = self.in_proj_qkvz(hidden_states).view(B, T, Hk, 2 * Dk + 2 * G * Dv)
+        qkvz = self.in_proj_qkvz(x).view(B, T, Hk, 2 * Dk + 2 * G * Dv)
         q, k, v, z = torch.split(qkvz, [Dk, Dk, G * Dv, G * Dv], dim=3)
-        b, a = torch.split(self.in_proj_ba(hidden_states).view(B, T, Hk, 2 * G), [G, G], dim=3)
+        b, a = torch.split(self.in_proj_ba(x).view(B, T, Hk, 2 * G), [G, G], dim=3)
         mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         mixed, conv_state = self.conv1d(mixed, cache=conv0, output_final_state=output_final_state,
                                         cu_seqlens=cu_seqlens)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        # g = -exp(A_log)·softplus(a + dt_bias) by the C++ gate, as per-channel with one channel.
-        g = lt.TorchOps.gate(fn, a.reshape(B, T, Hv, 1), self.A_log, self.dt_bias, None).view(B, T, Hv)
-        o, rec = lt.chunk_gated_delta_rule(q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), v.reshape(B, T, Hv, Dv),
-                                           g=g, beta=b.reshape(B, T, Hv), initial_state=rec0,
-                                           output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
-                                           use_beta_sigmoid_in_kernel=True, cu_seqlens=cu_seqlens)
-        o = self.norm(o, z.reshape(B, T, Hv, Dv))
-        y = self.out_proj(o.reshape(B, T, self.value_dim))
-        return (y, LayerState(conv_state, rec)) if output_final_state else y
+        return (q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), v.reshape(B, T, Hv, Dv), a.reshape(B, T, Hv, 1),
+                b.reshape(B, T, Hv), z.reshape(B, T, Hv, Dv), conv_state)
+
+    def _gate(self, fn, a):
+        """g = -exp(A_log)·softplus(a + dt_bias) [B, T, Hv] by the C++ gate, as per-channel with one
+        channel."""
+        from . import torch as lt
+
+        return lt.TorchOps.gate(fn, a, self.A_log, self.dt_bias, None).view(a.shape[:3])
+
+    def _output(self, o, z):
+        B, T = o.shape[:2]
+        return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(_DeltaLayer):
     """Kimi Linear's KimiDeltaAttention (KDA) with its checkpoints' parameter names and shapes:
     q_proj, k_proj, v_proj, q_conv1d, k_conv1d, v_conv1d (weights [C, 1, W]), f_a_proj, f_b_proj,
     b_proj, g_a_proj, g_b_proj, A_log [1, 1, H, 1], dt_bias [H·K], o_norm.weight [V], o_proj.
@@ -426,25 +551,40 @@ class KimiDeltaAttention(nn.Module):
 
         fn = "linattn.torch.KimiDeltaAttention.forward"
         _layer_input(fn, hidden_states, self.hidden_size, self.o_proj.weight.dtype)
-        convs = [self.q_conv1d, self.k_conv1d, self.v_conv1d]
-        (cq, ck, cv), rec0 = _unpack_state(fn, initial_state, hidden_states, cu_seqlens, convs,
-                                           (self.num_heads, self.head_dim, self.head_v_dim))
-        x = hidden_states
-        B, T, _ = x.shape
-        H, K, V = self.num_heads, self.head_dim, self.head_v_dim
-        q, cq = self.q_conv1d(self.q_proj(x), cache=cq, output_final_state=output_final_state,
-                                cu_seqlens=cu_seqlens)
-        k, ck = self.k_conv1d(self.k_proj(x), cache=ck, output_final_state=output_final_state,
-                                cu_seqlens=cu_seqlens)
-        v, cv = self.v_conv1d(self.v_proj(x), cache=cv, output_final_state=output_final_state,
-                                cu_seqlens=cu_seqlens)
-        a = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
-        beta = self.b_proj(x)
-        o, rec = lt.chunk_kda(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), a, beta,
-                              initial_state=rec0, output_final_state=output_final_state,
+        caches, rec0 = _unpack_state(fn, initial_state, hidden_states, cu_seqlens, self._convs(), self._heads()[1:])
+        q, k, v, a, beta, z, conv_state = self._tokens(hidden_states, caches, output_final_state, cu_seqlens)
+        o, rec = lt.chunk_kda(q, k, v, a, beta, initial_state=rec0, output_final_state=output_final_state,
                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                               A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
                               safe_gate=self.lower_bound is not None, cu_seqlens=cu_seqlens)
+        y = self._output(o, z)
+        return (y, LayerState(conv_state, rec)) if output_final_state else y
+
+    def _heads(self):
+        return self.num_heads, self.num_heads, self.head_dim, self.head_v_dim
+
+    def _convs(self):
+        return [self.q_conv1d, self.k_conv1d, self.v_conv1d]
+
+    def _tokens(self, x, caches, output_final_state, cu_seqlens):
+        """As GatedDeltaNet._tokens: q, k [B, T, H, K], v [B, T, H, V], the gate's input a
+        [B, T, H, K], beta's logits [B, T, H], z [B, T, H, V] and the (q, k, v) caches (or None)."""
+        B, T, _ = x.shape
+        H, K, V = self.num_heads, self.head_dim, self.head_v_dim
+        outs = [conv(proj(x), cache=c, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                for conv, proj, c in zip(self._convs(), (self.q_proj, self.k_proj, self.v_proj), caches)]
+        (q, cq), (k, ck), (v, cv) = outs
+        a = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         z = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, V)
-        y = self.o_proj(self.o_norm(o, z).reshape(B, T, self.value_dim))
-        return (y, LayerState((cq, ck, cv), rec)) if output_final_state else y
+        conv_state = (cq, ck, cv) if output_final_state else None
+        return q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), a, self.b_proj(x), z, conv_state
+
+    def _gate(self, fn, a):
+        """KDA's per-channel log decays [B, T, H, K] (the in-kernel gate of chunk_kda)."""
+        from . import torch as lt
+
+        return lt.TorchOps.gate(fn, a, self.A_log, self.dt_bias, self.lower_bound)
+
+    def _output(self, o, z):
+        B, T = o.shape[:2]
+        return self.o_proj(self.o_norm(o, z).reshape(B, T, self.value_dim))

@@ -53,6 +53,7 @@ __all__ = [
     "GatedDeltaNet",
     "KimiDeltaAttention",
     "LayerState",
+    "LayerDecodeState",
 ]
 
 _DTYPES = (torch.float32, torch.float64)
@@ -306,7 +307,7 @@ fused_recurrent_kda = _fla_funcs["fused_recurrent_kda"]
 
 
 _NN_NAMES = ("short_convolution", "gated_rms_norm", "ShortConvolution", "FusedRMSNormGated", "GatedDeltaNet",
-             "KimiDeltaAttention", "LayerState")
+             "KimiDeltaAttention", "LayerState", "LayerDecodeState")
 
 
 def __getattr__(name):

@@ -3,7 +3,8 @@
 // behind one virtual interface, so that Python picks the kernel and the feature map by name at
 // run time. States go in and out in FLA's layout [B, H, K, V] (S of head h of sequence b is
 // K x V row-major, as LinearAttentionState::S: no transpose). For one scalar type: included by
-// kernel_decoders_f32.cpp and kernel_decoders_f64.cpp.
+// kernel_decoders_f32.cpp and kernel_decoders_f64.cpp; the float decoders that keep their states
+// in bf16 / half by kernel_decoders_low.cpp.
 #pragma once
 
 #include <linattn/delta/batched_recurrent_delta_rule.hpp>
@@ -38,6 +39,7 @@ class KernelDecoder {
   virtual ~KernelDecoder() = default;
   virtual std::string kernel() const = 0;
   virtual std::string feature_map() const = 0;
+  virtual std::string state_dtype() const = 0;
   virtual Index sequences() const = 0;
   virtual Index heads() const = 0;
   virtual Index key_heads() const = 0;
@@ -83,6 +85,16 @@ class KernelDecoderOf final : public KernelDecoder<Scalar> {
 
   std::string kernel() const override { return kDelta ? "delta" : "gated"; }
   std::string feature_map() const override { return map_; }
+  // What S is kept in between tokens, as numpy / torch name it.
+  std::string state_dtype() const override {
+    using Storage = typename Batched::Decoder::StateStorage;
+    if constexpr (std::is_same_v<Storage, Eigen::bfloat16>)
+      return "bfloat16";
+    else if constexpr (std::is_same_v<Storage, Eigen::half>)
+      return "float16";
+    else
+      return sizeof(Storage) == 4 ? "float32" : "float64";
+  }
   Index sequences() const override { return dec_.sequences(); }
   Index heads() const override { return dec_.heads(); }
   Index key_heads() const override { return dec_.key_heads(); }
@@ -151,7 +163,8 @@ class KernelDecoderOf final : public KernelDecoder<Scalar> {
   void remove_sequence(Index b) override { dec_.remove_sequence(b); }
   void resize(Index B) override { dec_.resize(B); }
 
-  // (S, z): [B, H, F, M] and [B, H, F] (z: zero for the delta rule, which keeps none).
+  // (S, z): [B, H, F, M] and [B, H, F] (z: zero for the delta rule, which keeps none); a
+  // bf16 / half S widened (exact).
   py::tuple states() const override {
     const Index B = dec_.sequences(), H = dec_.heads(), F = dec_.feature_dim(),
                 M = dec_.value_dim();
@@ -174,7 +187,7 @@ class KernelDecoderOf final : public KernelDecoder<Scalar> {
   }
 
   // Every head from S [B, H, F, M] (and z [B, H, F], or zero), sequence b at positions[b];
-  // all checked before any head changes.
+  // all checked before any head changes (a bf16 / half decoder rounds S to its storage).
   void set_states(const Array<Scalar>& S, const std::optional<Array<Scalar>>& z,
                   const std::vector<Index>& positions) override {
     const char* fn = kDelta ? "DeltaRuleDecoder.set_states" : "GatedDecoder.set_states";
@@ -225,7 +238,8 @@ class KernelDecoderOf final : public KernelDecoder<Scalar> {
   }
 
   // The file's number of sequences (its records are of one size for these shapes: 80 bytes
-  // and the state, state_io_decoders.hpp), into a new decoder: on any failure nothing changed.
+  // and the state, state_io_decoders.hpp; a bf16 / half state is recorded in float), into a
+  // new decoder: on any failure nothing changed.
   void load(const py::bytes& data) override {
     const char* fn = kDelta ? "DeltaRuleDecoder.load" : "GatedDecoder.load";
     std::string bytes(data);
@@ -279,7 +293,7 @@ class KernelDecoderOf final : public KernelDecoder<Scalar> {
   Index keep_ = 0;
 };
 
-template <class Scalar>
+template <class Scalar, class StateScalar = Scalar>
 std::unique_ptr<KernelDecoder<Scalar>> new_gated_decoder(Index B, Index H, Index D, Index M,
                                                          Index key_heads, const std::string& map,
                                                          double scale, bool normalize) {
@@ -290,14 +304,14 @@ std::unique_ptr<KernelDecoder<Scalar>> new_gated_decoder(Index B, Index H, Index
   std::unique_ptr<KernelDecoder<Scalar>> d;
   with_gated_map("GatedDecoder", map, [&](const auto& phi) {
     using Phi = std::decay_t<decltype(phi)>;
-    using Batched = linattn::BatchedRecurrentGatedAttention<Phi, Scalar>;
+    using Batched = linattn::BatchedRecurrentGatedAttention<Phi, Scalar, StateScalar>;
     d = std::make_unique<KernelDecoderOf<Batched, Phi, linattn::GatedOptions, Scalar>>(map, B, H, D,
                                                                                        M, phi, o);
   });
   return d;
 }
 
-template <class Scalar>
+template <class Scalar, class StateScalar = Scalar>
 std::unique_ptr<KernelDecoder<Scalar>> new_delta_decoder(Index B, Index H, Index D, Index M,
                                                          Index key_heads, const std::string& map,
                                                          double scale, double eps) {
@@ -307,7 +321,7 @@ std::unique_ptr<KernelDecoder<Scalar>> new_delta_decoder(Index B, Index H, Index
   std::unique_ptr<KernelDecoder<Scalar>> d;
   with_delta_map("DeltaRuleDecoder", map, eps, [&](const auto& phi) {
     using Phi = std::decay_t<decltype(phi)>;
-    using Batched = linattn::BatchedRecurrentDeltaRule<Phi, Scalar>;
+    using Batched = linattn::BatchedRecurrentDeltaRule<Phi, Scalar, StateScalar>;
     d = std::make_unique<KernelDecoderOf<Batched, Phi, linattn::DeltaOptions, Scalar>>(map, B, H, D,
                                                                                        M, phi, o);
   });
@@ -320,6 +334,7 @@ void register_kernel_decoders(py::module_& m, const char* name) {
   py::class_<D>(m, name)
       .def_property_readonly("kernel", &D::kernel)
       .def_property_readonly("feature_map", &D::feature_map)
+      .def_property_readonly("state_dtype", &D::state_dtype)
       .def_property_readonly("sequences", &D::sequences)
       .def_property_readonly("heads", &D::heads)
       .def_property_readonly("key_heads", &D::key_heads)
@@ -345,10 +360,10 @@ void register_kernel_decoders(py::module_& m, const char* name) {
       .def("load", &D::load, py::arg("data"))
       .def("clone", &D::clone);
   const bool f32 = sizeof(Scalar) == 4;
-  m.def(f32 ? "new_gated_decoder_f32" : "new_gated_decoder_f64", &new_gated_decoder<Scalar>,
+  m.def(f32 ? "new_gated_decoder_f32" : "new_gated_decoder_f64", &new_gated_decoder<Scalar, Scalar>,
         py::arg("B"), py::arg("H"), py::arg("D"), py::arg("M"), py::arg("key_heads"),
         py::arg("feature_map"), py::arg("scale"), py::arg("normalize"));
-  m.def(f32 ? "new_delta_decoder_f32" : "new_delta_decoder_f64", &new_delta_decoder<Scalar>,
+  m.def(f32 ? "new_delta_decoder_f32" : "new_delta_decoder_f64", &new_delta_decoder<Scalar, Scalar>,
         py::arg("B"), py::arg("H"), py::arg("D"), py::arg("M"), py::arg("key_heads"),
         py::arg("feature_map"), py::arg("scale"), py::arg("eps"));
 }

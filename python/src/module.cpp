@@ -18,6 +18,7 @@ void register_fla_f64(py::module_& m);
 void register_layers(py::module_& m);
 void register_kernel_decoders_f32(py::module_& m);
 void register_kernel_decoders_f64(py::module_& m);
+void register_kernel_decoders_low(py::module_& m);
 
 namespace {
 
@@ -67,6 +68,7 @@ PYBIND11_MODULE(_linattn, m) {
   lp::register_recurrent_f64(m);
   lp::register_kernel_decoders_f32(m);
   lp::register_kernel_decoders_f64(m);
+  lp::register_kernel_decoders_low(m);
   lp::register_layers(m);
   lp::thread_count().store(lp::default_thread_count(), std::memory_order_relaxed);
   m.def("set_num_threads", &lp::set_num_threads, pybind11::arg("n"));

@@ -1,8 +1,10 @@
 """The gated and delta-rule decoders (linattn.GatedDecoder, linattn.DeltaRuleDecoder): a prefill's
 final_state continued token by token against FLA's names over the whole sequence, shared key
-heads, KDA's per-channel decays, slots, extend, rollback, save/load/pickle/copy and errors."""
+heads, KDA's per-channel decays, slots, extend, rollback, save/load/pickle/copy and errors; states
+kept in bfloat16 / float16 against a float32 decoder rounded after every token."""
 
 import copy
+import os
 import pickle
 
 import numpy as np
@@ -324,3 +326,142 @@ def test_errors_name_the_function_and_shapes():
         gated.step(np.zeros((B, 2, K), np.float32), np.zeros((B, 2, K), np.float32),
                    np.zeros((B, 2, V), np.float32), None)
     assert not dec.positions.any()  # nothing above moved a state
+
+
+# --- states kept in bfloat16 / float16 (state_dtype=) ----------------------------------------------
+
+
+def round_to(state_dtype, x):
+    """float32 x rounded to the nearest bfloat16 / float16 (ties to even), widened back: what
+    the C++ decoder with that StateScalar keeps. bf16 by its bits (numpy has no bfloat16)."""
+    x = np.ascontiguousarray(x, np.float32)
+    if state_dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
+
+
+def round_states(dec, state_dtype):
+    """The float32 reference's states rounded, as the low-state decoder keeps its own."""
+    z = {"z": dec.z} if isinstance(dec, linattn.GatedDecoder) else {}
+    dec.set_states(round_to(state_dtype, dec.states), positions=dec.positions, **z)
+
+
+LOW_STATES = ["bfloat16", "float16"]
+
+
+@pytest.mark.parametrize("state_dtype", LOW_STATES)
+@pytest.mark.parametrize("kernel", KERNELS + ["gla_normalized"])
+def test_low_states_are_a_float_decoder_rounded_after_every_token(kernel, state_dtype):
+    # GVA, K != V; every third token through step(slots) in reverse; then extend of all the
+    # tokens against the steps, and rollback onto the state before the last.
+    rng = np.random.default_rng(21)
+    B, T, H, Hk, K, V = 3, 10, 4, 2, 5, 3
+    opts = dict(normalize=True, feature_map="elu") if kernel == "gla_normalized" else {}
+    kernel = "gla" if kernel == "gla_normalized" else kernel
+    q, k, v, g, beta = tokens(rng, kernel, B, T, H, Hk, K, V, np.float32)
+    low = decoder(kernel, B, H, Hk, K, V, np.float32, state_dtype=state_dtype, **opts)
+    ref = decoder(kernel, B, H, Hk, K, V, np.float32, **opts)
+    unrounded = ref.copy()
+    assert low.state_dtype == state_dtype and ref.state_dtype == "float32" and low.dtype == np.float32
+    by_extend = low.copy()
+    outs = []
+    for t in range(T):
+        if t == T - 1:
+            before_last = low.states
+        slots = [2, 1, 0] if t % 3 == 1 else None
+        rows = lambda a: None if a is None else (a[slots, t] if slots else a[:, t])
+        kw = {"slots": slots} if slots else {}
+        out = step(low, rows(q), rows(k), rows(v), rows(g), rows(beta), **kw)
+        want = step(ref, rows(q), rows(k), rows(v), rows(g), rows(beta), **kw)
+        step(unrounded, rows(q), rows(k), rows(v), rows(g), rows(beta), **kw)
+        round_states(ref, state_dtype)
+        assert out.dtype == np.float32 and np.array_equal(out, want), t
+        S = low.states
+        assert S.dtype == np.float32 and np.array_equal(S, ref.states), t
+        assert np.array_equal(round_to(state_dtype, S), S)  # every entry a bf16 / half value
+        if isinstance(low, linattn.GatedDecoder):
+            assert np.array_equal(low.z, ref.z)  # z kept in float
+        outs.append(out[::-1] if slots else out)
+    # The rounding is there (the test can fail) and costs what the storage's precision allows.
+    assert not np.array_equal(low.states, unrounded.states)
+    assert rel_err(low.states, unrounded.states.astype(np.float64)) < (5e-2 if state_dtype == "bfloat16" else 5e-3)
+    by_extend.keep_snapshots(3)
+    ext = extend(by_extend, q, k, v, g, beta)
+    assert np.array_equal(ext, np.stack(outs, 1)) and np.array_equal(by_extend.states, low.states)
+    for b in range(B):
+        by_extend.rollback(b, T - 1)
+    assert np.array_equal(by_extend.states, before_last) and list(by_extend.positions) == [T - 1] * B
+
+
+@pytest.mark.parametrize("kernel", ["gdn", "gla"])
+def test_low_state_save_load_pickle_copy_and_the_storage_check(kernel):
+    rng = np.random.default_rng(22)
+    B, H, Hk, K, V = 2, 4, 2, 4, 3
+    q, k, v, g, beta = tokens(rng, kernel, B, 6, H, Hk, K, V, np.float32)
+    dec = decoder(kernel, B, H, Hk, K, V, np.float32, state_dtype="bfloat16")
+    for t in range(3):
+        step(dec, q[:, t], k[:, t], v[:, t], at(g, t), at(beta, t))
+    blob = dec.save()
+    loaded = decoder(kernel, 1, H, Hk, K, V, np.float32, state_dtype="bfloat16")
+    loaded.load(blob)
+    copies = [loaded, pickle.loads(pickle.dumps(dec)), dec.copy(), copy.deepcopy(dec)]
+    assert all(c.state_dtype == "bfloat16" and c.batch_size == B for c in copies)
+    assert repr(copies[1]) == repr(dec) and "state_dtype='bfloat16'" in repr(dec)
+    assert all(np.array_equal(c.states, dec.states) for c in copies)
+    for t in range(3, 6):
+        want = step(dec, q[:, t], k[:, t], v[:, t], at(g, t), at(beta, t))
+        for c in copies:
+            assert np.array_equal(step(c, q[:, t], k[:, t], v[:, t], at(g, t), at(beta, t)), want)
+    assert all(c.save() == dec.save() for c in copies)
+    # Recorded in float32 (S widened), the storage in the file: a float32 or float16 decoder
+    # refuses it, and a bf16 one a float32 file, each unchanged.
+    f32 = decoder(kernel, 1, H, Hk, K, V, np.float32)
+    half = decoder(kernel, 1, H, Hk, K, V, np.float32, state_dtype=np.float16)
+    for other, name in ((f32, "float32"), (half, "float16")):
+        with pytest.raises(RuntimeError, match=r"Decoder.load: storage type mismatch: .*bf16.*\(state_dtype " + name):
+            other.load(blob)
+        assert other.batch_size == 1 and not other.positions.any()
+    f32.resize(B)
+    f32.set_states(dec.states, positions=dec.positions)
+    assert len(f32.save()) == len(blob)
+    with pytest.raises(RuntimeError, match="storage type mismatch"):
+        loaded.load(f32.save())
+    assert loaded.save() == dec.save()
+
+
+def test_low_state_from_final_state_and_options():
+    rng = np.random.default_rng(23)
+    B, H, K, V = 2, 2, 4, 3
+    ht = rng.uniform(-1, 1, (B, H, K, V))
+    dec = linattn.DeltaRuleDecoder.from_final_state(ht.astype(np.float16), positions=4)
+    assert dec.state_dtype == "float16" and dec.dtype == np.float32 and list(dec.positions) == [4, 4]
+    assert np.array_equal(dec.states, ht.astype(np.float16).astype(np.float32))
+    # A float state set into a low one is rounded once (ties to even), as the C++ set_state.
+    dec = linattn.GatedDecoder.from_final_state(ht.astype(np.float32), state_dtype="bfloat16")
+    assert np.array_equal(dec.states, round_to("bfloat16", ht.astype(np.float32)))
+    dec.states = ht.astype(np.float32)
+    assert np.array_equal(dec.states, round_to("bfloat16", ht.astype(np.float32)))
+    with pytest.raises(TypeError, match="GatedDecoder: state_dtype must be the token dtype .*float64.*bfloat16"):
+        linattn.GatedDecoder(1, 2, 3, dtype=np.float64, state_dtype="bfloat16")
+    with pytest.raises(TypeError, match="DeltaRuleDecoder: state_dtype must be .*got state_dtype=int8"):
+        linattn.DeltaRuleDecoder(1, 2, 3, state_dtype=np.int8)
+    assert linattn.DeltaRuleDecoder(1, 2, 3, dtype=np.float64, state_dtype=np.float64).state_dtype == "float64"
+
+
+def test_low_state_torch_dtypes():
+    if os.environ.get("LINATTN_REQUIRE_TORCH") == "1":
+        import torch
+    else:
+        torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(24)
+    ht = torch.from_numpy(rng.uniform(-1, 1, (2, 2, 4, 3))).to(torch.bfloat16)
+    dec = linattn.DeltaRuleDecoder.from_final_state(ht, use_qk_l2norm_in_kernel=True, positions=3)
+    assert dec.state_dtype == "bfloat16" and dec.dtype == np.float32
+    assert torch.equal(torch.from_numpy(dec.states).to(torch.bfloat16), ht)  # widened exactly
+    assert torch.equal(torch.from_numpy(dec.states), ht.float())
+    gated = linattn.GatedDecoder(2, 2, 4, 3, state_dtype=torch.float16)
+    assert gated.state_dtype == "float16"
+    gated.set_states(ht)  # a bf16 tensor: widened, then rounded to half
+    assert np.array_equal(gated.states, ht.float().numpy().astype(np.float16).astype(np.float32))

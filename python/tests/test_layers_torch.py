@@ -2,7 +2,9 @@
 FusedRMSNormGated against their formulas in plain torch, GatedDeltaNet and KimiDeltaAttention
 against transformers' and Kimi Linear's forward written out in plain torch (float64) on the
 same state dict, prefills continued from their states, packed sequences, gradcheck of every
-parameter, state dicts under the checkpoints' names, and the errors of bad inputs."""
+parameter, bfloat16 / float16 modules against float32 ones, single-token decoding (step) against
+forward, state dicts under the checkpoints'
+names, and the errors of bad inputs."""
 
 import os
 
@@ -338,6 +340,157 @@ def test_float32_modules_agree_with_float64():
         y32 = m32(x.float())
         assert y32.dtype == torch.float32
         close(y32.double(), m64(x), 1e-5)
+
+
+# ---------------------------------------------------------------- bfloat16 / float16
+
+LOW = [torch.bfloat16, torch.float16]
+
+
+def half_matmul_on_cpu():
+    """Whether this torch multiplies float16 matrices on the CPU (nn.Linear; 1.13 does not)."""
+    try:
+        F.linear(torch.ones(1, 1, dtype=torch.float16), torch.ones(1, 1, dtype=torch.float16))
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_low_precision_convolution_and_norm_compute_in_float32(dtype):
+    # The kernels run in float32 on the widened inputs, each result rounded once to the input's
+    # dtype: the bits of the float32 call on the same values, rounded; gradients likewise.
+    g = torch.Generator().manual_seed(71)
+    conv = lt.ShortConvolution(6, 3, bias=True).to(dtype)
+    conv32 = lt.ShortConvolution(6, 3, bias=True)
+    conv32.load_state_dict({k: v.float() for k, v in conv.state_dict().items()})
+    x = rand(g, 2, 7, 6).to(dtype).requires_grad_()
+    x32 = x.detach().float().requires_grad_()
+    cache = rand(g, 2, 6, 3).to(dtype)
+    y, final = conv(x, cache=cache, output_final_state=True)
+    y32, final32 = conv32(x32, cache=cache.float(), output_final_state=True)
+    assert y.dtype == dtype and final.dtype == dtype and conv.weight.dtype == dtype
+    assert torch.equal(y, y32.to(dtype)) and torch.equal(final, final32.to(dtype))
+    dy = rand(g, *y.shape).to(dtype)
+    y.backward(dy)
+    y32.backward(dy.float())
+    assert x.grad.dtype == dtype and torch.equal(x.grad, x32.grad.to(dtype))
+    for p, p32 in zip(conv.parameters(), conv32.parameters()):
+        assert p.grad.dtype == dtype and torch.equal(p.grad, p32.grad.to(dtype))
+    norm = lt.FusedRMSNormGated(4, activation="sigmoid").to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + rand(g, 4, scale=0.2))
+    o, z = (rand(g, 3, 2, 4).to(dtype).requires_grad_() for _ in range(2))
+    o32, z32 = (t.detach().float().requires_grad_() for t in (o, z))
+    w32 = norm.weight.detach().float().requires_grad_()
+    out = norm(o, z)
+    out32 = lt.gated_rms_norm(o32, z32, w32, norm.eps, "sigmoid")
+    assert out.dtype == dtype and torch.equal(out, out32.to(dtype))
+    dy = rand(g, *out.shape).to(dtype)
+    out.backward(dy)
+    out32.backward(dy.float())
+    for t, t32 in ((o, o32), (z, z32), (norm.weight, w32)):
+        assert t.grad.dtype == dtype and torch.equal(t.grad, t32.grad.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("make", [make_gdn, make_kda])
+def test_low_precision_layers_are_close_to_float32_and_train(make, dtype):
+    if dtype == torch.float16 and not half_matmul_on_cpu():
+        pytest.skip("this torch has no float16 matrix product on the CPU (nn.Linear)")
+    # The float32 module on the same (rounded) weights and inputs: the low one differs by the
+    # roundings of its activations to the dtype (unit roundoff u = 2^-8 for bf16, 2^-11 for
+    # half) after each of its ~6 stages (projections, convolution, o, norm, output); measured
+    # 1.3e-2 = 3.2u at most over 5 seeds in bf16. The bound: 10u of max |y|.
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    g = torch.Generator().manual_seed(72)
+    m64, sd, cfg = make(g)
+    low = type(m64)(*cfg).to(dtype)  # module.to(): every parameter in the dtype
+    low.load_state_dict({k: v.to(dtype) for k, v in sd.items()})
+    ref = type(m64)(*cfg)
+    ref.load_state_dict({k: v.to(dtype).float() for k, v in sd.items()})
+    assert all(p.dtype == dtype for p in low.parameters())
+    x = rand(g, 2, 9, cfg[0]).to(dtype)
+    y, state = low(x, output_final_state=True)
+    y32, state32 = ref(x.float(), output_final_state=True)
+    assert y.dtype == dtype and state.recurrent_state.dtype == torch.float32  # FLA's state dtype
+    close(y.float(), y32, 10 * u)
+    # A prefill continued from its state: the whole sequence, to the same bound.
+    y_a, s_a = low(x[:, :5], output_final_state=True)
+    y_b = low(x[:, 5:], initial_state=s_a)
+    close(torch.cat([y_a, y_b], 1).float(), y32, 10 * u)
+    # Backward: a gradient of each parameter's dtype, near the float32 one (norm-wise: the sums
+    # over tokens of A_log's and dt_bias's gradients cancel; measured 9% at most in bf16).
+    dy = rand(g, *y.shape).to(dtype)
+    y.backward(dy)
+    y32.backward(dy.float())
+    for (name, p), p32 in zip(low.named_parameters(), ref.parameters()):
+        assert p.grad is not None and p.grad.dtype == dtype, name
+        err = (p.grad.double() - p32.grad.double()).norm() / p32.grad.double().norm()
+        assert err <= 0.25, f"{name}: {err:.3f}"
+
+
+# ---------------------------------------------------------------- single-token decoding
+
+@pytest.mark.parametrize("make", [make_gdn, make_kda, lambda g: make_kda(g, lower_bound=-4.0)])
+def test_step_one_token_at_a_time_equals_forward(make):
+    # B sequences, T tokens each through step(): forward of the T tokens, to 1e-12 in float64;
+    # from no state and from a prefill's LayerState, whose layer_state() then is forward's.
+    g = torch.Generator().manual_seed(81)
+    m, _, cfg = make(g, d=8, W=3) if make in (make_gdn, make_kda) else make(g)
+    B, T, P = 3, 7, 4
+    x = rand(g, B, T, cfg[0])
+    y, final = m(x, output_final_state=True)
+    x.requires_grad_()  # step is inference: no gradient, under grad mode too
+    st = m.make_state(B)
+    assert isinstance(st, lt.LayerDecodeState) and st.batch_size == B
+    ys = [m.step(x[:, t], st) for t in range(T)]
+    assert ys[0].shape == (B, cfg[0]) and not ys[0].requires_grad
+    close(torch.stack(ys, 1), y)
+    got = st.layer_state()
+    for a, b in zip(*(s.conv_state if isinstance(s.conv_state, tuple) else (s.conv_state,) for s in (got, final))):
+        close(a, b)
+    close(got.recurrent_state, final.recurrent_state)
+    _, prefill = m(x[:, :P].detach(), output_final_state=True)
+    st = m.make_state(initial_state=prefill)
+    ys = [m.step(x[:, t:t + 1], st) for t in range(P, T)]  # [B, 1, d] tokens
+    assert ys[0].shape == (B, 1, cfg[0])
+    close(torch.cat(ys, 1), y[:, P:])
+    # Back into forward: the decoded state continues the sequence.
+    x2 = rand(g, B, 2, cfg[0])
+    close(m(x2, initial_state=st.layer_state()), m(torch.cat([x.detach(), x2], 1))[:, T:])
+
+
+def test_step_in_bfloat16_with_bfloat16_states():
+    g = torch.Generator().manual_seed(82)
+    m64, sd, cfg = make_gdn(g)
+    m = type(m64)(*cfg).to(torch.bfloat16)
+    m.load_state_dict({k: v.to(torch.bfloat16) for k, v in sd.items()})
+    x = rand(g, 2, 6, cfg[0]).to(torch.bfloat16)
+    y = m(x)
+    for state_dtype, tol in ((None, 10 * 2.0 ** -8), (torch.bfloat16, 20 * 2.0 ** -8)):
+        st = m.make_state(2, state_dtype=state_dtype)
+        assert st.decoder.state_dtype == ("float32" if state_dtype is None else "bfloat16")
+        ys = torch.stack([m.step(x[:, t], st) for t in range(6)], 1)
+        assert ys.dtype == torch.bfloat16 and st.conv_state.dtype == torch.bfloat16
+        close(ys.float(), y.float(), tol)
+
+
+def test_step_errors_name_the_method():
+    m = lt.KimiDeltaAttention(8, 2, 2, 2, 3)
+    st = m.make_state(2)
+    with pytest.raises(ValueError, match=r"KimiDeltaAttention.step: hidden_states must be \[B, hidden_size\].*B = 2.*"
+                                         r"got \(3, 8\)"):
+        m.step(torch.randn(3, 8), st)
+    with pytest.raises(TypeError, match="KimiDeltaAttention.step: state must be a LayerDecodeState"):
+        m.step(torch.randn(2, 8), None)
+    with pytest.raises(TypeError, match="KimiDeltaAttention.step: hidden_states is torch.float64"):
+        m.step(torch.randn(2, 8, dtype=D64), st)
+    with pytest.raises(ValueError, match="GatedDeltaNet.make_state: batch_size must be >= 0"):
+        lt.GatedDeltaNet(8, 1, 2, 2, 2, 3).make_state()
+    _, s = m(torch.randn(1, 2, 8), output_final_state=True)
+    with pytest.raises(ValueError, match="KimiDeltaAttention.make_state: batch_size = 2 but initial_state holds 1"):
+        m.make_state(2, initial_state=s)
 
 
 def test_state_dicts_have_the_checkpoint_names_and_load_strictly():
