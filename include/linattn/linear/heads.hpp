@@ -76,6 +76,18 @@ HeadLayout check_grouped_heads(const char* function, const Eigen::MatrixBase<DQ>
   return {heads, kh, Q.cols() / kh, V.cols() / heads};
 }
 
+// check_grouped_heads() and the head sizes the caller stated (key_dim, value_dim; 0: not
+// stated) of a plain linear-attention call (CausalOptions, HeadOptions).
+template <class DQ, class DK, class DV>
+HeadLayout check_head_layout(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                             const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                             Index heads, Index key_heads, Index key_dim, Index value_dim,
+                             bool causal) {
+  const HeadLayout hl = check_grouped_heads(function, Q, K, V, heads, key_heads, causal);
+  check_head_dims(function, Q, V, heads, hl.key_heads, key_dim, value_dim, "V");
+  return hl;
+}
+
 // A rows x cols scratch of the view type View (a Map with an outer stride, detail/views.hpp)
 // in the workspace's buffer `slot`: a kernel writing into it is the instantiation that writes
 // the caller's gradients.
