@@ -83,9 +83,12 @@ HeadLayout check_head_layout(const char* function, const Eigen::MatrixBase<DQ>& 
                              const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
                              Index heads, Index key_heads, Index key_dim, Index value_dim,
                              bool causal) {
-  const HeadLayout hl = check_grouped_heads(function, Q, K, V, heads, key_heads, causal);
-  check_head_dims(function, Q, V, heads, hl.key_heads, key_dim, value_dim, "V");
-  return hl;
+  // The stated sizes first: for Q and K of fewer heads than H without key_heads, their
+  // message (set key_heads) says more than one about columns not divisible by heads.
+  if (heads > 0)
+    check_head_dims(function, Q, V, heads, resolve_key_heads(function, heads, key_heads), key_dim,
+                    value_dim, "V");
+  return check_grouped_heads(function, Q, K, V, heads, key_heads, causal);
 }
 
 // A rows x cols scratch of the view type View (a Map with an outer stride, detail/views.hpp)

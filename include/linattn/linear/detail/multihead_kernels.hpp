@@ -179,11 +179,20 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
       }
       for (Index i0 = 0; i0 < n; i0 += kLinearRowBlock) {
         const Index r = std::min(kLinearRowBlock, n - i0);
-        auto pt = w.matrix(kSlotPhiQ, kc * D, r);
-        phi.map(q.block(q0 + i0, kf * D, r, kc * D).transpose(), pt);
+        auto pt = w.matrix(kSlotPhiQ, hr.count * D, r);
+        if (hl.group() == 1) {
+          phi.map(q.block(q0 + i0, hr.first * D, r, hr.count * D).transpose(), pt);
+        } else {
+          // read_state() overwrites its query features: each value head gets its own copy of
+          // its shared head's, mapped once into the keys' buffer (free by now).
+          auto pk = w.matrix(kSlotPhiK, kc * D, r);
+          phi.map(q.block(q0 + i0, kf * D, r, kc * D).transpose(), pk);
+          for (Index i = 0; i < hr.count; ++i)
+            pt.middleRows(i * D, D) = pk.middleRows((hl.key_head(hr.first + i) - kf) * D, D);
+        }
         auto den = w.vector(kSlotRowA, r);
         for (Index i = 0; i < hr.count; ++i) {
-          auto pq = pt.middleRows((hl.key_head(hr.first + i) - kf) * D, D).transpose();
+          auto pq = pt.middleRows(i * D, D).transpose();
           read_state(phi, S(i), z(i), pq, den, dst.block(q0 + i0, (hr.first + i) * M, r, M), w);
         }
       }
