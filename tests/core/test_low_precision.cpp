@@ -282,6 +282,18 @@ void check_multi_head_batched_and_layouts() {
   linattn::batched_causal_linear_attention(Qf, Kf, Vf, offsets, H, EluPlusOne{}, outf, wsf);
   expect_same_bits(out, RowMat<S>(outf.template cast<S>()), "batched_causal_linear_attention");
 
+  // Shared query/key heads: the first head's columns serve all H value heads, in place.
+  linattn::CausalOptions shared;
+  shared.key_heads = 1;
+  const auto Q1 = QKV.leftCols(Dh);
+  const auto K1 = QKV.middleCols(H * Dh, Dh);
+  const auto Qf1 = QKVf.leftCols(Dh);
+  const auto Kf1 = QKVf.middleCols(H * Dh, Dh);
+  linattn::batched_causal_linear_attention(Q1, K1, V, offsets, H, EluPlusOne{}, out, ws, shared);
+  linattn::batched_causal_linear_attention(Qf1, Kf1, Vf, offsets, H, EluPlusOne{}, outf, wsf,
+                                           shared);
+  expect_same_bits(out, RowMat<S>(outf.template cast<S>()), "shared key heads");
+
   // Every other row through an inner stride: the generic widening.
   const Eigen::Map<const Mat<S>, 0, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>> Qs(
       QKV.data(), kN / 2, H * Dh, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>(1, 2 * QKV.cols()));

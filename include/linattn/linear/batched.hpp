@@ -71,7 +71,45 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
   const char* fn = "batched_linear_attention";
   detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
                          detail::offsets_of(fn, "k_offsets", k_offsets), heads, phi,
-                         detail::NoMask{}, out, ws, par);
+                         detail::NoMask{}, out, ws, HeadOptions{}, par);
+}
+
+/// \brief batched_linear_attention() with H value heads sharing Hk = layout.key_heads
+/// query/key heads (GVA): Q is N x Hk·D, K L x Hk·D, and value head h reads query/key head
+/// h / (H / Hk) in place, as multihead_linear_attention() with HeadOptions; equal to the call
+/// on Q and K with each head repeated over its value heads, bit for bit.
+/// \throws std::invalid_argument as the other form, or on a key_heads that does not divide
+/// heads or does not fit Q (naming both head counts).
+/// \code
+/// linattn::HeadOptions layout;
+/// layout.key_heads = 2;  // 8 value heads over 2 query/key heads
+/// linattn::batched_linear_attention(Q, K, V, {0, 100, 128}, {0, 100, 128}, 8,
+///                                   linattn::EluPlusOne{}, out, ws, layout);
+/// \endcode
+/// \param Q N x Hk·D queries: query/key head g reads columns [g·D, (g+1)·D).
+/// \param K L x Hk·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param q_offsets B + 1 query row offsets: sequence b's queries are rows [q_offsets[b],
+///     q_offsets[b+1]).
+/// \param k_offsets B + 1 key row offsets: sequence b's keys are rows [k_offsets[b],
+///     k_offsets[b+1]).
+/// \param heads H, the number of value heads (V's columns divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param layout key_heads (0: as many as heads) and the optional key_dim / value_dim checks.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, const std::vector<Index>& q_offsets,
+                              const std::vector<Index>& k_offsets, Index heads, const Phi& phi,
+                              const Eigen::MatrixBase<DOut>& out,
+                              MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                              const HeadOptions& layout, const ParallelOptions& par = {}) {
+  const char* fn = "batched_linear_attention";
+  detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
+                         detail::offsets_of(fn, "k_offsets", k_offsets), heads, phi,
+                         detail::NoMask{}, out, ws, layout, par);
 }
 
 /// \brief batched_linear_attention() with offsets of any integer type, read in place: an
@@ -106,7 +144,40 @@ void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
   const char* fn = "batched_linear_attention";
   detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
                          detail::offsets_of(fn, "k_offsets", k_offsets), heads, phi,
-                         detail::NoMask{}, out, ws, par);
+                         detail::NoMask{}, out, ws, HeadOptions{}, par);
+}
+
+/// \brief batched_linear_attention() with offsets of any integer type (read in place) and H
+/// value heads sharing Hk = layout.key_heads query/key heads (see the form above).
+/// \code
+/// linattn::HeadOptions layout;
+/// layout.key_heads = 2;
+/// linattn::batched_linear_attention(Q, K, V, cu, cu, 8, linattn::EluPlusOne{}, out, ws, layout);
+/// \endcode
+/// \param Q N x Hk·D queries: query/key head g reads columns [g·D, (g+1)·D).
+/// \param K L x Hk·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param q_offsets B + 1 query row offsets: sequence b's queries are rows [q_offsets[b],
+///     q_offsets[b+1]).
+/// \param k_offsets B + 1 key row offsets: sequence b's keys are rows [k_offsets[b],
+///     k_offsets[b+1]).
+/// \param heads H, the number of value heads (V's columns divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param layout key_heads (0: as many as heads) and the optional key_dim / value_dim checks.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+template <class DQ, class DK, class DV, class QOff, class KOff, class Phi, class DOut>
+void batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, const QOff& q_offsets,
+                              const KOff& k_offsets, Index heads, const Phi& phi,
+                              const Eigen::MatrixBase<DOut>& out,
+                              MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                              const HeadOptions& layout, const ParallelOptions& par = {}) {
+  const char* fn = "batched_linear_attention";
+  detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
+                         detail::offsets_of(fn, "k_offsets", k_offsets), heads, phi,
+                         detail::NoMask{}, out, ws, layout, par);
 }
 
 /// \brief batched_linear_attention() with a key padding mask: `key_mask` has one bool per
@@ -139,6 +210,40 @@ void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
                                      const Eigen::MatrixBase<DOut>& out,
                                      MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
                                      const ParallelOptions& par = {}) {
+  masked_batched_linear_attention(Q, K, V, q_offsets, k_offsets, key_mask, heads, phi, out, ws,
+                                  HeadOptions{}, par);
+}
+
+/// \brief masked_batched_linear_attention() with H value heads sharing Hk = layout.key_heads
+/// query/key heads (see batched_linear_attention() with HeadOptions).
+/// \code
+/// linattn::HeadOptions layout;
+/// layout.key_heads = 2;
+/// linattn::masked_batched_linear_attention(Q, K, V, offsets, offsets, keep, 8,
+///                                          linattn::EluPlusOne{}, out, ws, layout);
+/// \endcode
+/// \param Q N x Hk·D queries: query/key head g reads columns [g·D, (g+1)·D).
+/// \param K L x Hk·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param q_offsets B + 1 query row offsets: sequence b's queries are rows [q_offsets[b],
+///     q_offsets[b+1]).
+/// \param k_offsets B + 1 key row offsets: sequence b's keys are rows [k_offsets[b],
+///     k_offsets[b+1]).
+/// \param key_mask L entries (one per packed key row), true for a key that takes part.
+/// \param heads H, the number of value heads (V's columns divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param layout key_heads (0: as many as heads) and the optional key_dim / value_dim checks.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+template <class DQ, class DK, class DV, class QOff, class KOff, class DMask, class Phi, class DOut>
+void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                     const Eigen::MatrixBase<DV>& V, const QOff& q_offsets,
+                                     const KOff& k_offsets, const Eigen::DenseBase<DMask>& key_mask,
+                                     Index heads, const Phi& phi,
+                                     const Eigen::MatrixBase<DOut>& out,
+                                     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                                     const HeadOptions& layout, const ParallelOptions& par = {}) {
   const char* fn = "masked_batched_linear_attention";
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, out, "the key mask", key_mask);
@@ -146,7 +251,7 @@ void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
   const detail::KeyMask keep(mask);
   detail::batched_linear(fn, Q, K, V, detail::offsets_of(fn, "q_offsets", q_offsets),
                          detail::offsets_of(fn, "k_offsets", k_offsets), heads, phi, keep, out,
-                         ws, par);
+                         ws, layout, par);
 }
 
 /// \brief Causal linear attention over B packed sequences (rows [offsets[b], offsets[b+1]))
@@ -154,15 +259,16 @@ void masked_batched_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
 ///            std::invalid_argument). A product operand is evaluated before any head runs
 ///            and may read `out`'s memory; any other expression operand must not.
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = options.key_heads, or H): value head h reads query/key
+///     head h / (H / Hk), columns [g·D, (g+1)·D) for g = h / (H / Hk).
+/// \param K N x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads (Q's and V's columns divisible by H).
+/// \param heads H, the number of value heads (V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the algorithm, its chunk size (the defaults suit most shapes) and key_heads.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -184,16 +290,17 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
 /// cu_seqlens << 0, 100, 128;
 /// linattn::batched_causal_linear_attention(Q, K, V, cu_seqlens, 8, linattn::EluPlusOne{}, out, ws);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = options.key_heads, or H): value head h reads query/key
+///     head h / (H / Hk), columns [g·D, (g+1)·D) for g = h / (H / Hk).
+/// \param K N x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads (Q's and V's columns divisible by H).
+/// \param heads H, the number of value heads (V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the algorithm, its chunk size (the defaults suit most shapes) and key_heads.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Off, class Phi, class DOut>
 void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -229,18 +336,19 @@ void batched_causal_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen
 /// linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> decoder(B, 8, 64, 64);
 /// decoder.set_states(states);  // decode from the end of every prompt
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = options.key_heads, or H): value head h reads query/key
+///     head h / (H / Hk), columns [g·D, (g+1)·D) for g = h / (H / Hk).
+/// \param K N x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
-/// \param heads H, the number of heads (Q's and V's columns divisible by H).
+/// \param heads H, the number of value heads (V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
 /// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the algorithm, its chunk size (the defaults suit most shapes) and key_heads.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Off, class Phi, class DOut>
 void batched_causal_linear_attention(
@@ -264,16 +372,17 @@ void batched_causal_linear_attention(
 /// linattn::masked_batched_causal_linear_attention(Q, K, V, cu_seqlens, keep, 8,
 ///                                                 linattn::EluPlusOne{}, out, ws);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = options.key_heads, or H): value head h reads query/key
+///     head h / (H / Hk), columns [g·D, (g+1)·D) for g = h / (H / Hk).
+/// \param K N x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads (Q's and V's columns divisible by H).
+/// \param heads H, the number of value heads (V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the algorithm, its chunk size (the defaults suit most shapes) and key_heads.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Off, class DMask, class Phi, class DOut>
 void masked_batched_causal_linear_attention(
@@ -298,19 +407,20 @@ void masked_batched_causal_linear_attention(
 /// linattn::masked_batched_causal_linear_attention(Q, K, V, cu_seqlens, keep, 8,
 ///                                                 linattn::EluPlusOne{}, states, out, ws);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = options.key_heads, or H): value head h reads query/key
+///     head h / (H / Hk), columns [g·D, (g+1)·D) for g = h / (H / Hk).
+/// \param K N x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param offsets B + 1 row offsets of the packed sequences: sequence b is rows offsets[b] to
 ///     offsets[b+1] - 1.
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads (Q's and V's columns divisible by H).
+/// \param heads H, the number of value heads (V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
 /// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the algorithm, its chunk size (the defaults suit most shapes) and key_heads.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Off, class DMask, class Phi, class DOut>
 void masked_batched_causal_linear_attention(

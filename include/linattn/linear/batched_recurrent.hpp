@@ -24,6 +24,7 @@
 #include "../core/error.hpp"
 #include "../maps/feature_map.hpp"
 #include "../core/parallel.hpp"
+#include "options.hpp"
 #include "recurrent_linear_attention.hpp"
 #include "../core/state.hpp"
 #include "../maps/map_state.hpp"
@@ -54,6 +55,12 @@ namespace linattn {
 /// MultiHeadRecurrentLinearAttention::step calls) are therefore reproduced bit for bit, for any
 /// thread count.
 ///
+/// Shared query/key heads (GVA; CausalOptions::key_heads = Hk < H at construction): q and k
+/// rows hold Hk·D entries and value head h reads query/key head h / (H / Hk), as
+/// batched_causal_linear_attention() with those options; the states stay one per (sequence,
+/// value head), so set_states() takes the B·H states such a prefill carries out, and
+/// save_state() / load_state() are unchanged (the file records H, D and M, not Hk).
+///
 /// Thread safety: one step() (or any member that changes a sequence) at a time per object;
 /// different objects are independent.
 ///
@@ -70,6 +77,10 @@ namespace linattn {
 /// linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> decoder(32, 8, 64, 64);
 /// Eigen::MatrixXf out(32, 8 * 64);
 /// decoder.step(Q, K, V, out);  // no allocation; (sequence, head) pairs on all threads
+/// linattn::CausalOptions shared;
+/// shared.key_heads = 2;  // Q, K: 32 x 2·64 for the same 8 value heads
+/// linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> gva(
+///     32, 8, 64, 64, linattn::EluPlusOne{}, shared);
 /// \endcode
 template <class FeatureMap = EluPlusOne, class Scalar = float, class StateScalar = Scalar>
 class BatchedRecurrentLinearAttention {
@@ -96,14 +107,17 @@ class BatchedRecurrentLinearAttention {
   /// \param key_dim D, the width of each head's query and key rows.
   /// \param value_dim M, the width of each head's value rows and outputs.
   /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+  /// \param options its key_heads: Hk query/key heads shared by the H value heads (0: H; a
+  ///     key_heads that does not divide heads throws); the other fields are not used here.
   BatchedRecurrentLinearAttention(Index sequences, Index heads, Index key_dim, Index value_dim,
-                                  FeatureMap phi = FeatureMap{})
+                                  FeatureMap phi = FeatureMap{}, const CausalOptions& options = {})
       : phi_(std::move(phi)), heads_(heads), key_dim_(key_dim), value_dim_(value_dim) {
     const char* fn = "BatchedRecurrentLinearAttention";
     if (sequences < 0 || heads <= 0)
       detail::throw_invalid(fn, "sequences must be non-negative and heads positive, got sequences = " +
                                     std::to_string(sequences) + ", heads = " +
                                     std::to_string(heads));
+    key_heads_ = detail::resolve_key_heads(fn, heads, options.key_heads);
     detail::check_dims(fn, key_dim, value_dim);
     detail::check_feature_map(fn, phi_, key_dim);
     resize(sequences);
@@ -118,8 +132,8 @@ class BatchedRecurrentLinearAttention {
   /// \param par threads over the B·H (sequence, head) pairs; 1 runs them on the calling thread.
   /// \throws std::invalid_argument on wrong shapes or an `out` that overlaps q, k or v, with no
   /// sequence moved. Only a throwing feature map can stop a step part-way.
-  /// \param q B x H·D: row b is sequence b's query, heads side by side.
-  /// \param k B x H·D keys, as q.
+  /// \param q B x Hk·D (Hk = key_heads()): row b is sequence b's query, heads side by side.
+  /// \param k B x Hk·D keys, as q.
   /// \param v B x H·M values: row b is sequence b's value.
   /// \param out receives the B x H·M outputs, row b for sequence b.
   template <class DQ, class DK, class DV, class DOut>
@@ -140,8 +154,8 @@ class BatchedRecurrentLinearAttention {
   /// \throws std::invalid_argument on wrong shapes, a slot outside [0, B) or a repeated slot,
   /// with no sequence moved.
   /// \param slots the sequences, one per row of the batch, each 0 <= slots[i] < sequences().
-  /// \param q one H·D query row per entry of slots.
-  /// \param k one H·D key row per entry of slots.
+  /// \param q one Hk·D query row per entry of slots (Hk = key_heads()).
+  /// \param k one Hk·D key row per entry of slots.
   /// \param v one H·M value row per entry of slots.
   /// \param out receives one H·M output row per entry of slots.
   /// \param par threads over the (sequence, head) pairs; 1 runs them on the calling thread.
@@ -354,6 +368,10 @@ class BatchedRecurrentLinearAttention {
   /// The number H of heads of every sequence.
   /// \return H.
   Index heads() const noexcept { return heads_; }
+  /// The number Hk of query/key heads the value heads share (heads() unless the constructor's
+  /// CausalOptions::key_heads said fewer).
+  /// \return Hk.
+  Index key_heads() const noexcept { return key_heads_; }
   /// The width D of each head's query and key rows.
   /// \return D.
   Index key_dim() const noexcept { return key_dim_; }
@@ -410,15 +428,19 @@ class BatchedRecurrentLinearAttention {
                   "linattn: the tokens' scalar type must be the BatchedRecurrentLinearAttention's "
                   "(or bf16 / half for a float one), and out's the tokens'");
     const Index n = rows < 0 ? sequences() : rows, H = heads_, D = key_dim_, M = value_dim_;
+    const Index Hk = key_heads_, G = H / Hk;
     if (q.rows() != n || k.rows() != n || v.rows() != n || out.rows() != n ||
-        q.cols() != H * D || k.cols() != H * D || v.cols() != H * M || out.cols() != H * M)
+        q.cols() != Hk * D || k.cols() != Hk * D || v.cols() != H * M || out.cols() != H * M)
       detail::throw_invalid(
           fn, "q is " + detail::shape_of(q) + ", k is " + detail::shape_of(k) + ", v is " +
                   detail::shape_of(v) + ", out is " + detail::shape_of(out) + " but must be " +
-                  detail::shape_string(n, H * D) + ", " + detail::shape_string(n, H * D) + ", " +
-                  detail::shape_string(n, H * M) + ", " + detail::shape_string(n, H * M) +
+                  detail::shape_string(n, Hk * D) + ", " + detail::shape_string(n, Hk * D) +
+                  ", " + detail::shape_string(n, H * M) + ", " + detail::shape_string(n, H * M) +
                   " (one row per sequence, H = " + std::to_string(H) + " heads of D = " +
-                  std::to_string(D) + ", M = " + std::to_string(M) + ")");
+                  std::to_string(D) + ", M = " + std::to_string(M) +
+                  (Hk == H ? std::string()
+                           : ", over key_heads = " + std::to_string(Hk) + " query/key heads") +
+                  ")");
     detail::check_no_overlap(fn, out, "q", q, "k", k, "v", v);
     const Index tasks = n * H;
     if (tasks == 0) return;
@@ -439,7 +461,7 @@ class BatchedRecurrentLinearAttention {
       const std::size_t i = index(b, h);
       // RecurrentLinearAttention::step's operands and update, so that the heads agree bit
       // for bit.
-      s.load(phi_, qe.row(r).segment(h * D, D), ke.row(r).segment(h * D, D),
+      s.load(phi_, qe.row(r).segment(h / G * D, D), ke.row(r).segment(h / G * D, D),
              ve.row(r).segment(h * M, M));
       if constexpr (kLowState) {
         auto& st = states_[i];
@@ -471,6 +493,7 @@ class BatchedRecurrentLinearAttention {
 
   FeatureMap phi_;
   Index heads_, key_dim_, value_dim_;
+  Index key_heads_ = 0;
   Index sequences_ = 0;
   std::vector<Stored> states_;       // head h of sequence b at b·H + h; may hold spares past B·H
   std::vector<Index> unfolded_;      // steps since the last fold, per (sequence, head)

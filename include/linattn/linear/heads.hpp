@@ -76,6 +76,21 @@ HeadLayout check_grouped_heads(const char* function, const Eigen::MatrixBase<DQ>
   return {heads, kh, Q.cols() / kh, V.cols() / heads};
 }
 
+// check_grouped_heads() and the head sizes the caller stated (key_dim, value_dim; 0: not
+// stated) of a plain linear-attention call (CausalOptions, HeadOptions).
+template <class DQ, class DK, class DV>
+HeadLayout check_head_layout(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                             const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                             Index heads, Index key_heads, Index key_dim, Index value_dim,
+                             bool causal) {
+  // The stated sizes first: for Q and K of fewer heads than H without key_heads, their
+  // message (set key_heads) says more than one about columns not divisible by heads.
+  if (heads > 0)
+    check_head_dims(function, Q, V, heads, resolve_key_heads(function, heads, key_heads), key_dim,
+                    value_dim, "V");
+  return check_grouped_heads(function, Q, K, V, heads, key_heads, causal);
+}
+
 // A rows x cols scratch of the view type View (a Map with an outer stride, detail/views.hpp)
 // in the workspace's buffer `slot`: a kernel writing into it is the instantiation that writes
 // the caller's gradients.

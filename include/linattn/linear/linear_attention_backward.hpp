@@ -40,6 +40,7 @@ void causal_linear_attention_backward_impl(
   using Scalar = compute_scalar_t<Storage>;
   static_check_backward<Phi, compute_scalar_t<Scalar>>();
   check_backward(function, Q, K, V, dOut, dQ, dK, dV, /*causal=*/true);
+  check_single_head(function, Q, V, opts);
   check_feature_map(function, phi, Q.cols());
   if (opts.chunk_size < 0)
     throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +

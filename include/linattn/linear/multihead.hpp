@@ -61,7 +61,41 @@ void multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
   detail::batched_linear("multihead_linear_attention", Q, K, V,
                          detail::OffsetsRef(q_offsets, 2),
                          detail::OffsetsRef(k_offsets, 2), heads, phi, detail::NoMask{},
-                         out, ws, par);
+                         out, ws, HeadOptions{}, par);
+}
+
+/// \brief multihead_linear_attention() with H value heads sharing Hk = layout.key_heads
+/// query/key heads (GVA): Q is N x Hk·D, K L x Hk·D, and value head h reads query/key head
+/// h / (H / Hk) in place (no copy per value head); each elementwise map's features of a
+/// shared head are computed once per group of heads. Equal to the call on Q and K with each
+/// head repeated over its value heads (`repeat_interleave`), bit for bit.
+/// \throws std::invalid_argument as the other form, or when key_heads does not divide heads,
+/// Q's columns are not a multiple of key_heads, or a stated key_dim / value_dim does not fit
+/// (the message names both head counts).
+/// \code
+/// linattn::HeadOptions layout;
+/// layout.key_heads = 2;  // Q, K: N x 2·64; V, out: N x 8·64
+/// linattn::multihead_linear_attention(Q, K, V, 8, linattn::EluPlusOne{}, out, ws, layout);
+/// \endcode
+/// \param Q N x Hk·D queries: query/key head g reads columns [g·D, (g+1)·D).
+/// \param K L x Hk·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param heads H, the number of value heads (V's columns divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param layout key_heads (0: as many as heads) and the optional key_dim / value_dim checks.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+template <class DQ, class DK, class DV, class Phi, class DOut>
+void multihead_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                const Eigen::MatrixBase<DV>& V, Index heads, const Phi& phi,
+                                const Eigen::MatrixBase<DOut>& out,
+                                MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
+                                const HeadOptions& layout, const ParallelOptions& par = {}) {
+  const Index q_offsets[2] = {0, Q.rows()}, k_offsets[2] = {0, K.rows()};
+  detail::batched_linear("multihead_linear_attention", Q, K, V,
+                         detail::OffsetsRef(q_offsets, 2), detail::OffsetsRef(k_offsets, 2), heads,
+                         phi, detail::NoMask{}, out, ws, layout, par);
 }
 
 /// \brief Multi-head non-causal linear attention, returning N x (H·M).
@@ -81,6 +115,26 @@ Matrix<typename DQ::Scalar> multihead_linear_attention(const Eigen::MatrixBase<D
   auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
   MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
   multihead_linear_attention(Q, K, V, heads, phi, out, ws, par);
+  return out;
+}
+
+/// \brief Multi-head non-causal linear attention with shared query/key heads (see the
+/// writing form taking HeadOptions), returning N x (H·M).
+/// \param Q N x Hk·D queries: query/key head g reads columns [g·D, (g+1)·D).
+/// \param K L x Hk·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param heads H, the number of value heads (V's columns divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param layout key_heads (0: as many as heads) and the optional key_dim / value_dim checks.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
+template <class DQ, class DK, class DV, class Phi>
+Matrix<typename DQ::Scalar> multihead_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    Index heads, const Phi& phi, const HeadOptions& layout, const ParallelOptions& par = {}) {
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
+  multihead_linear_attention(Q, K, V, heads, phi, out, ws, layout, par);
   return out;
 }
 
@@ -105,6 +159,34 @@ void masked_multihead_linear_attention(
     const Eigen::MatrixBase<DOut>& out,
     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
     const ParallelOptions& par = {}) {
+  masked_multihead_linear_attention(Q, K, V, key_mask, heads, phi, out, ws, HeadOptions{}, par);
+}
+
+/// \brief masked_multihead_linear_attention() with H value heads sharing Hk =
+/// layout.key_heads query/key heads (see multihead_linear_attention() with HeadOptions).
+/// \code
+/// linattn::HeadOptions layout;
+/// layout.key_heads = 2;
+/// linattn::masked_multihead_linear_attention(Q, K, V, keep, 8, linattn::EluPlusOne{}, out, ws,
+///                                            layout);
+/// \endcode
+/// \param Q N x Hk·D queries: query/key head g reads columns [g·D, (g+1)·D).
+/// \param K L x Hk·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param heads H, the number of value heads (V's columns divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
+/// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
+/// \param layout key_heads (0: as many as heads) and the optional key_dim / value_dim checks.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
+void masked_multihead_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+    const Eigen::DenseBase<DMask>& key_mask, Index heads, const Phi& phi,
+    const Eigen::MatrixBase<DOut>& out,
+    MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws, const HeadOptions& layout,
+    const ParallelOptions& par = {}) {
   const char* fn = "masked_multihead_linear_attention";
   detail::check_key_mask(fn, key_mask, K.rows());
   detail::check_no_overlap(fn, out, "the key mask", key_mask);
@@ -112,7 +194,7 @@ void masked_multihead_linear_attention(
   const detail::KeyMask keep(mask);
   const Index q_offsets[2] = {0, Q.rows()}, k_offsets[2] = {0, K.rows()};
   detail::batched_linear(fn, Q, K, V, detail::OffsetsRef(q_offsets, 2),
-                         detail::OffsetsRef(k_offsets, 2), heads, phi, keep, out, ws,
+                         detail::OffsetsRef(k_offsets, 2), heads, phi, keep, out, ws, layout,
                          par);
 }
 
@@ -136,17 +218,48 @@ Matrix<typename DQ::Scalar> masked_multihead_linear_attention(
   return out;
 }
 
-/// \brief Multi-head causal linear attention (each head from an empty state).
+/// \brief Masked multi-head non-causal linear attention with shared query/key heads (see
+/// multihead_linear_attention() with HeadOptions), returning N x (H·M).
+/// \param Q N x Hk·D queries: query/key head g reads columns [g·D, (g+1)·D).
+/// \param K L x Hk·D keys, split into heads as Q.
+/// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
+/// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
+/// \param heads H, the number of value heads (V's columns divisible by H).
+/// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
+/// \param layout key_heads (0: as many as heads) and the optional key_dim / value_dim checks.
+/// \param par the threads to split the work over (default: the OpenMP threads, or one).
+/// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
+template <class DQ, class DK, class DV, class DMask, class Phi>
+Matrix<typename DQ::Scalar> masked_multihead_linear_attention(
+    const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+    const Eigen::MatrixBase<DV>& V, const Eigen::DenseBase<DMask>& key_mask, Index heads,
+    const Phi& phi, const HeadOptions& layout, const ParallelOptions& par = {}) {
+  auto out = detail::result_matrix<typename DQ::Scalar>(Q.rows(), V.cols());
+  MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>> ws;
+  masked_multihead_linear_attention(Q, K, V, key_mask, heads, phi, out, ws, layout, par);
+  return out;
+}
+
+/// \brief Multi-head causal linear attention (each head from an empty state). With
+/// CausalOptions::key_heads = Hk < H, Q and K hold Hk query/key heads (N x Hk·D), each shared
+/// in place by H / Hk consecutive value heads (FLA's and transformers' order): equal to the
+/// call on Q and K with every head repeated over its value heads, bit for bit.
+/// \code
+/// linattn::CausalOptions opts;
+/// opts.key_heads = 2;  // 8 value heads over 2 query/key heads
+/// linattn::multihead_causal_linear_attention(Q, K, V, 8, linattn::EluPlusOne{}, out, ws, opts);
+/// \endcode
 /// \param out must not overlap Q, K, V (checked once, before any head runs:
 ///            std::invalid_argument). A product operand is evaluated before any head runs
 ///            and may read `out`'s memory; any other expression operand must not.
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = options.key_heads, or H): value head h reads query/key
+///     head h / (H / Hk), columns [g·D, (g+1)·D) for g = h / (H / Hk).
+/// \param K N x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads (Q's and V's columns divisible by H).
+/// \param heads H, the number of value heads (V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the algorithm, its chunk size (the defaults suit most shapes) and key_heads.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void multihead_causal_linear_attention(
@@ -161,8 +274,8 @@ void multihead_causal_linear_attention(
 }
 
 /// \brief Multi-head causal linear attention carrying the H heads' states in and out: `states`
-/// holds H states (an empty entry starts from zero; an empty vector is resized to H), and on
-/// return head h's final state, as causal_linear_attention() on head h's columns with
+/// holds H states, one per value head also when key heads are shared (an empty entry starts
+/// from zero; an empty vector is resized to H), and on return head h's final state, as causal_linear_attention() on head h's columns with
 /// states[h] leaves it (bit for bit on one thread with the same CausalOptions). A prompt
 /// prefilled in pieces equals the one-shot call; the states continue in a
 /// MultiHeadRecurrentLinearAttention (head(h).set_state()) or a BatchedRecurrentLinearAttention.
@@ -172,16 +285,17 @@ void multihead_causal_linear_attention(
 /// std::vector<linattn::LinearAttentionState<float>> states;  // H, filled by the call
 /// linattn::multihead_causal_linear_attention(Q, K, V, 8, linattn::EluPlusOne{}, states, out, ws);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = options.key_heads, or H): value head h reads query/key
+///     head h / (H / Hk), columns [g·D, (g+1)·D) for g = h / (H / Hk).
+/// \param K N x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads (Q's and V's columns divisible by H).
+/// \param heads H, the number of value heads (V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
 /// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the algorithm, its chunk size (the defaults suit most shapes) and key_heads.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class Phi, class DOut>
 void multihead_causal_linear_attention(
@@ -199,14 +313,15 @@ void multihead_causal_linear_attention(
 
 /// \brief Multi-head causal linear attention carrying the heads' states in and out (see above),
 /// returning N x (H·M).
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = options.key_heads, or H): value head h reads query/key
+///     head h / (H / Hk), columns [g·D, (g+1)·D) for g = h / (H / Hk).
+/// \param K N x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads (Q's and V's columns divisible by H).
+/// \param heads H, the number of value heads (V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the algorithm, its chunk size (the defaults suit most shapes) and key_heads.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV, class Phi>
@@ -225,12 +340,13 @@ Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
 /// \code
 /// Eigen::MatrixXf out = linattn::multihead_causal_linear_attention(Q, K, V, 8);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = options.key_heads, or H): value head h reads query/key
+///     head h / (H / Hk), columns [g·D, (g+1)·D) for g = h / (H / Hk).
+/// \param K N x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
-/// \param heads H, the number of heads (Q's and V's columns divisible by H).
+/// \param heads H, the number of value heads (V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the algorithm, its chunk size (the defaults suit most shapes) and key_heads.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV, class Phi = EluPlusOne>
@@ -251,14 +367,15 @@ Matrix<typename DQ::Scalar> multihead_causal_linear_attention(
 /// linattn::masked_multihead_causal_linear_attention(Q, K, V, keep, 8, linattn::EluPlusOne{},
 ///                                                   out, ws);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = options.key_heads, or H): value head h reads query/key
+///     head h / (H / Hk), columns [g·D, (g+1)·D) for g = h / (H / Hk).
+/// \param K N x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads (Q's and V's columns divisible by H).
+/// \param heads H, the number of value heads (V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the algorithm, its chunk size (the defaults suit most shapes) and key_heads.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_multihead_causal_linear_attention(
@@ -284,17 +401,18 @@ void masked_multihead_causal_linear_attention(
 /// linattn::masked_multihead_causal_linear_attention(Q, K, V, keep, 8, linattn::EluPlusOne{},
 ///                                                   states, out, ws);
 /// \endcode
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = options.key_heads, or H): value head h reads query/key
+///     head h / (H / Hk), columns [g·D, (g+1)·D) for g = h / (H / Hk).
+/// \param K N x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads (Q's and V's columns divisible by H).
+/// \param heads H, the number of value heads (V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
 /// \param states one state per head (per sequence and head when batched), continued from and
 ///     updated in place.
 /// \param out receives the N x H·M output, split into heads as V; must not overlap the inputs.
 /// \param ws scratch per thread reused across calls, so that repeated calls allocate nothing.
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the algorithm, its chunk size (the defaults suit most shapes) and key_heads.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 template <class DQ, class DK, class DV, class DMask, class Phi, class DOut>
 void masked_multihead_causal_linear_attention(
@@ -315,13 +433,14 @@ void masked_multihead_causal_linear_attention(
 }
 
 /// \brief Masked multi-head causal linear attention, returning N x (H·M).
-/// \param Q N x H·D queries: head h reads columns [h·D, (h+1)·D).
-/// \param K L x H·D keys, split into heads as Q.
+/// \param Q N x Hk·D queries (Hk = options.key_heads, or H): value head h reads query/key
+///     head h / (H / Hk), columns [g·D, (g+1)·D) for g = h / (H / Hk).
+/// \param K N x Hk·D keys, split into heads as Q.
 /// \param V L x H·M values: head h reads columns [h·M, (h+1)·M).
 /// \param key_mask L entries, true for a key that takes part; a masked key adds nothing.
-/// \param heads H, the number of heads (Q's and V's columns divisible by H).
+/// \param heads H, the number of value heads (V's columns divisible by H).
 /// \param phi the feature map of queries and keys (its F = phi.feature_dim(D)).
-/// \param options the algorithm and its chunk size (the defaults suit most shapes).
+/// \param options the algorithm, its chunk size (the defaults suit most shapes) and key_heads.
 /// \param par the threads to split the work over (default: the OpenMP threads, or one).
 /// \return the N x H·M output, head h in columns [h·M, (h+1)·M).
 template <class DQ, class DK, class DV, class DMask, class Phi = EluPlusOne>

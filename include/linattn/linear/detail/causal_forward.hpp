@@ -427,6 +427,20 @@ void causal_linear_attention_views(const char* function, const VQ& q, const VK& 
   std::swap(st, x.carried[static_cast<std::size_t>(team - 1)]);
 }
 
+// A single-head call's CausalOptions: key_heads 0 or 1, and the head sizes it states.
+template <class DQ, class DV>
+void check_single_head(const char* function, const Eigen::MatrixBase<DQ>& Q,
+                       const Eigen::MatrixBase<DV>& V, const CausalOptions& opts) {
+  check_head_dims(function, Q, V, 1, resolve_key_heads(function, 1, opts.key_heads), opts.key_dim,
+                  opts.value_dim, "V");
+}
+
+// The options of one head of a multi-head call, whose head layout its caller checked.
+inline CausalOptions one_head(CausalOptions opts) noexcept {
+  opts.key_heads = opts.key_dim = opts.value_dim = 0;
+  return opts;
+}
+
 // Checks the arguments, then runs causal_linear_attention_views() on the operands as views
 // (detail/views.hpp): one instantiation of the kernels per map, mask, scalar type and storage
 // orders, whatever Eigen types the caller passes.
@@ -440,6 +454,7 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
                                    const CausalOptions& opts, const ParallelOptions& par) {
   static_check_feature_map<Phi, compute_scalar_t<typename DQ::Scalar>>();
   check_qkv(function, Q, K, V, /*causal=*/true);
+  check_single_head(function, Q, V, opts);
   check_feature_map(function, phi, Q.cols());
   const Index F = phi.feature_dim(Q.cols()), M = V.cols(), N = Q.rows();
   const int threads = sequence_split_threads(par, N, F * M);

@@ -20,6 +20,7 @@
 #endif
 
 #include "causal_forward.hpp"
+#include "../options.hpp"
 #include "../../core/common.hpp"
 #include "../../core/error.hpp"
 #include "linear_forward.hpp"
@@ -84,11 +85,11 @@ bool split_pairs(const QOff& q_offsets, const KOff& k_offsets, Index B, Index he
 // operands as views.
 template <class VQ, class VK, class VV, class QOff, class KOff, class Phi, class Keep, class VOut>
 void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
-                          const QOff& q_offsets, const KOff& k_offsets, Index heads,
+                          const QOff& q_offsets, const KOff& k_offsets, const HeadLayout& hl,
                           const Phi& phi, const Keep& keep, VOut& dst,
-                          MultiHeadWorkspace<typename VQ::Scalar>& ws, const ParallelOptions& par,
-                          Index D, Index M) {
+                          MultiHeadWorkspace<typename VQ::Scalar>& ws, const ParallelOptions& par) {
   using Scalar = typename VQ::Scalar;
+  const Index heads = hl.heads, D = hl.D, M = hl.M;
   const Index B = static_cast<Index>(q_offsets.size()) - 1;
   const Index F = phi.feature_dim(D);
   if (split_pairs(q_offsets, k_offsets, B, heads, F * M, par, /*causal=*/false)) {
@@ -101,7 +102,8 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
       const Index q0 = q_offsets[bs], n = q_offsets[bs + 1] - q0;
       const Index k0 = k_offsets[bs], l = k_offsets[bs + 1] - k0;
       for (Index h = 0; h < heads; ++h)
-        linear_attention_split(fn, q.block(q0, h * D, n, D), k.block(k0, h * D, l, D),
+        linear_attention_split(fn, q.block(q0, hl.key_head(h) * D, n, D),
+                               k.block(k0, hl.key_head(h) * D, l, D),
                                v.block(k0, h * M, l, M), phi, shifted_keep(keep, k0),
                                dst.block(q0, h * M, n, M), w, par);
     }
@@ -153,10 +155,14 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
     constexpr bool by_type = maps_token_major_v<Phi, KRows> && maps_token_major_v<Phi, QRows>;
     if (by_type || (erased_token_major<Phi, KRows>(phi) && erased_token_major<Phi, QRows>(phi))) {
       assert(F == D);  // an elementwise map
+      // The group's query/key heads [kf, kf + kc), each mapped once however many of the
+      // group's value heads share it.
+      const Index kf = hl.key_head(hr.first);
+      const Index kc = hr.count == 0 ? 0 : hl.key_head(hr.first + hr.count - 1) - kf + 1;
       for (Index j0 = 0; j0 < l; j0 += kLinearRowBlock) {
         const Index r = std::min(kLinearRowBlock, l - j0);
-        auto pt = w.matrix(kSlotPhiK, hr.count * D, r);  // column j: token j's features, by head
-        phi.map(k.block(k0 + j0, hr.first * D, r, hr.count * D).transpose(), pt);
+        auto pt = w.matrix(kSlotPhiK, kc * D, r);  // column j: token j's features, by key head
+        phi.map(k.block(k0 + j0, kf * D, r, kc * D).transpose(), pt);
         if constexpr (!std::is_same_v<Keep, NoMask>)  // as absorb_keys() zeroes a masked row
           for (Index j = 0; j < r; ++j)
             if (!keep(k0 + j0 + j)) pt.col(j).setZero();
@@ -165,7 +171,7 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
           MatMap Si = S(i), S_lo(S_lo_all.data() + i * sS, F, M);
           VecMap zi = z(i), z_lo(z_lo_all.data() + i * sz, F);
           absorb_token_major(
-              pt.data() + i * D, pt.outerStride(), D, r,
+              pt.data() + (hl.key_head(h) - kf) * D, pt.outerStride(), D, r,
               kept_value_rows(v.block(k0 + j0, h * M, r, M), k0 + j0, keep, w, kSlotProductB), S_lo,
               z_lo, w);
           fold_state(Si, S_lo, zi, z_lo);
@@ -174,7 +180,16 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
       for (Index i0 = 0; i0 < n; i0 += kLinearRowBlock) {
         const Index r = std::min(kLinearRowBlock, n - i0);
         auto pt = w.matrix(kSlotPhiQ, hr.count * D, r);
-        phi.map(q.block(q0 + i0, hr.first * D, r, hr.count * D).transpose(), pt);
+        if (hl.group() == 1) {
+          phi.map(q.block(q0 + i0, hr.first * D, r, hr.count * D).transpose(), pt);
+        } else {
+          // read_state() overwrites its query features: each value head gets its own copy of
+          // its shared head's, mapped once into the keys' buffer (free by now).
+          auto pk = w.matrix(kSlotPhiK, kc * D, r);
+          phi.map(q.block(q0 + i0, kf * D, r, kc * D).transpose(), pk);
+          for (Index i = 0; i < hr.count; ++i)
+            pt.middleRows(i * D, D) = pk.middleRows((hl.key_head(hr.first + i) - kf) * D, D);
+        }
         auto den = w.vector(kSlotRowA, r);
         for (Index i = 0; i < hr.count; ++i) {
           auto pq = pt.middleRows(i * D, D).transpose();
@@ -189,7 +204,8 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
         const Index h = hr.first + i;
         MatMap Si = S(i), S_lo(S_lo_all.data() + i * sS, F, M);
         VecMap zi = z(i), z_lo(z_lo_all.data() + i * sz, F), m(m_all.data() + i * sm, per_feature);
-        absorb_keys(phi, k.block(k0 + j0, h * D, r, D), v.block(k0 + j0, h * M, r, M), Si, S_lo,
+        absorb_keys(phi, k.block(k0 + j0, hl.key_head(h) * D, r, D), v.block(k0 + j0, h * M, r, M),
+                    Si, S_lo,
                     zi, z_lo, m, shifted_keep(keep, k0 + j0), w);
       }
     }
@@ -197,7 +213,7 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
       const Index r = std::min(kHeadInterleaveRows, n - i0);
       for (Index i = 0; i < hr.count; ++i) {
         const Index h = hr.first + i;
-        read_queries(phi, q.block(q0 + i0, h * D, r, D), S(i), z(i),
+        read_queries(phi, q.block(q0 + i0, hl.key_head(h) * D, r, D), S(i), z(i),
                      dst.block(q0 + i0, h * M, r, M), w);
       }
     }
@@ -206,12 +222,13 @@ void batched_linear_views(const char* fn, const VQ& q, const VK& k, const VV& v,
 
 template <class VQ, class VK, class VV, class Off, class Phi, class Keep, class VOut>
 void batched_causal_views(
-    const char* fn, const VQ& q, const VK& k, const VV& v, const Off& offsets, Index heads,
-    const Phi& phi, const Keep& keep,
+    const char* fn, const VQ& q, const VK& k, const VV& v, const Off& offsets,
+    const HeadLayout& hl, const Phi& phi, const Keep& keep,
     std::vector<LinearAttentionState<compute_scalar_t<typename VQ::Scalar>>>* states, VOut& dst,
     MultiHeadWorkspace<compute_scalar_t<typename VQ::Scalar>>& ws, const CausalOptions& options,
-    const ParallelOptions& par, Index D, Index M) {
+    const ParallelOptions& par) {
   using Scalar = compute_scalar_t<typename VQ::Scalar>;
+  const Index heads = hl.heads, D = hl.D, M = hl.M;
   const Index B = static_cast<Index>(offsets.size()) - 1;
   const Index F = phi.feature_dim(D);
   // Each head's rows go to the kernel in pieces that are whole multiples of its unit (128
@@ -236,9 +253,10 @@ void batched_causal_views(
           else
             st = make_state<Scalar>(phi, D, M);
         }
-        causal_linear_attention_split(fn, q.block(r0, h * D, n, D), k.block(r0, h * D, n, D),
+        const Index c = hl.key_head(h) * D;
+        causal_linear_attention_split(fn, q.block(r0, c, n, D), k.block(r0, c, n, D),
                                       v.block(r0, h * M, n, M), phi, shifted_keep(keep, r0), st,
-                                      dst.block(r0, h * M, n, M), w, options, par);
+                                      dst.block(r0, h * M, n, M), w, one_head(options), par);
       }
     }
     return;
@@ -274,14 +292,14 @@ void batched_causal_views(
     for (Index i0 = 0; i0 < n; i0 += rows) {
       const Index r = std::min(rows, n - i0);
       for (Index i = 0; i < hr.count; ++i) {
-        const Index h = hr.first + i;
+        const Index h = hr.first + i, c = hl.key_head(h) * D;
         if constexpr (is_low_precision_v<typename VQ::Scalar>) {
           // bf16 / half: the head's rows widened a piece at a time (causal_impl_widened).
-          causal_impl_widened(fn, q, k, v, r0 + i0, r, h * D, h * M, D, M, phi, keep, st[i], dst, w,
+          causal_impl_widened(fn, q, k, v, r0 + i0, r, c, h * M, D, M, phi, keep, st[i], dst, w,
                               options);
         } else {
-          causal_linear_attention_impl(fn, q.block(r0 + i0, h * D, r, D),
-                                       k.block(r0 + i0, h * D, r, D), v.block(r0 + i0, h * M, r, M),
+          causal_linear_attention_impl(fn, q.block(r0 + i0, c, r, D),
+                                       k.block(r0 + i0, c, r, D), v.block(r0 + i0, h * M, r, M),
                                        phi, shifted_keep(keep, r0 + i0), st[i],
                                        dst.block(r0 + i0, h * M, r, M), w, options);
         }
@@ -299,10 +317,11 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
                     Index heads, const Phi& phi, const Keep& keep,
                     const Eigen::MatrixBase<DOut>& out,
                     MultiHeadWorkspace<compute_scalar_t<typename DQ::Scalar>>& ws,
-                    const ParallelOptions& par) {
+                    const HeadOptions& layout, const ParallelOptions& par) {
   static_check_feature_map<Phi, compute_scalar_t<typename DQ::Scalar>>();
-  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, false);
-  const Index D = dims.first, M = dims.second;
+  const HeadLayout hl = check_head_layout(fn, Q, K, V, heads, layout.key_heads, layout.key_dim,
+                                          layout.value_dim, false);
+  const Index D = hl.D;
   check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
   check_output(fn, out, Q.rows(), V.cols());
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
@@ -319,8 +338,7 @@ void batched_linear(const char* fn, const Eigen::MatrixBase<DQ>& Q, const Eigen:
   with_views(
       Q.derived(), K.derived(), V.derived(), writable(out),
       [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-        batched_linear_views(fn, q, k, v, q_offsets, k_offsets, heads, map, keep, dst, ws, par, D,
-                             M);
+        batched_linear_views(fn, q, k, v, q_offsets, k_offsets, hl, map, keep, dst, ws, par);
       },
       &ws.storage_copies());
 }
@@ -339,8 +357,9 @@ void batched_causal_linear(
   using Storage = typename DQ::Scalar;
   using Scalar = compute_scalar_t<Storage>;
   static_check_feature_map<Phi, compute_scalar_t<Scalar>>();
-  const std::pair<Index, Index> dims = check_heads(fn, Q, K, V, heads, true);
-  const Index D = dims.first, M = dims.second;
+  const HeadLayout hl = check_head_layout(fn, Q, K, V, heads, options.key_heads, options.key_dim,
+                                          options.value_dim, true);
+  const Index D = hl.D, M = hl.M;
   check_feature_map(fn, phi, D);  // before the parallel region, where nothing may throw
   check_output(fn, out, Q.rows(), V.cols());
   check_no_overlap(fn, out, "Q", Q, "K", K, "V", V);  // exact: every head's blocks pass too
@@ -362,14 +381,14 @@ void batched_causal_linear(
     // widens each head's rows a piece at a time (batched_causal_views).
     with_storage_views(Q.derived(), K.derived(), V.derived(), writable(out),
                        [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-                         batched_causal_views(fn, q, k, v, offsets, heads, map, keep, states, dst,
-                                              ws, options, par, D, M);
+                         batched_causal_views(fn, q, k, v, offsets, hl, map, keep, states, dst,
+                                              ws, options, par);
                        });
   } else {
     with_views(Q.derived(), K.derived(), V.derived(), writable(out),
                [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-                 batched_causal_views(fn, q, k, v, offsets, heads, map, keep, states, dst, ws,
-                                      options, par, D, M);
+                 batched_causal_views(fn, q, k, v, offsets, hl, map, keep, states, dst, ws,
+                                      options, par);
                });
   }
 }
