@@ -23,6 +23,7 @@
 #include "../linear/multihead.hpp"
 #include "../linear/multihead_backward.hpp"
 #include "../linear/recurrent_linear_attention.hpp"
+#include "../softmax/multihead_softmax.hpp"
 #include "../softmax/softmax_attention.hpp"
 #include "../softmax/softmax_attention_backward.hpp"
 #include "../maps/map_state.hpp"
