@@ -11,7 +11,8 @@ Every function takes q, k, v in one of three layouts, all of one dtype (float32 
 k and v have the same number of rows (S; S = T when causal); v's last dimension M may differ
 from D. In linear_attention (and its backward, RecurrentState, linattn.torch's forms) q and k
 may have Hk heads shared by v's H (GVA, Hk dividing H; value head h reads key head
-h // (H // Hk)); the other functions of this layout take one head count for all three. Results have q's leading dimensions and last dimension M. C-contiguous arrays are read
+h // (H // Hk)); the other functions of this layout take one head count for all three.
+Results have q's leading dimensions, v's heads and last dimension M. C-contiguous arrays are read
 in place (the C++ kernels see them as the packed row-major N x (H·D) matrix); any other array
 is first copied by ``numpy.ascontiguousarray``: one copy of that input per call. The kernels
 release the GIL and run their heads (and sequences) on ``get_num_threads()`` threads.

@@ -4,9 +4,9 @@ states), linear_attention_backward (the masked path included), RecurrentState an
 against the same calls on q and k repeated to H heads (np.repeat along the heads axis, value
 head h reading key head h // (H // Hk)): the outputs bit for bit, as the C++ key_heads option
 promises, and to 1e-12 against the float64 reference; the gradients against the repeated call's
-summed over each group; decoder steps against the forward; errors naming both head counts."""
+summed over each group; decoder steps against the forward; errors naming both head counts.
+linattn.torch's GVA calls (gradcheck) are in test_torch.py."""
 
-import os
 import pickle
 
 import numpy as np
@@ -62,6 +62,16 @@ def make(case, Hk, G, dtype, name, seed=0):
     return q, k, v, kw
 
 
+def every_call(test):
+    """test(dtype, causal, name, Hk, G) over both dtypes, causal or not, every map and GROUPS."""
+    for mark in (pytest.mark.parametrize("dtype", [np.float64, np.float32]),
+                 pytest.mark.parametrize("causal", [False, True]),
+                 pytest.mark.parametrize("name", linattn.FEATURE_MAPS),
+                 pytest.mark.parametrize("Hk,G", GROUPS)):
+        test = mark(test)
+    return test
+
+
 def cases(causal):
     return [c for c in CASES if not (causal and c == "cross")]
 
@@ -75,10 +85,7 @@ def reference(q, k, v, name, causal, kw):
     return np.concatenate([heads_ref(q[s:e], k[s:e], v[s:e], fn) for s, e in zip(cu[:-1], cu[1:])])
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", linattn.FEATURE_MAPS)
-@pytest.mark.parametrize("Hk,G", GROUPS)
+@every_call
 def test_forward_equals_the_repeated_call(dtype, causal, name, Hk, G):
     for case in cases(causal):
         q, k, v, kw = make(case, Hk, G, dtype, name)
@@ -90,10 +97,7 @@ def test_forward_equals_the_repeated_call(dtype, causal, name, Hk, G):
             assert rel_err(out, reference(rep(q, G), rep(k, G), v, name, causal, kw)) <= TOL[dtype], case
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", linattn.FEATURE_MAPS)
-@pytest.mark.parametrize("Hk,G", GROUPS)
+@every_call
 def test_backward_is_the_repeated_backward_summed_over_groups(dtype, causal, name, Hk, G):
     for case in cases(causal):
         q, k, v, kw = make(case, Hk, G, dtype, name, seed=1)
@@ -114,7 +118,8 @@ def test_masked_backward_matches_central_differences():
     dout = np.random.default_rng(4).uniform(-1, 1, (53, Hk * G, M))
     for causal in (False, True):
         grads = linattn.linear_attention_backward(q, k, v, dout, "elu", causal=causal, **kw)
-        loss = lambda a, b, c: float((linattn.linear_attention(a, b, c, "elu", causal=causal, **kw) * dout).sum())  # noqa: E731
+        def loss(a, b, c):
+            return float((linattn.linear_attention(a, b, c, "elu", causal=causal, **kw) * dout).sum())
         rng = np.random.default_rng(5)
         for i, x in enumerate((q, k, v)):
             for _ in range(6):
@@ -203,7 +208,8 @@ def test_errors_name_both_head_counts():
         linattn.linear_attention(z((8, 2, 4)), z((8, 2, 4)), z((8, 3, 4)))
     with pytest.raises(ValueError, match=r"causal_linear_attention_backward: v's heads H .* H = 5, Hk = 2"):
         linattn.linear_attention_backward(z((8, 2, 4)), z((8, 2, 4)), z((8, 5, 4)), z((8, 5, 4)), causal=True)
-    with pytest.raises(ValueError, match=r"q and k must have the same number of heads Hk, got Hk = 2 \(q\) and 1 \(k\)"):
+    with pytest.raises(ValueError, match=r"q and k must have the same number of heads Hk, got Hk = 2 \(q\) and "
+                                         r"1 \(k\)"):
         linattn.linear_attention(z((8, 2, 4)), z((8, 1, 4)), z((8, 4, 4)))
     with pytest.raises(ValueError, match=r"dout must have the output's shape \(8, 4, 3\)"):
         linattn.linear_attention_backward(z((8, 2, 4)), z((8, 2, 4)), z((8, 4, 3)), z((8, 2, 3)))
@@ -229,47 +235,3 @@ def test_errors_name_both_head_counts():
         _linattn.linear_backward(q, q, v, v, 3, "elu", False, None, None, np.ones(8, bool), key_heads=2)
     with pytest.raises(ValueError, match="key_heads"):
         _linattn.linear_forward(q, q, v, 3, "elu", False, None, None, None, key_heads=2)
-
-
-# The autograd wrappers (skipped without torch unless the build requires it, as test_torch.py).
-if os.environ.get("LINATTN_REQUIRE_TORCH") == "1":
-    import torch
-else:
-    torch = pytest.importorskip("torch")
-import linattn.torch as lt  # noqa: E402
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("name", ["elu", "softmax_split", "dpfp"])
-def test_torch_gradcheck(causal, masked, name):
-    rng = np.random.default_rng(9)
-    Hk, G = 1, 3
-    q = torch.from_numpy(rng.uniform(-1, 1, (2, 6, Hk, 3))).requires_grad_()
-    k = torch.from_numpy(rng.uniform(-1, 1, (2, 6, Hk, 3))).requires_grad_()
-    v = torch.from_numpy(rng.uniform(-1, 1, (2, 6, Hk * G, 2))).requires_grad_()
-    pad = None
-    if masked:
-        pad = torch.zeros(2, 6, dtype=torch.bool)
-        pad[0, 2] = pad[1, 5] = True
-    f = lambda a, b, c: lt.linear_attention(a, b, c, name, causal, key_padding_mask=pad)  # noqa: E731
-    assert torch.autograd.gradcheck(f, (q, k, v))
-
-
-def test_torch_matches_numpy_and_the_repeated_tensors():
-    Hk, G = 2, 2
-    q, k, v, kw = make("packed", Hk, G, np.float64, "elu", seed=10)
-    tq, tk, tv = (torch.from_numpy(x.copy()).requires_grad_() for x in (q, k, v))
-    out = lt.causal_linear_attention(tq, tk, tv, cu_seqlens=torch.tensor(kw["cu_seqlens"]))
-    np.testing.assert_array_equal(out.detach().numpy(), linattn.linear_attention(q, k, v, causal=True, **kw))
-    # Through torch's repeat_interleave: autograd sums the copies' gradients itself.
-    rq, rk, rv = (torch.from_numpy(x.copy()).requires_grad_() for x in (q, k, v))
-    ref = lt.causal_linear_attention(rq.repeat_interleave(G, dim=-2), rk.repeat_interleave(G, dim=-2), rv,
-                                     cu_seqlens=kw["cu_seqlens"])
-    np.testing.assert_array_equal(out.detach().numpy(), ref.detach().numpy())
-    w = torch.from_numpy(np.random.default_rng(11).uniform(-1, 1, out.shape))
-    (out * w).sum().backward()
-    (ref * w).sum().backward()
-    for a, b in ((tq, rq), (tk, rk), (tv, rv)):
-        assert a.grad.shape == a.shape
-        assert rel_err(a.grad.numpy(), b.grad.numpy()) <= 1e-12
