@@ -9,7 +9,10 @@ Every function takes q, k, v in one of three layouts, all of one dtype (float32 
   ``cu_seqlens``, B must be 1 and the T rows are the packed sequences.
 
 k and v have the same number of rows (S; S = T when causal); v's last dimension M may differ
-from D. Results have q's leading dimensions and last dimension M. C-contiguous arrays are read
+from D. In linear_attention (and its backward, RecurrentState, linattn.torch's forms) q and k
+may have Hk heads shared by v's H (GVA, Hk dividing H; value head h reads key head
+h // (H // Hk)); the other functions of this layout take one head count for all three.
+Results have q's leading dimensions, v's heads and last dimension M. C-contiguous arrays are read
 in place (the C++ kernels see them as the packed row-major N x (H·D) matrix); any other array
 is first copied by ``numpy.ascontiguousarray``: one copy of that input per call. The kernels
 release the GIL and run their heads (and sequences) on ``get_num_threads()`` threads.
@@ -220,9 +223,11 @@ def _offsets_of(fn: str, cu_seqlens, rows: int, shapes) -> np.ndarray:
 
 class _Packed:
     """The arguments of one call as the C++ kernels take them: 2-D row-major arrays of H·D
-    columns and the offsets of the sequences."""
+    columns and the offsets of the sequences. shared_heads: q and k may hold Hk heads shared by
+    v's H (Hk dividing H; ``heads`` is H, ``key_heads`` Hk), as the plain linear kernels'
+    key_heads option takes them; otherwise all three hold the same heads."""
 
-    def __init__(self, fn: str, q, k, v, cu_seqlens, dout=None, causal: bool = False):
+    def __init__(self, fn: str, q, k, v, cu_seqlens, dout=None, causal: bool = False, shared_heads: bool = False):
         names = dict(q=q, k=k, v=v) if dout is None else dict(q=q, k=k, v=v, dout=dout)
         arrays = _arrays(fn, **names)
         q, k, v = arrays[:3]
@@ -231,13 +236,20 @@ class _Packed:
         self.fn, self.shapes = fn, shapes
         if nd not in (2, 3, 4) or any(a.ndim != nd for a in arrays):
             raise ValueError(f"{fn}: q, k and v must all be [N, D], [N, H, D] or [B, T, H, D], got {shapes}")
-        heads = 1 if nd == 2 else q.shape[-2]
-        if nd > 2 and (k.shape[-2] != heads or v.shape[-2] != heads):
+        key_heads = 1 if nd == 2 else q.shape[-2]
+        heads = 1 if nd == 2 else v.shape[-2]
+        if nd > 2 and not shared_heads and (k.shape[-2] != key_heads or heads != key_heads):
             raise ValueError(f"{fn}: q, k and v must have the same number of heads, got {shapes}")
+        if nd > 2 and k.shape[-2] != key_heads:
+            raise ValueError(f"{fn}: q and k must have the same number of heads Hk, got Hk = {key_heads} (q) and "
+                             f"{k.shape[-2]} (k) with {shapes}")
+        if nd > 2 and (heads % key_heads != 0 if key_heads else heads != 0):
+            raise ValueError(f"{fn}: v's heads H must be a positive multiple of q's and k's heads Hk (value head h "
+                             f"reads key head h // (H // Hk)), got H = {heads}, Hk = {key_heads} ({shapes})")
         if nd == 4 and (k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]):
             raise ValueError(f"{fn}: q, k and v must have the same batch size, got {shapes}")
-        if k.shape[:-1] != v.shape[:-1]:
-            raise ValueError(f"{fn}: k and v must have the same rows (and heads), got {shapes}")
+        if k.shape[:-2 if nd > 2 else -1] != v.shape[:-2 if nd > 2 else -1]:
+            raise ValueError(f"{fn}: k and v must have the same rows, got {shapes}")
         if k.shape[-1] != q.shape[-1]:
             raise ValueError(f"{fn}: q and k must have the same last dimension D, got {shapes}")
         if q.shape[-1] == 0:
@@ -248,9 +260,9 @@ class _Packed:
         if cu_seqlens is not None and k.shape[:-1] != q.shape[:-1]:
             raise ValueError(f"{fn}: with cu_seqlens, q, k and v must have the same rows (the offsets serve "
                              f"all three), got {shapes}")
-        self.heads = heads
+        self.heads, self.key_heads = heads, key_heads
         self.q_shape, self.k_shape, self.v_shape = q.shape, k.shape, v.shape
-        self.out_shape = q.shape[:-1] + (v.shape[-1],)
+        self.out_shape = q.shape[:-1] + (v.shape[-1],) if nd == 2 else q.shape[:-2] + v.shape[-2:]
         if dout is not None and arrays[3].shape != self.out_shape:
             raise ValueError(f"{fn}: dout must have the output's shape {self.out_shape}, got {shapes}")
         self.arrays = [self._rows(a) for a in arrays]
@@ -291,33 +303,44 @@ def linear_attention(q, k, v, feature_map: str = "elu", causal: bool = False, cu
     """Linear attention: out_i = φ(q_i)ᵀ S / φ(q_i)ᵀ z with S = Σ_j φ(k_j) v_jᵀ, z = Σ_j φ(k_j)
     over every key j (causal=False) or the keys j ≤ i (causal=True); O(N) time and memory.
 
+    Shared key heads (GVA): q and k may have Hk heads and v H, a multiple of Hk; value head h
+    then reads query/key head h // (H // Hk) in place (the C++ key_heads option), the same
+    result as q and k repeated to H heads (``np.repeat(k, H // Hk, axis=-2)``), and the output
+    has v's H heads.
+
     key_padding_mask: True marks keys that take no part (module docs). Causal only:
-    initial_state (a RecurrentState, one sequence per sequence of the input) continues from
-    its states; output_final_state=True returns ``(out, state)`` with a new RecurrentState at
-    the end of every sequence, ready for ``state.step`` (initial_state is not changed).
+    initial_state (a RecurrentState, one sequence per sequence of the input, of the call's
+    heads) continues from its states; output_final_state=True returns ``(out, state)`` with a
+    new RecurrentState at the end of every sequence, ready for ``state.step`` (initial_state is
+    not changed).
 
     >>> out = linattn.linear_attention(q, k, v, "elu", causal=True)   # q, k, v [B, T, H, D]
     >>> out, state = linattn.linear_attention(q, k, v, causal=True, output_final_state=True)
+    >>> out = linattn.linear_attention(q2, k2, v)   # q2, k2 [B, T, 2, D] for v's 8 heads
     """
     fn = "causal_linear_attention" if causal else "linear_attention"
-    p = _Packed(fn, q, k, v, cu_seqlens, causal=bool(causal))
+    p = _Packed(fn, q, k, v, cu_seqlens, causal=bool(causal), shared_heads=True)
     keep = _keep(fn, p, key_padding_mask)
     if initial_state is None and not output_final_state:
         out = _kernel(fn, p.shapes, _ext.linear_forward, *p.arrays, p.heads, str(feature_map), bool(causal),
-                      p.q_offsets, p.k_offsets, keep)
+                      p.q_offsets, p.k_offsets, keep, p.key_heads)
         return out.reshape(p.out_shape)
     if not causal:
         raise ValueError(f"{fn}: initial_state and output_final_state need causal=True")
     if initial_state is None:
         sequences = 1 if p.q_offsets is None else len(p.q_offsets) - 1
         state = RecurrentState(sequences, p.heads, p.q_shape[-1], p.v_shape[-1], feature_map,
-                               p.arrays[0].dtype)
+                               p.arrays[0].dtype, num_key_heads=p.key_heads)
     else:
         if not isinstance(initial_state, RecurrentState):
             raise TypeError(f"{fn}: initial_state must be a linattn.RecurrentState, got {type(initial_state).__name__}")
         if initial_state.feature_map != str(feature_map) or initial_state.dtype != p.arrays[0].dtype:
             raise ValueError(f"{fn}: initial_state has feature_map '{initial_state.feature_map}' and dtype "
                              f"{initial_state.dtype}, the call '{feature_map}' and {p.arrays[0].dtype}")
+        if (initial_state.num_heads, initial_state.num_key_heads) != (p.heads, p.key_heads):
+            raise ValueError(f"{fn}: initial_state has H = {initial_state.num_heads} value heads over "
+                             f"Hk = {initial_state.num_key_heads} key heads, the call H = {p.heads} (v) over "
+                             f"Hk = {p.key_heads} (q, k) ({p.shapes})")
         state = initial_state.copy()
     out = _kernel(fn, p.shapes, state._d.prefill, *p.arrays, keep, p.q_offsets).reshape(p.out_shape)
     return (out, state) if output_final_state else out
@@ -325,13 +348,15 @@ def linear_attention(q, k, v, feature_map: str = "elu", causal: bool = False, cu
 
 def linear_attention_backward(q, k, v, dout, feature_map: str = "elu", causal: bool = False, cu_seqlens=None,
                               key_padding_mask=None):
-    """Gradients (dq, dk, dv) of linear_attention() for ∂L/∂out = dout (the output's shape);
-    masked keys get zero gradients. With a mask the heads run one after the other."""
+    """Gradients (dq, dk, dv) of linear_attention() for ∂L/∂out = dout (the output's shape, v's
+    heads); masked keys get zero gradients. With a mask the heads run one after the other.
+    With shared key heads (q, k Hk heads, v H) dq and dk have q's and k's shapes: a key head's
+    gradient is the sum over the H // Hk value heads that read it."""
     fn = "causal_linear_attention_backward" if causal else "linear_attention_backward"
-    p = _Packed(fn, q, k, v, cu_seqlens, dout, causal=bool(causal))
+    p = _Packed(fn, q, k, v, cu_seqlens, dout, causal=bool(causal), shared_heads=True)
     keep = _keep(fn, p, key_padding_mask)
     dq, dk, dv = _kernel(fn, p.shapes, _ext.linear_backward, *p.arrays, p.heads, str(feature_map), bool(causal),
-                         p.q_offsets, p.k_offsets, keep)
+                         p.q_offsets, p.k_offsets, keep, p.key_heads)
     return dq.reshape(p.q_shape), dk.reshape(p.k_shape), dv.reshape(p.v_shape)
 
 

@@ -22,19 +22,30 @@ class RecurrentState:
     map and dtype, taking the file's number of sequences, and stepping on gives the bits an
     uninterrupted state gives. Pickling goes through the same bytes.
 
+    Shared key heads (GVA): num_key_heads = Hk < H (dividing H) query/key heads serve the H value
+    heads, value head h reading key head h // (H // Hk); q and k then have Hk heads, v and the
+    output H, and the states stay one per value head ([B, H, F, M]).
+
     >>> out, state = linattn.linear_attention(q, k, v, causal=True, output_final_state=True)
     >>> y = state.step(q_t, k_t, v_t)      # q_t, k_t: [B, H, D], v_t: [B, H, M] -> [B, H, M]
     >>> blob = state.save()                # park the conversations
+    >>> gva = linattn.RecurrentState(B, 8, 64, num_key_heads=2)   # q_t, k_t [B, 2, 64], v_t [B, 8, 64]
     """
 
     def __init__(self, batch_size: int, num_heads: int, key_dim: int, value_dim: int | None = None,
-                 feature_map: str = "elu", dtype=np.float32):
+                 feature_map: str = "elu", dtype=np.float32, num_key_heads: int | None = None):
+        fn = "RecurrentState"
         dtype = np.dtype(dtype)
         if dtype not in _FLOATS:
-            raise TypeError(f"RecurrentState: dtype must be float32 or float64, got {dtype}")
+            raise TypeError(f"{fn}: dtype must be float32 or float64, got {dtype}")
         new = _ext.new_decoder_f32 if dtype == np.float32 else _ext.new_decoder_f64
         M = key_dim if value_dim is None else value_dim
-        self._d = new(int(batch_size), int(num_heads), int(key_dim), int(M), str(feature_map))
+        Hk = 0 if num_key_heads is None else int(num_key_heads)
+        if num_key_heads is not None and (Hk <= 0 or int(num_heads) % Hk != 0):
+            raise ValueError(f"{fn}: num_key_heads must be positive and divide num_heads (value head h reads key "
+                             f"head h // (num_heads // num_key_heads)), got num_heads = {num_heads}, "
+                             f"num_key_heads = {num_key_heads}")
+        self._d = new(int(batch_size), int(num_heads), int(key_dim), int(M), str(feature_map), Hk)
         self.dtype = dtype
 
     @property
@@ -44,7 +55,13 @@ class RecurrentState:
 
     @property
     def num_heads(self) -> int:
+        """H, the value heads of every sequence (of v, the output and the states)."""
         return self._d.heads
+
+    @property
+    def num_key_heads(self) -> int:
+        """Hk, the query/key heads (H without shared key heads)."""
+        return self._d.key_heads
 
     @property
     def key_dim(self) -> int:
@@ -82,8 +99,8 @@ class RecurrentState:
 
     def step(self, q, k, v, slots=None) -> np.ndarray:
         """One token of every sequence (or of the sequences listed in slots, row r belonging to
-        sequence slots[r]): q, k [R, H, D] (or FLA's [R, 1, H, D]), v [R, H, M]; returns
-        [R, H, M] (or [R, 1, H, M])."""
+        sequence slots[r]): q, k [R, Hk, D] (or FLA's [R, 1, Hk, D]; Hk = num_key_heads, H
+        without shared key heads), v [R, H, M]; returns [R, H, M] (or [R, 1, H, M])."""
         fn = "RecurrentState.step"
         q, k, v = _arrays(fn, q=q, k=k, v=v)
         if q.dtype != self.dtype:
@@ -91,9 +108,10 @@ class RecurrentState:
         shapes = _Shapes("qkv", (q, k, v))
         if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim or (q.ndim == 4 and q.shape[1] != 1):
             raise ValueError(f"{fn}: q, k, v must be [R, H, D] (or [R, 1, H, D]), got {shapes}")
-        H, D, M, B = self.num_heads, self.key_dim, self.value_dim, self.batch_size
-        if q.shape[-2:] != (H, D) or k.shape[-2:] != (H, D) or v.shape[-2:] != (H, M):
-            raise ValueError(f"{fn}: the state has H = {H} heads of D = {D}, M = {M}: q and k must end in ({H}, {D}) "
+        H, Hk, D, M, B = self.num_heads, self.num_key_heads, self.key_dim, self.value_dim, self.batch_size
+        if q.shape[-2:] != (Hk, D) or k.shape[-2:] != (Hk, D) or v.shape[-2:] != (H, M):
+            heads = f"H = {H} heads" if Hk == H else f"H = {H} value heads over Hk = {Hk} key heads"
+            raise ValueError(f"{fn}: the state has {heads} of D = {D}, M = {M}: q and k must end in ({Hk}, {D}) "
                              f"and v in ({H}, {M}), got {shapes}")
         R = q.shape[0]
         if k.shape[0] != R or v.shape[0] != R:
@@ -154,15 +172,17 @@ class RecurrentState:
 
     def __reduce__(self):
         return (_restore, (self.num_heads, self.key_dim, self.value_dim, self.feature_map, self.dtype.str,
-                           self.save()))
+                           self.save(), self.num_key_heads))
 
     def __repr__(self) -> str:
+        shared = "" if self.num_key_heads == self.num_heads else f", num_key_heads={self.num_key_heads}"
         return (f"linattn.RecurrentState(batch_size={self.batch_size}, num_heads={self.num_heads}, "
                 f"key_dim={self.key_dim}, value_dim={self.value_dim}, feature_map='{self.feature_map}', "
-                f"dtype={self.dtype})")
+                f"dtype={self.dtype}{shared})")
 
 
-def _restore(heads, key_dim, value_dim, feature_map, dtype, data):
-    state = RecurrentState(0, heads, key_dim, value_dim, feature_map, np.dtype(dtype))
+def _restore(heads, key_dim, value_dim, feature_map, dtype, data, key_heads=None):
+    # key_heads: None in what a pickle of an older linattn holds (no shared key heads then).
+    state = RecurrentState(0, heads, key_dim, value_dim, feature_map, np.dtype(dtype), num_key_heads=key_heads)
     state.load(data)
     return state

@@ -121,7 +121,9 @@ class _Kernel(torch.autograd.Function):
 def linear_attention(q, k, v, feature_map: str = "elu", causal: bool = False, cu_seqlens=None,
                      key_padding_mask=None):
     """linattn.linear_attention() on tensors, differentiable in q, k and v (the decoding
-    arguments initial_state / output_final_state are the numpy function's: inference only)."""
+    arguments initial_state / output_final_state are the numpy function's: inference only).
+    q and k may have Hk heads shared by v's H (GVA, Hk dividing H); their gradients are summed
+    over the value heads that read them, as autograd sums them through repeat_interleave."""
     options = dict(feature_map=str(feature_map), causal=bool(causal), cu_seqlens=_offsets(cu_seqlens),
                    key_padding_mask=_mask("linattn.torch.linear_attention", key_padding_mask))
     return _Kernel.apply(_la.linear_attention, _la.linear_attention_backward, "qkv", options, q, k, v)

@@ -29,6 +29,7 @@ class Decoder {
   virtual std::string feature_map() const = 0;
   virtual Index sequences() const = 0;
   virtual Index heads() const = 0;
+  virtual Index key_heads() const = 0;
   virtual Index key_dim() const = 0;
   virtual Index value_dim() const = 0;
   virtual Index feature_dim() const = 0;
@@ -51,12 +52,14 @@ class Decoder {
 template <class Phi, class Scalar>
 class DecoderOf final : public Decoder<Scalar> {
  public:
-  DecoderOf(std::string name, Index B, Index H, Index D, Index M, Phi phi)
-      : name_(std::move(name)), dec_(B, H, D, M, phi), phi_(phi) {}
+  // key_heads: Hk query/key heads shared by the H value heads (0: H).
+  DecoderOf(std::string name, Index B, Index H, Index D, Index M, Phi phi, Index key_heads)
+      : name_(std::move(name)), dec_(B, H, D, M, phi, causal_options(key_heads)), phi_(phi) {}
 
   std::string feature_map() const override { return name_; }
   Index sequences() const override { return dec_.sequences(); }
   Index heads() const override { return dec_.heads(); }
+  Index key_heads() const override { return dec_.key_heads(); }
   Index key_dim() const override { return dec_.key_dim(); }
   Index value_dim() const override { return dec_.value_dim(); }
   Index feature_dim() const override { return dec_.feature_dim(); }
@@ -92,14 +95,16 @@ class DecoderOf final : public Decoder<Scalar> {
                         const std::optional<KeyMask>& mask,
                         const std::optional<Offsets>& offsets) override {
     const Operands<Scalar> x("causal_linear_attention", q, k, v, offsets, offsets);
-    const Index B = static_cast<Index>(x.q_offsets.size()) - 1, H = dec_.heads();
+    const Index B = static_cast<Index>(x.q_offsets.size()) - 1, H = dec_.heads(),
+                Hk = dec_.key_heads();
     if (B != dec_.sequences())
       throw std::invalid_argument(std::string(x.fn) + ": initial_state holds " +
                                   std::to_string(dec_.sequences()) + " sequences but the input has " +
                                   std::to_string(B));
-    if (x.Q.cols() != H * dec_.key_dim() || x.V.cols() != H * dec_.value_dim())
+    if (x.Q.cols() != Hk * dec_.key_dim() || x.V.cols() != H * dec_.value_dim())
       throw std::invalid_argument(
-          std::string(x.fn) + ": initial_state has " + std::to_string(H) + " heads of D = " +
+          std::string(x.fn) + ": initial_state has H = " + std::to_string(H) +
+          " value heads over Hk = " + std::to_string(Hk) + " query/key heads, of D = " +
           std::to_string(dec_.key_dim()) + ", M = " + std::to_string(dec_.value_dim()) +
           " but q has " + std::to_string(x.Q.cols()) + " columns and v " +
           std::to_string(x.V.cols()));
@@ -111,10 +116,10 @@ class DecoderOf final : public Decoder<Scalar> {
       linattn::MultiHeadWorkspace<Scalar> ws;
       if (mask) {
         linattn::masked_batched_causal_linear_attention(x.Q, x.K, x.V, x.q_offsets, mask_of(*mask), H,
-                                                        phi_, states, O, ws);
+                                                        phi_, states, O, ws, causal_options(Hk));
       } else {
         linattn::batched_causal_linear_attention(x.Q, x.K, x.V, x.q_offsets, H, phi_, states, O,
-                                                 ws);
+                                                 ws, causal_options(Hk));
       }
       for (Index b = 0; b < B; ++b) {
         const Index at = dec_.position(b) + x.q_offsets[b + 1] - x.q_offsets[b];
@@ -169,6 +174,12 @@ class DecoderOf final : public Decoder<Scalar> {
   }
 
  private:
+  static linattn::CausalOptions causal_options(Index key_heads) {
+    linattn::CausalOptions o;
+    o.key_heads = key_heads;
+    return o;
+  }
+
   std::string name_;
   linattn::BatchedRecurrentLinearAttention<Phi, Scalar> dec_;
   Phi phi_;
@@ -176,11 +187,11 @@ class DecoderOf final : public Decoder<Scalar> {
 
 template <class Scalar>
 std::unique_ptr<Decoder<Scalar>> new_decoder(Index B, Index H, Index D, Index M,
-                                             const std::string& map) {
+                                             const std::string& map, Index key_heads) {
   std::unique_ptr<Decoder<Scalar>> d;
   with_feature_map("RecurrentState", map, [&](const auto& phi) {
     using Phi = std::decay_t<decltype(phi)>;
-    d = std::make_unique<DecoderOf<Phi, Scalar>>(map, B, H, D, M, phi);
+    d = std::make_unique<DecoderOf<Phi, Scalar>>(map, B, H, D, M, phi, key_heads);
   });
   return d;
 }
@@ -192,6 +203,7 @@ void register_recurrent(py::module_& m, const char* name) {
       .def_property_readonly("feature_map", &D::feature_map)
       .def_property_readonly("sequences", &D::sequences)
       .def_property_readonly("heads", &D::heads)
+      .def_property_readonly("key_heads", &D::key_heads)
       .def_property_readonly("key_dim", &D::key_dim)
       .def_property_readonly("value_dim", &D::value_dim)
       .def_property_readonly("feature_dim", &D::feature_dim)
@@ -208,7 +220,8 @@ void register_recurrent(py::module_& m, const char* name) {
       .def("clone", &D::clone)
       .def("states", &D::states);
   m.def(sizeof(Scalar) == 4 ? "new_decoder_f32" : "new_decoder_f64", &new_decoder<Scalar>,
-        py::arg("B"), py::arg("H"), py::arg("D"), py::arg("M"), py::arg("feature_map"));
+        py::arg("B"), py::arg("H"), py::arg("D"), py::arg("M"), py::arg("feature_map"),
+        py::arg("key_heads") = 0);
 }
 
 }  // namespace linattn_python

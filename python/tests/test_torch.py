@@ -16,6 +16,7 @@ else:
 
 import linattn  # noqa: E402
 import linattn.torch as lt  # noqa: E402
+from test_shared_heads import make, rel_err  # noqa: E402
 
 
 def rand(rng, *shape, lo=-1.0, hi=1.0, requires_grad=True):
@@ -128,3 +129,40 @@ def test_errors():
     with pytest.raises(ValueError, match=r"linear_attention: q and k must have the same last dimension D, got "
                                          r"q \(4, 3\), k \(4, 5\)"):
         lt.linear_attention(x, torch.zeros(4, 5), x)
+
+
+# Shared key heads (GVA): q, k of Hk heads for v's H (test_shared_heads.py has the numpy calls).
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("name", ["elu", "softmax_split", "dpfp"])
+def test_gradcheck_shared_key_heads(causal, masked, name):
+    rng = np.random.default_rng(9)
+    Hk, G = 1, 3
+    q = torch.from_numpy(rng.uniform(-1, 1, (2, 6, Hk, 3))).requires_grad_()
+    k = torch.from_numpy(rng.uniform(-1, 1, (2, 6, Hk, 3))).requires_grad_()
+    v = torch.from_numpy(rng.uniform(-1, 1, (2, 6, Hk * G, 2))).requires_grad_()
+    pad = None
+    if masked:
+        pad = torch.zeros(2, 6, dtype=torch.bool)
+        pad[0, 2] = pad[1, 5] = True
+    f = lambda a, b, c: lt.linear_attention(a, b, c, name, causal, key_padding_mask=pad)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_shared_key_heads_match_numpy_and_repeat_interleave():
+    Hk, G = 2, 2
+    q, k, v, kw = make("packed", Hk, G, np.float64, "elu", seed=10)
+    tq, tk, tv = (torch.from_numpy(x.copy()).requires_grad_() for x in (q, k, v))
+    out = lt.causal_linear_attention(tq, tk, tv, cu_seqlens=torch.tensor(kw["cu_seqlens"]))
+    np.testing.assert_array_equal(out.detach().numpy(), linattn.linear_attention(q, k, v, causal=True, **kw))
+    # Through torch's repeat_interleave: autograd sums the copies' gradients itself.
+    rq, rk, rv = (torch.from_numpy(x.copy()).requires_grad_() for x in (q, k, v))
+    ref = lt.causal_linear_attention(rq.repeat_interleave(G, dim=-2), rk.repeat_interleave(G, dim=-2), rv,
+                                     cu_seqlens=kw["cu_seqlens"])
+    np.testing.assert_array_equal(out.detach().numpy(), ref.detach().numpy())
+    w = torch.from_numpy(np.random.default_rng(11).uniform(-1, 1, out.shape))
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    for a, b in ((tq, rq), (tk, rk), (tv, rv)):
+        assert a.grad.shape == a.shape
+        assert rel_err(a.grad.numpy(), b.grad.numpy()) <= 1e-12
