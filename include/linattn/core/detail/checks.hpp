@@ -512,7 +512,8 @@ struct StateApart {
   void part(const char* fn, const char* state, Index index, const char* name, const A& a) const {
     if (a.size() == 0) return;
     constexpr std::int64_t w = sizeof(typename A::Scalar);
-    static_assert(A::InnerStrideAtCompileTime == 1, "linattn: internal: a state's arrays are plain");
+    static_assert(A::InnerStrideAtCompileTime == 1,
+                  "linattn: internal: a state's arrays are plain");
     part_memory(fn, state, index, name, reinterpret_cast<std::uintptr_t>(a.data()), w,
                 a.innerSize(), a.outerStride(), a.outerSize(), a.rows(), a.cols());
   }
@@ -522,7 +523,8 @@ struct StateApart {
     const std::uintptr_t e = b + static_cast<std::uintptr_t>(w * inner * outer);
     for (int i = 0; i < count; ++i) {
       if (e <= ops[i].lo || b >= ops[i].hi ||
-          !regions_overlap(ops[i].region, make_memory_region(b, w, w, inner, w * outer_stride, outer)))
+          !regions_overlap(ops[i].region,
+                           make_memory_region(b, w, w, inner, w * outer_stride, outer)))
         continue;
       throw_overlap(fn, state, index, name, ops[i], rows, cols);
     }

@@ -87,17 +87,22 @@ EIGEN_ALWAYS_INLINE void micro_tile(Index k, const Scalar* a, Index lda, const S
   using namespace Eigen::internal;
   constexpr Index P = unpacket_traits<Packet>::size;
   const Scalar* bcol[NR];
-  unrolled<NR>([&](int j) LINATTN_DETAIL_UNROLLED { bcol[j] = b + std::min<Index>(j, nr - 1) * bn; });
+  unrolled<NR>(
+      [&](int j) LINATTN_DETAIL_UNROLLED { bcol[j] = b + std::min<Index>(j, nr - 1) * bn; });
   Packet acc[MR][NR];
-  unrolled<MR>([&](int r) LINATTN_DETAIL_UNROLLED { unrolled<NR>([&](int j) LINATTN_DETAIL_UNROLLED { acc[r][j] = pset1<Packet>(Scalar(0)); }); });
+  unrolled<MR>([&](int r) LINATTN_DETAIL_UNROLLED {
+    unrolled<NR>([&](int j) LINATTN_DETAIL_UNROLLED { acc[r][j] = pset1<Packet>(Scalar(0)); });
+  });
   const Index k_full = Tri == kTriNone ? k : std::min(k, t0);
   for (Index p = 0; p < k_full; ++p) {
     Packet av[MR];
-    unrolled<MR>([&](int r) LINATTN_DETAIL_UNROLLED { av[r] = ploadu<Packet>(a + p * lda + r * P); });
+    unrolled<MR>(
+        [&](int r) LINATTN_DETAIL_UNROLLED { av[r] = ploadu<Packet>(a + p * lda + r * P); });
     const Index off = p * bk;
     unrolled<NR>([&](int j) LINATTN_DETAIL_UNROLLED {
       const Packet bv = pset1<Packet>(bcol[j][off]);
-      unrolled<MR>([&](int r) LINATTN_DETAIL_UNROLLED { acc[r][j] = pmadd(av[r], bv, acc[r][j]); });
+      unrolled<MR>(
+          [&](int r) LINATTN_DETAIL_UNROLLED { acc[r][j] = pmadd(av[r], bv, acc[r][j]); });
     });
   }
   if constexpr (Tri == kTriLowerA) {
@@ -132,12 +137,14 @@ EIGEN_ALWAYS_INLINE void micro_tile(Index k, const Scalar* a, Index lda, const S
     // Column j of the tile is column t0 + j: it takes step p when p <= t0 + j.
     for (Index p = k_full; p < k; ++p) {
       Packet av[MR];
-      unrolled<MR>([&](int r) LINATTN_DETAIL_UNROLLED { av[r] = ploadu<Packet>(a + p * lda + r * P); });
+      unrolled<MR>(
+        [&](int r) LINATTN_DETAIL_UNROLLED { av[r] = ploadu<Packet>(a + p * lda + r * P); });
       const Index off = p * bk;
       unrolled<NR>([&](int j) LINATTN_DETAIL_UNROLLED {
         if (p - t0 > Index(j)) return;
         const Packet bv = pset1<Packet>(bcol[j][off]);
-        unrolled<MR>([&](int r) LINATTN_DETAIL_UNROLLED { acc[r][j] = pmadd(av[r], bv, acc[r][j]); });
+        unrolled<MR>(
+          [&](int r) LINATTN_DETAIL_UNROLLED { acc[r][j] = pmadd(av[r], bv, acc[r][j]); });
       });
     }
   }
