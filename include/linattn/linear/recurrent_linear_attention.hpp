@@ -26,8 +26,8 @@ template <class D>
 void check_token(const char* function, const char* name, const Eigen::MatrixBase<D>& x,
                  Index expected) {
   if ((x.rows() != 1 && x.cols() != 1) || x.size() != expected)
-    throw_invalid(function, std::string(name) + " is " + shape_of(x) + " but must be a vector of " +
-                                std::to_string(expected) + " entries");
+    throw_invalid_parts(function, {name, " is ", x.rows(), "x", x.cols(),
+                                   " but must be a vector of ", expected, " entries"});
 }
 
 // The value checks of a decode step's gates and betas, as the parallel kernels check theirs
@@ -54,9 +54,8 @@ constexpr void static_check_recurrent() {
 
 inline void check_dims(const char* function, Index key_dim, Index value_dim) {
   if (key_dim <= 0 || value_dim < 0)
-    throw_invalid(function, "key_dim must be positive and value_dim non-negative, got key_dim = " +
-                                std::to_string(key_dim) + ", value_dim = " +
-                                std::to_string(value_dim));
+    throw_invalid_parts(function, {"key_dim must be positive and value_dim non-negative, got "
+                                   "key_dim = ", key_dim, ", value_dim = ", value_dim});
 }
 
 }  // namespace detail

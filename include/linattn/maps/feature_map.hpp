@@ -312,9 +312,8 @@ void check_feature_map(const char* function, const Phi& phi, Index D) {
   if constexpr (normalizes_keys_per_feature_v<Phi>) {
     const Index F = phi.feature_dim(D);
     if (F != D)
-      throw_invalid(function,
-                    "a feature map with normalizes_keys_per_feature must have feature_dim(D) == D, "
-                    "got F = " + std::to_string(F) + ", D = " + std::to_string(D));
+      throw_invalid_parts(function, {"a feature map with normalizes_keys_per_feature must have "
+                                     "feature_dim(D) == D, got F = ", F, ", D = ", D});
   } else {
     // A map with a fixed input dimension (Favor's projection) rejects another D here, at
     // entry, rather than inside a parallel region.

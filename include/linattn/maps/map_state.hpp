@@ -34,13 +34,20 @@ LinearAttentionState<Scalar> make_state(const Phi& phi, Index key_dim, Index val
 namespace detail {
 
 
-// Sizes an empty state, or checks that a given one fits (F x M).
-template <class Scalar, class Phi>
-void prepare_state(const char* function, LinearAttentionState<Scalar>& st, const Phi& phi,
-                   Index key_dim, Index value_dim) {
-  check_feature_map(function, phi, key_dim);
-  const Index F = phi.feature_dim(key_dim);
-  const bool per_feature = normalizes_keys_per_feature_v<Phi>;
+[[noreturn]] LINATTN_DETAIL_COLD inline void throw_state_misfit(const char* function, Index s_rows,
+                                                                Index s_cols, Index z, Index m,
+                                                                Index lo_rows, Index lo_cols,
+                                                                Index z_lo, Index F, Index M) {
+  throw_invalid_parts(function, {"the state (S is ", s_rows, "x", s_cols, ", z has ", z,
+                                 " entries, m has ", m, ", S_lo is ", lo_rows, "x", lo_cols,
+                                 ", z_lo has ", z_lo, " entries) does not fit F = ", F, ", M = ",
+                                 M, " for this feature map"});
+}
+
+// prepare_state() once F is known: once per scalar type, not per map.
+template <class Scalar>
+void prepare_state_sized(const char* function, LinearAttentionState<Scalar>& st, Index F,
+                         Index value_dim, bool per_feature) {
   if (st.empty()) {
     st = LinearAttentionState<Scalar>(F, value_dim, per_feature);
     return;
@@ -49,14 +56,19 @@ void prepare_state(const char* function, LinearAttentionState<Scalar>& st, const
                        (st.z_lo.size() == 0 || st.z_lo.size() == F);
   if (st.S.rows() != F || st.S.cols() != value_dim || st.z.size() != F ||
       st.m.size() != (per_feature ? F : 0) || !lo_fits)
-    throw_invalid(function, "the state (S is " + shape_of(st.S) + ", z has " +
-                                std::to_string(st.z.size()) + " entries, m has " +
-                                std::to_string(st.m.size()) + ", S_lo is " + shape_of(st.S_lo) +
-                                ", z_lo has " + std::to_string(st.z_lo.size()) +
-                                " entries) does not fit F = " + std::to_string(F) + ", M = " +
-                                std::to_string(value_dim) + " for this feature map");
+    throw_state_misfit(function, st.S.rows(), st.S.cols(), st.z.size(), st.m.size(),
+                       st.S_lo.rows(), st.S_lo.cols(), st.z_lo.size(), F, value_dim);
   if (st.S_lo.size() == 0) st.S_lo.setZero(F, value_dim);
   if (st.z_lo.size() == 0) st.z_lo.setZero(F);
+}
+
+// Sizes an empty state, or checks that a given one fits (F x M).
+template <class Scalar, class Phi>
+void prepare_state(const char* function, LinearAttentionState<Scalar>& st, const Phi& phi,
+                   Index key_dim, Index value_dim) {
+  check_feature_map(function, phi, key_dim);
+  prepare_state_sized(function, st, phi.feature_dim(key_dim), value_dim,
+                      normalizes_keys_per_feature_v<Phi>);
 }
 
 

@@ -6,9 +6,12 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
@@ -58,9 +61,45 @@ std::string value_string(T x) {
   }
 }
 
+// Out of line and cold: an error path then costs its caller a call, not the inlined string
+// building of its message (which, repeated in every kernel instantiation, is compile time).
+#if defined(__GNUC__)
+#define LINATTN_DETAIL_COLD __attribute__((cold, noinline))
+#elif defined(_MSC_VER)
+#define LINATTN_DETAIL_COLD __declspec(noinline)
+#else
+#define LINATTN_DETAIL_COLD
+#endif
+
 // std::invalid_argument, or the error handler without exceptions (error.hpp).
-[[noreturn]] inline void throw_invalid(const char* function, const std::string& what) {
+[[noreturn]] LINATTN_DETAIL_COLD inline void throw_invalid(const char* function,
+                                                           const std::string& what) {
   raise<std::invalid_argument>(std::string("linattn::") + function + ": " + what);
+}
+
+// One piece of an error message: text, or an integer written in decimal. The checks pass their
+// message as pieces to throw_invalid_parts(), which joins them out of line.
+struct MessagePart {
+  const char* text = nullptr;
+  std::size_t size = 0;
+  long long number = 0;
+  MessagePart(const char* s) : text(s), size(std::strlen(s)) {}
+  MessagePart(const std::string& s) : text(s.data()), size(s.size()) {}
+  template <class I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
+  MessagePart(I n) : number(static_cast<long long>(n)) {}
+};
+
+// throw_invalid(function, the parts joined).
+[[noreturn]] LINATTN_DETAIL_COLD inline void throw_invalid_parts(
+    const char* function, std::initializer_list<MessagePart> parts) {
+  std::string what;
+  for (const MessagePart& p : parts) {
+    if (p.text != nullptr)
+      what.append(p.text, p.size);
+    else
+      what += std::to_string(p.number);
+  }
+  throw_invalid(function, what);
 }
 
 // The scalar types of Q, K and V must agree: mixing float and double would hide a conversion.
@@ -74,21 +113,28 @@ constexpr void static_check_scalars() {
 }
 
 // Q is N x D, K is L x D, V is L x M; causal attention also needs N == L; D must be positive.
+// On the shapes alone (compiled once, not per operand type), the message out of line.
+inline void check_qkv_shapes(const char* function, Index qr, Index qc, Index kr, Index kc,
+                             Index vr, Index vc, bool causal) {
+  const char* what = nullptr;
+  if (qc != kc)
+    what = "Q and K must have the same number of columns D";
+  else if (kr != vr)
+    what = "K and V must have the same number of rows L";
+  else if (causal && qr != kr)
+    what = "causal attention needs as many queries as keys (N == L)";
+  else if (qc == 0)
+    what = "the key dimension D must be positive";
+  if (what != nullptr)
+    throw_invalid_parts(function, {what, " (Q is ", qr, "x", qc, ", K is ", kr, "x", kc,
+                                   ", V is ", vr, "x", vc, ")"});
+}
+
 template <class DQ, class DK, class DV>
 void check_qkv(const char* function, const Eigen::MatrixBase<DQ>& Q,
                const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, bool causal) {
   static_check_scalars<DQ, DK, DV>();
-  const auto shapes = [&] {
-    return " (Q is " + shape_of(Q) + ", K is " + shape_of(K) + ", V is " + shape_of(V) + ")";
-  };
-  if (Q.cols() != K.cols())
-    throw_invalid(function, "Q and K must have the same number of columns D" + shapes());
-  if (K.rows() != V.rows())
-    throw_invalid(function, "K and V must have the same number of rows L" + shapes());
-  if (causal && Q.rows() != K.rows())
-    throw_invalid(function,
-                  "causal attention needs as many queries as keys (N == L)" + shapes());
-  if (Q.cols() == 0) throw_invalid(function, "the key dimension D must be positive" + shapes());
+  check_qkv_shapes(function, Q.rows(), Q.cols(), K.rows(), K.cols(), V.rows(), V.cols(), causal);
 }
 
 // The number of query/key heads a call's options state (key_heads; 0: as many as `heads`)
@@ -141,12 +187,17 @@ void check_head_dims(const char* function, const Eigen::MatrixBase<DQ>& Q,
   held("V holds", V.cols(), heads, value_dim, "value_dim");
 }
 
+inline void check_output_shape(const char* function, Index out_rows, Index out_cols, Index rows,
+                               Index cols) {
+  if (out_rows != rows || out_cols != cols)
+    throw_invalid_parts(function, {"the output is ", out_rows, "x", out_cols, " but must be ",
+                                   rows, "x", cols});
+}
+
 template <class DOut>
 void check_output(const char* function, const Eigen::MatrixBase<DOut>& out, Index rows,
                   Index cols) {
-  if (out.rows() != rows || out.cols() != cols)
-    throw_invalid(function, "the output is " + shape_of(out) + " but must be " +
-                                shape_string(rows, cols));
+  check_output_shape(function, out.rows(), out.cols(), rows, cols);
 }
 
 // Eigen's documented idiom for writing through an expression passed by const reference
@@ -405,9 +456,9 @@ template <class DOut, class DIn, class... Rest>
 void check_no_overlap(const char* function, const Eigen::DenseBase<DOut>& out, const char* name,
                       const Eigen::DenseBase<DIn>& in, const Rest&... rest) {
   if (memory_overlaps(out, in))
-    throw_invalid(function, std::string("the output overlaps the memory of ") + name + " (out is " +
-                                shape_of(out) + ", " + name + " is " + shape_of(in) +
-                                "); write into a separate buffer");
+    throw_invalid_parts(function, {"the output overlaps the memory of ", name, " (out is ",
+                                   out.rows(), "x", out.cols(), ", ", name, " is ", in.rows(), "x",
+                                   in.cols(), "); write into a separate buffer"});
   check_no_overlap(function, out, rest...);
 }
 
@@ -456,23 +507,38 @@ struct StateApart {
     part(fn, state, index, "log_decay", st.log_decay);
   }
   // A state's arrays are contiguous: their address range first, the exact test only where it
-  // meets an operand's.
+  // meets an operand's. The array as its memory (compiled once, not per array type).
   template <class A>
   void part(const char* fn, const char* state, Index index, const char* name, const A& a) const {
     if (a.size() == 0) return;
-    const std::uintptr_t b = reinterpret_cast<std::uintptr_t>(a.data());
-    const std::uintptr_t e = b + sizeof(typename A::Scalar) * static_cast<std::uintptr_t>(a.size());
+    constexpr std::int64_t w = sizeof(typename A::Scalar);
+    static_assert(A::InnerStrideAtCompileTime == 1,
+                  "linattn: internal: a state's arrays are plain");
+    part_memory(fn, state, index, name, reinterpret_cast<std::uintptr_t>(a.data()), w,
+                a.innerSize(), a.outerStride(), a.outerSize(), a.rows(), a.cols());
+  }
+  void part_memory(const char* fn, const char* state, Index index, const char* name,
+                   std::uintptr_t b, std::int64_t w, Index inner, Index outer_stride, Index outer,
+                   Index rows, Index cols) const {
+    const std::uintptr_t e = b + static_cast<std::uintptr_t>(w * inner * outer);
     for (int i = 0; i < count; ++i) {
-      if (e <= ops[i].lo || b >= ops[i].hi || !regions_overlap(ops[i].region, memory_region(a)))
+      if (e <= ops[i].lo || b >= ops[i].hi ||
+          !regions_overlap(ops[i].region,
+                           make_memory_region(b, w, w, inner, w * outer_stride, outer)))
         continue;
-      throw_invalid(fn, std::string(ops[i].name) + " overlaps the memory of " + state +
-                            (index >= 0 ? "[" + std::to_string(index) + "]" : std::string()) +
-                            "." + name + " (" + ops[i].name + " is " +
-                            shape_string(ops[i].rows, ops[i].cols) + ", " + name + " is " +
-                            shape_of(a) +
-                            "): the operands must not share memory with the state the call "
-                            "carries; pass a separate buffer");
+      throw_overlap(fn, state, index, name, ops[i], rows, cols);
     }
+  }
+  [[noreturn]] LINATTN_DETAIL_COLD static void throw_overlap(const char* fn, const char* state,
+                                                            Index index, const char* name,
+                                                            const Operand& op, Index rows,
+                                                            Index cols) {
+    throw_invalid(fn, std::string(op.name) + " overlaps the memory of " + state +
+                          (index >= 0 ? "[" + std::to_string(index) + "]" : std::string()) + "." +
+                          name + " (" + op.name + " is " + shape_string(op.rows, op.cols) + ", " +
+                          name + " is " + shape_string(rows, cols) +
+                          "): the operands must not share memory with the state the call "
+                          "carries; pass a separate buffer");
   }
 };
 

@@ -42,11 +42,19 @@ inline constexpr int kMicroCols = 6;
 #pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
 #endif
 
-// Calls f(integral_constant<int, I>) for I = 0 … N-1, unrolled at every optimisation level:
-// the tile's accumulators stay in registers only if every index into them is a constant.
+// Calls f(I) for I = 0 … N-1, unrolled at every optimisation level: the tile's accumulators
+// stay in registers only if every index into them is a constant. f is a lambda of an int marked
+// LINATTN_DETAIL_UNROLLED, inlined at each call where I is a constant: one lambda per loop
+// instead of one per index (a generic lambda of integral_constant), which would instantiate
+// hundreds of functions over the tiles and cost every program compile time.
+#if defined(__GNUC__)
+#define LINATTN_DETAIL_UNROLLED __attribute__((always_inline))
+#else
+#define LINATTN_DETAIL_UNROLLED
+#endif
 template <class F, int... I>
 EIGEN_ALWAYS_INLINE void unrolled(F&& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
+  (f(I), ...);
 }
 template <int N, class F>
 EIGEN_ALWAYS_INLINE void unrolled(F&& f) {
@@ -79,17 +87,22 @@ EIGEN_ALWAYS_INLINE void micro_tile(Index k, const Scalar* a, Index lda, const S
   using namespace Eigen::internal;
   constexpr Index P = unpacket_traits<Packet>::size;
   const Scalar* bcol[NR];
-  unrolled<NR>([&](auto j) { bcol[j] = b + std::min<Index>(j, nr - 1) * bn; });
+  unrolled<NR>(
+      [&](int j) LINATTN_DETAIL_UNROLLED { bcol[j] = b + std::min<Index>(j, nr - 1) * bn; });
   Packet acc[MR][NR];
-  unrolled<MR>([&](auto r) { unrolled<NR>([&](auto j) { acc[r][j] = pset1<Packet>(Scalar(0)); }); });
+  unrolled<MR>([&](int r) LINATTN_DETAIL_UNROLLED {
+    unrolled<NR>([&](int j) LINATTN_DETAIL_UNROLLED { acc[r][j] = pset1<Packet>(Scalar(0)); });
+  });
   const Index k_full = Tri == kTriNone ? k : std::min(k, t0);
   for (Index p = 0; p < k_full; ++p) {
     Packet av[MR];
-    unrolled<MR>([&](auto r) { av[r] = ploadu<Packet>(a + p * lda + r * P); });
+    unrolled<MR>(
+        [&](int r) LINATTN_DETAIL_UNROLLED { av[r] = ploadu<Packet>(a + p * lda + r * P); });
     const Index off = p * bk;
-    unrolled<NR>([&](auto j) {
+    unrolled<NR>([&](int j) LINATTN_DETAIL_UNROLLED {
       const Packet bv = pset1<Packet>(bcol[j][off]);
-      unrolled<MR>([&](auto r) { acc[r][j] = pmadd(av[r], bv, acc[r][j]); });
+      unrolled<MR>(
+          [&](int r) LINATTN_DETAIL_UNROLLED { acc[r][j] = pmadd(av[r], bv, acc[r][j]); });
     });
   }
   if constexpr (Tri == kTriLowerA) {
@@ -101,7 +114,7 @@ EIGEN_ALWAYS_INLINE void micro_tile(Index k, const Scalar* a, Index lda, const S
       Packet av[MR];
       int mode[MR];  // 0: no lane takes step p, 1: some, 2: all
       [[maybe_unused]] Packet mask[MR];
-      unrolled<MR>([&](auto r) {
+      unrolled<MR>([&](int r) LINATTN_DETAIL_UNROLLED {
         av[r] = ploadu<Packet>(a + p * lda + r * P);
         const Index first = p - t0 - Index(r) * P;  // the first lane that takes step p
         mode[r] = first <= 0 ? 2 : (first < P ? 1 : 0);
@@ -109,9 +122,9 @@ EIGEN_ALWAYS_INLINE void micro_tile(Index k, const Scalar* a, Index lda, const S
           if (mode[r] == 1) mask[r] = pcmp_le(pset1<Packet>(Scalar(first)), lanes);
       });
       const Index off = p * bk;
-      unrolled<NR>([&](auto j) {
+      unrolled<NR>([&](int j) LINATTN_DETAIL_UNROLLED {
         const Packet bv = pset1<Packet>(bcol[j][off]);
-        unrolled<MR>([&](auto r) {
+        unrolled<MR>([&](int r) LINATTN_DETAIL_UNROLLED {
           if (mode[r] == 2) {
             acc[r][j] = pmadd(av[r], bv, acc[r][j]);
           } else if constexpr (P > 1) {
@@ -124,19 +137,21 @@ EIGEN_ALWAYS_INLINE void micro_tile(Index k, const Scalar* a, Index lda, const S
     // Column j of the tile is column t0 + j: it takes step p when p <= t0 + j.
     for (Index p = k_full; p < k; ++p) {
       Packet av[MR];
-      unrolled<MR>([&](auto r) { av[r] = ploadu<Packet>(a + p * lda + r * P); });
+      unrolled<MR>(
+        [&](int r) LINATTN_DETAIL_UNROLLED { av[r] = ploadu<Packet>(a + p * lda + r * P); });
       const Index off = p * bk;
-      unrolled<NR>([&](auto j) {
+      unrolled<NR>([&](int j) LINATTN_DETAIL_UNROLLED {
         if (p - t0 > Index(j)) return;
         const Packet bv = pset1<Packet>(bcol[j][off]);
-        unrolled<MR>([&](auto r) { acc[r][j] = pmadd(av[r], bv, acc[r][j]); });
+        unrolled<MR>(
+          [&](int r) LINATTN_DETAIL_UNROLLED { acc[r][j] = pmadd(av[r], bv, acc[r][j]); });
       });
     }
   }
-  unrolled<NR>([&](auto j) {
+  unrolled<NR>([&](int j) LINATTN_DETAIL_UNROLLED {
     if (j < nr) {
       Scalar* cj = c + j * ldc;
-      unrolled<MR>([&](auto r) {
+      unrolled<MR>([&](int r) LINATTN_DETAIL_UNROLLED {
         Packet x = acc[r][j];
         if (accumulate) x = padd(x, ploadu<Packet>(cj + r * P));
         pstoreu(cj + r * P, x);

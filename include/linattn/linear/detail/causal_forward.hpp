@@ -275,6 +275,11 @@ bool causal_chunk_per_feature(const Phi& phi, const DQ& Q, const DK& K, const DV
   return true;
 }
 
+inline void check_chunk_size(const char* function, const CausalOptions& opts) {
+  if (opts.chunk_size < 0)
+    throw_invalid_parts(function, {"chunk_size must be >= 0 (0 = default), got ", opts.chunk_size});
+}
+
 // Whether the recurrent algorithm runs for these options and a state of F·M entries.
 inline bool causal_runs_recurrent(const CausalOptions& opts, Index state_size) {
   return opts.algorithm == CausalAlgorithm::Recurrent ||
@@ -302,9 +307,7 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
   // once more for the views.
   assert(Q.rows() == K.rows() && K.rows() == V.rows() && Q.cols() == K.cols() &&
          out.rows() == Q.rows() && out.cols() == V.cols());
-  if (opts.chunk_size < 0)
-    throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
-                                std::to_string(opts.chunk_size));
+  check_chunk_size(function, opts);
   prepare_state(function, st, phi, Q.cols(), V.cols());
   // A state from RecurrentLinearAttention may hold its latest tokens in the low parts; the
   // chunked form reads the high parts only.
@@ -396,9 +399,7 @@ void causal_linear_attention_views(const char* function, const VQ& q, const VK& 
                                  row_segment(dst, 0, N), ws, opts);
     return;
   }
-  if (opts.chunk_size < 0)
-    throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
-                                std::to_string(opts.chunk_size));
+  check_chunk_size(function, opts);
   prepare_state(function, st, phi, q.cols(), M);
   fold_state(st.S, st.S_lo, st.z, st.z_lo);
   const Index C = causal_block_rows(opts, F * M);
@@ -467,9 +468,7 @@ void causal_linear_attention_split(const char* function, const Eigen::MatrixBase
       // One thread: the operands stay in bf16 / half and are widened a piece at a time.
       with_storage_views(Q.derived(), K.derived(), V.derived(), writable(out),
                          [&](const auto& q, const auto& k, const auto& v, auto& dst) {
-                           if (opts.chunk_size < 0)
-                             throw_invalid(function, "chunk_size must be >= 0 (0 = default), got " +
-                                                         std::to_string(opts.chunk_size));
+                           check_chunk_size(function, opts);
                            prepare_state(function, st, map, Q.cols(), M);
                            causal_impl_widened(function, q, k, v, 0, N, 0, 0, Q.cols(), M, map,
                                                keep, st, dst, ws, opts);

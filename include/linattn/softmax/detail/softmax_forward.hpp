@@ -198,9 +198,8 @@ void softmax_dispatch_lse(const char* function, const Eigen::MatrixBase<DQ>& Q,
   check_qkv(function, Q, K, V, causal);
   check_output(function, out, Q.rows(), V.cols());
   if (lse.size() != Q.rows())
-    throw_invalid(function, "lse has " + std::to_string(lse.size()) + " entries but must have " +
-                                std::to_string(Q.rows()) + " (one per query; Q is " + shape_of(Q) +
-                                ")");
+    throw_invalid_parts(function, {"lse has ", lse.size(), " entries but must have ", Q.rows(),
+                                   " (one per query; Q is ", Q.rows(), "x", Q.cols(), ")"});
   check_no_overlap(function, out, "Q", Q, "K", K, "V", V);
   check_no_overlap(function, lse, "Q", Q, "K", K, "V", V, "the output", out);
   auto& dst = writable(out);
