@@ -30,6 +30,21 @@
 //     the per-iteration ratios), the same of the calling thread's CPU time (*_cpu_us,
 //     bf16_vs_f32_cpu), f32_GBs and bf16_GBs (each head's state read and written once, 4 and 2
 //     bytes an entry, ÷ the median time).
+//   - bdec_prefill_pair: a multi-head prefill call with carried states on N = 1, 4, 16, 64 rows
+//     (H = 16, D = M = 64, 128, float, one thread, a reused MultiHeadWorkspace and output)
+//     against N step() calls of the matching batched decoder with B = 1, from the same states
+//     (both continue a 64-token prefill) on the same tokens, timed back to back in alternating
+//     order within every iteration:
+//       kind:gated/decay:scalar|feature   multihead_gated_linear_attention (Identity, log-gates
+//                                         N×H or N×H·F, normalize = false) vs
+//                                         BatchedRecurrentGatedAttention<Identity>
+//       kind:delta/decay:scalar|channel   multihead_delta_rule_attention (L2Normalize<>, log_a
+//                                         N×H or N×H·F) vs BatchedRecurrentDeltaRule
+//       kind:linear/decay:none            multihead_causal_linear_attention (EluPlusOne) vs
+//                                         BatchedRecurrentLinearAttention<EluPlusOne>
+//     counters call_us, steps_us (medians), call_vs_steps (median of the per-iteration ratios;
+//     target ≤ 1.2) and the same of the thread's CPU times (call_vs_steps_cpu). Calls are
+//     repeated `reps` times per measurement to cover 16 rows.
 //   - --drift (instead of the benchmarks): what bf16 / half states cost in accuracy
 //     (docs/SPEC.md §9.3): one sequence of one head, D = M = 128, q, k, v uniform in [−1, 1],
 //     β in [0, 1], log-decays in [−0.1, 0] (scalar; per channel for KDA; log gates for the gated
@@ -39,6 +54,7 @@
 // Names follow bench_common.hpp:
 //   bdec_step/kind:delta/decay:channel/dtype:f32/H:32/D:128/thr:2/B:64
 //   bdec_extend_pair/kind:gated/decay:scalar/dtype:f32/H:16/D:128/S:8/T:16/thr:1
+//   bdec_prefill_pair/kind:delta/decay:channel/dtype:f32/H:16/D:128/thr:1/N:16
 #include <linattn/linattn.hpp>
 
 #if __has_include(<linattn/delta/batched_recurrent_delta_rule.hpp>) && \
@@ -71,7 +87,7 @@ using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
 constexpr Index kRing = 4;  // distinct token sets cycled through by the timed steps
 
 struct DecodeSizes {
-  std::vector<Index> batches, heads, dims, seqs, tokens, extend_heads, state_batches;
+  std::vector<Index> batches, heads, dims, seqs, tokens, extend_heads, state_batches, prefill_dims;
   std::vector<int> threads;
   int pair_iterations = 0;
   Index pair_rows = 0;  // a measurement repeats the call until it covers this many head tokens
@@ -90,6 +106,7 @@ DecodeSizes decode_sizes(const lb::Profile& p) {
     s.extend_heads = {4};
     s.pair_iterations = 2;
     s.pair_rows = 8;
+    s.prefill_dims = {32};
   } else {
     s.batches = {1, 8, 64};
     s.state_batches = {8, 64};
@@ -100,6 +117,7 @@ DecodeSizes decode_sizes(const lb::Profile& p) {
     s.extend_heads = p.name == "full" ? std::vector<Index>{16, 32} : std::vector<Index>{16};
     s.pair_iterations = p.name == "full" ? 30 : 15;
     s.pair_rows = 256;
+    s.prefill_dims = {64, 128};
   }
   return s;
 }
@@ -372,6 +390,136 @@ void BM_extend_pair(benchmark::State& st, Kind kind, Index H, Index D, Index S, 
   lb::set_threads(1);
 }
 
+// The multi-head prefill with carried states against N steps of the batched decoder (B = 1).
+enum class PrefillKind { GatedScalar, GatedFeature, DeltaScalar, DeltaChannel, Linear };
+
+const char* prefill_kind_key(PrefillKind k) {
+  return k == PrefillKind::Linear ? "linear"
+         : (k == PrefillKind::GatedScalar || k == PrefillKind::GatedFeature) ? "gated"
+                                                                               : "delta";
+}
+const char* prefill_decay_key(PrefillKind k) {
+  switch (k) {
+    case PrefillKind::GatedFeature: return "feature";
+    case PrefillKind::DeltaChannel: return "channel";
+    case PrefillKind::Linear: return "none";
+    default: return "scalar";
+  }
+}
+
+// Times `call` (the prefill) and `steps` (N decoder steps) back to back in alternating order,
+// `reps` times each per measurement; the medians into the counters.
+template <class Call, class Steps>
+void time_prefill_pair(benchmark::State& st, Index reps, Call&& call, Steps&& steps) {
+  const auto timed = [&](auto& f, double& cpu) {
+    const double c0 = lb::thread_cpu_seconds();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (Index r = 0; r < reps; ++r) f();
+    benchmark::ClobberMemory();
+    const double w = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    cpu = (lb::thread_cpu_seconds() - c0) / double(reps);
+    return w / double(reps);
+  };
+  for (int w = 0; w < 2; ++w) {
+    call();
+    steps();
+  }
+  std::vector<double> tc, ts, ratio, cratio;
+  bool steps_first = false;
+  for (auto _ : st) {
+    double a, b, ac, bc;
+    if (steps_first) {
+      b = timed(steps, bc);
+      a = timed(call, ac);
+    } else {
+      a = timed(call, ac);
+      b = timed(steps, bc);
+    }
+    steps_first = !steps_first;
+    tc.push_back(a);
+    ts.push_back(b);
+    ratio.push_back(a / b);
+    cratio.push_back(bc > 0 ? ac / bc : 0.0);
+    st.SetIterationTime((a + b) * double(reps));
+  }
+  st.counters["call_us"] = 1e6 * lb::median(tc);
+  st.counters["steps_us"] = 1e6 * lb::median(ts);
+  st.counters["call_vs_steps"] = lb::median(ratio);
+  st.counters["call_vs_steps_cpu"] = lb::median(cratio);
+  st.counters["reps"] = double(reps);
+}
+
+void BM_prefill_pair(benchmark::State& st, PrefillKind kind, Index H, Index D) {
+  const Index N = st.range(0);
+  constexpr Index kWarm = 64;  // tokens both continue from
+  lb::set_threads(1);
+  linattn::ParallelOptions par;
+  par.num_threads = 1;
+  const bool wide = kind == PrefillKind::GatedFeature || kind == PrefillKind::DeltaChannel;
+  const Kind tk = wide ? Kind::DeltaChannel : Kind::DeltaScalar;  // the log-decays' width
+  Tokens warm(kWarm, H, D, tk, 800), tok(N, H, D, tk, 810);
+  Mat<float> dout = Mat<float>::Zero(1, H * D);
+  linattn::MultiHeadWorkspace<float> ws;
+  std::vector<linattn::LinearAttentionState<float>> states;
+  const Index reps = std::max<Index>(1, 16 / N);
+  const double scale = 1.0 / std::sqrt(double(D));
+  if (kind == PrefillKind::GatedScalar || kind == PrefillKind::GatedFeature) {
+    linattn::GatedOptions o;
+    o.scale = scale;
+    o.normalize = false;
+    const auto prefill = [&](const Tokens& t) {
+      linattn::multihead_gated_linear_attention(t.q, t.k, t.v, t.g, H, linattn::Identity{}, states,
+                                                t.out, ws, o, par);
+    };
+    prefill(warm);
+    GatedDec dec(1, H, D, D, linattn::Identity{}, o);
+    dec.set_states(states);
+    time_prefill_pair(
+        st, reps, [&] { prefill(tok); },
+        [&] {
+          for (Index i = 0; i < N; ++i)
+            dec.step(tok.q.row(i), tok.k.row(i), tok.v.row(i), tok.g.row(i), dout, par);
+        });
+  } else if (kind == PrefillKind::Linear) {
+    const auto prefill = [&](const Tokens& t) {
+      linattn::multihead_causal_linear_attention(t.q, t.k, t.v, H, linattn::EluPlusOne{}, states,
+                                                 t.out, ws, linattn::CausalOptions{}, par);
+    };
+    prefill(warm);
+    linattn::BatchedRecurrentLinearAttention<linattn::EluPlusOne, float> dec(1, H, D, D);
+    dec.set_states(states, kWarm);
+    time_prefill_pair(
+        st, reps, [&] { prefill(tok); },
+        [&] {
+          for (Index i = 0; i < N; ++i)
+            dec.step(tok.q.row(i), tok.k.row(i), tok.v.row(i), dout, par);
+        });
+  } else {
+    linattn::DeltaOptions o;
+    o.scale = scale;
+    const linattn::L2Normalize<> phi(1e-6);
+    const auto prefill = [&](const Tokens& t) {
+      linattn::multihead_delta_rule_attention(t.q, t.k, t.v, t.beta, t.g, H, phi, states, t.out, ws,
+                                              o, par);
+    };
+    prefill(warm);
+    DeltaDec dec(1, H, D, D, phi, o);
+    dec.set_states(states);
+    time_prefill_pair(
+        st, reps, [&] { prefill(tok); },
+        [&] {
+          for (Index i = 0; i < N; ++i)
+            dec.step(tok.q.row(i), tok.k.row(i), tok.v.row(i), tok.beta.row(i), tok.g.row(i), dout,
+                     par);
+        });
+  }
+  if (!lb::all_finite(tok.out) || !lb::all_finite(dout)) st.SkipWithError("non-finite output");
+  st.counters["N"] = double(N);
+  st.counters["H"] = double(H);
+  st.counters["D"] = double(D);
+  st.counters["threads"] = 1;
+}
+
 #endif  // LINATTN_BENCH_BDEC
 
 void register_all(const lb::Profile& p) {
@@ -423,6 +571,20 @@ void register_all(const lb::Profile& p) {
                   ->Unit(benchmark::kMicrosecond)
                   ->Iterations(s.pair_iterations);
             }
+  const PrefillKind pkinds[] = {PrefillKind::GatedScalar, PrefillKind::GatedFeature,
+                                PrefillKind::DeltaScalar, PrefillKind::DeltaChannel,
+                                PrefillKind::Linear};
+  for (PrefillKind k : pkinds)
+    for (Index D : s.prefill_dims) {
+      const Index H = s.extend_heads.front();
+      const std::string name = std::string("bdec_prefill_pair") + lb::key("kind", prefill_kind_key(k)) +
+                               lb::key("decay", prefill_decay_key(k)) + lb::key("dtype", "f32") +
+                               lb::key("H", H) + lb::key("D", D) + lb::key("thr", 1);
+      auto* b = benchmark::RegisterBenchmark(
+          name.c_str(), [k, H, D](benchmark::State& st) { BM_prefill_pair(st, k, H, D); });
+      b->ArgName("N")->UseManualTime()->Unit(benchmark::kMicrosecond)->Iterations(2 * s.pair_iterations);
+      for (Index n : s.tokens) b->Arg(int64_t(n));
+    }
 #else
   (void)p;
 #endif
@@ -441,7 +603,10 @@ std::string notes(const lb::Profile& p) {
          " iterations, each call repeated to cover " + std::to_string(s.pair_rows) +
          " tokens; the delta-rule step with float against bf16 states (B = " +
          lb::join(s.state_batches) +
-         "), alternately; FMA peak and read+write bandwidth measured in the process.";
+         "), alternately; multi-head prefill calls with carried states of N = " + lb::join(s.tokens) +
+         " rows (D = M = " + lb::join(s.prefill_dims) +
+         ", one thread) against N decoder steps; FMA peak and read+write bandwidth measured in "
+         "the process.";
 #else
   (void)s;
   return "not measured: this build has no batched delta-rule / gated decoders.";

@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include <algorithm>
+
 #include "../core/common.hpp"
 #include "../core/detail/checks.hpp"
 #include "../core/detail/decay.hpp"
@@ -53,8 +55,18 @@ inline void check_delta_chunk_size(const char* function, const DeltaOptions& opt
 
 // A carried state for the delta rule: sized or checked, its low parts added into S (the delta
 // rule keeps none: the overwrite and the decay bound the state's memory). z is not used.
+// A state the delta rule left has zero low parts: one read of them (no write, no pass over S)
+// finds that, so that a small call does not pay for a fold it does not need.
 template <class Scalar>
 void delta_absorb_low(LinearAttentionState<Scalar>& st) {
+  const Scalar* lo = st.S_lo.data();
+  bool zero = true;
+  for (Index i0 = 0, n = st.S_lo.size(); i0 < n && zero; i0 += 1024) {
+    int nonzero = 0;  // branch-free within a stretch, so that it vectorises
+    for (Index i = i0, e = std::min(n, i0 + 1024); i < e; ++i) nonzero |= int(lo[i] != Scalar(0));
+    zero = nonzero == 0;
+  }
+  if (zero) return;
   st.S += st.S_lo;
   st.S_lo.setZero();
 }

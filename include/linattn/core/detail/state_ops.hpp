@@ -28,19 +28,41 @@ namespace detail {
 // hi + lo -> (hi, lo) with hi = fl(hi + lo) and lo the exact rounding error (Knuth's TwoSum:
 // branch-free and exact whatever the magnitudes, unlike Fast2Sum), over n contiguous entries.
 // Must not be compiled with -ffast-math (which would simplify the error term to 0).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // packet types as template arguments
+#endif
 template <class Scalar>
 void two_sum_fold(Scalar* hi, Scalar* lo, Index n) {
-  constexpr Index B = 64;
-  using Buf = Eigen::Array<Scalar, Eigen::Dynamic, 1, 0, B, 1>;
-  for (Index i0 = 0; i0 < n; i0 += B) {
-    const Index nb = std::min(B, n - i0);
-    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> h(hi + i0, nb), l(lo + i0, nb);
-    const Buf s = h + l;
-    const Buf bb = s - h;
-    l = (h - (s - bb)) + (l - bb);
-    h = s;
+  using namespace Eigen::internal;
+  using Packet = typename packet_traits<Scalar>::type;
+  constexpr Index P = packet_traits<Scalar>::size;
+  Index i = 0;
+  // In packets, two at a time (the six dependent adds of one entry hide each other's latency);
+  // the same operations on every entry as the scalar tail, so the result is the same bit for bit.
+  if constexpr (P > 1) {
+    const auto fold = [&](Index j) {
+      const Packet h = ploadu<Packet>(hi + j), l = ploadu<Packet>(lo + j);
+      const Packet s = padd(h, l), bb = psub(s, h);
+      pstoreu(lo + j, padd(psub(h, psub(s, bb)), psub(l, bb)));
+      pstoreu(hi + j, s);
+    };
+    for (; i + 2 * P <= n; i += 2 * P) {
+      fold(i);
+      fold(i + P);
+    }
+    for (; i + P <= n; i += P) fold(i);
+  }
+  for (; i < n; ++i) {
+    const Scalar h = hi[i], l = lo[i];
+    const Scalar s = h + l, bb = s - h;
+    lo[i] = (h - (s - bb)) + (l - bb);
+    hi[i] = s;
   }
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 // Folds the low parts of a state's sums into the high parts (see LinearAttentionState).
 template <class SMat, class ZVec>

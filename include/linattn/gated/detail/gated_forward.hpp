@@ -469,13 +469,21 @@ void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
     auto th = ws.vector(kSlotRowB, gw);
     split_decay_inplace(total, th);
     const Index ld = st.S.outerStride();
+    // Each row decayed and folded while it is in L1: one pass over the state after the block's
+    // tokens, not two (the same operations on every entry as a decay pass and a fold pass).
     for (Index d = 0; d < F; ++d) {
       const Index j = cfg.per_feature ? d : 0;
-      if (th(j) == Scalar(1) && total(j) == Scalar(0)) continue;  // no decay (g = 0)
-      decay_parts(st.S.data() + d * ld, st.S_lo.data() + d * ld, M, th(j), total(j));
-      if (cfg.normalize) decay_parts(st.z.data() + d, st.z_lo.data() + d, 1, th(j), total(j));
+      if (th(j) != Scalar(1) || total(j) != Scalar(0)) {  // else no decay (g = 0)
+        decay_parts(st.S.data() + d * ld, st.S_lo.data() + d * ld, M, th(j), total(j));
+        if (cfg.normalize) decay_parts(st.z.data() + d, st.z_lo.data() + d, 1, th(j), total(j));
+      }
+      two_sum_fold(st.S.data() + d * ld, st.S_lo.data() + d * ld, M);
     }
+    two_sum_fold(st.z.data(), st.z_lo.data(), st.z.size());
   } else {
+    // The tokens below read the high parts only: a state carried in with unfolded low parts
+    // (gated_prepare_state does not fold) is folded before the call's first block.
+    if (r0 == 0) fold_state(st.S, st.S_lo, st.z, st.z_lo);
     // Each token's factors by its own gates (token_factors_inplace), as the decode step takes
     // them: a strong feature makes the block strong, while the other features may be as mild
     // as any (their memory spans many blocks).
@@ -502,8 +510,8 @@ void gated_rows_recurrent(const Phi& phi, const DQ& Q, const DK& K, const DV& V,
       st.S_lo *= total(0);
       st.z_lo *= total(0);
     }
+    fold_state(st.S, st.S_lo, st.z, st.z_lo);
   }
-  fold_state(st.S, st.S_lo, st.z, st.z_lo);
   copy_from_row_major(ob, b, M, dst.middleRows(r0, b));
 }
 
@@ -529,6 +537,8 @@ void gated_run(const Phi& phi, const DQ& Q, const DK& K, const DV& V, const DG& 
   const GatedConfig<Scalar> cfg = gated_config<Scalar>(opts, G.cols());
   const bool recurrent = gated_runs_recurrent(opts, st.S.size());
   const Index C = gated_block_rows(opts, st.S.size());
+  // The chunked form reads the high parts only (the recurrent one folds where it needs to).
+  if (!recurrent && N > 0) fold_state(st.S, st.S_lo, st.z, st.z_lo);
   for (Index r0 = 0; r0 < N; r0 += C) {
     const Index b = std::min(C, N - r0);
     if (recurrent)
@@ -589,9 +599,11 @@ void check_log_gates(const char* function, const Eigen::MatrixBase<DG>& G, Index
     }
 }
 
-// Sizes or checks a state for a gated call (as prepare_state), folds it, and sizes its
-// log_decay record for gates of width gw (1 or F): an empty record becomes zeros, a scalar
-// record meeting per-feature gates is broadcast to F entries.
+// Sizes or checks a state for a gated call (as prepare_state) and sizes its log_decay record
+// for gates of width gw (1 or F): an empty record becomes zeros, a scalar record meeting
+// per-feature gates is broadcast to F entries. It does not fold: the kernels fold where they
+// read the high parts alone (gated_run), and a state a gated call left is folded already (a
+// fold of a folded state changes nothing), so a small call pays no pass over the state here.
 template <class Scalar, class Phi>
 void gated_prepare_state(const char* function, LinearAttentionState<Scalar>& st, const Phi& phi,
                          Index D, Index M, Index gw) {
@@ -607,7 +619,6 @@ void gated_prepare_state(const char* function, LinearAttentionState<Scalar>& st,
     throw_invalid(function, "the state's log_decay has " + std::to_string(have) +
                                 " entries but must have 0, 1 or F = " + std::to_string(F));
   }
-  fold_state(st.S, st.S_lo, st.z, st.z_lo);
 }
 
 }  // namespace linattn::detail

@@ -309,16 +309,17 @@ void causal_linear_attention_impl(const char* function, const Eigen::MatrixBase<
          out.rows() == Q.rows() && out.cols() == V.cols());
   check_chunk_size(function, opts);
   prepare_state(function, st, phi, Q.cols(), V.cols());
+  const bool recurrent = causal_runs_recurrent(opts, st.S.size());
   // A state from RecurrentLinearAttention may hold its latest tokens in the low parts; the
-  // chunked form reads the high parts only.
-  fold_state(st.S, st.S_lo, st.z, st.z_lo);
+  // chunked form (and the per-token form's masked rows) reads the high parts only. The product
+  // maps' recurrent blocks read both parts, so a small call pays no pass over the state here.
+  if (!recurrent || normalizes_keys_per_feature_v<Phi>) fold_state(st.S, st.S_lo, st.z, st.z_lo);
   auto& dst = writable(out);
   const Nested<DQ> q(Q.derived());
   const Nested<DK> k(K.derived());
   const Nested<DV> v(V.derived());
   const Index N = q.rows();
   const Index F = st.S.rows(), M = st.S.cols();
-  const bool recurrent = causal_runs_recurrent(opts, st.S.size());
   const Index C = causal_block_rows(opts, st.S.size());
   if (normalizes_keys_per_feature_v<Phi> && !recurrent) {
     // A chunk may fall back to the token path, whose buffers have other shapes: size every
