@@ -10,6 +10,7 @@
 #include "core/common.hpp"
 #include "core/error.hpp"
 #include "core/gates.hpp"
+#include "core/in_kernel_gates.hpp"
 #include "core/gradients.hpp"
 #include "core/parallel.hpp"
 #include "core/state.hpp"

@@ -8,5 +8,6 @@
 #include "delta/batched_recurrent_delta_rule.hpp"
 #include "delta/delta_rule.hpp"
 #include "delta/delta_rule_backward.hpp"
+#include "delta/delta_rule_gates.hpp"
 #include "delta/options.hpp"
 #include "delta/recurrent_delta_rule.hpp"

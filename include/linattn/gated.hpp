@@ -9,5 +9,6 @@
 #include "gated/batched_recurrent_gated_attention.hpp"
 #include "gated/gated_attention.hpp"
 #include "gated/gated_attention_backward.hpp"
+#include "gated/gated_attention_gates.hpp"
 #include "gated/options.hpp"
 #include "gated/recurrent_gated_attention.hpp"

@@ -104,6 +104,66 @@ void activation_rows(Index N, double row_work, const ParallelOptions& par, const
 
 }  // namespace detail
 
+namespace detail {
+
+// gate_activation() after its checks: the in-kernel gates run this same code (bit for bit).
+template <class DA, class DL, class DB, class DG>
+void apply_gate_activation(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DL>& A_log,
+                           const Eigen::MatrixBase<DB>& dt_bias, const Eigen::MatrixBase<DG>& g,
+                           const GateOptions& options, const ParallelOptions& par) {
+  using S = compute_scalar_t<typename DG::Scalar>;  // float for bf16 / half outputs
+  using T = typename DG::Scalar;
+  const Index C = A_log.size() ? a.cols() / A_log.size() : 0;
+  auto& out = writable(g);
+  const S lb = static_cast<S>(options.lower_bound);
+  const bool softplus = options.activation == GateActivation::Softplus;
+  const Index J = a.cols();
+  // g(t, j) = (−rate_j)·softplus(x) or lb·sigmoid(rate_j·x), x = a(t, j) + bias_j, entry by
+  // entry (the functors' scalar paths are their packet paths): along rows or columns, as the
+  // output is laid out, with the same bits. -rate·softplus can overflow to -inf for huge rates:
+  // a reset, exp(-inf) = 0.
+  const auto rate_of = [&](Index j) {
+    const S r = std::exp(static_cast<S>(vector_entry(A_log.derived(), j / C)));
+    return softplus ? -r : r;
+  };
+  const auto bias_of = [&](Index j) {
+    return dt_bias.size() ? static_cast<S>(vector_entry(dt_bias.derived(), j)) : S(0);
+  };
+  const auto rows = [&](Index t0, Index t1) {
+    if constexpr (bool(DG::IsRowMajor)) {
+      constexpr Index kChunk = 256;  // columns whose rates and biases sit on the stack
+      Eigen::Array<S, 1, Eigen::Dynamic, Eigen::RowMajor, 1, kChunk> rate, bias;
+      for (Index j0 = 0; j0 < J; j0 += kChunk) {
+        const Index n = std::min(kChunk, J - j0);
+        rate.resize(n);
+        bias.resize(n);
+        for (Index j = 0; j < n; ++j) rate(j) = rate_of(j0 + j), bias(j) = bias_of(j0 + j);
+        for (Index t = t0; t < t1; ++t) {
+          const auto x = a.row(t).segment(j0, n).template cast<S>().array() + bias;
+          auto dst = out.row(t).segment(j0, n);
+          if (softplus)
+            dst = (rate * x.unaryExpr(softplus_op<S>())).template cast<T>().matrix();
+          else
+            dst = (lb * (rate * x).unaryExpr(sigmoid_op<S>())).template cast<T>().matrix();
+        }
+      }
+    } else {
+      for (Index j = 0; j < J; ++j) {
+        const S rate = rate_of(j), bias = bias_of(j);
+        const auto x = a.col(j).segment(t0, t1 - t0).template cast<S>().array() + bias;
+        auto dst = out.col(j).segment(t0, t1 - t0);
+        if (softplus)
+          dst = (rate * x.unaryExpr(softplus_op<S>())).template cast<T>().matrix();
+        else
+          dst = (lb * (rate * x).unaryExpr(sigmoid_op<S>())).template cast<T>().matrix();
+      }
+    }
+  };
+  activation_rows(a.rows(), 40.0 * double(J), par, rows);
+}
+
+}  // namespace detail
+
 /// \brief Log-decays from a model's parameters: column j = h·C + c of `a` (head h, channel c)
 /// gives g(t, j) = −exp(A_log_h)·softplus(a(t, j) + dt_bias_j) (GateActivation::Softplus), or
 /// lb·sigmoid(exp(A_log_h)·(a(t, j) + dt_bias_j)) (LowerBoundSigmoid), every entry <= 0 and
@@ -128,63 +188,61 @@ template <class DA, class DL, class DB, class DG>
 void gate_activation(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DL>& A_log,
                      const Eigen::MatrixBase<DB>& dt_bias, const Eigen::MatrixBase<DG>& g,
                      const GateOptions& options = {}, const ParallelOptions& par = {}) {
-  using S = compute_scalar_t<typename DG::Scalar>;  // float for bf16 / half outputs
-  using T = typename DG::Scalar;
   const char* fn = "gate_activation";
-  const Index C = detail::check_gate_parameters(fn, a, A_log, dt_bias, options);
+  detail::check_gate_parameters(fn, a, A_log, dt_bias, options);
   if (g.rows() != a.rows() || g.cols() != a.cols())
     detail::throw_invalid(fn, "g is " + detail::shape_of(g) + " but must be " +
                                   detail::shape_of(a) + " (the shape of a)");
   detail::check_finite_entries(fn, "a", a);
   detail::check_finite_entries(fn, "A_log", A_log);
   detail::check_finite_entries(fn, "dt_bias", dt_bias);
-  auto& out = detail::writable(g);
-  const S lb = static_cast<S>(options.lower_bound);
-  const bool softplus = options.activation == GateActivation::Softplus;
-  const Index J = a.cols();
-  // g(t, j) = (−rate_j)·softplus(x) or lb·sigmoid(rate_j·x), x = a(t, j) + bias_j, entry by
-  // entry (the functors' scalar paths are their packet paths): along rows or columns, as the
-  // output is laid out, with the same bits. -rate·softplus can overflow to -inf for huge rates:
-  // a reset, exp(-inf) = 0.
-  const auto rate_of = [&](Index j) {
-    const S r = std::exp(static_cast<S>(detail::vector_entry(A_log.derived(), j / C)));
-    return softplus ? -r : r;
-  };
-  const auto bias_of = [&](Index j) {
-    return dt_bias.size() ? static_cast<S>(detail::vector_entry(dt_bias.derived(), j)) : S(0);
-  };
-  const auto rows = [&](Index t0, Index t1) {
-    if constexpr (bool(DG::IsRowMajor)) {
-      constexpr Index kChunk = 256;  // columns whose rates and biases sit on the stack
-      Eigen::Array<S, 1, Eigen::Dynamic, Eigen::RowMajor, 1, kChunk> rate, bias;
-      for (Index j0 = 0; j0 < J; j0 += kChunk) {
-        const Index n = std::min(kChunk, J - j0);
-        rate.resize(n);
-        bias.resize(n);
-        for (Index j = 0; j < n; ++j) rate(j) = rate_of(j0 + j), bias(j) = bias_of(j0 + j);
-        for (Index t = t0; t < t1; ++t) {
-          const auto x = a.row(t).segment(j0, n).template cast<S>().array() + bias;
-          auto dst = out.row(t).segment(j0, n);
-          if (softplus)
-            dst = (rate * x.unaryExpr(detail::softplus_op<S>())).template cast<T>().matrix();
-          else
-            dst = (lb * (rate * x).unaryExpr(detail::sigmoid_op<S>())).template cast<T>().matrix();
-        }
-      }
-    } else {
-      for (Index j = 0; j < J; ++j) {
-        const S rate = rate_of(j), bias = bias_of(j);
-        const auto x = a.col(j).segment(t0, t1 - t0).template cast<S>().array() + bias;
-        auto dst = out.col(j).segment(t0, t1 - t0);
-        if (softplus)
-          dst = (rate * x.unaryExpr(detail::softplus_op<S>())).template cast<T>().matrix();
-        else
-          dst = (lb * (rate * x).unaryExpr(detail::sigmoid_op<S>())).template cast<T>().matrix();
-      }
-    }
-  };
-  detail::activation_rows(a.rows(), 40.0 * double(J), par, rows);
+  detail::apply_gate_activation(a, A_log, dt_bias, g, options, par);
 }
+
+namespace detail {
+
+// gate_activation_backward() after its checks (shared with the in-kernel gates' backward).
+template <class DA, class DL, class DB, class DdG, class DdA, class DdL, class DdB>
+void apply_gate_activation_backward(const Eigen::MatrixBase<DA>& a,
+                                    const Eigen::MatrixBase<DL>& A_log,
+                                    const Eigen::MatrixBase<DB>& dt_bias,
+                                    const Eigen::MatrixBase<DdG>& dg,
+                                    const Eigen::MatrixBase<DdA>& da,
+                                    const Eigen::MatrixBase<DdL>& dA_log,
+                                    const Eigen::MatrixBase<DdB>& ddt_bias,
+                                    const GateOptions& options) {
+  using S = typename DdA::Scalar;
+  const Index H = A_log.size(), C = a.cols() / H;
+  auto& gda = writable(da);
+  auto& gl = writable(dA_log);
+  auto& gb = writable(ddt_bias);
+  const S lb = static_cast<S>(options.lower_bound);
+  for (Index h = 0; h < H; ++h) gl.coeffRef(h) = S(0);
+  for (Index j = 0; j < a.cols(); ++j) {
+    const S rate = std::exp(static_cast<S>(vector_entry(A_log.derived(), j / C)));
+    const S bias = dt_bias.size() ? static_cast<S>(vector_entry(dt_bias.derived(), j)) : S(0);
+    S sum_da = 0, sum_dl = 0;
+    for (Index t = 0; t < a.rows(); ++t) {
+      const S x = static_cast<S>(a.coeff(t, j)) + bias, d = static_cast<S>(dg.coeff(t, j));
+      S dx, dl;
+      if (options.activation == GateActivation::Softplus) {
+        dx = -rate * sigmoid(x) * d;  // softplus' = sigmoid
+        dl = -rate * softplus(x) * d;  // ∂g/∂A_log = g
+      } else {
+        const S s = sigmoid(rate * x), ds = lb * s * (S(1) - s) * d;
+        dx = ds * rate;
+        dl = ds * rate * x;
+      }
+      gda(t, j) = dx;
+      sum_da += dx;
+      sum_dl += dl;
+    }
+    gl.coeffRef(j / C) += sum_dl;
+    if (dt_bias.size()) gb.coeffRef(j) = sum_da;
+  }
+}
+
+}  // namespace detail
 
 /// \brief The gradients of gate_activation(): from dg = ∂L/∂g (the kernels' dlog_a or
 /// dlog_gates), ∂L/∂a (N x H·C), ∂L/∂A_log (H) and ∂L/∂dt_bias (H·C; left untouched when
@@ -208,9 +266,8 @@ void gate_activation_backward(const Eigen::MatrixBase<DA>& a, const Eigen::Matri
                               const Eigen::MatrixBase<DdL>& dA_log,
                               const Eigen::MatrixBase<DdB>& ddt_bias,
                               const GateOptions& options = {}) {
-  using S = typename DdA::Scalar;
   const char* fn = "gate_activation_backward";
-  const Index C = detail::check_gate_parameters(fn, a, A_log, dt_bias, options);
+  detail::check_gate_parameters(fn, a, A_log, dt_bias, options);
   const Index H = A_log.size();
   if (dg.rows() != a.rows() || dg.cols() != a.cols() || da.rows() != a.rows() ||
       da.cols() != a.cols() || dA_log.size() != H ||
@@ -220,34 +277,27 @@ void gate_activation_backward(const Eigen::MatrixBase<DA>& a, const Eigen::Matri
                                   detail::shape_of(ddt_bias) + " but must be the shapes of a (" +
                                   detail::shape_of(a) + "), A_log (" + std::to_string(H) +
                                   " entries) and dt_bias");
-  auto& gda = detail::writable(da);
-  auto& gl = detail::writable(dA_log);
-  auto& gb = detail::writable(ddt_bias);
-  const S lb = static_cast<S>(options.lower_bound);
-  for (Index h = 0; h < H; ++h) gl.coeffRef(h) = S(0);
-  for (Index j = 0; j < a.cols(); ++j) {
-    const S rate = std::exp(static_cast<S>(detail::vector_entry(A_log.derived(), j / C)));
-    const S bias = dt_bias.size() ? static_cast<S>(detail::vector_entry(dt_bias.derived(), j)) : S(0);
-    S sum_da = 0, sum_dl = 0;
-    for (Index t = 0; t < a.rows(); ++t) {
-      const S x = static_cast<S>(a.coeff(t, j)) + bias, d = static_cast<S>(dg.coeff(t, j));
-      S dx, dl;
-      if (options.activation == GateActivation::Softplus) {
-        dx = -rate * detail::sigmoid(x) * d;  // softplus' = sigmoid
-        dl = -rate * detail::softplus(x) * d;  // ∂g/∂A_log = g
-      } else {
-        const S s = detail::sigmoid(rate * x), ds = lb * s * (S(1) - s) * d;
-        dx = ds * rate;
-        dl = ds * rate * x;
-      }
-      gda(t, j) = dx;
-      sum_da += dx;
-      sum_dl += dl;
-    }
-    gl.coeffRef(j / C) += sum_dl;
-    if (dt_bias.size()) gb.coeffRef(j) = sum_da;
-  }
+  detail::apply_gate_activation_backward(a, A_log, dt_bias, dg, da, dA_log, ddt_bias, options);
 }
+
+namespace detail {
+
+// beta_activation() after its checks (shared with the in-kernel β of the delta rule).
+template <class DB, class DOut>
+void apply_beta_activation(const Eigen::MatrixBase<DB>& b, const Eigen::MatrixBase<DOut>& beta,
+                           bool times_two, const ParallelOptions& par) {
+  using S = compute_scalar_t<typename DOut::Scalar>;  // float for bf16 / half outputs
+  auto& out = writable(beta);
+  const S m = times_two ? S(2) : S(1);
+  activation_rows(b.rows(), 20.0 * double(b.cols()), par, [&](Index t0, Index t1) {
+    out.middleRows(t0, t1 - t0) =
+        (m * b.middleRows(t0, t1 - t0).template cast<S>().array().unaryExpr(sigmoid_op<S>()))
+            .template cast<typename DOut::Scalar>()
+            .matrix();
+  });
+}
+
+}  // namespace detail
 
 /// \brief Writing strengths from a model's pre-activations: β = sigmoid(b), or 2·sigmoid(b)
 /// with `times_two` (β ∈ (0, 2), negative eigenvalues of the delta rule's transition), as the
@@ -263,21 +313,12 @@ void gate_activation_backward(const Eigen::MatrixBase<DA>& a, const Eigen::Matri
 template <class DB, class DOut>
 void beta_activation(const Eigen::MatrixBase<DB>& b, const Eigen::MatrixBase<DOut>& beta,
                      bool times_two = false, const ParallelOptions& par = {}) {
-  using S = compute_scalar_t<typename DOut::Scalar>;  // float for bf16 / half outputs
   const char* fn = "beta_activation";
   if (beta.rows() != b.rows() || beta.cols() != b.cols())
     detail::throw_invalid(fn, "beta is " + detail::shape_of(beta) + " but must be " +
                                   detail::shape_of(b) + " (the shape of b)");
   detail::check_finite_entries(fn, "b", b);
-  auto& out = detail::writable(beta);
-  const S m = times_two ? S(2) : S(1);
-  detail::activation_rows(b.rows(), 20.0 * double(b.cols()), par, [&](Index t0, Index t1) {
-    out.middleRows(t0, t1 - t0) =
-        (m *
-         b.middleRows(t0, t1 - t0).template cast<S>().array().unaryExpr(detail::sigmoid_op<S>()))
-            .template cast<typename DOut::Scalar>()
-            .matrix();
-  });
+  detail::apply_beta_activation(b, beta, times_two, par);
 }
 
 /// \brief The gradient of beta_activation(): ∂L/∂b = ∂L/∂β · m·σ(b)(1 − σ(b)).

@@ -131,7 +131,7 @@ class Workspace {
     std::size_t total = 0;
     for (const auto& b : buffers_) total += static_cast<std::size_t>(b.size()) * sizeof(Scalar);
     if (extension_) total += extension_->bytes();
-    return total + copies_.bytes();
+    return total + copies_.bytes() + gates_.bytes();
   }
 
   /// Frees every buffer.
@@ -139,12 +139,18 @@ class Workspace {
     for (auto& b : buffers_) b.resize(0);
     extension_.reset();
     copies_.release();
+    gates_.release();
   }
 
   /// Internal: the float copies of bf16 / half operands (Q, K, V and the output of a call on
   /// them), grown to the largest call and kept.
   /// \private
   detail::StorageCopies<Scalar>& storage_copies() noexcept { return copies_; }
+
+  /// Internal: the activated gates and β of the kernels' in-kernel overloads and their
+  /// gradients (core/in_kernel_gates.hpp), apart from every kernel's slots.
+  /// \private
+  detail::StorageCopies<Scalar>& gate_buffers() noexcept { return gates_; }
 
   /// Internal: the kernel scratch of type T (a detail::WorkspaceExtension), created on first use.
   /// \private
@@ -165,6 +171,7 @@ class Workspace {
   std::array<Vector<Scalar>, kSlots> buffers_;
   std::unique_ptr<detail::WorkspaceExtension<Scalar>> extension_;
   detail::StorageCopies<Scalar> copies_;
+  detail::StorageCopies<Scalar> gates_;
 };
 
 }  // namespace linattn

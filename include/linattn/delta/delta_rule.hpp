@@ -51,6 +51,11 @@ inline void check_delta_chunk_size(const char* function, const DeltaOptions& opt
   if (opts.chunk_size < 0)
     throw_invalid(function,
                   "chunk_size must be >= 0 (0 = default), got " + std::to_string(opts.chunk_size));
+  // The in-kernel overloads activate b and pass None on: here beta is β.
+  if (opts.beta_activation != BetaActivation::None)
+    throw_invalid(function,
+                  "beta_activation applies to the overloads with in-kernel gates "
+                  "(in_kernel_gates()); this one takes beta itself: leave it None");
 }
 
 // A carried state for the delta rule: sized or checked, its low parts added into S (the delta

@@ -4,6 +4,7 @@
 
 #include "../linear/options.hpp"
 #include "../core/common.hpp"
+#include "../core/in_kernel_gates.hpp"
 
 namespace linattn {
 
@@ -42,6 +43,10 @@ struct DeltaOptions {
   Index key_dim = 0;
   /// M, one head's value size (0: not stated), checked against V as key_dim is against Q and K.
   Index value_dim = 0;
+  /// How the overloads with in-kernel gates (in_kernel_gates(), delta/delta_rule_gates.hpp)
+  /// make β from their `b` argument: None (b is β), Sigmoid or SigmoidTimesTwo. The overloads
+  /// that take log_a and beta reject anything but None (they have no b to activate).
+  BetaActivation beta_activation = BetaActivation::None;
 };
 
 /// \brief The gradients of a scalar loss with respect to the inputs of a delta-rule call.
@@ -58,6 +63,20 @@ struct DeltaGradients {
   Matrix<Scalar> dV;      ///< N x M
   Matrix<Scalar> dbeta;   ///< as beta: N x 1 (N x H)
   Matrix<Scalar> dlog_a;  ///< as log_a: N x 1 (N x H; per channel N x F, N x H·F), or empty
+};
+
+/// \brief The gradients of a delta-rule call with in-kernel gates (delta/delta_rule_gates.hpp):
+/// those of the kernel's inputs (`dbeta` and `dlog_a` with respect to the activated β and g,
+/// as the kernel's backward gives them) and of the raw inputs: `db` (∂L/∂b; ∂L/∂β when β is
+/// given, BetaActivation::None), `da`, `dA_log`, `ddt_bias` (GateGradients).
+/// \code
+/// auto g = linattn::multihead_delta_rule_attention_backward(
+///     Q, K, V, b, a, linattn::in_kernel_gates(A_log, dt_bias), dOut, 32, phi, opts);
+/// // g.dQ, g.dK, g.dV, g.db, g.da, g.dA_log, g.ddt_bias
+/// \endcode
+template <class Scalar>
+struct DeltaGateGradients : DeltaGradients<Scalar>, GateGradients<Scalar> {
+  Matrix<Scalar> db;  ///< as b: N x H
 };
 
 }  // namespace linattn

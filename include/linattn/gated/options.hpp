@@ -4,6 +4,7 @@
 
 #include "../linear/options.hpp"
 #include "../core/common.hpp"
+#include "../core/in_kernel_gates.hpp"
 
 namespace linattn {
 
@@ -62,5 +63,16 @@ struct GatedGradients {
   Matrix<Scalar> dV;          ///< N x M
   Matrix<Scalar> dlog_gates;  ///< N x 1 or N x F, as the log gates
 };
+
+/// \brief The gradients of a gated call with in-kernel gates (gated/gated_attention_gates.hpp):
+/// those of Q, K, V, `dlog_gates` with respect to the activated g (as the kernel's backward
+/// gives it), and of the gate's raw inputs: `da`, `dA_log`, `ddt_bias` (GateGradients).
+/// \code
+/// auto g = linattn::multihead_gated_linear_attention_backward(
+///     Q, K, V, a, linattn::in_kernel_gates(A_log, dt_bias), dOut, 8);
+/// // g.dQ, g.dK, g.dV, g.da, g.dA_log, g.ddt_bias
+/// \endcode
+template <class Scalar>
+struct GatedGateGradients : GatedGradients<Scalar>, GateGradients<Scalar> {};
 
 }  // namespace linattn
