@@ -16,6 +16,7 @@
 #include "common.hpp"
 #include "detail/checks.hpp"
 #include "gates.hpp"
+#include "workspace.hpp"
 
 namespace linattn {
 
